@@ -1,0 +1,3 @@
+"""Commands: hosts."""
+
+from dflashctl.cli import app  # noqa: F401

@@ -1,0 +1,3 @@
+"""Commands: runs."""
+
+from dflashctl.cli import app  # noqa: F401

@@ -1,0 +1,3 @@
+"""Commands: supervise."""
+
+from dflashctl.cli import app  # noqa: F401

@@ -1,0 +1,58 @@
+"""Errors users see as messages (not tracebacks; DFLASHCTL_DEBUG=1 shows those)."""
+
+from __future__ import annotations
+
+
+class DflashError(Exception):
+    """Base of every error the CLI turns into a clean message and an exit code."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+class ConfigError(DflashError):
+    """A bad inventory, playbook or option. ``problems``: one line per problem."""
+
+    exit_code = 2
+
+    def __init__(self, problems: list[str] | str, source: str | None = None, hint: str | None = None):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        head = f"{source}: " if source and len(self.problems) == 1 else (f"{source}:\n  " if source else "")
+        super().__init__(head + "\n  ".join(self.problems), hint)
+
+
+class TransportError(DflashError):
+    """A command could not be run, or failed, on a host. Carries the data to act on."""
+
+    def __init__(
+        self,
+        host: str,
+        command: str,
+        message: str,
+        exit_code: int | None = None,
+        stderr_tail: str = "",
+        hint: str | None = None,
+    ):
+        self.host = host
+        self.command = command
+        self.remote_exit_code = exit_code
+        self.stderr_tail = stderr_tail
+        text = f"{host}: {message}"
+        if exit_code is not None:
+            text += f" (exit {exit_code})"
+        text += f"\n  command: {command[:300]}"
+        if stderr_tail:
+            text += "\n  stderr: " + stderr_tail.strip().replace("\n", "\n          ")
+        super().__init__(text, hint)
+
+
+class UnreachableError(TransportError):
+    """The host could not be reached at all (connect, auth, host key, timeout)."""
+
+
+class CommandTimeout(TransportError):
+    """The remote command outlived its timeout and was killed on the host."""

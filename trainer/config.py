@@ -1,0 +1,259 @@
+"""Trainer configuration: one typed tree, stdlib only (no torch, no pydantic).
+
+The same dict comes from ``--config FILE`` (JSON or YAML) or from a playbook's
+``trainer:`` section. Unknown keys and bad values raise ``ConfigError`` naming the
+dotted path and the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from dflashctl.contract import did_you_mean
+
+
+class ConfigError(ValueError):
+    """A bad trainer configuration; ``problems`` lists one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass
+class ModelConfig:
+    preset: Optional[str] = "tiny"
+    """Built-in target with random weights ('tiny', 'small', 'qwen3-0.6b', ...); ignored when ``path`` is set."""
+    path: Optional[str] = None
+    """Local directory of a Hugging Face causal LM (config + weights); never fetched from a hub."""
+    num_target_layers: int = 5
+    """K: how many target layers' hidden states are captured (spread evenly) and fused."""
+    drafter_layers: int = 5
+    """N decoder layers in the drafter."""
+    block_size: int = 16
+    """B: positions the drafter fills in one forward pass."""
+    layer_types: Optional[list[str]] = None
+    """Per drafter layer 'full' or 'sliding'; default all 'full'."""
+    sliding_window: int = 2048
+    mask_token_id: Optional[int] = None
+    """Token id used for MASK; default: a reserved id past the target's special tokens (vocab_size - 1)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """'auto': bf16 compute with fp32 master weights on GPU, fp32 on CPU."""
+
+
+@dataclass
+class DataConfig:
+    shards: Optional[str] = None
+    """Directory (or glob) of token shards (see trainer/data.py); None: the synthetic task."""
+    synthetic_samples: int = 512
+    """Size of the built-in learnable synthetic data set when ``shards`` is None."""
+    buckets: list[int] = field(default_factory=lambda: [256])
+    """Padded sequence lengths, each a multiple of 128; longer samples are truncated to the largest."""
+    max_anchors: int = 512
+    """Anchors (blocks) sampled per sequence at most."""
+    batch_size: int = 1
+    """Sequences per drafter step."""
+    error_budget: int = 10
+    """Bad records skipped (each reported) before the run stops with a data error."""
+    seed: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_frac: float = 0.04
+    min_lr_frac: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    gamma: Optional[float] = None
+    """Loss decay over block slots; default 7 for B=16, 4 for B=8, else B/2."""
+    loss_chunk: int = 1024
+    """Query positions per chunk of the vocabulary projection in the loss."""
+    log_every: int = 10
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    seed: int = 0
+
+
+@dataclass
+class PlacementConfig:
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    target: list[int] = field(default_factory=lambda: [0])
+    """GPU indices running the frozen target (one thread each)."""
+    drafter: list[int] = field(default_factory=lambda: [0])
+    """GPU indices training drafter replicas (one thread each); a GPU may repeat or be shared with a target."""
+    queue_depth: int = 4
+    """Bounded queue between target and drafter threads, in batches."""
+
+
+@dataclass
+class CompileConfig:
+    enabled: Literal["auto", "on", "off"] = "auto"
+    """'auto': compiled flex_attention on GPU, dense SDPA on CPU. 'off' on GPU is refused unless allow_eager."""
+    cache_dir: Optional[str] = None
+    """Persistent TORCHINDUCTOR_CACHE_DIR; keyed inside by torch, triton and GPU model."""
+    serialized_warmup: bool = True
+    """Warm up every device x bucket forward+backward one at a time before threads run free."""
+    unsafe_parallel_warmup: bool = False
+    """DEBUG ONLY: let threads compile concurrently on a cold cache (reproduces the deadlock)."""
+    allow_eager: bool = False
+    """DEBUG ONLY: allow the dense flex_attention fallback on GPU."""
+    recompile_margin: int = 4
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for tests and drills. Never set in a production playbook."""
+
+    kind: Optional[Literal["exit", "hang", "slow", "raise_in_thread"]] = None
+    after_steps: int = 0
+    message: str = "injected fault"
+    """With kind=exit: printed to stderr as the error text before exiting."""
+    exit_code: int = 1
+    factor: float = 3.0
+    """With kind=slow: each step takes this many times longer."""
+    once: bool = True
+    """Fire only in the first process of a run (a marker file in the run dir), so a restart recovers."""
+
+
+@dataclass
+class TrainerConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    run_dir: str = "./run"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def check(self) -> None:
+        problems = []
+        m, d = self.model, self.data
+        if m.block_size < 2:
+            problems.append("model.block_size: must be at least 2")
+        if m.layer_types is not None:
+            if len(m.layer_types) != m.drafter_layers:
+                problems.append(
+                    f"model.layer_types: {len(m.layer_types)} entries for {m.drafter_layers} drafter_layers"
+                )
+            for i, t in enumerate(m.layer_types):
+                if t not in ("full", "sliding"):
+                    problems.append(f"model.layer_types[{i}]: '{t}' is not 'full' or 'sliding'{did_you_mean(t, ['full', 'sliding'])}")
+        if not d.buckets:
+            problems.append("data.buckets: at least one length bucket is needed")
+        for i, b in enumerate(d.buckets):
+            if b <= 0 or b % 128:
+                problems.append(f"data.buckets[{i}]: {b} is not a positive multiple of 128")
+        if d.batch_size < 1:
+            problems.append("data.batch_size: must be at least 1")
+        if self.train.steps < 1:
+            problems.append("train.steps: must be at least 1")
+        if not self.placement.target or not self.placement.drafter:
+            problems.append("placement: needs at least one target and one drafter device")
+        if problems:
+            raise ConfigError(problems)
+
+
+def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected a mapping, got {type(value).__name__}")
+            return tp()
+        return _from_dict(tp, value, path, problems)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, path, problems)
+    if origin is Literal:
+        if value not in args:
+            problems.append(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}{did_you_mean(value, args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{path}: expected a list, got {type(value).__name__}")
+            return []
+        return [_convert(args[0], v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (tp is int and isinstance(value, float) and not value.is_integer()):
+            problems.append(f"{path}: expected {'an integer' if tp is int else 'a number'}, got {value!r}")
+            return value
+        return tp(value)
+    if tp is str:
+        if not isinstance(value, str):
+            problems.append(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _from_dict(cls: Any, raw: dict, path: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in hints:
+            problems.append(f"{where}: unknown key{did_you_mean(key, names)}")
+            continue
+        kwargs[key] = _convert(hints[key], value, where, problems)
+    return cls(**kwargs)
+
+
+def from_dict(raw: dict[str, Any] | None, prefix: str = "") -> TrainerConfig:
+    """Build and check a TrainerConfig; ``prefix`` names where the dict came from (e.g. 'trainer')."""
+    problems: list[str] = []
+    cfg = _from_dict(TrainerConfig, raw or {}, prefix, problems)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        cfg.check()
+    except ConfigError as e:
+        if prefix:
+            raise ConfigError([f"{prefix}.{p}" for p in e.problems]) from None
+        raise
+    return cfg
+
+
+def load(path: str) -> TrainerConfig:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith((".yaml", ".yml")):
+        import yaml  # only needed for YAML configs
+
+        raw = yaml.safe_load(text) or {}
+    else:
+        raw = json.loads(text)
+    if "trainer" in raw and isinstance(raw["trainer"], dict) and len(raw) > 1 and "model" not in raw:
+        raw = raw["trainer"]  # a playbook given directly
+    return from_dict(raw)
+
+
+def save(cfg: TrainerConfig, path: str) -> None:
+    from dflashctl.contract import atomic_write_text
+
+    atomic_write_text(path, json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+
+
+def resolve_dir(path: Optional[str]) -> Optional[str]:
+    return os.path.expanduser(path) if path else path
