@@ -11,6 +11,7 @@ Run directory layout (written by the trainer):
     metrics.jsonl      one JSON object per logging interval (see ``Metrics``)
     trainer.log        stdout and stderr of the trainer (tmux pipe-pane)
     checkpoints/       step-NNNNNNNN/ directories, newest is resumed
+    exit_code          the trainer's exit status (written by the launcher's wrapper)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.jsonl"
 LOG_FILE = "trainer.log"
 CHECKPOINT_DIR = "checkpoints"
+EXIT_CODE_FILE = "exit_code"  # the trainer's exit status, written by the launcher's wrapper
 
 # --------------------------------------------------------------------------- phases
 

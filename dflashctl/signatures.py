@@ -1,0 +1,213 @@
+"""Crash classification: which known failure is this, and what to do about it.
+
+An ordered table of signatures, first match wins. Each matches a regex over the
+run's output (pane tail + log tail + the status error line) and/or the trainer's
+exit code. Order matters where failures overlap: an ImportError caused by a
+missing ``libcudnn.so.9`` is a missing shared library, not a plain ImportError.
+When the output holds a traceback, only the last error report (its whole chain
+of exceptions) and what follows it are searched: an earlier warning that
+mentions an ImportError must not decide how a later crash is handled.
+
+A playbook's own signatures are checked before the built-in table; a playbook's
+``restart.actions`` overrides an action by signature name (applied in
+``policy.decide``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from dflashctl import contract
+from dflashctl.parsers import last_error_start
+
+if TYPE_CHECKING:
+    from dflashctl.config import Signature as ConfigSignature
+
+RESTART = "restart"
+RESTART_SERIALIZED = "restart_serialized"
+STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Signature:
+    name: str
+    pattern: re.Pattern | None  # searched line by line (MULTILINE)
+    action: str  # restart | restart_serialized | stop
+    severity: str  # info | warning | error | critical
+    hint: str | None = None
+    exit_code: Callable[[int], bool] | None = None  # matches on the exit code too
+
+    def match(self, text: str, exit_code: int | None) -> str | None:
+        """The matched line (or a description of the exit code), or None."""
+        if self.pattern is not None:
+            found = None
+            for found in self.pattern.finditer(text):
+                pass  # the last occurrence is the one nearest the crash
+            if found is not None:
+                return _line_at(text, found.start())
+        if self.exit_code is not None and exit_code is not None and self.exit_code(exit_code):
+            return f"exit code {exit_code} ({contract.describe_exit(exit_code)})"
+        return None
+
+
+@dataclass(frozen=True)
+class Classification:
+    name: str
+    action: str
+    severity: str
+    hint: str | None
+    matched_line: str | None
+
+
+def _line_at(text: str, pos: int) -> str:
+    start = text.rfind("\n", 0, pos) + 1
+    end = text.find("\n", pos)
+    return text[start : end if end >= 0 else len(text)].strip()[:300]
+
+
+def _re(pattern: str) -> re.Pattern:
+    return re.compile(pattern, re.MULTILINE)
+
+
+def _by_signal(code: int) -> bool:
+    return code < 0 or code > 128
+
+
+BUILTIN_SIGNATURES: tuple[Signature, ...] = (
+    Signature(
+        "fx_race",
+        _re(r"Detected that you are using FX to symbolically trace a dynamo-optimized function"),
+        RESTART_SERIALIZED,
+        "warning",
+        "torch.compile warm-up raced across threads; restarting with a serialized warm-up "
+        "(one thread compiles first, the compile cache stays warm)",
+    ),
+    Signature(
+        "cuda_oom",
+        _re(r"CUDA out of memory|OutOfMemoryError"),
+        STOP,
+        "error",
+        "GPU memory exhausted: lower data.batch_size or the largest length bucket, or give the "
+        "drafter more GPUs; a restart would fail the same way",
+    ),
+    Signature(
+        "xid",
+        _re(r"\bXid\b|uncorrectable ECC|GPU has fallen off the bus"),
+        STOP,
+        "critical",
+        "GPU hardware/driver fault: check `dmesg | grep -i xid` and `nvidia-smi -q -d ECC` on the host; "
+        "the GPU may need a reset or replacement",
+    ),
+    Signature(
+        "nccl_timeout",
+        _re(r"Watchdog caught collective operation timeout|NCCL[^\n]*\b[Tt]ime(d)?\s?out"),
+        RESTART,
+        "error",
+        "a collective timed out (a peer died or hung); restarting from the last checkpoint",
+    ),
+    Signature(
+        "missing_shared_library",
+        _re(r"lib\S+\.so(\.\d+)*: cannot open shared object file"),
+        STOP,
+        "critical",
+        "a library torch needs is gone from the host (e.g. after a clean-up); reinstall the wheel "
+        "that ships it (libcudnn.so.9: nvidia-cudnn-cu12) and run `dflashctl env-audit`",
+    ),
+    Signature(
+        "cudnn_version_mismatch",
+        _re(r"cuDNN[^\n]*version[^\n]*(mismatch|incompatib)|cuDNN[^\n]*sublibrar|sublibrary[^\n]*version"),
+        STOP,
+        "error",
+        "two cuDNN versions are mixed on the host (another stack's wheels beside torch's); "
+        "run `dflashctl env-audit` and keep the one torch was built with",
+    ),
+    Signature(
+        "import_error",
+        _re(r"\b(ImportError|ModuleNotFoundError)\b"),
+        STOP,
+        "error",
+        "the trainer's Python environment is broken or incomplete; run `dflashctl env-audit`",
+    ),
+    Signature(
+        "disk_full",
+        _re(r"No space left on device|ENOSPC"),
+        STOP,
+        "critical",
+        "the run host's disk is full (checkpoints, compile cache, logs); free space, then `dflashctl restart`",
+    ),
+    Signature(
+        "segfault",
+        _re(r"Segmentation fault|SIGSEGV|Fatal Python error: Segmentation"),
+        RESTART,
+        "error",
+        "the process crashed in native code; restarting from the last checkpoint",
+        exit_code=lambda c: c in (139, -11),
+    ),
+    Signature(
+        "killed_by_signal",
+        _re(r"^\s*Killed\s*$|\bterminated by signal\b|\bkilled by signal\b"),
+        RESTART,
+        "error",
+        "the trainer was killed (the host's OOM killer sends SIGKILL: check `dmesg` and host RAM)",
+        exit_code=_by_signal,
+    ),
+    Signature(
+        "data_error",
+        None,
+        STOP,
+        "error",
+        "the trainer rejected its data (see the log tail); fix the data set, then `dflashctl restart`",
+        exit_code=lambda c: c == contract.EXIT_DATA_ERROR,
+    ),
+    Signature(
+        "config_error",
+        None,
+        STOP,
+        "error",
+        "the trainer rejected its configuration (see the log tail); fix the playbook, then relaunch",
+        exit_code=lambda c: c == contract.EXIT_CONFIG_ERROR,
+    ),
+)
+
+UNKNOWN = Classification(
+    name="unknown",
+    action=RESTART,
+    severity="error",
+    hint="no known signature matched; restarting from the last checkpoint (see the log tail)",
+    matched_line=None,
+)
+
+
+def from_config(sig: "ConfigSignature") -> Signature:
+    """A playbook signature (already validated: its pattern compiles)."""
+    return Signature(sig.name, _re(sig.pattern), sig.action, sig.severity, sig.hint)
+
+
+def classify(
+    text: str | None,
+    status_error: str | None = None,
+    exit_code: int | None = None,
+    extra_signatures: Iterable["ConfigSignature | Signature"] = (),
+) -> Classification:
+    """Name a crash from its output, the status error line and the exit code.
+
+    ``extra_signatures`` (a playbook's) are tried before the built-in table.
+    Anything unmatched is ``unknown`` (restart).
+    """
+    start = last_error_start(text)
+    if start is not None:
+        text = text[start:]
+    combined = "\n".join(t for t in (text, status_error) if t)
+    table = [s if isinstance(s, Signature) else from_config(s) for s in extra_signatures]
+    for sig in [*table, *BUILTIN_SIGNATURES]:
+        line = sig.match(combined, exit_code)
+        if line is not None:
+            return Classification(sig.name, sig.action, sig.severity, sig.hint, line)
+    return UNKNOWN
+
+
+def signature_names(extra_signatures: Iterable["ConfigSignature | Signature"] = ()) -> list[str]:
+    """Every name ``classify`` can return (for validating ``restart.actions`` keys)."""
+    return [s.name for s in extra_signatures] + [s.name for s in BUILTIN_SIGNATURES] + [UNKNOWN.name]

@@ -1,0 +1,377 @@
+"""Detectors as tables: (window of samples, probe observation, state, now) -> findings."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dflashctl import contract
+from dflashctl.config import Expect
+from dflashctl.detectors import (
+    Finding,
+    Sample,
+    baseline_from_history,
+    detect,
+    detect_unreachable,
+    env_drift,
+    fmt_duration,
+    fmt_tok_s,
+)
+from dflashctl.parsers import GpuReading
+from dflashctl.probe import ProbeResult, ProcessState
+
+NOW = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
+DAY = 86400.0
+EXPECT = Expect(stall_window="5m", compile_budget="30m", startup_budget="10m", max_eta="7d")
+OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"
+TRACEBACK = f'Traceback (most recent call last):\n  File "loop.py", line 9, in step\n    loss.backward()\n{OOM}\n'
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    """Messages show HH:MM:SS in local time: pin the zone."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def obs(
+    phase: str = contract.PHASE_TRAINING,
+    *,
+    session_alive: bool | None = True,
+    alive: bool = True,
+    state: str = "S",
+    exit_code: int | None = None,
+    error: str | None = None,
+    pane: str = "step 1200 ok",
+    log: str | None = None,
+    gpus: list[GpuReading] | None = None,
+    started: float = NOW - 3600,
+    step: int = 0,
+    updated: float | None = None,
+    pane_dead: bool | None = False,
+    no_status: bool = False,
+) -> ProbeResult:
+    status = contract.Status(phase=phase, pid=4242, started=started, step=step, error=error, updated=updated)
+    return ProbeResult(
+        run_dir="/runs/r",
+        session="r",
+        host_time=NOW,
+        session_alive=session_alive,
+        pane_tail=pane if session_alive else None,
+        pane_dead=pane_dead,
+        status=None if no_status else status,
+        log_tail=log,
+        process=ProcessState(4242, alive, state if alive or state == "Z" else None),
+        exit_code=exit_code,
+        gpus=gpus,
+    )
+
+
+def steps(*ages: float, tok_s: float = 12800.0, eta_s: float | None = 4 * DAY, first: int = 100) -> list[Sample]:
+    """Training samples ``age`` seconds before NOW, one step-block apart."""
+    return [
+        Sample(time=NOW - age, step=first + 10 * i, tok_s=tok_s, eta_s=eta_s, total_steps=100_000)
+        for i, age in enumerate(ages)
+    ]
+
+
+def gpu(mib: float, util: float = 0.0, index: int = 0) -> GpuReading:
+    return GpuReading(index=index, memory_used_mib=mib, utilization_pct=util)
+
+
+HEALTHY = steps(240, 180, 120, 60)
+
+# (id, samples, observation, run state, keyword args of detect, expected [(kind, severity, message)])
+CASES = [
+    ("healthy", HEALTHY, obs(), "running", {}, []),
+    ("no-observation-no-crash", HEALTHY, None, "running", {}, []),
+    (
+        "session-gone",
+        HEALTHY,
+        obs(session_alive=False, alive=False, state=None),
+        "running",
+        {},
+        [("crash", "error", "trainer process 4242 is gone")],
+    ),
+    (
+        "exit-code-and-log-traceback",
+        HEALTHY,
+        obs(contract.PHASE_FAILED, session_alive=False, alive=False, exit_code=1, error=OOM, log=TRACEBACK),
+        "running",
+        {},
+        [("crash", "error", f"the trainer reported failure: {OOM}")],
+    ),
+    (
+        "exit-code-only",
+        HEALTHY,
+        obs(session_alive=False, alive=False, exit_code=139, log="step 5\n"),
+        "running",
+        {},
+        [("crash", "error", "the trainer exited with code 139 (killed by signal 11)")],
+    ),
+    (
+        "zombie",
+        HEALTHY,
+        obs(alive=False, state="Z"),
+        "running",
+        {},
+        [("crash", "error", "trainer process 4242 is a zombie (exited, not reaped)")],
+    ),
+    (
+        "pane-exited-remain-on-exit",
+        HEALTHY,
+        obs(pane_dead=True, alive=False, exit_code=None, pane="step 9\n" + TRACEBACK + "\n"),
+        "running",
+        {},
+        [("crash", "error", f"trainer process 4242 is gone; last error: {OOM}")],
+    ),
+    (
+        "traceback-ends-output-while-alive",
+        HEALTHY,
+        obs(pane="step 1200 ok\nException in thread drafter-0:\n" + TRACEBACK),
+        "running",
+        {},
+        [("crash", "error", f"a traceback ends the output while the process is alive: {OOM}")],
+    ),
+    ("traceback-then-progress", HEALTHY, obs(pane=TRACEBACK + "\nstep 1210 ok\nstep 1220 ok"), "running", {}, []),
+    (
+        "old-traceback-in-log-only",
+        HEALTHY,
+        obs(contract.PHASE_STARTING, log=TRACEBACK, pane="loading target", started=NOW - 60),
+        "launching",
+        {},
+        [],
+    ),
+    (
+        "gpus-at-zero-while-training",
+        HEALTHY,
+        obs(gpus=[gpu(0, 100.0, 0), gpu(0, 0.0, 1), gpu(81000, 90.0, 2)]),
+        "running",
+        {"assigned_gpus": [0, 1]},
+        [("crash", "error", "GPU 0,1 at 0 MiB while the run should hold memory")],
+    ),
+    ("gpus-at-zero-while-starting", [], obs(contract.PHASE_STARTING, gpus=[gpu(0)], started=NOW - 60), "launching", {"assigned_gpus": [0]}, []),
+    ("one-gpu-in-use", HEALTHY, obs(gpus=[gpu(0), gpu(500, index=1)]), "running", {"assigned_gpus": [0, 1]}, []),
+    ("not-alive-states", HEALTHY, obs(session_alive=False, alive=False), "restarting", {}, []),
+    ("failed-state", HEALTHY, obs(session_alive=False, alive=False), "failed", {}, []),
+    (
+        "done",
+        HEALTHY,
+        obs(contract.PHASE_DONE, session_alive=False, alive=False, exit_code=0, step=100000),
+        "running",
+        {},
+        [("finished", "info", "training finished at step 100000")],
+    ),
+    (
+        "stopped-on-request",
+        HEALTHY,
+        obs(contract.PHASE_CHECKPOINTING, session_alive=False, alive=False, exit_code=contract.EXIT_STOPPED),
+        "running",
+        {},
+        [("finished", "info", "the trainer stopped on request (checkpoint written)")],
+    ),
+    (
+        "stall",
+        steps(900, 840, 780, 400),
+        obs(gpus=[gpu(81000, 100.0)]),
+        "running",
+        {},
+        [
+            (
+                "stall",
+                "error",
+                "no new step for 6.7 m while training (stall window 5 m); last step 130 at 07:53:20; "
+                "GPU utilisation 100% is not progress",
+            )
+        ],
+    ),
+    (
+        "stall-from-repeated-step",
+        [Sample(NOW - 700, 50), Sample(NOW - 400, 60), Sample(NOW - 100, 60)],
+        obs(),
+        "running",
+        {},
+        [("stall", "error", "no new step for 6.7 m while training (stall window 5 m); last step 60 at 07:53:20")],
+    ),
+    ("status-step-is-progress", steps(900, 400), obs(step=500, updated=NOW - 20), "running", {}, []),
+    ("just-started-training", [], obs(), "running", {"phase_since": NOW - 100}, []),
+    ("old-samples-new-phase", steps(2000, 1900), obs(), "running", {"phase_since": NOW - 60}, []),
+    ("compiling-in-budget", [], obs(contract.PHASE_COMPILING), "running", {"phase_since": NOW - 1700}, []),
+    (
+        "compiling-over-budget",
+        [],
+        obs(contract.PHASE_COMPILING),
+        "running",
+        {"phase_since": NOW - 2000},
+        [("stall", "error", "still compiling after 33.3 m (budget 30 m)")],
+    ),
+    (
+        "starting-over-budget",
+        [],
+        obs(contract.PHASE_STARTING, started=NOW - 660),
+        "launching",
+        {},
+        [("stall", "error", "still starting after 11 m (budget 10 m)")],
+    ),
+    ("no-status-yet", [], obs(no_status=True), "launching", {"phase_since": NOW - 300}, []),
+    (
+        "no-status-past-startup-budget",
+        [],
+        obs(no_status=True),
+        "launching",
+        {"phase_since": NOW - 700},
+        [("stall", "error", "still starting after 11.7 m (budget 10 m)")],
+    ),
+    (
+        "process-stopped",
+        HEALTHY,
+        obs(state="T"),
+        "running",
+        {},
+        [("stall", "error", "trainer process 4242 is stopped (state T: SIGSTOP or a debugger); it makes no progress")],
+    ),
+    (
+        "regression-and-eta",
+        steps(240, 180, 120, 60, tok_s=4300.0, eta_s=38.2 * DAY),
+        obs(),
+        "running",
+        {"baseline_tok_s": 12800.0},
+        [("regression", "warning", "4.3 Ktok/s = 34% of baseline 12.8 Ktok/s; ETA 38.2 d > 7 d")],
+    ),
+    (
+        "regression-from-playbook-baseline",
+        steps(180, 120, 60, tok_s=4300.0),
+        obs(),
+        "running",
+        {"expect": Expect(baseline_tok_s=12800)},
+        [("regression", "warning", "4.3 Ktok/s = 34% of baseline 12.8 Ktok/s")],
+    ),
+    (
+        "regression-not-k-in-a-row",
+        steps(180, 60, tok_s=4300.0) + steps(0, tok_s=12000.0, first=200),
+        obs(),
+        "running",
+        {"baseline_tok_s": 12800.0},
+        [],
+    ),
+    ("regression-too-few-windows", steps(120, 60, tok_s=4300.0), obs(), "running", {"baseline_tok_s": 12800.0}, []),
+    (
+        "eta-only-no-baseline",
+        steps(180, 120, 60, tok_s=12500.0, eta_s=38.2 * DAY),
+        obs(),
+        "running",
+        {},
+        [("regression", "warning", "ETA 38.2 d > 7 d at 12.5 Ktok/s")],
+    ),
+    (
+        "eta-from-step-rate",
+        [Sample(NOW - 60 - 3600 * (2 - i), 1000 * i, 9000.0, total_steps=1_000_000) for i in range(3)],
+        obs(),
+        "running",
+        {},
+        [("regression", "warning", "ETA 41.6 d > 7 d at 9.0 Ktok/s")],
+    ),
+    (
+        "regression-with-host-down",
+        steps(240, 180, 120, tok_s=4300.0),
+        None,
+        "running",
+        {"baseline_tok_s": 12800.0},
+        [("regression", "warning", "4.3 Ktok/s = 34% of baseline 12.8 Ktok/s")],
+    ),
+    (
+        "stall-and-regression",
+        steps(900, 840, 780, tok_s=4000.0, eta_s=None),
+        obs(),
+        "running",
+        {"baseline_tok_s": 12800.0},
+        [
+            ("stall", "error", "no new step for 13 m while training (stall window 5 m); last step 120 at 07:47:00"),
+            ("regression", "warning", "4.0 Ktok/s = 31% of baseline 12.8 Ktok/s"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_detect(case) -> None:
+    _, samples, observation, state, kwargs, expected = case
+    kwargs = dict(kwargs)
+    expect = kwargs.pop("expect", EXPECT)
+    findings = detect(samples, observation, state, expect, NOW, **kwargs)
+    assert [(f.kind, f.severity, f.message) for f in findings] == expected
+    assert all(isinstance(f.detail, dict) for f in findings)
+
+
+def test_crash_detail_lists_all_evidence() -> None:
+    [f] = detect(HEALTHY, obs(contract.PHASE_FAILED, session_alive=False, alive=False, exit_code=1, error=OOM, log=TRACEBACK),
+                 "running", EXPECT, NOW)  # fmt: skip
+    assert f.detail["evidence"] == [
+        f"the trainer reported failure: {OOM}",
+        "the trainer exited with code 1 (crash)",
+        "tmux session 'r' is gone",
+    ]
+    assert f.detail["exception"] == OOM and f.detail["status_error"] == OOM and f.detail["exit_code"] == 1
+
+
+def test_regression_detail() -> None:
+    [f] = detect(steps(180, 120, 60, tok_s=4300.0, eta_s=38.2 * DAY), obs(), "running", EXPECT, NOW, baseline_tok_s=12800.0)
+    assert f.detail["fraction"] == pytest.approx(4300 / 12800)
+    assert f.detail["eta_s"] == pytest.approx(38.2 * DAY) and f.detail["max_eta_s"] == 7 * DAY
+
+
+def test_unreachable() -> None:
+    f = detect_unreachable("gpu1", NOW - 125, 9, NOW, error="ssh: connect to host 10.0.0.5 port 22: Connection refused\n")
+    assert f == Finding(
+        "unreachable",
+        "warning",
+        "host gpu1 unreachable since 07:57:55 (9 polls): ssh: connect to host 10.0.0.5 port 22: Connection refused",
+        {"host": "gpu1", "since": NOW - 125, "polls": 9, "error": "ssh: connect to host 10.0.0.5 port 22: Connection refused\n"},
+    )
+    later = detect_unreachable("gpu1", NOW - 600, 1, NOW)
+    assert (later.severity, later.message) == ("error", "host gpu1 unreachable since 07:50:00 (1 poll)")
+
+
+def test_env_drift() -> None:
+    good = {"torch": "2.11.0", "flash_attn": "2.7.4", "triton": "3.3.0", "numpy": "2.1.0"}
+    now = {"torch": "2.12.0", "Triton": "3.3.0", "numpy": "2.1.0", "sglang": "0.5.1", "flashinfer-python": "0.2.5"}
+    f = env_drift(good, now)
+    assert f.kind == "drift" and f.severity == "warning"
+    assert f.message == (
+        "environment changed since the last good run: added flashinfer-python 0.2.5, sglang 0.5.1; "
+        "removed flash_attn 2.7.4; changed torch 2.11.0 -> 2.12.0"
+    )
+    assert f.detail == {
+        "added": {"flashinfer-python": "0.2.5", "sglang": "0.5.1"},
+        "removed": {"flash_attn": "2.7.4"},
+        "changed": {"torch": ["2.11.0", "2.12.0"]},
+    }
+    assert env_drift(good, dict(good)) is None
+    many = env_drift({}, {f"p{i}": "1" for i in range(8)}, shown=3)
+    assert many.message.endswith("added p0 1, p1 1, p2 1 (+5 more)")
+
+
+def test_baseline_from_history() -> None:
+    assert baseline_from_history([12000.0, 12800.0, 13100.0, None, 0.0]) == 12800.0
+    assert baseline_from_history([12000.0, 13000.0]) == 12500.0
+    assert baseline_from_history([]) is None and baseline_from_history([None]) is None
+
+
+@pytest.mark.parametrize(
+    "seconds,text",
+    [(0, "0 s"), (45, "45 s"), (59.6, "60 s"), (60, "1 m"), (750, "12.5 m"), (3600, "1 h"), (5400, "1.5 h"),
+     (7 * DAY, "7 d"), (38.2 * DAY, "38.2 d"), (None, "n/a"), (float("inf"), "n/a")],
+)  # fmt: skip
+def test_fmt_duration(seconds, text) -> None:
+    assert fmt_duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    "value,text", [(950, "950 tok/s"), (4300, "4.3 Ktok/s"), (12800, "12.8 Ktok/s"), (2.5e6, "2.5 Mtok/s"), (None, "n/a")]
+)
+def test_fmt_tok_s(value, text) -> None:
+    assert fmt_tok_s(value) == text
