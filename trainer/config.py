@@ -52,6 +52,8 @@ class DataConfig:
     """Directory (or glob) of token shards (see trainer/data.py); None: the synthetic task."""
     synthetic_samples: int = 512
     """Size of the built-in learnable synthetic data set when ``shards`` is None."""
+    synthetic_alphabet: int = 8
+    """Synthetic task: responses walk a fixed cycle of this many tokens (smaller learns faster)."""
     buckets: list[int] = field(default_factory=lambda: [256])
     """Padded sequence lengths, each a multiple of 128; longer samples are truncated to the largest."""
     max_anchors: int = 512
@@ -161,6 +163,10 @@ class TrainerConfig:
                 problems.append(f"data.buckets[{i}]: {b} is not a positive multiple of 128")
         if d.batch_size < 1:
             problems.append("data.batch_size: must be at least 1")
+        if d.synthetic_alphabet < 1:
+            problems.append("data.synthetic_alphabet: must be at least 1")
+        if self.placement.queue_depth < 1:
+            problems.append("placement.queue_depth: must be at least 1")
         if self.train.steps < 1:
             problems.append("train.steps: must be at least 1")
         if not self.placement.target or not self.placement.drafter:

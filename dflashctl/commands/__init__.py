@@ -1,3 +1,3 @@
 """Command modules; importing this package registers every command on the app."""
 
-from dflashctl.commands import hosts, runs, supervise  # noqa: F401
+from dflashctl.commands import audit, hosts, runs, status, supervise  # noqa: F401

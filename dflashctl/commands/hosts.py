@@ -1,3 +1,117 @@
-"""Commands: hosts."""
+"""Commands: `hosts` (what the inventory says) and `check` (what the hosts say)."""
 
-from dflashctl.cli import app  # noqa: F401
+from __future__ import annotations
+
+import json
+import shlex
+from typing import List, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from dflashctl.cli import G, app, err, out
+
+
+def _inventory():
+    from dflashctl.config import load_inventory
+
+    return load_inventory(G.inventory)
+
+
+@app.command("hosts")
+def hosts_command(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List the inventory's hosts: how each is reached (jumps, container wrapper) and its GPUs."""
+    from dflashctl.transport import describe_route
+
+    inventory = _inventory()
+    rows = []
+    for name, host in inventory.hosts.items():
+        route = inventory.route(name)
+        rows.append(
+            {
+                "name": name,
+                "transport": host.transport,
+                "address": None if host.is_local else f"{host.address}:{host.port}",
+                "user": host.user,
+                "route": [h.name for h in route],
+                "route_text": describe_route(route, wrapper=False),
+                "wrapper": list(host.wrapper),
+                "workdir": host.workdir,
+                "gpus": host.gpus,
+            }
+        )
+    if as_json:
+        print(json.dumps({"source": inventory.source, "hosts": rows}, indent=2))
+        return
+    table = Table(title=f"hosts in {inventory.source}", title_justify="left")
+    for column in ("host", "transport", "address", "route", "wrapper", "gpus"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        cells = (r["name"], r["transport"], r["address"] or "-", r["route_text"], shlex.join(r["wrapper"]) or "-")
+        table.add_row(*map(escape, cells), "-" if r["gpus"] is None else str(r["gpus"]))
+    out.print(table)
+
+
+@app.command("check")
+def check_command(
+    names: Optional[List[str]] = typer.Argument(None, metavar="[HOST]...", help="Hosts to check (default: all)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds the facts command may take per host (connecting is bounded by each host's connect_timeout)."),
+) -> None:
+    """Reach each host (concurrently) and report the route taken and its facts:
+    OS, kernel, python, tmux, GPUs, free disk in the work directory (created if
+    missing). Exit code 1 when any host failed."""
+    from dflashctl.facts import check_hosts
+
+    checks = check_hosts(_inventory(), names or None, timeout=timeout)
+    if as_json:
+        print(json.dumps({"ok": all(c.ok for c in checks), "hosts": [c.to_dict() for c in checks]}, indent=2))
+    else:
+        _print_checks(checks)
+    if not all(c.ok for c in checks):
+        raise typer.Exit(1)
+
+
+def _print_checks(checks) -> None:
+    table = Table(title_justify="left")
+    for column in ("host", "", "route", "hostname", "os / kernel", "python", "tmux", "gpus", "disk free", "time"):
+        table.add_column(column, overflow="fold")
+    for c in checks:
+        f = c.facts
+        if f is None:
+            table.add_row(escape(c.name), "[red]FAIL[/]", escape(c.route_text), *["-"] * 6, f"{c.seconds:.1f}s")
+            continue
+        table.add_row(
+            escape(c.name),
+            "[green]ok[/]",
+            *map(escape, (c.route_text, f.hostname, f"{f.os}\n{f.kernel}", f.python)),
+            escape(f.tmux.replace("tmux ", "")) if f.tmux else "[yellow]missing[/]",
+            _gpus(f),
+            _bytes(f.disk_free) if f.disk_free is not None else f"[red]{escape(f.disk_error or '')}[/]",
+            f"{c.seconds:.1f}s",
+        )
+    out.print(table)
+    for c in checks:
+        if not c.ok:
+            err.print(f"[bold red]error:[/] {escape(c.error or '')}", highlight=False, soft_wrap=True)
+            if c.hint:
+                err.print(f"[yellow]hint:[/] {escape(c.hint)}", highlight=False, soft_wrap=True)
+
+
+def _gpus(f) -> str:
+    if f.nvidia_smi is None:
+        return "no nvidia-smi"
+    if f.gpu_error:
+        return f"[red]{escape(f.gpu_error)}[/]"
+    return escape("\n".join(f"{g.index}: {g.name} {(g.memory_total_mib or 0) / 1024:.0f} GiB" for g in f.gpus)) or "none"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

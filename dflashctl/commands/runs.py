@@ -1,3 +1,182 @@
-"""Commands: runs."""
+"""Commands: `launch`, `stop`, `restart`, `logs`, `runs`, `events` (runs and their history)."""
 
-from dflashctl.cli import app  # noqa: F401
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from dflashctl.cli import G, app, err, out
+
+
+def _inventory():
+    from dflashctl.config import load_inventory
+
+    return load_inventory(G.inventory)
+
+
+def _store():
+    from dflashctl.paths import store_path
+    from dflashctl.store import Store
+
+    return Store(store_path())
+
+
+def _when(t: float | None, short: bool = False) -> str:
+    if not t:
+        return "-"
+    return datetime.datetime.fromtimestamp(t).strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S")
+
+
+def _progress(as_json: bool):
+    """Step-by-step progress lines on stderr (stdout stays clean for --json)."""
+
+    def show(step: str, message: str) -> None:
+        if as_json:
+            return
+        first, *rest = message.split("\n")
+        err.print(f"[bold cyan]{step:>10}[/]  {first}", highlight=False, markup=True, soft_wrap=True)
+        for line in rest:
+            err.print(f"            {line}", highlight=False, markup=False, soft_wrap=True)
+
+    return show
+
+
+@app.command("launch")
+def launch_command(
+    playbook: str = typer.Argument(..., help="Playbook name (see playbooks/) or path to a playbook YAML."),
+    foreground: bool = typer.Option(False, "--foreground", help="Stay attached: print metrics until the run ends."),
+    no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
+    force: bool = typer.Option(False, "--force", help="Launch despite env-audit errors or busy / claimed GPUs."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print every step and remote command; change nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Audit the host, deploy the trainer, start the run in tmux, record and supervise it.
+
+    The supervisor runs in a local tmux session; --foreground stays attached instead."""
+    from dflashctl.config import load_playbook
+    from dflashctl.launch import launch_run, start_supervisor
+
+    if foreground and no_watch:
+        raise typer.BadParameter("--foreground and --no-watch exclude each other")
+    inventory = _inventory()
+    pb = load_playbook(playbook, G.playbooks, inventory)
+    store = None if dry_run else _store()
+    show = _progress(as_json)
+    result = launch_run(pb, inventory, store, force=force, dry_run=dry_run, progress=show)
+    supervisor = None
+    if not dry_run and not no_watch and result.state not in ("failed", "done", "stopped"):
+        if foreground:
+            err.print(f"following {result.run_id} (Ctrl-C detaches; the run keeps going)")
+            try:
+                supervisor = start_supervisor(result.run_id, True, store, inventory, show,
+                                              emit=lambda line: out.print(line, highlight=False, markup=False))
+            except KeyboardInterrupt:
+                err.print(f"detached; the run goes on: dflashctl logs {result.run_id} -f")
+                raise typer.Exit(0)
+        else:
+            supervisor = start_supervisor(result.run_id, False, store, inventory, show,
+                                          inventory_path=G.inventory, playbooks_dir=G.playbooks)
+    if as_json:
+        print(json.dumps({**result.__dict__, "supervisor": supervisor}, indent=2, default=str))
+    elif not dry_run:
+        out.print(result.run_id, highlight=False)
+    if result.state == "failed":
+        raise typer.Exit(1)
+
+
+@app.command("stop")
+def stop_command(
+    run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for the checkpoint before killing."),
+) -> None:
+    """Stop a run gracefully: the trainer checkpoints and exits; then its session is closed."""
+    from dflashctl.launch import stop
+
+    result = stop(run, _store(), _inventory(), timeout=timeout, progress=_progress(False))
+    out.print(f"{result.id} {result.state}", highlight=False)
+
+
+@app.command("restart")
+def restart_command(
+    run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
+    serialized_warmup: bool = typer.Option(False, "--serialized-warmup", help="Warm up compiled kernels one at a time."),
+) -> None:
+    """Start the run's trainer again in its run directory (resumes from the last checkpoint)."""
+    from dflashctl.launch import restart
+
+    state = restart(run, _store(), _inventory(), serialized_warmup=serialized_warmup, progress=_progress(False))
+    out.print(state, highlight=False)
+    if state == "failed":
+        raise typer.Exit(1)
+
+
+@app.command("logs")
+def logs_command(
+    run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new output until the trainer ends."),
+    n: int = typer.Option(50, "-n", "--lines", help="Lines of the log to show first."),
+) -> None:
+    """Print the run's trainer log (stdout and stderr of every process of the run)."""
+    from dflashctl.launch import logs
+
+    try:
+        for chunk in logs(run, _store(), _inventory(), follow=follow, n=n):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command("runs")
+def runs_command(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    all_runs: bool = typer.Option(False, "--all", help="Include every run, not only the last 20."),
+    playbook: Optional[str] = typer.Option(None, "--playbook", help="Only runs of this playbook."),
+) -> None:
+    """List runs, newest first: state, host, when, how they ended."""
+    runs = _store().list_runs(playbook=playbook, limit=None if all_runs else 20)
+    if as_json:
+        print(json.dumps([r.to_dict() for r in runs], indent=2))
+        return
+    table = Table(title_justify="left")
+    table.add_column("run", no_wrap=True)  # ids are copied into other commands: never wrapped
+    for column in ("state", "host", "created", "ended", "exit", "GPUs"):
+        table.add_column(column)
+    colors = {"running": "green", "failed": "red", "lost": "yellow", "stalled": "yellow", "restarting": "yellow"}
+    for r in runs:
+        color = colors.get(r.state)
+        table.add_row(
+            r.id,
+            f"[{color}]{r.state}[/]" if color else r.state,
+            r.host,
+            _when(r.created, short=True),
+            _when(r.ended, short=True),
+            r.exit_reason or ("-" if r.exit_code is None else str(r.exit_code)),
+            ",".join(map(str, r.gpus)) or "-",
+        )
+    out.print(table if runs else "no runs yet: dflashctl launch demo")
+
+
+@app.command("events")
+def events_command(
+    run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of lines."),
+) -> None:
+    """A run's events in time order: state changes, deploys, restarts, findings."""
+    store = _store()
+    found = store.get_run(run)
+    events = store.events(found.id)
+    if as_json:
+        print(json.dumps([e.to_dict() for e in events], indent=2))
+        return
+    colors = {"warning": "yellow", "error": "red", "critical": "bold red"}
+    for e in events:
+        color = colors.get(e.severity, "default")
+        out.print(f"{_when(e.time)}  [{color}]{e.severity:<8}[/] {e.kind:<14} ", end="", highlight=False)
+        out.print(e.message, highlight=False, markup=False)
+

@@ -1,0 +1,174 @@
+"""Benchmark the bundled trainer on one GPU: tok/s, MFU, and start-to-first-step with a
+cold and then a warm compile cache.
+
+    python bench/bench_trainer.py                       # qwen3-0.6b-shaped target, H200-sized defaults
+    python bench/bench_trainer.py --preset qwen3-1.7b --batch-size 8
+    python bench/bench_trainer.py --config my.json      # any trainer config (placement, model, ...)
+    python bench/bench_trainer.py --cpu-smoke           # tiny, on CPU: checks the bench itself works
+
+Each run is a real ``python -m trainer`` process on full-length sequences written to a
+shard file (every sequence fills the bucket, so every anchor slot is used). Run 1
+uses a fresh compile cache directory, run 2 the same directory again. Prints one JSON
+line per run and a summary line; exit 0 when every run finished.
+
+Defaults (DFLASH.md reference recipe, shrunk to one GPU): target preset qwen3-0.6b
+with random weights, 5-layer drafter, block 16, B=16 sequences of 2048 tokens, 512
+anchors each, bf16 compute with fp32 master weights, compiled flex_attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = {"tiny": 512, "small": 4096}  # presets with a small vocabulary; the qwen3-* presets have 151936
+
+
+def reference_config(args) -> dict:
+    if args.cpu_smoke:
+        return {
+            "model": {"preset": "tiny", "drafter_layers": 2, "block_size": 8},
+            "data": {"buckets": [256], "max_anchors": 16, "batch_size": 2},
+            "train": {"steps": args.steps or 6, "log_every": 1, "checkpoint_every": 0},
+            "placement": {"device": "cpu", "target": [0], "drafter": [0]},
+        }
+    if args.config:
+        with open(args.config) as f:
+            cfg = json.load(f)
+        cfg = cfg.get("trainer", cfg)
+    else:
+        cfg = {
+            "model": {"preset": args.preset, "drafter_layers": args.drafter_layers, "block_size": 16},
+            "data": {"buckets": [args.bucket], "max_anchors": args.anchors, "batch_size": args.batch_size},
+            "placement": {"device": "cuda", "target": [0], "drafter": [0], "queue_depth": 2},
+            "compile": {"enabled": "on"},
+        }
+    cfg.setdefault("train", {})
+    cfg["train"].update({"steps": args.steps or 20, "log_every": 1, "checkpoint_every": 0})
+    return cfg
+
+
+def write_shard(directory: str, cfg: dict, samples: int) -> str:
+    """Full-length samples (prompt 64 tokens, the rest response) with random token ids."""
+    seq_len = max(cfg["data"]["buckets"])
+    vocab = VOCAB.get(cfg["model"].get("preset"), 151936) - 1  # the last id is the drafter's MASK
+    rng = random.Random(0)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "bench.jsonl"), "w") as f:
+        for _ in range(samples):
+            ids = [rng.randrange(1, vocab) for _ in range(seq_len)]
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 64 + [1] * (seq_len - 64)}) + "\n")
+    return directory
+
+
+def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) -> dict:
+    run_dir = os.path.join(work, name)
+    cfg = json.loads(json.dumps(cfg))
+    cfg.setdefault("compile", {})["cache_dir"] = cache_dir
+    config_path = os.path.join(work, f"{name}.json")
+    with open(config_path, "w") as f:
+        json.dump(cfg, f)
+    log_path = os.path.join(work, f"{name}.log")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", config_path, "--run-dir", run_dir,
+                                 "--resume", "never"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = "timeout"
+    metrics = []
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            metrics = [json.loads(line) for line in f if line.strip()]
+    status = {}
+    if os.path.exists(os.path.join(run_dir, "status.json")):
+        with open(os.path.join(run_dir, "status.json")) as f:
+            status = json.load(f)
+    steady = metrics[len(metrics) // 2:] or metrics  # after the first steps' allocator and cache effects
+
+    def med(key):
+        values = [m[key] for m in steady if m.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    result = {
+        "run": name,
+        "exit_code": code,
+        "wall_s": round(time.time() - start, 1),
+        "start_to_first_step_s": round(metrics[0]["time"] - start, 1) if metrics else None,
+        "warmup_s": (metrics[-1].get("warmup_s") if metrics else None),
+        "steps": len(metrics),
+        "tok_s": med("tok_s"),
+        "seq_tok_s": med("seq_tok_s"),
+        "step_ms": med("step_ms"),
+        "mfu": med("mfu"),
+        "mfu_drafter": med("mfu_drafter"),
+        "tflops": med("tflops"),
+        "mfu_peak": metrics[-1].get("mfu_peak") if metrics else None,
+        "loss": metrics[-1]["loss"] if metrics else None,
+        "attention_path": metrics[-1].get("attention_path") if metrics else None,
+        "dynamo": metrics[-1].get("dynamo") if metrics else None,
+        "time_ms": metrics[-1].get("time_ms") if metrics else None,
+        "gpu_mem": metrics[-1].get("gpu_mem") if metrics else None,
+        "status": status.get("phase"),
+        "error": status.get("error"),
+    }
+    if code != 0:
+        with open(log_path) as f:
+            result["log_tail"] = f.read()[-2000:]
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="trainer config JSON (or a dict with a 'trainer' key); overrides the reference shape")
+    p.add_argument("--preset", default="qwen3-0.6b", help="target preset with random weights (default qwen3-0.6b)")
+    p.add_argument("--drafter-layers", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--anchors", type=int, default=512, help="anchors per sequence (default 512)")
+    p.add_argument("--bucket", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")
+    p.add_argument("--runs", default="cold,warm", help="comma list of cold/warm runs, in order (default cold,warm)")
+    p.add_argument("--cache-dir", help="compile cache to use (default: a fresh temporary directory)")
+    p.add_argument("--work-dir", help="where run directories and logs go (default: a temporary directory, removed)")
+    p.add_argument("--timeout", type=float, default=1500, help="seconds per run before it is killed")
+    p.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU run of the whole bench")
+    args = p.parse_args(argv)
+
+    cfg = reference_config(args)
+    work = args.work_dir or tempfile.mkdtemp(prefix="bench-trainer-")
+    cache_dir = args.cache_dir or os.path.join(work, "compile-cache")
+    batch = cfg["data"].get("batch_size", 1)
+    cfg["data"]["shards"] = write_shard(os.path.join(work, "shards"), cfg, samples=max(32, 4 * batch))
+    print(json.dumps({"bench": "trainer", "config": cfg, "work_dir": work, "cache_dir": cache_dir}), flush=True)
+    results = []
+    for i, kind in enumerate(k.strip() for k in args.runs.split(",") if k.strip()):
+        if kind == "cold" and os.path.isdir(cache_dir) and i == 0 and not args.cache_dir:
+            shutil.rmtree(cache_dir)
+        result = run_once(f"{i}-{kind}", cfg, work, cache_dir, args.timeout)
+        results.append(result)
+        print(json.dumps(result), flush=True)
+    ok = all(r["exit_code"] == 0 for r in results)
+    summary = {"summary": True, "ok": ok}
+    for r in results:
+        summary[r["run"]] = {k: r[k] for k in ("start_to_first_step_s", "warmup_s", "tok_s", "mfu", "step_ms")}
+    print(json.dumps(summary), flush=True)
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,762 @@
+"""The run store: runs, events, samples, restarts and environment snapshots in SQLite.
+
+One file (``paths.store_path()``) shared by every dflashctl process on the
+operator's machine: the CLI, each run's supervisor, the TUI. So:
+
+- WAL journal: readers never block the writer and the writer never blocks readers.
+- Every write is one ``BEGIN IMMEDIATE`` transaction. A deferred ``BEGIN`` takes
+  the write lock only at the first write, and two processes upgrading their read
+  locks at once fail with "database is locked" whatever the busy timeout; an
+  immediate one waits its turn on the busy timeout instead.
+- One connection per thread (and per process: a forked child opens its own).
+- Schema changes are named migrations (sqlite-utils ``Migrations``), applied under
+  the write lock so two processes opening a fresh file do not race.
+- Free-form data (configs, event details, GPU readings) are JSON columns; never pickles.
+
+A run moves through an explicit state machine (``TRANSITIONS``); every transition is
+validated and written together with an event in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import sqlite3
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Iterable, Iterator
+
+from sqlite_utils import Database
+from sqlite_utils.migrations import Migrations
+
+from dflashctl.contract import PHASE_TRAINING, Metrics, did_you_mean
+from dflashctl.errors import ConfigError, DflashError
+
+# --------------------------------------------------------------------------- states
+
+LAUNCHING = "launching"
+RUNNING = "running"
+STALLED = "stalled"
+RESTARTING = "restarting"
+STOPPED = "stopped"
+DONE = "done"
+FAILED = "failed"
+LOST = "lost"  # the host or the session cannot be seen; the trainer may still be alive
+
+STATES = (LAUNCHING, RUNNING, STALLED, RESTARTING, STOPPED, DONE, FAILED, LOST)
+FINAL_STATES = (STOPPED, DONE, FAILED)
+# A lost run may still be training on its GPUs, so it counts as holding them.
+ACTIVE_STATES = tuple(s for s in STATES if s not in FINAL_STATES)
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    LAUNCHING: frozenset({RUNNING, FAILED, STOPPED, LOST}),
+    RUNNING: frozenset({STALLED, RESTARTING, STOPPED, DONE, FAILED, LOST}),
+    STALLED: frozenset({RUNNING, RESTARTING, STOPPED, DONE, FAILED, LOST}),
+    RESTARTING: frozenset({RUNNING, FAILED, STOPPED, LOST}),
+    LOST: frozenset({RUNNING, STALLED, RESTARTING, STOPPED, DONE, FAILED}),
+    # An operator may restart a stopped or failed run (``dflashctl restart``); a
+    # finished run stays finished.
+    STOPPED: frozenset({RESTARTING}),
+    FAILED: frozenset({RESTARTING}),
+    DONE: frozenset(),
+}
+
+SEVERITIES = ("info", "warning", "error", "critical")
+
+# The severity of the event a transition writes unless the caller says otherwise.
+_STATE_SEVERITY = {STALLED: "warning", RESTARTING: "warning", LOST: "warning", FAILED: "error"}
+
+# Event kinds the store itself reads (the supervisor writes them).
+EVENT_STATE = "state"
+EVENT_REGRESSION = "regression"  # a throughput regression: the run is not a healthy baseline
+
+_JSON_COLUMNS = {"config", "supervisor", "detail", "gpu", "data"}
+
+_RUN_FIELDS_SETTABLE = {
+    "config", "bundle_hash", "run_dir", "tmux_session", "tmux_socket", "supervisor", "host", "exit_code", "exit_reason",
+}
+
+
+class InvalidTransition(DflashError):
+    """A state change the run state machine does not allow."""
+
+
+class GpuConflict(DflashError):
+    """GPUs wanted by a new run are held by active runs on the same host."""
+
+    def __init__(self, host: str, taken: dict[int, str]):
+        self.host = host
+        self.taken = taken
+        listed = ", ".join(f"GPU {g} by run {r}" for g, r in sorted(taken.items()))
+        super().__init__(
+            f"{host}: GPUs already held by active runs: {listed}",
+            hint="stop that run first (dflashctl stop RUN), change the playbook's placement, or pass --force",
+        )
+
+
+def severity_rank(severity: str) -> int:
+    return SEVERITIES.index(severity)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+@dataclass
+class Run:
+    id: str
+    playbook: str
+    host: str
+    state: str
+    created: float
+    config: dict[str, Any] = field(default_factory=dict)
+    bundle_hash: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    exit_code: int | None = None
+    exit_reason: str | None = None
+    run_dir: str | None = None
+    tmux_session: str | None = None
+    tmux_socket: str | None = None
+    supervisor: dict[str, Any] | None = None
+    metrics_offset: int = 0
+    metrics_inode: int | None = None
+    updated: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    @property
+    def gpus(self) -> list[int]:
+        """Physical GPU indices this run holds on its host (recorded at launch)."""
+        return [int(g) for g in (self.config or {}).get("gpus", [])]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Event:
+    id: int
+    run_id: str | None
+    time: float
+    kind: str
+    severity: str
+    message: str
+    detail: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Sample:
+    id: int
+    run_id: str
+    time: float
+    step: int
+    tok_s: float | None = None
+    loss: float | None = None
+    acc: float | None = None
+    accept_len: float | None = None
+    eta_s: float | None = None
+    phase: str | None = None
+    gpu: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Restart:
+    id: int
+    run_id: str
+    time: float
+    reason: str
+    signature: str | None = None
+    action: str | None = None
+    detect_delay_s: float | None = None
+    downtime_s: float | None = None
+    time_to_first_step_s: float | None = None
+    step_before: int | None = None
+    step_after: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _decode(row: dict[str, Any]) -> dict[str, Any]:
+    out = dict(row)
+    for key in _JSON_COLUMNS & out.keys():
+        if isinstance(out[key], str):
+            out[key] = json.loads(out[key])
+    return out
+
+
+def _row_to(cls, row: dict[str, Any]):
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in _decode(row).items() if k in names})
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+# --------------------------------------------------------------------------- migrations
+
+migrations = Migrations("dflashctl")
+
+
+@migrations(name="0001_core_tables")
+def _m0001(db: Database) -> None:
+    db["runs"].create(
+        {
+            "id": str,
+            "playbook": str,
+            "host": str,
+            "config": str,  # JSON: trainer config, placement, GPUs held, launch options
+            "bundle_hash": str,
+            "state": str,
+            "created": float,
+            "started": float,
+            "ended": float,
+            "exit_code": int,
+            "exit_reason": str,
+            "run_dir": str,
+            "tmux_session": str,
+            "tmux_socket": str,  # tmux -L name on the run host
+            "supervisor": str,  # JSON: pid, tmux session, host of the supervising process
+            "metrics_offset": int,  # bytes of metrics.jsonl already stored as samples
+            "metrics_inode": int,  # of the metrics.jsonl that offset belongs to
+            "updated": float,
+        },
+        pk="id",
+        not_null={"playbook", "host", "state", "created"},
+        defaults={"metrics_offset": 0},
+    )
+    db["runs"].create_index(["playbook", "created"])
+    db["runs"].create_index(["host", "state"])
+    db["events"].create(
+        {"id": int, "run_id": str, "time": float, "kind": str, "severity": str, "message": str, "detail": str},
+        pk="id",
+        foreign_keys=[("run_id", "runs", "id")],
+    )
+    db["events"].create_index(["run_id", "time"])
+    db["samples"].create(
+        {
+            "id": int,
+            "run_id": str,
+            "time": float,
+            "step": int,
+            "tok_s": float,
+            "loss": float,
+            "acc": float,
+            "accept_len": float,
+            "eta_s": float,
+            "phase": str,
+            "gpu": str,  # JSON: per-GPU readings at sample time
+        },
+        pk="id",
+        foreign_keys=[("run_id", "runs", "id")],
+    )
+    db["samples"].create_index(["run_id", "time"])
+    db["restarts"].create(
+        {
+            "id": int,
+            "run_id": str,
+            "time": float,
+            "reason": str,
+            "signature": str,
+            "action": str,
+            "detect_delay_s": float,
+            "downtime_s": float,
+            "time_to_first_step_s": float,
+            "step_before": int,
+            "step_after": int,
+        },
+        pk="id",
+        foreign_keys=[("run_id", "runs", "id")],
+    )
+    db["restarts"].create_index(["run_id", "time"])
+
+
+@migrations(name="0002_env_snapshots")
+def _m0002(db: Database) -> None:
+    # Package sets and library lists seen on a host, to spot drift between runs.
+    db["env_snapshots"].create(
+        {"id": int, "host": str, "run_id": str, "time": float, "kind": str, "data": str},
+        pk="id",
+    )
+    db["env_snapshots"].create_index(["host", "time"])
+
+
+# --------------------------------------------------------------------------- ids
+
+_SLUG = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def new_run_id(playbook: str, now: float) -> str:
+    """``<playbook>-YYYYMMDD-HHMMSS-xxxx`` (UTC): sortable, and a valid tmux session name."""
+    slug = _SLUG.sub("-", playbook).strip("-") or "run"
+    return f"{slug}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}-{secrets.token_hex(2)}"
+
+
+# --------------------------------------------------------------------------- store
+
+
+class Store:
+    """The run store over one SQLite file. Safe to share between threads (each
+    thread gets its own connection) and between processes (WAL + BEGIN IMMEDIATE)."""
+
+    def __init__(self, path: str, timeout: float = 30.0):
+        self.path = os.path.abspath(os.path.expanduser(path))
+        self.timeout = timeout
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._local = threading.local()
+        db = self.db
+        if migrations.pending(db):
+            with self._write():
+                migrations.apply(db)
+
+    # ----------------------------------------------------------------- connections
+
+    @property
+    def db(self) -> Database:
+        db = getattr(self._local, "db", None)
+        if db is None or self._local.pid != os.getpid():
+            conn = sqlite3.connect(self.path, timeout=self.timeout)
+            # Transactions are ours to open (BEGIN IMMEDIATE in _write); no implicit ones.
+            conn.isolation_level = None
+            db = Database(conn)
+            db.enable_wal()
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            self._local.db, self._local.pid = db, os.getpid()
+        return db
+
+    def close(self) -> None:
+        """Close this thread's connection (others close with their threads)."""
+        db = getattr(self._local, "db", None)
+        if db is not None and self._local.pid == os.getpid():
+            db.close()
+        self._local.db = None
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[Database]:
+        """One write transaction; nested calls join the outer one."""
+        db = self.db
+        if db.conn.in_transaction:
+            yield db
+            return
+        db.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            if db.conn.in_transaction:
+                db.conn.execute("ROLLBACK")
+            raise
+        db.conn.execute("COMMIT")
+
+    def _query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        return list(self.db.query(sql, list(params)))
+
+    # ----------------------------------------------------------------- runs
+
+    def create_run(
+        self,
+        playbook: str,
+        host: str,
+        config: dict[str, Any],
+        now: float,
+        *,
+        run_id: str | None = None,
+        bundle_hash: str | None = None,
+        run_dir: str | None = None,
+        tmux_session: str | None = None,
+        tmux_socket: str | None = None,
+        message: str = "launch requested",
+        claim_gpus: bool = True,
+    ) -> Run:
+        """A new run in state ``launching`` (with its first event).
+
+        ``config["gpus"]`` lists the physical GPUs the run will hold. With
+        ``claim_gpus``, a GPU already held by an active run on the same host raises
+        GpuConflict; the check and the insert are one transaction, so two launches
+        racing for one GPU cannot both win.
+        """
+        run_id = run_id or new_run_id(playbook, now)
+        config = config or {}
+        with self._write() as db:
+            if claim_gpus:
+                held = self.gpus_held(host)
+                taken = {g: held[g] for g in config.get("gpus", []) if g in held}
+                if taken:
+                    raise GpuConflict(host, taken)
+            db["runs"].insert(
+                {
+                    "id": run_id,
+                    "playbook": playbook,
+                    "host": host,
+                    "config": _json(config),
+                    "bundle_hash": bundle_hash,
+                    "state": LAUNCHING,
+                    "created": now,
+                    "run_dir": run_dir,
+                    "tmux_session": tmux_session,
+                    "tmux_socket": tmux_socket,
+                    "metrics_offset": 0,
+                    "updated": now,
+                }
+            )
+            self._insert_event(run_id, EVENT_STATE, message, now, "info", {"from": None, "to": LAUNCHING})
+        return self.get_run(run_id)
+
+    def update_run(self, run_id: str, **values: Any) -> Run:
+        """Set descriptive fields (run_dir, tmux_session, bundle_hash, config, ...).
+        The state changes only through ``transition``."""
+        unknown = set(values) - _RUN_FIELDS_SETTABLE
+        if unknown:
+            raise ValueError(f"update_run: cannot set {', '.join(sorted(unknown))}")
+        row = {k: (_json(v) if k in _JSON_COLUMNS else v) for k, v in values.items()}
+        with self._write() as db:
+            db.execute(
+                f"UPDATE runs SET {', '.join(f'{k} = ?' for k in row)}, updated = ? WHERE id = ?",
+                [*row.values(), time.time(), run_id],
+            )
+        return self.get_run(run_id)
+
+    def set_supervisor(self, run_id: str, info: dict[str, Any] | None) -> None:
+        """Who supervises the run (pid, host, tmux session, started), or None."""
+        self.update_run(run_id, supervisor=info)
+
+    def get_run(self, ref: str) -> Run:
+        """A run by id or by an unambiguous prefix of its id."""
+        rows = self._query("SELECT * FROM runs WHERE id = ?", [ref])
+        if not rows:
+            escaped = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            rows = self._query(
+                "SELECT * FROM runs WHERE id LIKE ? ESCAPE '\\' ORDER BY created DESC, id DESC LIMIT 6", [escaped + "%"]
+            )
+        if len(rows) == 1:
+            return _row_to(Run, rows[0])
+        if not rows:
+            recent = [r["id"] for r in self._query("SELECT id FROM runs ORDER BY created DESC LIMIT 500")]
+            raise ConfigError(
+                f"no run '{ref}'{did_you_mean(ref, recent)}", hint="`dflashctl runs --all` lists every run"
+            )
+        shown = ", ".join(r["id"] for r in rows[:5])
+        raise ConfigError(f"run '{ref}' is ambiguous: {shown}{', ...' if len(rows) > 5 else ''}",
+                          hint="give more characters of the run id")
+
+    def list_runs(
+        self,
+        playbook: str | None = None,
+        active_only: bool = False,
+        host: str | None = None,
+        limit: int | None = None,
+    ) -> list[Run]:
+        """Runs, newest first."""
+        where, params = [], []
+        if playbook is not None:
+            where.append("playbook = ?")
+            params.append(playbook)
+        if host is not None:
+            where.append("host = ?")
+            params.append(host)
+        if active_only:
+            where.append(f"state IN ({', '.join('?' for _ in ACTIVE_STATES)})")
+            params.extend(ACTIVE_STATES)
+        sql = "SELECT * FROM runs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created DESC, id DESC"
+        if limit:
+            sql += f" LIMIT {int(limit)}"
+        return [_row_to(Run, r) for r in self._query(sql, params)]
+
+    def active_runs_on_host(self, host: str) -> list[Run]:
+        return self.list_runs(host=host, active_only=True)
+
+    def gpus_held(self, host: str, exclude_run: str | None = None) -> dict[int, str]:
+        """GPU index -> id of the active run holding it, on one host."""
+        held: dict[int, str] = {}
+        for run in self.active_runs_on_host(host):
+            if run.id != exclude_run:
+                for gpu in run.gpus:
+                    held.setdefault(gpu, run.id)
+        return held
+
+    # ----------------------------------------------------------------- state machine
+
+    def transition(
+        self,
+        run_id: str,
+        state: str,
+        message: str,
+        now: float,
+        detail: dict[str, Any] | None = None,
+        *,
+        severity: str | None = None,
+        exit_code: int | None = None,
+        exit_reason: str | None = None,
+    ) -> bool:
+        """Move a run to ``state`` and record why, in one transaction.
+
+        Returns False (and writes nothing) when the run is already in ``state``, so a
+        caller may repeat a transition; raises InvalidTransition for an edge the
+        state machine does not have.
+        """
+        if state not in STATES:
+            raise InvalidTransition(f"unknown run state '{state}'{did_you_mean(state, STATES)}")
+        with self._write() as db:
+            rows = self._query("SELECT state, started FROM runs WHERE id = ?", [run_id])
+            if not rows:
+                raise ConfigError(f"no run '{run_id}'")
+            current, started = rows[0]["state"], rows[0]["started"]
+            if current == state:
+                return False
+            if state not in TRANSITIONS[current]:
+                allowed = ", ".join(sorted(TRANSITIONS[current])) or "none (final)"
+                raise InvalidTransition(f"run {run_id}: cannot go from {current} to {state} (allowed: {allowed})")
+            sets: dict[str, Any] = {"state": state, "updated": now}
+            if state == RUNNING and started is None:
+                sets["started"] = now
+            if state in FINAL_STATES:
+                sets["ended"] = now
+            elif current in FINAL_STATES:
+                # Revived by an operator restart: it is no longer over.
+                sets.update(ended=None, exit_code=None, exit_reason=None)
+            if exit_code is not None:
+                sets["exit_code"] = exit_code
+            if exit_reason is not None:
+                sets["exit_reason"] = exit_reason
+            db.execute(
+                f"UPDATE runs SET {', '.join(f'{k} = ?' for k in sets)} WHERE id = ?", [*sets.values(), run_id]
+            )
+            self._insert_event(
+                run_id,
+                EVENT_STATE,
+                message,
+                now,
+                severity or _STATE_SEVERITY.get(state, "info"),
+                {"from": current, "to": state, **(detail or {})},
+            )
+        return True
+
+    # ----------------------------------------------------------------- events
+
+    def _insert_event(self, run_id, kind, message, now, severity, detail) -> int:
+        if severity not in SEVERITIES:
+            raise ValueError(f"severity '{severity}' is not one of {', '.join(SEVERITIES)}")
+        cur = self.db.execute(
+            "INSERT INTO events (run_id, time, kind, severity, message, detail) VALUES (?, ?, ?, ?, ?, ?)",
+            [run_id, now, kind, severity, message, _json(detail)],
+        )
+        return cur.lastrowid
+
+    def add_event(
+        self,
+        run_id: str | None,
+        kind: str,
+        message: str,
+        now: float,
+        severity: str = "info",
+        detail: dict[str, Any] | None = None,
+    ) -> int:
+        with self._write():
+            return self._insert_event(run_id, kind, message, now, severity, detail)
+
+    def events(
+        self,
+        run_id: str | None = None,
+        since: float | None = None,
+        min_severity: str | None = None,
+        kind: str | None = None,
+        limit: int | None = None,
+    ) -> list[Event]:
+        """Events in time order (the last ``limit`` of them when given)."""
+        where, params = [], []
+        if run_id is not None:
+            where.append("run_id = ?")
+            params.append(run_id)
+        if since is not None:
+            where.append("time > ?")
+            params.append(since)
+        if kind is not None:
+            where.append("kind = ?")
+            params.append(kind)
+        if min_severity is not None:
+            wanted = SEVERITIES[severity_rank(min_severity):]
+            where.append(f"severity IN ({', '.join('?' for _ in wanted)})")
+            params.extend(wanted)
+        sql = "SELECT * FROM events" + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY time DESC, id DESC"
+        if limit:
+            sql += f" LIMIT {int(limit)}"
+        return [_row_to(Event, r) for r in reversed(self._query(sql, params))]
+
+    # ----------------------------------------------------------------- samples
+
+    def add_sample(self, run_id: str, sample: Metrics | dict[str, Any], gpu: Any = None) -> None:
+        self.add_samples(run_id, [sample], gpu=gpu)
+
+    def add_samples(
+        self,
+        run_id: str,
+        samples: Iterable[Metrics | dict[str, Any]],
+        gpu: Any = None,
+        metrics_offset: int | None = None,
+        metrics_inode: int | None = None,
+    ) -> int:
+        """Store metrics lines as samples; with ``metrics_offset`` (and the file's
+        inode), advance the run's read position in the same transaction, so a crash
+        between the two never stores a line twice or skips one."""
+        rows = []
+        for s in samples:
+            d = asdict(s) if isinstance(s, Metrics) else dict(s)
+            rows.append(
+                [run_id, float(d["time"]), int(d["step"]), d.get("tok_s"), d.get("loss"), d.get("acc"),
+                 d.get("accept_len"), d.get("eta_s"), d.get("phase"), _json(d.get("gpu", gpu))]
+            )
+        with self._write() as db:
+            db.conn.executemany(
+                "INSERT INTO samples (run_id, time, step, tok_s, loss, acc, accept_len, eta_s, phase, gpu) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            if metrics_offset is not None:
+                db.execute(
+                    "UPDATE runs SET metrics_offset = ?, metrics_inode = ? WHERE id = ?",
+                    [metrics_offset, metrics_inode, run_id],
+                )
+        return len(rows)
+
+    def samples(self, run_id: str, since: float | None = None, limit: int | None = None) -> list[Sample]:
+        """Samples in time order (the last ``limit`` of them when given)."""
+        sql = "SELECT * FROM samples WHERE run_id = ?"
+        params: list[Any] = [run_id]
+        if since is not None:
+            sql += " AND time > ?"
+            params.append(since)
+        sql += " ORDER BY time DESC, id DESC"
+        if limit:
+            sql += f" LIMIT {int(limit)}"
+        return [_row_to(Sample, r) for r in reversed(self._query(sql, params))]
+
+    def metrics_position(self, run_id: str) -> tuple[int, int | None]:
+        """(byte offset, inode) of metrics.jsonl up to which samples are stored."""
+        rows = self._query("SELECT metrics_offset, metrics_inode FROM runs WHERE id = ?", [run_id])
+        if not rows:
+            return 0, None
+        return int(rows[0]["metrics_offset"] or 0), rows[0]["metrics_inode"]
+
+    def metrics_offset(self, run_id: str) -> int:
+        return self.metrics_position(run_id)[0]
+
+    def set_metrics_offset(self, run_id: str, offset: int, inode: int | None = None) -> None:
+        with self._write() as db:
+            db.execute("UPDATE runs SET metrics_offset = ?, metrics_inode = ? WHERE id = ?", [offset, inode, run_id])
+
+    def healthy_tok_s_history(self, playbook: str, exclude_run: str | None = None, limit: int = 10) -> list[float]:
+        """Median training tok/s of each earlier healthy run of a playbook, newest first.
+
+        Healthy: the run ended ``done`` or ``stopped`` (not failed), and no throughput
+        regression (event kind ``regression``) was recorded for it. Only samples in
+        phase ``training`` count, so compile warm-up does not drag the median down.
+        """
+        rows = self._query(
+            """
+            SELECT r.id, r.created FROM runs r
+            WHERE r.playbook = ? AND r.state IN (?, ?) AND r.id != ?
+              AND NOT EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.id AND e.kind = ?)
+            ORDER BY r.created DESC
+            """,
+            [playbook, DONE, STOPPED, exclude_run or "", EVENT_REGRESSION],
+        )
+        history = []
+        for row in rows:
+            values = [
+                r["tok_s"]
+                for r in self._query(
+                    "SELECT tok_s FROM samples WHERE run_id = ? AND phase = ? AND tok_s IS NOT NULL",
+                    [row["id"], PHASE_TRAINING],
+                )
+            ]
+            if values:
+                history.append(float(statistics.median(values)))
+            if len(history) >= limit:
+                break
+        return history
+
+    def baseline_tok_s(self, playbook: str, exclude_run: str | None = None) -> float | None:
+        """The learned baseline: the median over ``healthy_tok_s_history``; None without history."""
+        history = self.healthy_tok_s_history(playbook, exclude_run=exclude_run)
+        return float(statistics.median(history)) if history else None
+
+    # ----------------------------------------------------------------- restarts
+
+    def add_restart(
+        self,
+        run_id: str,
+        now: float,
+        reason: str,
+        signature: str | None = None,
+        action: str = "restart",
+        detect_delay_s: float | None = None,
+        downtime_s: float | None = None,
+        step_before: int | None = None,
+    ) -> int:
+        with self._write() as db:
+            cur = db.execute(
+                "INSERT INTO restarts (run_id, time, reason, signature, action, detect_delay_s, downtime_s, step_before)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [run_id, now, reason, signature, action, detect_delay_s, downtime_s, step_before],
+            )
+            return cur.lastrowid
+
+    def update_restart(self, restart_id: int, **values: Any) -> None:
+        """Fill in what is known only later: time_to_first_step_s, step_after, downtime_s."""
+        allowed = {"downtime_s", "time_to_first_step_s", "step_after", "detect_delay_s"}
+        if set(values) - allowed:
+            raise ValueError(f"update_restart: cannot set {', '.join(sorted(set(values) - allowed))}")
+        with self._write() as db:
+            db.execute(
+                f"UPDATE restarts SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?",
+                [*values.values(), restart_id],
+            )
+
+    def restarts(self, run_id: str, since: float | None = None) -> list[Restart]:
+        sql, params = "SELECT * FROM restarts WHERE run_id = ?", [run_id]
+        if since is not None:
+            sql += " AND time > ?"
+            params.append(since)
+        return [_row_to(Restart, r) for r in self._query(sql + " ORDER BY time, id", params)]
+
+    # ----------------------------------------------------------------- environment snapshots
+
+    def add_env_snapshot(self, host: str, now: float, data: Any, kind: str = "packages", run_id: str | None = None) -> int:
+        with self._write() as db:
+            cur = db.execute(
+                "INSERT INTO env_snapshots (host, run_id, time, kind, data) VALUES (?, ?, ?, ?, ?)",
+                [host, run_id, now, kind, _json(data)],
+            )
+            return cur.lastrowid
+
+    def env_snapshots(self, host: str, kind: str = "packages", limit: int = 10) -> list[dict[str, Any]]:
+        """Snapshots of one host, newest first, ``data`` decoded."""
+        rows = self._query(
+            "SELECT * FROM env_snapshots WHERE host = ? AND kind = ? ORDER BY time DESC, id DESC LIMIT ?",
+            [host, kind, limit],
+        )
+        return [_decode(r) for r in rows]

@@ -1,0 +1,48 @@
+"""Shared fixtures. ``ssh_env``: real OpenSSH servers on loopback (tests/harness).
+
+    ssh_env.inventory_path      inventory YAML (pass to --inventory / load_inventory)
+    ssh_env.inventory           the loaded Inventory
+    ssh_env.hosts               ['jump', 'jump2', 'target', 'target2', 'direct'] (+ added)
+    ssh_env.unknown_host        'stranger': reachable, host key NOT in known_hosts
+    ssh_env.stop(h) / start(h)  take a host down / bring it back (same address, port)
+    ssh_env.kill_connections(h) cut its open connections (returns the pids killed)
+    ssh_env.sshd_pids           {host: listening sshd pid}
+    ssh_env.log(h)              its sshd log (jumps log every direct-tcpip forward)
+    ssh_env.workdir(h), home(h), host_dir(h)   paths on this machine
+    ssh_env.set_smi_mode(h, 'idle'|'load')     the fake nvidia-smi's state
+    ssh_env.add_hosts(n, jump='jump')          n more hosts; returns their names
+    ssh_env.ssh_argv(h)         OpenSSH client argv reaching h (ssh -F ssh_config h)
+
+A test that stops a host or cuts connections must leave it up again (try/finally).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.harness import SshEnv
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_dflashctl_home(tmp_path_factory):
+    """Keep tests away from the user's ~/.config and ~/.local/share (see dflashctl.paths)."""
+    if "DFLASHCTL_HOME" in os.environ:
+        yield
+        return
+    os.environ["DFLASHCTL_HOME"] = str(tmp_path_factory.mktemp("dflashctl-home"))
+    yield
+    os.environ.pop("DFLASHCTL_HOME", None)
+
+
+@pytest.fixture(scope="session")
+def ssh_env(tmp_path_factory):
+    from dflashctl import transport
+
+    env = SshEnv(tmp_path_factory.mktemp("ssh"))
+    try:
+        yield env
+    finally:
+        transport.default_pool.close()  # before the servers go, so no client waits on them
+        env.close()

@@ -1,0 +1,119 @@
+"""A trainer-like process for supervisor tests and benchmarks: the run-directory
+contract of the real trainer (status.json, metrics.jsonl, a checkpoint to resume
+from, exit codes, SIGTERM -> stopped) and its fault injection, without torch, so
+it starts in a fraction of a second instead of ten.
+
+It accepts the real trainer's command line, so the launcher's own run.sh can run
+it: with ``python`` set to ``<python> fake_trainer.py`` in a run's stored config,
+run.sh executes ``<python> fake_trainer.py -m trainer --config config.json
+--run-dir DIR --resume auto``. From config.json it reads ``train.steps``,
+``train.log_every``, ``train.checkpoint_every`` and ``fault`` (kind exit | hang |
+slow, after_steps, message, exit_code, factor, once) with the real trainer's
+meaning. The environment sets its pace: FAKE_TRAINER_STEP_S (seconds per step,
+default 0.05) and FAKE_TRAINER_TOKENS (tokens per step, default 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+from dflashctl import contract
+
+CHECKPOINT = os.path.join(contract.CHECKPOINT_DIR, "fake-step")
+FAULT_MARKER = "fault_fired.json"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--config")
+    args, _ = parser.parse_known_args(argv)
+    run_dir = os.path.abspath(args.run_dir)
+    os.makedirs(os.path.join(run_dir, contract.CHECKPOINT_DIR), exist_ok=True)
+    try:
+        with open(args.config or os.path.join(run_dir, contract.CONFIG_FILE), encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        config = {}
+    train = config.get("train", {})
+    total = int(train.get("steps", 1_000_000))
+    log_every = max(1, int(train.get("log_every", 1)))
+    checkpoint_every = int(train.get("checkpoint_every", 5))
+    fault = dict(config.get("fault") or {})
+    step_s = float(os.environ.get("FAKE_TRAINER_STEP_S", "0.05"))
+    tokens = int(os.environ.get("FAKE_TRAINER_TOKENS", "256"))
+
+    status = contract.Status(phase=contract.PHASE_STARTING, pid=os.getpid(), started=time.time())
+    contract.write_status(run_dir, status)
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signal.Signals(signum).name
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    step = 0
+    try:
+        with open(os.path.join(run_dir, CHECKPOINT), encoding="utf-8") as f:
+            step = int(f.read().strip() or 0)
+        print(f"resumed from {CHECKPOINT}: step {step}", flush=True)
+    except FileNotFoundError:
+        pass
+    armed = fault.get("kind") and not (fault.get("once", True) and os.path.exists(os.path.join(run_dir, FAULT_MARKER)))
+    factor = 1.0
+    status.phase, status.step = contract.PHASE_TRAINING, step
+    contract.write_status(run_dir, status)
+    window_start = time.time()
+    while step < total:
+        if armed and step >= int(fault.get("after_steps", 0)):
+            armed = False
+            contract.atomic_write_text(os.path.join(run_dir, FAULT_MARKER), json.dumps({"step": step}))
+            kind = fault["kind"]
+            if kind == "exit":
+                print(fault.get("message", "injected fault"), file=sys.stderr, flush=True)
+                status.phase, status.error = contract.PHASE_FAILED, "InjectedFault: " + fault.get("message", "")
+                contract.write_status(run_dir, status)
+                os._exit(int(fault.get("exit_code", 1)))
+            if kind == "hang":
+                print(f"fault: hanging before step {step + 1}", flush=True)
+                while stop["signal"] is None:
+                    time.sleep(0.05)
+            if kind == "slow":
+                factor = float(fault.get("factor", 3.0))
+        if stop["signal"] is not None:
+            break
+        time.sleep(step_s * factor)
+        step += 1
+        if step % log_every == 0 or step == total:
+            now = time.time()
+            tok_s = tokens * log_every / max(1e-6, now - window_start)
+            m = contract.Metrics(time=now, step=step, total_steps=total, tokens=step * tokens, tok_s=tok_s,
+                                 loss=1.0 / step, eta_s=(total - step) * tokens / tok_s)
+            with open(os.path.join(run_dir, contract.METRICS_FILE), "a", encoding="utf-8") as f:
+                f.write(m.to_line() + "\n")
+            print(f"step {step}/{total} tok/s {tok_s:.0f}", flush=True)
+            status.step = step
+            contract.write_status(run_dir, status)
+            window_start = now
+        if checkpoint_every and step % checkpoint_every == 0:
+            contract.atomic_write_text(os.path.join(run_dir, CHECKPOINT), str(step))
+    contract.atomic_write_text(os.path.join(run_dir, CHECKPOINT), str(step))
+    if stop["signal"] is not None:
+        status.phase = contract.PHASE_STOPPED
+        contract.write_status(run_dir, status)
+        print(f"stopped at step {step} ({stop['signal']})", flush=True)
+        return contract.EXIT_STOPPED
+    status.phase = contract.PHASE_DONE
+    contract.write_status(run_dir, status)
+    print(f"done: {step} steps", flush=True)
+    return contract.EXIT_DONE
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

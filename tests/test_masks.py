@@ -1,0 +1,276 @@
+"""DFlash masks and attention paths, against a dense reference built independently.
+
+Each of the known bugs in public DFlash trainers (docs/DFLASH.md) has a test here or
+in test_anchors_loss.py (bug 1) that fails on the buggy behaviour.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+from trainer.anchors import sample_anchors
+from trainer.attention import (
+    FLEX_COMPILED,
+    FLEX_EAGER,
+    SDPA,
+    AttentionPath,
+    attend,
+    build_layer_masks,
+    paths_ran,
+    select_attention_path,
+)
+from trainer.config import ConfigError
+from trainer.masks import build_block_mask, compiled_block_mask_builder, dense_mask, dflash_mask_mod
+
+TILE = 128  # create_block_mask's default block size; kernels evaluate whole tiles
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def reference_mask(anchors, valid, ctx_len, block_size, window=None, padded_to=None):
+    """[B, Q, KV] bool straight from the rules in DFLASH.md, one anchor at a time."""
+    batch, num_blocks = len(anchors), len(anchors[0])
+    q_len, kv_len = padded_to or (num_blocks * block_size, ctx_len + num_blocks * block_size)
+    ref = torch.zeros(batch, q_len, kv_len, dtype=torch.bool)
+    for b in range(batch):
+        for n in range(num_blocks):
+            if not valid[b][n]:
+                continue
+            a = anchors[b][n]
+            for o in range(block_size):
+                q = n * block_size + o
+                lowest = 0 if window is None else max(0, a + o - (window - 1))
+                ref[b, q, lowest:a] = True  # context strictly before the anchor
+                for o2 in range(block_size):
+                    if window is None or o - (window - 1) <= o2 <= o:
+                        ref[b, q, ctx_len + n * block_size + o2] = True
+    return ref
+
+
+def tiles(ref):
+    """Per 128x128 tile of a padded reference: (any visible, all visible)."""
+    batch, q_len, kv_len = ref.shape
+    t = ref.view(batch, q_len // TILE, TILE, kv_len // TILE, TILE).permute(0, 1, 3, 2, 4)
+    return t.any(-1).any(-1), t.all(-1).all(-1)
+
+
+def listed_blocks(num_blocks, indices, shape):
+    """Dense [B, Qtiles, KVtiles] bool from a BlockMask's (num_blocks, indices) pair."""
+    dense = torch.zeros(shape, dtype=torch.bool)
+    for b in range(shape[0]):
+        for r in range(shape[1]):
+            for c in indices[b, 0, r, : num_blocks[b, 0, r]].tolist():
+                dense[b, r, c] = True
+    return dense
+
+
+def round_up(x):
+    return (x + TILE - 1) // TILE * TILE
+
+
+def make_anchors(seq_len, block_size, max_anchors, loss_spans, seed=0):
+    loss_mask = torch.zeros(len(loss_spans), seq_len)
+    for b, (lo, hi) in enumerate(loss_spans):
+        loss_mask[b, lo:hi] = 1
+    return sample_anchors(loss_mask, max_anchors, block_size, torch.Generator().manual_seed(seed))
+
+
+CASES = [
+    # (seq_len, block_size, max_anchors, loss spans per sequence, window)
+    (40, 4, 3, [(5, 40), (0, 30)], None),  # few anchors
+    (40, 4, 3, [(5, 40), (0, 30)], 6),
+    (200, 8, 40, [(20, 200), (100, 180)], None),  # many anchors, padding to 128 on both axes
+    (200, 8, 40, [(20, 200), (100, 180)], 12),
+    (200, 8, 40, [(20, 200), (190, 200)], 5),  # window < block; second sequence skipped (< 2B loss tokens)
+    (64, 4, 61, [(1, 64), (30, 64)], 3),  # every position an anchor: blocks overlap in position
+]
+
+
+@pytest.mark.parametrize("seq_len,block_size,max_anchors,spans,window", CASES)
+def test_dense_mask_matches_reference(seq_len, block_size, max_anchors, spans, window):
+    anchors, valid = make_anchors(seq_len, block_size, max_anchors, spans)
+    got = dense_mask(anchors, valid, seq_len, block_size, window)[:, 0]
+    want = reference_mask(anchors.tolist(), valid.tolist(), seq_len, block_size, window)
+    assert got.shape == want.shape
+    assert torch.equal(got, want), f"{(got != want).sum()} mismatches"
+
+
+@pytest.mark.parametrize("seq_len,block_size,max_anchors,spans,window", CASES)
+def test_block_mask_matches_reference_tile_by_tile(seq_len, block_size, max_anchors, spans, window):
+    anchors, valid = make_anchors(seq_len, block_size, max_anchors, spans)
+    q_len, kv_len = anchors.shape[1] * block_size, seq_len + anchors.shape[1] * block_size
+    bm = build_block_mask(anchors, valid, seq_len, block_size, window, compiled=False)
+    assert bm.shape == (2, 1, q_len, kv_len)
+    want = reference_mask(anchors.tolist(), valid.tolist(), seq_len, block_size, window, (round_up(q_len), round_up(kv_len)))
+    any_t, all_t = tiles(want)
+    shape = any_t.shape
+    partial = listed_blocks(bm.kv_num_blocks, bm.kv_indices, shape)
+    full = listed_blocks(bm.full_kv_num_blocks, bm.full_kv_indices, shape)
+    # Kernels skip unlisted tiles and skip the mask_mod on full ones: both must be exact.
+    assert torch.equal(full, all_t)
+    assert torch.equal(partial, any_t & ~all_t)
+    # Inside partial tiles the kernel evaluates the mask_mod over the padded grid.
+    mod = dflash_mask_mod(anchors, valid, seq_len, block_size, window)
+    got = create_mask(mod, 2, 1, round_up(q_len), round_up(kv_len), device="cpu")[:, 0]
+    assert torch.equal(got, want)
+
+
+def test_bug2_context_is_strictly_before_the_anchor():
+    anchors, valid = torch.tensor([[7, 20]]), torch.tensor([[True, True]])
+    m = dense_mask(anchors, valid, 32, 4)[0, 0]
+    for n, a in enumerate([7, 20]):
+        rows = m[n * 4 : n * 4 + 4]
+        assert rows[:, a - 1].all(), "the token before the anchor must be visible"
+        assert not rows[:, a].any(), "the anchor's own target feature does not exist at inference"
+        assert not rows[:, a + 1 : 32].any()
+
+
+def test_bug3_blocks_never_see_each_other_even_when_positions_overlap():
+    # Anchors 10 and 11 cover positions 10..13 and 11..14; sequence 1 has other anchors.
+    anchors = torch.tensor([[10, 11, 30], [2, 3, 4]])
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    ctx, bs = 40, 4
+    for window in (None, 8):
+        m = dense_mask(anchors, valid, ctx, bs, window)[:, 0]
+        for b in range(2):
+            for n in range(3):
+                rows = m[b, n * bs : (n + 1) * bs, ctx:]
+                own = torch.zeros_like(rows)
+                own[:, n * bs : (n + 1) * bs] = True
+                assert not (rows & ~own).any(), f"block {n} of sequence {b} sees another block"
+                # Each sequence uses its own anchors (indexed by b, not shared across the batch).
+                a = anchors[b, n].item()
+                assert not m[b, n * bs, a:ctx].any()
+                if window is None:
+                    assert m[b, n * bs, :a].all()
+
+
+def test_bug4_block_is_bidirectional_in_full_layers_causal_in_sliding():
+    anchors, valid = torch.tensor([[5]]), torch.tensor([[True]])
+    full = dense_mask(anchors, valid, 16, 4)[0, 0, :, 16:]
+    assert full.all(), "slot 0 must see slot 3 in a full layer"
+    sliding = dense_mask(anchors, valid, 16, 4, window=64)[0, 0, :, 16:]
+    assert torch.equal(sliding, torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_invalid_blocks_see_nothing():
+    anchors, valid = make_anchors(48, 4, 10, [(0, 48), (41, 48)])  # sequence 1: 7 < 2B loss tokens
+    assert not valid[1].any()
+    m = dense_mask(anchors, valid, 48, 4)[:, 0]
+    assert not m[1].any()
+    invalid_rows = (~valid[0]).repeat_interleave(4)
+    assert not m[0, invalid_rows].any()
+
+
+def test_bug5_padded_rows_are_clamped_and_masked():
+    # Q = 5 * 4 = 20 and KV = 50 + 20 = 70: both far from a multiple of 128.
+    anchors, valid = torch.tensor([[3, 9, 17, 30, 41]]), torch.tensor([[True, True, False, True, True]])
+    mod = dflash_mask_mod(anchors, valid, 50, 4, window=7)
+    padded = create_mask(mod, 1, 1, TILE, TILE, device="cpu")[0, 0]  # what a kernel evaluates for the tile
+    assert not padded[20:].any() and not padded[:, 70:].any()
+    assert torch.equal(padded[:20, :70], reference_mask(anchors.tolist(), valid.tolist(), 50, 4, 7)[0])
+    bm = build_block_mask(anchors, valid, 50, 4, compiled=False)
+    assert bm.shape == (1, 1, 20, 70)
+
+    # The same rule without the clamp reads the anchor table out of bounds.
+    def unclamped(b, h, q_idx, kv_idx):
+        return kv_idx < anchors[b, q_idx // 4]
+
+    with pytest.raises(IndexError):
+        create_mask(unclamped, 1, 1, TILE, TILE, device="cpu")
+
+
+def test_bug6_compiled_block_mask_does_not_recompile_across_anchor_counts():
+    # Dynamo's guards decide recompiles the same way for every backend; the eager
+    # backend keeps this test at about a second on CPU (inductor: ~20 s per compile).
+    builder = compiled_block_mask_builder("eager")
+    seq_len, bs, max_anchors = 96, 4, 12
+    spans = [[(0, 96), (88, 96)], [(86, 96), (0, 9)], [(0, 0), (0, 20)]]  # 12, 5, 7, 8, 0 valid
+    warm_anchors, warm_valid = make_anchors(seq_len, bs, max_anchors, spans[0])
+    build_block_mask(warm_anchors, warm_valid, seq_len, bs, builder=builder)  # warm-up: one compile
+
+    valid_counts = set()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for seed, loss_spans in enumerate(spans):
+            anchors, valid = make_anchors(seq_len, bs, max_anchors, loss_spans, seed=seed)
+            assert anchors.shape == (2, max_anchors)  # static per bucket, whatever the data
+            valid_counts.update(valid.sum(1).tolist())
+            got = build_block_mask(anchors, valid, seq_len, bs, builder=builder)
+            want = build_block_mask(anchors, valid, seq_len, bs, compiled=False)
+            assert torch.equal(got.to_dense(), want.to_dense())
+        assert len(valid_counts) >= 4  # several anchor counts went through one compiled entry
+
+        # The bug: anchor tables sized to the anchors found recompile on every new count.
+        with pytest.raises(RuntimeError, match="recompile"):
+            build_block_mask(anchors[:, :5], valid[:, :5], seq_len, bs, builder=builder)
+
+
+# ----------------------------------------------------------------------------- attention paths
+
+
+def test_bug7_gpu_path_refuses_the_dense_fallback():
+    # Only the selection logic is exercised: no GPU is needed to choose a path.
+    with warnings.catch_warnings():  # selection installs a process-wide filter; keep it local here
+        assert select_attention_path("cuda", "auto") == AttentionPath(FLEX_COMPILED, "cuda")
+        assert select_attention_path("cuda:3", "on").name == FLEX_COMPILED
+        with pytest.raises(ConfigError, match="allow_eager"):
+            select_attention_path("cuda", "off")
+        assert select_attention_path("cuda", "off", allow_eager=True).name == FLEX_EAGER
+        assert select_attention_path("cpu", "auto").name == SDPA
+        assert select_attention_path("cpu", "off").name == SDPA
+        with pytest.raises(ConfigError, match="no backward on CPU"):
+            select_attention_path("cpu", "on")
+
+        # After choosing the compiled GPU path, a silent eager fallback is an error,
+        # even when torch already showed its once-per-process warning.
+        q = torch.randn(1, 2, 8, 16)
+        bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, 8, 8, device="cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flex_attention(q, q, q, block_mask=bm)  # torch now counts its warning as shown
+        select_attention_path("cuda", "auto")
+        for _ in range(2):
+            with pytest.raises(UserWarning, match="without torch.compile"):
+                flex_attention(q, q, q, block_mask=bm)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_and_sdpa_paths_agree(window):
+    torch.manual_seed(0)
+    seq_len, bs = 40, 4
+    anchors, valid = make_anchors(seq_len, bs, 6, [(3, 40), (0, 36)])
+    valid[0, 2] = False  # an invalid block in the middle
+    q = torch.randn(2, 4, 6 * bs, 16)
+    k = torch.randn(2, 2, seq_len + 6 * bs, 16)
+    v = torch.randn(2, 2, seq_len + 6 * bs, 16)
+    types = ["sliding" if window else "full"]
+    before = paths_ran()
+    out = {}
+    for path in (AttentionPath(SDPA, "cpu"), AttentionPath(FLEX_EAGER, "cpu")):
+        masks = build_layer_masks(path, anchors, valid, seq_len, bs, types, window or 0)
+        out[path.name] = attend(q, k, v, masks.for_layer(types[0]), path)
+    after = paths_ran()
+    assert after.get(SDPA, 0) - before.get(SDPA, 0) == 1
+    assert after.get(FLEX_EAGER, 0) - before.get(FLEX_EAGER, 0) == 1
+    assert (out[SDPA] - out[FLEX_EAGER]).abs().max() < 1e-5
+    assert torch.isfinite(out[SDPA]).all()
+    assert out[SDPA][0, :, 2 * bs : 3 * bs].abs().max() == 0  # rows that see nothing are zeros
+    # and the dense path agrees with a plain softmax over the reference mask
+    ref = reference_mask(anchors.tolist(), valid.tolist(), seq_len, bs, window)[:, None]
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = (q @ kk.transpose(-1, -2) / 4.0).masked_fill(~ref, float("-inf"))
+    manual = torch.nan_to_num(scores.softmax(-1)) @ vv
+    assert (manual - out[SDPA]).abs().max() < 1e-5
+
+
+def test_sdpa_path_trains_on_cpu():
+    anchors, valid = make_anchors(24, 4, 4, [(0, 24)])
+    mask = dense_mask(anchors, valid, 24, 4)
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    kv = torch.randn(1, 1, 40, 8, requires_grad=True)
+    out = attend(q, kv, kv, mask, AttentionPath(SDPA, "cpu"))
+    out.square().sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()

@@ -1,0 +1,168 @@
+"""The threaded pipeline on CPU with the tiny preset: real threads, real models."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from dflashctl import contract
+from tests.test_trainer_run import Trainer, read_status, tiny_config
+from trainer import pipeline as pl
+from trainer.anchors import sample_anchors
+from trainer.attention import select_attention_path
+from trainer.compile import Discipline
+from trainer.config import from_dict
+from trainer.data import build_source
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.step import compute_loss
+from trainer.train import resolve_devices
+
+
+def make_pipeline(targets=(0,), drafters=(0, 1), compute=compute_loss, anchors=sample_anchors, queue_depth=2, steps=6):
+    cfg = from_dict(tiny_config(placement={"device": "cpu", "target": list(targets), "drafter": list(drafters),
+                                           "queue_depth": queue_depth}, train={"steps": steps}))
+    _, target_devs, drafter_devs = resolve_devices(cfg)
+    target_models, replicas = pl.build_models(cfg, target_devs, drafter_devs, torch.float32)
+    source = build_source(cfg, target_models[0].vocab_size, replicas[0].mask_token_id)
+    optimizer = build_optimizer(replicas[0].trainable_parameters(), cfg, torch.device("cpu"))
+    pipe = pl.Pipeline(cfg=cfg, source=source, targets=target_models, target_devices=target_devs, replicas=replicas,
+                       drafter_devices=drafter_devs, attention_path=select_attention_path("cpu"),
+                       discipline=Discipline(cfg, 2, enabled=False, guard_eager_flex=False), compute_loss=compute,
+                       sample_anchors=anchors, start_step=0, total_steps=steps, first_batch=0,
+                       compute_dtype=torch.float32)
+    return pipe, optimizer, build_scheduler(optimizer, cfg)
+
+
+def train(pipe, optimizer, scheduler, steps):
+    """The coordinator side of train.py's loop, without the run directory."""
+    out = []
+    for step in range(steps):
+        reports = pipe.collect(step)
+        pl.optimizer_step(pipe.replicas, pipe.drafter_devices, optimizer, scheduler, 1.0)
+        pipe.release(step)
+        out.append(reports)
+    return out
+
+
+def pipeline_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("target-", "drafter-"))]
+
+
+@pytest.fixture(autouse=True)
+def no_threads_left_behind():
+    yield
+    assert pipeline_threads() == []
+
+
+def test_threads_train_deterministically_and_shut_down_cleanly():
+    runs = []
+    for _ in range(2):
+        pipe, opt, sched = make_pipeline(targets=(0, 1), drafters=(0, 1))
+        for _, _, job in pl.warmup_jobs(pipe):  # warm-up leaves no gradient behind
+            job()
+        assert all(p.grad is None for r in pipe.replicas for p in r.parameters())
+        pipe.start()
+        assert sorted(pipeline_threads()) == ["drafter-0@cpu", "drafter-1@cpu", "target-0@cpu", "target-1@cpu"]
+        reports = train(pipe, opt, sched, 6)
+        assert pipe.stop(timeout=10) == [] and pipe.error is None
+        # batch k = step * D + r goes to replica r, from target k % T, whatever the timing
+        assert [[(r.replica, r.index) for r in step] for step in reports] == [[(0, 2 * s), (1, 2 * s + 1)] for s in range(6)]
+        runs.append([r.loss for step in reports for r in step])
+    assert runs[0] == runs[1]
+    assert all(loss == loss for loss in runs[0])
+
+
+def test_replicas_stay_bit_identical():
+    pipe, opt, sched = make_pipeline(drafters=(0, 1))
+    before = [p.detach().clone() for p in pl.trainable(pipe.replicas[0])]
+    pipe.start()
+    train(pipe, opt, sched, 5)
+    assert pipe.stop(timeout=10) == []
+    assert pl.replicas_identical(pipe.replicas)
+    assert pipe.replicas[0] is not pipe.replicas[1]
+    assert any(not torch.equal(a, p) for a, p in zip(before, pl.trainable(pipe.replicas[0])))
+
+
+def test_gradients_are_averaged_onto_the_master_in_replica_order():
+    replicas = [torch.nn.Linear(3, 2) for _ in range(3)]
+    grads = [torch.randn(2, 3) for _ in replicas]
+    for m, g in zip(replicas, grads):
+        m.weight.grad = g.clone()
+    replicas[2].bias.grad = torch.ones(2)  # a parameter only one replica used
+    pl.reduce_gradients(replicas)
+    assert torch.equal(replicas[0].weight.grad, ((grads[0] + grads[1]) + grads[2]) * (1 / 3))
+    assert torch.equal(replicas[0].bias.grad, torch.ones(2) / 3)
+    pl.broadcast_parameters(replicas)
+    assert pl.replicas_identical(replicas) and all(p.grad is None for m in replicas for p in m.parameters())
+
+
+def _raise_on(n: int, fn, exc: Exception, when: dict, replica_name: str = ""):
+    """``fn``, except that its n-th call from a thread named ``replica_name``* raises ``exc``."""
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def wrapped(*args, **kwargs):
+        if threading.current_thread().name.startswith(replica_name):
+            with lock:
+                calls["n"] += 1
+                if calls["n"] == n:
+                    when["raised"] = time.monotonic()
+                    raise exc
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("where", ["drafter", "target"])
+def test_an_exception_in_any_thread_reaches_the_coordinator_within_seconds(where):
+    when: dict = {}
+    exc = ValueError(f"bad batch in the {where}")
+    if where == "drafter":
+        pipe, opt, sched = make_pipeline(compute=_raise_on(3, compute_loss, exc, when, "drafter-1"), steps=50)
+    else:
+        pipe, opt, sched = make_pipeline(anchors=_raise_on(4, sample_anchors, exc, when, "target-0"), steps=50)
+    pipe.start()
+    with pytest.raises(ValueError, match=f"bad batch in the {where}") as info:
+        train(pipe, opt, sched, 50)
+    assert time.monotonic() - when["raised"] < 10  # no hang: every wait looks at the stop event
+    assert info.value._dflash_thread == ("drafter-1@cpu" if where == "drafter" else "target-0@cpu")
+    assert "Traceback" in info.value._dflash_traceback
+    assert pipe.stop(timeout=10) == []
+
+
+def test_stop_frees_a_target_blocked_on_a_full_queue():
+    pipe, opt, sched = make_pipeline(targets=(0,), drafters=(0,), queue_depth=1, steps=50)
+    pipe.start()
+    pipe.collect(0)  # never released: the drafter waits, the target fills its queue and blocks on put
+    deadline = time.monotonic() + 30
+    while pipe.queue_depths() != [1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pipe.queue_depths() == [1]
+    t0 = time.monotonic()
+    assert pipe.stop(timeout=10) == [] and time.monotonic() - t0 < 5
+
+
+@pytest.mark.slow
+def test_raise_in_thread_fault_fails_the_run_with_its_signature(tmp_path):
+    cfg = tiny_config(placement={"device": "cpu", "target": [0], "drafter": [0, 1]},
+                      train={"steps": 1000, "log_every": 1, "checkpoint_every": 0},
+                      fault={"kind": "raise_in_thread", "after_steps": 3, "message": "NCCL watchdog timeout on rank 3"})
+    t = Trainer(cfg, tmp_path / "run")
+    try:
+        code = t.wait(180)
+    finally:
+        t.kill()
+    assert code == contract.EXIT_CRASH, t.output[-3000:]
+    status = read_status(t.run_dir)
+    assert status["phase"] == contract.PHASE_FAILED
+    assert status["error"] == "RuntimeError: NCCL watchdog timeout on rank N"
+    assert status["detail"]["thread"] == "drafter-0@cpu"
+    with open(os.path.join(t.run_dir, "fault_fired.json")) as f:
+        fired = json.load(f)["time"]
+    assert status["updated"] - fired < 10  # failed within seconds of the raise
+    assert "error in thread drafter-0@cpu: RuntimeError: NCCL watchdog timeout on rank 3" in t.output

@@ -1,0 +1,606 @@
+"""The supervisor loop for real, fast: trainer-like processes (tests/harness/
+fake_trainer.py: the trainer's run-directory contract without torch) started by
+the launcher's own run.sh in tmux on the local host, a real SQLite store, the real
+probe, the launcher's real restart, a real webhook on 127.0.0.1.
+
+The slow end-to-end versions with the real tiny trainer over the sshd harness are
+in test_supervisor_e2e.py. Every tmux server here is on a socket private to this
+test process and is ended by its pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflashctl import contract, deploy
+from dflashctl.bundle import build_bundle
+from dflashctl.config import load_inventory, load_playbook
+from dflashctl.launch import run_files, start_command
+from dflashctl.store import Store, new_run_id
+from dflashctl.supervisor import (
+    RESTART_MARKER, Supervisor, SupervisorConflict, _attempt_output, live_supervisor,
+)
+from dflashctl.tmux import SOCKET_ENV, Tmux
+from dflashctl.transport import connect
+
+FAKE_TRAINER = Path(__file__).parent / "harness" / "fake_trainer.py"
+SOCKET = f"dflash-sup-{os.getpid()}"
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- helpers (also used by the e2e tests)
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition", every: float = 0.1, tick=None):
+    """Poll ``predicate`` (calling ``tick`` first, when given) until it is true."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if tick is not None:
+            tick()
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(every)
+
+
+def kinds(store: Store, run_id: str, kind: str | None = None) -> list:
+    return store.events(run_id, kind=kind)
+
+
+def states(store: Store, run_id: str) -> list[str]:
+    return [e.detail["to"] for e in store.events(run_id, kind="state")]
+
+
+def read_status(run_dir: str) -> contract.Status | None:
+    try:
+        return contract.parse_status(Path(run_dir, contract.STATUS_FILE).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def metrics_lines(run_dir: str) -> list[contract.Metrics]:
+    path = Path(run_dir, contract.METRICS_FILE)
+    if not path.exists():
+        return []
+    return [contract.parse_metrics_line(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_playbook(directory: Path, name: str, host: str, trainer: dict, **settings) -> Path:
+    raw = {
+        "host": host,
+        "trainer": {
+            "model": {"preset": "tiny"},
+            "data": {"buckets": [256], "batch_size": 1, "max_anchors": 16},
+            "placement": {"device": "cpu", "target": [0], "drafter": [0]},
+            **trainer,
+        },
+        "compile_cache": None,
+        **settings,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+class Webhook:
+    """A real HTTP server on 127.0.0.1 recording the JSON bodies POSTed to it."""
+
+    def __init__(self):
+        self.received: list[dict] = []
+        received = self.received
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/alerts"
+        self.thread = threading.Thread(target=self.server.serve_forever, name="test-webhook", daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+class Background:
+    """A supervisor looping on a thread (as `dflashctl watch` does in its own process)."""
+
+    def __init__(self, sup: Supervisor):
+        self.sup = sup
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="test-supervisor", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.sup.run(self.stop)
+        except BaseException as e:  # noqa: BLE001  (re-raised by close in the test's thread)
+            self.error = e
+
+    def close(self, timeout: float = 60.0):
+        self.stop.set()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the supervisor did not stop"
+        if self.error is not None:
+            raise self.error
+
+
+def kill_tmux_servers(servers) -> None:
+    for host, inventory, socket in servers:
+        try:
+            pid = Tmux(host, inventory, socket).server_pid()
+        except Exception:  # noqa: BLE001  (the host may already be gone)
+            continue
+        if pid:  # test hosts are this machine: the pid is ours to end
+            os.kill(pid, signal.SIGTERM)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_tmux_socket():
+    previous = os.environ.get(SOCKET_ENV)
+    os.environ[SOCKET_ENV] = SOCKET
+    yield
+    if previous is None:
+        os.environ.pop(SOCKET_ENV, None)
+    else:
+        os.environ[SOCKET_ENV] = previous
+
+
+class LocalEnv:
+    """The local host with a deployed bundle, a store, playbooks; ``start`` launches
+    a fake-trainer run the way the launcher does (run.sh in a tmux session)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.workdir = str(root / "work")
+        self.inventory_path = root / "inventory.yaml"
+        self.inventory_path.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local", "workdir": self.workdir}}}))
+        self.inventory = load_inventory(str(self.inventory_path))
+        self.host = self.inventory.get("local")
+        self.playbooks = root / "playbooks"
+        self.store_path = str(root / "runs.db")
+        self.store = Store(self.store_path)
+        self.transport = connect("local", self.inventory)
+        result = deploy.deploy_bundle(self.transport, build_bundle(), self.workdir)
+        self.bundle_hash, self.bundle_dir = result.bundle_hash, result.bundle_dir
+        self.tmux = Tmux(self.host, self.inventory, SOCKET)
+
+    def playbook(self, name: str, trainer: dict | None = None, **settings):
+        trainer = {"train": {"steps": 100000, "log_every": 2, "checkpoint_every": 4}, **(trainer or {})}
+        settings.setdefault("poll_interval", 0.2)
+        settings.setdefault("restart", {"backoff_initial": 0.05, "backoff_max": 0.1, "jitter": 0})
+        return load_playbook(str(write_playbook(self.playbooks, name, "local", trainer, **settings)),
+                             inventory=self.inventory)
+
+    def start(self, pb, step_s: float = 0.05, tokens: int = 256) -> str:
+        now = time.time()
+        run_id = new_run_id(pb.name, now)
+        run_dir = deploy.run_dir(self.workdir, run_id)
+        config = {
+            "trainer": pb.trainer.to_dict(),
+            "gpus": [],
+            "env": {"PYTHONPATH": self.bundle_dir, "FAKE_TRAINER_STEP_S": str(step_s),
+                    "FAKE_TRAINER_TOKENS": str(tokens)},
+            "compile_cache": None,
+            # run.sh runs `<python> -m trainer --config ...`: here the fake trainer takes those arguments.
+            "python": f"{sys.executable} {FAKE_TRAINER}",
+            "workdir": self.workdir,
+            "playbook_source": pb.source,
+        }
+        self.store.create_run(pb.name, "local", config, now, run_id=run_id, bundle_hash=self.bundle_hash,
+                              run_dir=run_dir, tmux_session=run_id, tmux_socket=SOCKET)
+        deploy.write_run_files(self.transport, run_dir, run_files(run_id, run_dir, config, SOCKET))
+        self.tmux.start(run_id, start_command(run_dir))
+        return run_id
+
+    def run_dir(self, run_id: str) -> str:
+        return self.store.get_run(run_id).run_dir
+
+    def trainer_pid(self, run_id: str, other_than: int | None = None) -> int:
+        def pid():
+            status = read_status(self.run_dir(run_id))
+            return status.pid if status and status.pid and status.pid != other_than else None
+
+        return wait_for(pid, 20, "the trainer's pid in status.json")
+
+    def supervisor(self, **kw) -> Supervisor:
+        kw.setdefault("interval", 0.2)
+        kw.setdefault("playbooks_dir", str(self.playbooks))
+        return Supervisor(self.store, self.inventory, **kw)
+
+
+@pytest.fixture(scope="module")
+def local_env(tmp_path_factory):
+    env = LocalEnv(tmp_path_factory.mktemp("supervisor"))
+    yield env
+    kill_tmux_servers([(env.host, env.inventory, SOCKET)])
+
+
+@pytest.fixture
+def webhook():
+    hook = Webhook()
+    yield hook
+    hook.close()
+
+
+# --------------------------------------------------------------------------- samples, offsets, states
+
+
+def test_samples_are_stored_once_with_their_offset_and_the_run_goes_running(local_env):
+    pb = local_env.playbook("steady")
+    run_id = local_env.start(pb)
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    store = local_env.store
+    try:
+        wait_for(lambda: len(store.samples(run_id)) >= 6, 20, "six samples", tick=sup.tick)
+        assert store.get_run(run_id).state == "running"
+        assert states(store, run_id) == ["launching", "running"]
+        assert store.get_run(run_id).supervisor["pid"] == os.getpid()
+        # Every complete metrics line the store has is in the file, in order, once.
+        local_env.tmux.kill(run_id)
+        sup.tick()
+        lines = metrics_lines(local_env.run_dir(run_id))
+        stored = store.samples(run_id)
+        assert [(s.time, s.step) for s in stored] == [(m.time, m.step) for m in lines][: len(stored)]
+        offset, inode = store.metrics_position(run_id)
+        if len(stored) == len(lines):
+            assert offset == Path(local_env.run_dir(run_id), contract.METRICS_FILE).stat().st_size
+    finally:
+        local_env.tmux.kill(run_id)
+        sup.close()
+    assert store.get_run(run_id).supervisor is None  # released on a clean exit
+
+
+def test_a_finished_run_ends_done_and_the_loop_ends_with_it(local_env):
+    pb = local_env.playbook("short", {"train": {"steps": 12, "log_every": 2, "checkpoint_every": 4}})
+    run_id = local_env.start(pb, step_s=0.02)
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    seen = []
+    sup.emit = lambda kind, payload: seen.append((kind, payload))
+    done = threading.Event()
+    threading.Timer(30, done.set).start()
+    sup.run(done)  # returns by itself: nothing active is left
+    assert not done.is_set()
+    run = local_env.store.get_run(run_id)
+    assert (run.state, run.exit_code, run.exit_reason) == ("done", 0, "done")
+    assert run.ended is not None
+    assert max(s.step for s in local_env.store.samples(run_id)) == 12
+    assert any(k == "event" and e.kind == "state" and "training finished at step 12" in e.message for k, e in seen)
+    done.set()
+
+
+# --------------------------------------------------------------------------- crash, restart, cost
+
+
+def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_the_cost_recorded(local_env, webhook):
+    pb = local_env.playbook("crashy", alerts={"webhook": webhook.url, "min_severity": "error"})
+    run_id = local_env.start(pb)
+    store = local_env.store
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    try:
+        wait_for(lambda: (store.get_run(run_id).state == "running" and len(store.samples(run_id)) >= 5), 20,
+                 "a running run with samples", tick=sup.tick)
+        first_pid = local_env.trainer_pid(run_id)
+        checkpoint = int(Path(local_env.run_dir(run_id), "checkpoints", "fake-step").read_text())
+        killed_at = time.time()
+        os.kill(first_pid, signal.SIGKILL)
+        wait_for(lambda: store.restarts(run_id), 20, "a restart row", tick=sup.tick)
+        crash = next(e for e in kinds(store, run_id, "crash"))
+        assert crash.time - killed_at < 3 * 0.2 + 2  # within a tick (plus the probe and settling)
+        assert crash.detail["signature"] == "killed_by_signal"
+        assert "exit" in crash.message and "137" in crash.message
+        wait_for(lambda: store.restarts(run_id)[0].time_to_first_step_s is not None, 20, "the first step after the restart",
+                 tick=sup.tick)
+        restart = store.restarts(run_id)[0]
+        assert (restart.action, restart.signature) == ("restart", "killed_by_signal")
+        assert 0 <= restart.detect_delay_s < 2.0
+        assert restart.downtime_s >= restart.time_to_first_step_s > 0
+        assert restart.step_before >= checkpoint
+        second_pid = local_env.trainer_pid(run_id, other_than=first_pid)
+        assert second_pid != first_pid
+        wait_for(lambda: store.restarts(run_id)[0].step_after > restart.step_before, 20, "progress past the crash",
+                 tick=sup.tick)
+        assert states(store, run_id) == ["launching", "running", "restarting", "running"]
+        log = Path(local_env.run_dir(run_id), contract.LOG_FILE).read_text()
+        assert f"resumed from checkpoints/fake-step: step {checkpoint}" in log.split(RESTART_MARKER)[-1]
+        sup.close()  # delivers the queued alerts
+        assert [a["kind"] for a in webhook.received] == ["crash"]
+        assert webhook.received[0]["run_id"] == run_id and "restart 1/5" in webhook.received[0]["message"]
+    finally:
+        local_env.tmux.kill(run_id)
+        sup.close()
+
+
+def test_an_injected_fx_race_is_classified_and_restarted_with_serialized_warmup(local_env):
+    message = "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+    pb = local_env.playbook("fxrace", {"fault": {"kind": "exit", "after_steps": 3, "message": message},
+                                       "compile": {"serialized_warmup": False}})
+    run_id = local_env.start(pb)
+    store = local_env.store
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    try:
+        wait_for(lambda: store.restarts(run_id), 20, "a restart", tick=sup.tick)
+        restart = store.restarts(run_id)[0]
+        assert (restart.signature, restart.action) == ("fx_race", "restart_serialized")
+        crash = kinds(store, run_id, "crash")[0]
+        assert crash.detail["signature"] == "fx_race" and message in crash.detail["matched_line"]
+        config = json.loads(Path(local_env.run_dir(run_id), contract.CONFIG_FILE).read_text())
+        assert config["compile"]["serialized_warmup"] is True
+        process = kinds(store, run_id, "process")[-1]
+        assert process.detail["serialized_warmup"] is True
+        wait_for(lambda: store.get_run(run_id).state == "running" and store.restarts(run_id)[0].step_after, 20,
+                 "the restarted process training (the fault fires once)", tick=sup.tick)
+    finally:
+        local_env.tmux.kill(run_id)
+        sup.close()
+
+
+def test_a_crash_loop_stops_after_k_restarts_with_an_alert(local_env, webhook):
+    pb = local_env.playbook(
+        "loop", {"fault": {"kind": "exit", "after_steps": 0, "message": "boom", "once": False, "exit_code": 1}},
+        restart={"crash_loop_k": 2, "backoff_initial": 0.05, "backoff_max": 0.1, "jitter": 0},
+        alerts={"webhook": webhook.url, "min_severity": "error", "min_interval": 60},
+    )
+    run_id = local_env.start(pb)
+    store = local_env.store
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    stop = threading.Event()
+    threading.Timer(60, stop.set).start()
+    sup.run(stop)  # ends by itself once the run is failed
+    stop.set()
+    run = store.get_run(run_id)
+    assert run.state == "failed"
+    assert run.exit_reason.startswith("unknown: crash loop: 2 restarts in a row without step progress")
+    assert len(store.restarts(run_id)) == 2
+    assert [s for s in states(store, run_id) if s != "running"] == ["launching", "restarting", "restarting", "failed"]
+    critical = [a for a in webhook.received if a["severity"] == "critical"]
+    assert len(critical) == 1 and "crash loop" in critical[0]["message"] and critical[0]["kind"] == "crash"
+    # the first crash alert went out; the second was rate-limited (same kind, same severity)
+    assert [a["severity"] for a in webhook.received] == ["error", "critical"]
+    assert critical[0].get("suppressed") == 1
+
+
+# --------------------------------------------------------------------------- stall, regression
+
+
+def test_a_stopped_trainer_is_a_stall_left_alone_until_it_continues(local_env):
+    pb = local_env.playbook("frozen", expect={"stall_window": 30})
+    run_id = local_env.start(pb)
+    store = local_env.store
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    pid = None
+    try:
+        wait_for(lambda: len(store.samples(run_id)) >= 2, 20, "samples", tick=sup.tick)
+        pid = local_env.trainer_pid(run_id)
+        stopped_at = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: store.get_run(run_id).state == "stalled", 10, "stalled", tick=sup.tick)
+        stall = kinds(store, run_id, "stall")[0]
+        assert stall.time - stopped_at < 30  # well inside the stall window: state T is seen at once
+        assert f"trainer process {pid} is stopped" in stall.message
+        assert "not restarting a process someone stopped on purpose" in kinds(store, run_id, "state")[-1].message
+        for _ in range(5):
+            sup.tick()
+        assert not store.restarts(run_id)
+        assert len(kinds(store, run_id, "stall")) == 1  # said once, not every poll
+        os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: store.get_run(run_id).state == "running", 10, "running again", tick=sup.tick)
+        assert "stall cleared" in kinds(store, run_id, "stall")[-1].message
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+        local_env.tmux.kill(run_id)
+        sup.close()
+
+
+def test_a_hung_trainer_is_restarted_after_the_stall_window(local_env):
+    pb = local_env.playbook("hang", {"fault": {"kind": "hang", "after_steps": 4}}, expect={"stall_window": 1.5})
+    run_id = local_env.start(pb)
+    store = local_env.store
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    try:
+        wait_for(lambda: store.restarts(run_id), 20, "a restart of the hung trainer", tick=sup.tick)
+        stall = kinds(store, run_id, "stall")[0]
+        assert "no new step for" in stall.message and "stall window 2 s" in stall.message
+        restart = store.restarts(run_id)[0]
+        assert restart.signature == "stall" and restart.detect_delay_s >= 1.5
+        wait_for(lambda: store.restarts(run_id)[0].step_after, 20, "training again", tick=sup.tick)
+    finally:
+        local_env.tmux.kill(run_id)
+        sup.close()
+
+
+def test_a_slowdown_is_a_regression_in_the_operators_terms(local_env):
+    pb = local_env.playbook(
+        "slow", {"fault": {"kind": "slow", "after_steps": 6, "factor": 3}, "train": {"steps": 100000, "log_every": 2}},
+        expect={"baseline_tok_s": 5000, "regression_windows": 2, "max_eta": "1d"},
+    )
+    run_id = local_env.start(pb, step_s=0.05, tokens=256)  # ~5 Ktok/s, then ~1.7 Ktok/s
+    store = local_env.store
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    try:
+        found = wait_for(lambda: kinds(store, run_id, "regression"), 30, "a regression", tick=sup.tick)[0]
+        assert found.severity == "warning"
+        assert "Ktok/s = " in found.message and "% of baseline 5.0 Ktok/s" in found.message
+        assert 20 <= found.detail["fraction"] * 100 <= 45
+        assert "ETA" in found.message and "> 1 d" in found.message
+        assert store.get_run(run_id).state == "running"  # a restart would not fix it
+        assert not store.restarts(run_id)
+    finally:
+        local_env.tmux.kill(run_id)
+        sup.close()
+
+
+# --------------------------------------------------------------------------- hosts
+
+
+def test_an_unreachable_host_is_a_finding_and_the_loop_goes_on(local_env, tmp_path):
+    import socket as socketlib
+
+    with socketlib.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    inventory_path = tmp_path / "inventory.yaml"
+    inventory_path.write_text(yaml.safe_dump({"hosts": {
+        "local": {"transport": "local", "workdir": local_env.workdir},
+        "gone": {"address": "127.0.0.1", "port": port, "known_hosts": str(tmp_path / "known_hosts"),
+                 "connect_timeout": 2},
+    }}))
+    inventory = load_inventory(str(inventory_path))
+    store = local_env.store
+    far = store.create_run("remote", "gone", {}, time.time(), run_dir="/nonexistent", tmux_session="x")
+    store.transition(far.id, "running", "trainer started", time.time())
+    pb = local_env.playbook("neighbour")
+    near = local_env.start(pb)
+    sup = Supervisor(store, inventory, interval=0.2, playbooks_dir=str(local_env.playbooks), escalate_after=0.5)
+    sup.attach(far.id)
+    sup.attach(near)
+    try:
+        for _ in range(4):
+            report = sup.tick()
+            time.sleep(0.2)
+        assert "connection refused" in report.hosts["gone"]
+        assert isinstance(report.hosts["local"], float)  # the other host is polled as usual
+        found = kinds(store, far.id, "unreachable")
+        assert [e.severity for e in found] == ["warning", "error"]  # escalated after escalate_after
+        assert found[0].message.startswith("host gone unreachable since ")
+        assert store.get_run(far.id).state == "lost"
+        assert store.get_run(near).state == "running" and store.samples(near)
+    finally:
+        local_env.tmux.kill(near)
+        sup.close()
+
+
+# --------------------------------------------------------------------------- one supervisor per run
+
+
+def test_a_new_supervisor_re_attaches_without_restarting_or_storing_twice(local_env):
+    pb = local_env.playbook("reattach")
+    run_id = local_env.start(pb)
+    store = local_env.store
+    first = local_env.supervisor()
+    first.attach(run_id)
+    try:
+        wait_for(lambda: len(store.samples(run_id)) >= 4, 20, "samples", tick=first.tick)
+        pid = local_env.trainer_pid(run_id)
+        # The first supervisor vanishes without a word (as if killed): no close().
+        time.sleep(0.5)
+        second = local_env.supervisor()
+        second.attach(run_id)
+        assert "re-attached" in kinds(store, run_id, "supervisor")[-1].message
+        before = len(store.samples(run_id))
+        wait_for(lambda: len(store.samples(run_id)) >= before + 4, 20, "more samples", tick=second.tick)
+        local_env.tmux.kill(run_id)
+        second.tick()
+        steps = [s.step for s in store.samples(run_id)]
+        assert steps == sorted(set(steps))  # no line stored twice, none skipped in between
+        assert steps == [m.step for m in metrics_lines(local_env.run_dir(run_id))][: len(steps)]
+        assert local_env.trainer_pid(run_id) == pid and not store.restarts(run_id)
+    finally:
+        local_env.tmux.kill(run_id)
+        first.close()
+        second.close()
+
+
+def test_a_run_with_a_live_supervisor_is_refused(local_env):
+    pb = local_env.playbook("claimed")
+    run_id = local_env.start(pb)
+    local_env.tmux.kill(run_id)
+    # A live process whose command line says `watch`, recorded as the run's supervisor.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "watch", run_id])
+    try:
+        import socket as socketlib
+
+        local_env.store.set_supervisor(run_id, {"pid": other.pid, "host": socketlib.gethostname(), "kind": "process"})
+        assert live_supervisor(local_env.store.get_run(run_id).supervisor)["pid"] == other.pid
+        with pytest.raises(SupervisorConflict, match=f"already supervised by pid {other.pid}"):
+            local_env.supervisor().attach(run_id)
+    finally:
+        other.kill()
+        other.wait()
+    assert live_supervisor(local_env.store.get_run(run_id).supervisor) is None  # gone: free to take
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def test_only_the_current_process_output_is_classified():
+    from dflashctl.probe import ProbeResult
+
+    log = "\n".join([
+        "step 10/100",
+        "Detected that you are using FX to symbolically trace a dynamo-optimized function",
+        f"{RESTART_MARKER} restart 1 at 2026-01-01 00:00:00 (fx_race, serialized warm-up) ---",
+        "step 12/100",
+    ])
+    pr = ProbeResult(run_dir="/r", session="s", host_time=0.0, log_tail=log, pane_tail=None)
+    assert _attempt_output(pr) == "step 12/100"
+    pr.log_tail = log.rsplit("\n", 1)[0]  # nothing printed since the restart: the pane (None) -> ""
+    assert _attempt_output(pr) == ""
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _cli(args, env_extra, timeout=60):
+    env = {**os.environ, **env_extra}
+    return subprocess.run([sys.executable, "-m", "dflashctl", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=str(REPO))
+
+
+def test_watch_once_prints_json_events_and_records_samples(local_env):
+    pb = local_env.playbook("cli")
+    run_id = local_env.start(pb)
+    store = local_env.store
+    try:
+        wait_for(lambda: metrics_lines(local_env.run_dir(run_id)), 20, "metrics")
+        env = {"DFLASHCTL_STORE": local_env.store_path, SOCKET_ENV: SOCKET}
+        out = _cli(["-i", str(local_env.inventory_path), "-p", str(local_env.playbooks), "watch", "cli", "--once",
+                    "--json"], env)
+        assert out.returncode == 0, out.stderr
+        events = [json.loads(line) for line in out.stdout.splitlines()]
+        assert "supervisor" in {e["kind"] for e in events}
+        assert all(e["run_id"] == run_id for e in events)
+        assert store.samples(run_id)  # recorded
+        assert store.get_run(run_id).state == "launching"  # --once observes: no state changes
+        assert store.get_run(run_id).supervisor is None  # and claims nothing
+        plain = _cli(["-i", str(local_env.inventory_path), "watch", run_id[:-1], "--once", "--interval", "1s"], env)
+        assert plain.returncode == 0 and f"  {run_id}  info     supervisor" in plain.stdout
+        missing = _cli(["-i", str(local_env.inventory_path), "watch", "no-such-thing", "--once"], env)
+        assert missing.returncode != 0 and "no run or playbook named 'no-such-thing'" in missing.stderr
+        assert "Traceback" not in missing.stderr
+    finally:
+        local_env.tmux.kill(run_id)

@@ -1,0 +1,173 @@
+"""Two attention paths over one set of mask functions (trainer/masks.py).
+
+- ``flex_compiled``: torch.compile'd flex_attention with a BlockMask. The GPU path:
+  fused kernel, memory linear in the sequence length.
+- ``sdpa``: scaled_dot_product_attention with the dense boolean mask rendered from
+  the same mask_mod. The CPU path (tests, demo): flex_attention has no backward on
+  CPU, and the dense mask is fine at tiny sizes.
+- ``flex_eager``: flex_attention without compile. It materialises the full score
+  matrix (7 GB at S=8192), so on a GPU it exists only behind ``compile.allow_eager``
+  (debugging); on CPU it is used by tests to check the BlockMask numerically.
+
+Every call records its path in a process-wide counter (``paths_ran``) that the
+training loop reports, so a run that silently left the fused path shows it.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import flex_attention as _flex_module
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from trainer.config import ConfigError
+from trainer.masks import build_block_mask, dense_mask
+
+FLEX_COMPILED = "flex_compiled"
+FLEX_EAGER = "flex_eager"
+SDPA = "sdpa"
+
+EAGER_FALLBACK_MESSAGE = "flex_attention called without torch.compile"
+
+# Created once for the process: every drafter layer and thread shares its cache
+# entries (one per device x length bucket), so warm-up covers them all.
+_flex_compiled = torch.compile(flex_attention, dynamic=False)
+
+_ran: Counter = Counter()
+_ran_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class AttentionPath:
+    name: str  # FLEX_COMPILED, FLEX_EAGER or SDPA
+    device_type: str  # 'cuda' or 'cpu'
+
+    @property
+    def uses_block_mask(self) -> bool:
+        return self.name != SDPA
+
+
+def select_attention_path(device: Union[str, torch.device], enabled: str = "auto", allow_eager: bool = False) -> AttentionPath:
+    """The path for ``compile.enabled`` on ``device``; ConfigError for a refused combination.
+
+    auto: cuda -> flex_compiled, cpu -> sdpa. on: flex_compiled (GPU only: no
+    flex backward on CPU). off: sdpa on CPU; on a GPU the dense flex path, which
+    is refused unless ``allow_eager`` (TORCH_THREADS.md rule 5).
+    """
+    device_type = torch.device(device).type
+    if enabled not in ("auto", "on", "off"):
+        raise ConfigError([f"compile.enabled: {enabled!r} is not one of 'auto', 'on', 'off'"])
+    if device_type == "cpu":
+        if enabled == "on":
+            raise ConfigError([
+                "compile.enabled: 'on' needs a GPU: flex_attention has no backward on CPU; "
+                "use 'auto' (dense SDPA on CPU)"
+            ])
+        return AttentionPath(SDPA, device_type)
+    if enabled == "off":
+        if not allow_eager:
+            raise ConfigError([
+                f"compile.enabled: 'off' on {device_type} would run flex_attention uncompiled, which "
+                "materialises the full score matrix (about 3x slower and O(S^2) memory); use 'auto', "
+                "or set compile.allow_eager: true to debug"
+            ])
+        return AttentionPath(FLEX_EAGER, device_type)
+    refuse_eager_fallback()
+    return AttentionPath(FLEX_COMPILED, device_type)
+
+
+def refuse_eager_fallback() -> None:
+    """Make flex_attention's "called without torch.compile" warning an error.
+
+    Dynamo runs a frame uncompiled when it hits the recompile limit; the only sign
+    is that warning, and torch shows it once per process. Clearing torch's
+    shown-once record (a private set; skipped if it moves) makes it fire, and so
+    raise, on the next fallback too.
+    """
+    warnings.filterwarnings("error", message=EAGER_FALLBACK_MESSAGE)
+    _forget_fallback_warning()
+
+
+def _forget_fallback_warning() -> None:
+    shown = getattr(_flex_module, "_WARNINGS_SHOWN", None)
+    if isinstance(shown, set):
+        shown.discard("flex_attention_performance")
+
+
+@dataclass
+class LayerMasks:
+    """The masks of one batch, one per layer type present, in the path's format."""
+
+    path: AttentionPath
+    full: Optional[Union[BlockMask, torch.Tensor]] = None
+    sliding: Optional[Union[BlockMask, torch.Tensor]] = None
+
+    def for_layer(self, layer_type: str) -> Union[BlockMask, torch.Tensor]:
+        mask = self.full if layer_type == "full" else self.sliding
+        if mask is None:
+            raise ValueError(f"no mask was built for '{layer_type}' layers")
+        return mask
+
+
+def build_layer_masks(
+    path: AttentionPath,
+    anchors_BN: torch.Tensor,
+    valid_BN: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    layer_types: list[str],
+    window: int,
+) -> LayerMasks:
+    masks = LayerMasks(path)
+    for layer_type in sorted(set(layer_types)):
+        w = window if layer_type == "sliding" else None
+        if path.uses_block_mask:
+            mask = build_block_mask(anchors_BN, valid_BN, ctx_len, block_size, w, compiled=path.name == FLEX_COMPILED)
+        else:
+            mask = dense_mask(anchors_BN, valid_BN, ctx_len, block_size, w)
+        setattr(masks, layer_type, mask)
+    return masks
+
+
+def attend(
+    q_BHQD: torch.Tensor,
+    k_BHKD: torch.Tensor,
+    v_BHKD: torch.Tensor,
+    mask: Union[BlockMask, torch.Tensor],
+    path: AttentionPath,
+) -> torch.Tensor:
+    """Masked GQA attention; rows that see no key come out as zeros on every path."""
+    if path.name == SDPA:
+        # The math kernel's safe softmax gives zeros for fully masked rows, like flex.
+        out_BHQD = F.scaled_dot_product_attention(q_BHQD, k_BHKD, v_BHKD, attn_mask=mask, enable_gqa=True)
+    elif path.name == FLEX_COMPILED:
+        out_BHQD = _flex_compiled(q_BHQD, k_BHKD, v_BHKD, block_mask=mask, enable_gqa=True)
+    elif path.name == FLEX_EAGER:
+        # Chosen deliberately (allow_eager, CPU checks), so not an error here; torch
+        # must still warn the next time, should a compiled call fall back.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=EAGER_FALLBACK_MESSAGE)
+            out_BHQD = flex_attention(q_BHQD, k_BHKD, v_BHKD, block_mask=mask, enable_gqa=True)
+        _forget_fallback_warning()
+    else:
+        raise ValueError(f"unknown attention path {path.name!r}")
+    with _ran_lock:
+        _ran[path.name] += 1
+    return out_BHQD
+
+
+def paths_ran() -> dict[str, int]:
+    """Attention calls per path since start (or the last reset), for metrics."""
+    with _ran_lock:
+        return dict(_ran)
+
+
+def reset_paths_ran() -> None:
+    with _ran_lock:
+        _ran.clear()

@@ -1,0 +1,180 @@
+"""The compile discipline of the threaded trainer (docs: TORCH_THREADS.md, "The discipline").
+
+torch.compile is not thread safe: concurrent first compiles of flex_attention
+forward and backward in several threads deadlock with no error. So:
+
+1. length buckets are fixed (config), so shapes are known up front;
+2. every device x bucket forward AND backward is compiled before the threads run
+   free, one at a time (``serialized_warmup``; progress goes to status.json in the
+   ``compiling`` phase), or, with ``serialized_warmup: false``, every step runs under
+   one global lock until each device x bucket has been through once;
+3. the recompile limits cover devices x buckets with a margin, are set in every
+   thread (Dynamo's config is per thread from torch 2.12), and hitting one raises
+   instead of silently running uncompiled;
+4. after the warm-up ``set_stance("fail_on_recompile")``: a new shape raises;
+5. the eager flex_attention fallback warning is an error, and Dynamo's counters are
+   reported in every metrics line;
+6. ``TORCHINDUCTOR_CACHE_DIR`` lives under ``compile.cache_dir``, in a sub-directory
+   keyed by torch version, triton version and GPU model (entries are valid for the
+   same three only).
+
+``compile.unsafe_parallel_warmup`` skips 2 and 4 and exists to reproduce the
+deadlock on a GPU. Never use it in production.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+EAGER_FLEX_WARNING = "flex_attention called without torch.compile"
+# Each compiled function sees one shape per bucket and device; full and sliding
+# layers call flex_attention with different mask functions, hence 2 variants.
+_MASK_VARIANTS = 2
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def cache_key(device: torch.device) -> str:
+    """'torch-2.11.0+cu130_triton-3.6.0_NVIDIA-H200': what a cache entry is valid for."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    key = f"torch-{torch.__version__}_triton-{triton_version}_{gpu}"
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", key)
+
+
+def setup_cache(cache_dir: Optional[str], device: torch.device) -> Optional[str]:
+    """Point inductor and triton at the persistent cache; returns the keyed directory."""
+    if not cache_dir:
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    path = os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), cache_key(device))
+    os.makedirs(path, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
+    return path
+
+
+# ---------------------------------------------------------------------------- limits, stance
+
+
+def recompile_limit(n_devices: int, n_buckets: int, margin: int) -> int:
+    return n_devices * n_buckets * _MASK_VARIANTS + margin
+
+
+class Discipline:
+    """The compile settings every thread applies (``enter_thread``) and their state."""
+
+    def __init__(self, cfg, n_devices: int, enabled: bool, guard_eager_flex: bool):
+        self.enabled = enabled
+        self.mode = ("unsafe_parallel" if cfg.compile.unsafe_parallel_warmup
+                     else "serialized" if cfg.compile.serialized_warmup else "locked_first_steps")
+        self.limit = recompile_limit(n_devices, len(cfg.data.buckets), cfg.compile.recompile_margin)
+        self.guard_eager_flex = guard_eager_flex
+        self.lock = threading.Lock()
+        self._pending: set[tuple[str, int]] = set()  # (device, bucket) not yet through fwd+bwd
+        self.frames_ok_after_warmup: Optional[int] = None
+        self.warmup_s = 0.0
+
+    def enter_thread(self) -> None:
+        """Apply the per-thread settings; call first thing in every thread (and in main)."""
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = self.limit
+        cfg.accumulated_recompile_limit = max(256, self.limit * 8)
+        # Past the limit Dynamo would silently run the frame eagerly (dense attention).
+        cfg.fail_on_recompile_limit_hit = True
+        if self.guard_eager_flex:
+            warnings.filterwarnings("error", message=EAGER_FLEX_WARNING)
+
+    def lock_recompiles(self) -> None:
+        """After the warm-up: any new compile raises instead of racing other threads."""
+        self.frames_ok_after_warmup = dynamo_counters()["frames_ok"]
+        if self.enabled and self.mode != "unsafe_parallel":
+            torch.compiler.set_stance("fail_on_recompile")
+
+    # ---- serialized warm-up
+
+    def warmup(self, jobs: list[tuple[str, int, Callable[[], None]]],
+               report: Callable[[dict], None], should_stop: Callable[[], bool] = lambda: False) -> float:
+        """Run ``(device, bucket, fn)`` jobs one at a time (forward + backward each).
+
+        ``report`` gets ``{device, bucket, seconds, done, total}`` before and after
+        each job, for status.json. Returns the total seconds.
+        """
+        start = time.monotonic()
+        if self.mode == "locked_first_steps":
+            self._pending = {(d, b) for d, b, _ in jobs}
+            return 0.0
+        if self.mode == "unsafe_parallel":
+            return 0.0
+        for i, (device, bucket, fn) in enumerate(jobs):
+            if should_stop():
+                break
+            t0 = time.monotonic()
+            report({"device": device, "bucket": bucket, "seconds": 0.0, "done": i, "total": len(jobs)})
+            fn()
+            report({"device": device, "bucket": bucket, "seconds": round(time.monotonic() - t0, 2),
+                    "done": i + 1, "total": len(jobs)})
+        self.warmup_s = time.monotonic() - start
+        return self.warmup_s
+
+    # ---- locked first steps (serialized_warmup: false)
+
+    def step_guard(self, device: str, bucket: int):
+        """A context for one step: the global lock while any device x bucket is still cold."""
+        return _StepGuard(self, (device, bucket))
+
+
+class _StepGuard:
+    def __init__(self, discipline: Discipline, key):
+        self.d, self.key, self.locked = discipline, key, False
+
+    def __enter__(self):
+        if self.d.mode == "locked_first_steps" and self.d._pending:
+            self.d.lock.acquire()
+            self.locked = True
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if self.locked:
+            if exc_type is None:
+                self.d._pending.discard(self.key)
+                if not self.d._pending:  # the last cold shape is compiled: lock the cache
+                    self.d.lock_recompiles()
+            self.d.lock.release()
+        return False
+
+
+# ---------------------------------------------------------------------------- counters
+
+
+def dynamo_counters() -> dict:
+    """Dynamo and inductor counters: the evidence that compiled kernels are in use."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "frames_ok": int(counters["frames"]["ok"]),
+        "frames_total": int(counters["frames"]["total"]),
+        "unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
+        "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+    }
+
+
+def counters_report(discipline: Optional[Discipline]) -> dict:
+    """Counters plus ``recompiles``: frames compiled after the warm-up ended (should stay 0)."""
+    c = dynamo_counters()
+    base = discipline.frames_ok_after_warmup if discipline else None
+    c["recompiles"] = None if base is None else c["frames_ok"] - base
+    return c

@@ -1,0 +1,574 @@
+"""The threaded pipeline: target threads -> bounded queues -> drafter replica threads.
+
+::
+
+    target thread t (one per target device)          drafter thread r (one per drafter device)
+      batch k = source.batch(k), k = t, t+T, ...        step s: k = s*D + r, from queue[k % T][r]
+      anchors (seeded by k), target features            forward + backward on replica r
+      put -> queue[t][k % D]  (bounded)                 report -> coordinator, wait for release(s)
+
+    coordinator (the main thread, trainer/train.py):
+      collect(s): the D reports -> sum the replicas' gradients onto the master copy
+      (replica 0), in replica order -> clip, AdamW, schedule -> copy the master's
+      parameters into every other replica -> release(s)
+
+Batch ``k`` always goes to the same replica at the same step and every queue is
+filled in order, so the run is deterministic whatever the thread timing, and
+resumable from ``batches_done = steps_done * D``. Replicas stay bit-identical: they
+all receive a copy of the same master tensors after every optimiser step.
+
+Failure handling: every thread body runs under ``_guard``; the first exception is
+kept with its thread's name and sets the shared stop event. Every wait (queue get and
+put, reports, release) has a timeout and looks at the stop event, so the
+coordinator re-raises that exception within a fraction of a second, never hangs on a
+dead thread. Threads are daemons and named (``target-0@cuda:0``, ``drafter-1@cuda:6``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+_POLL_S = 0.1
+
+
+class _Done:
+    """Sentinel: the target thread has produced its last batch."""
+
+
+DONE = _Done()
+
+
+class Stopped(Exception):
+    """The stop event was set while waiting (shutdown, or another thread failed)."""
+
+
+@dataclass
+class Item:
+    index: int  # global batch index k
+    bucket: int
+    input_ids: torch.Tensor  # [B, S] on the target device
+    loss_mask: torch.Tensor
+    anchors: torch.Tensor  # [B, N]
+    valid: torch.Tensor
+    features: torch.Tensor  # [B, S, K*H]
+    seq_tokens: int  # non-pad tokens the target processed
+    target_s: float
+
+
+@dataclass
+class Report:
+    replica: int
+    step: int
+    index: int
+    bucket: int
+    loss: float
+    stats: dict
+    query_tokens: int
+    seq_tokens: int
+    anchor_mean: float  # mean anchor position of valid blocks: the context each query sees
+    wait_s: float
+    fwd_s: float
+    bwd_s: float
+
+
+def batch_generator(seed: int, index: int) -> torch.Generator:
+    """The anchor RNG of batch ``index``: a pure function of (seed, index), so resumes replay it."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63))
+
+
+def autocast_for(device: torch.device, dtype: torch.dtype):
+    if device.type == "cuda" and dtype != torch.float32:
+        return torch.autocast("cuda", dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class Pipeline:
+    def __init__(self, *, cfg, source, targets: list, target_devices: list[torch.device], replicas: list,
+                 drafter_devices: list[torch.device], attention_path, discipline, compute_loss: Callable,
+                 sample_anchors: Callable, start_step: int, total_steps: int, first_batch: int,
+                 compute_dtype: torch.dtype):
+        self.cfg, self.source = cfg, source
+        self.targets, self.target_devices = targets, target_devices
+        self.replicas, self.drafter_devices = replicas, drafter_devices
+        self.attention_path, self.discipline = attention_path, discipline
+        self.compute_loss, self.sample_anchors = compute_loss, sample_anchors
+        self.start_step, self.total_steps = start_step, total_steps
+        self.first_batch = first_batch  # global batch index of (start_step, replica 0)
+        self.compute_dtype = compute_dtype
+        self.T, self.D = len(targets), len(replicas)
+        depth = max(1, cfg.placement.queue_depth)
+        self.queues = [[queue.Queue(maxsize=depth) for _ in range(self.D)] for _ in range(self.T)]
+        self.reports: queue.Queue = queue.Queue()
+        self.stop_event = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.error_thread: Optional[str] = None
+        self.error_traceback = ""
+        self._release = threading.Condition()
+        self._released_step = start_step - 1
+        self.inject_raise: Optional[str] = None  # fault injection: the next drafter step raises this
+        self.threads: list[threading.Thread] = []
+        self.target_tokens = [0] * self.T  # sequence tokens through each target (for tok/s, MFU)
+        self.target_busy_s = [0.0] * self.T
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        for t, dev in enumerate(self.target_devices):
+            self.threads.append(threading.Thread(target=self._guard, args=(self._target_loop, t),
+                                                 name=f"target-{t}@{dev}", daemon=True))
+        for r, dev in enumerate(self.drafter_devices):
+            self.threads.append(threading.Thread(target=self._guard, args=(self._drafter_loop, r),
+                                                 name=f"drafter-{r}@{dev}", daemon=True))
+        for th in self.threads:
+            th.start()
+
+    def stop(self, timeout: float = 5.0) -> list[str]:
+        """Set the stop event and join; returns the names of threads still alive after ``timeout``."""
+        self.stop_event.set()
+        with self._release:
+            self._release.notify_all()
+        deadline = time.monotonic() + timeout
+        for th in self.threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+        return [th.name for th in self.threads if th.is_alive()]
+
+    def _guard(self, body: Callable, index: int) -> None:
+        try:
+            self.discipline.enter_thread()
+            body(index)
+        except Stopped:
+            pass
+        except BaseException as e:  # relayed to the coordinator, never swallowed
+            with self._release:
+                if self.error is None:
+                    self.error = e
+                    self.error_thread = threading.current_thread().name
+                    self.error_traceback = traceback.format_exc()
+                    e._dflash_thread = self.error_thread  # read by train.run for the report
+                    e._dflash_traceback = self.error_traceback
+            self.stop_event.set()
+            with self._release:
+                self._release.notify_all()
+
+    def check(self) -> None:
+        """Re-raise a thread's exception in the caller (the coordinator)."""
+        if self.error is not None:
+            raise self.error
+
+    # ------------------------------------------------------------------ waits with timeouts
+
+    def _put(self, q: queue.Queue, item: Any) -> None:
+        while True:
+            if self.stop_event.is_set():
+                raise Stopped
+            try:
+                q.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def _get(self, q: queue.Queue) -> Any:
+        while True:
+            if self.stop_event.is_set():
+                raise Stopped
+            try:
+                return q.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+
+    # ------------------------------------------------------------------ target threads
+
+    def make_item(self, t: int, k: int) -> Item:
+        """Batch ``k`` through target ``t``: read, pad, anchors, features."""
+        t0 = time.monotonic()
+        dev, cfg = self.target_devices[t], self.cfg
+        batch = self.source.batch(k)
+        anchors, valid = self.sample_anchors(batch["loss_mask"], cfg.data.max_anchors, cfg.model.block_size,
+                                             batch_generator(cfg.data.seed, k))
+        input_ids = batch["input_ids"].to(dev, non_blocking=True)
+        with torch.no_grad():
+            features = self.targets[t].features(input_ids)
+        if features.is_inference():  # inference tensors cannot be saved for the drafter's backward
+            features = features.clone()
+        _sync(dev)
+        return Item(k, batch["bucket"], input_ids, batch["loss_mask"].to(dev), anchors.to(dev), valid.to(dev),
+                    features, batch["seq_tokens"], time.monotonic() - t0)
+
+    def batch_index(self, step: int, r: int) -> int:
+        return self.first_batch + (step - self.start_step) * self.D + r
+
+    def route(self, k: int) -> tuple[int, int]:
+        """(target thread, replica) of global batch ``k``: target ``t`` owns every T-th batch."""
+        j = k - self.first_batch
+        return j % self.T, j % self.D
+
+    def _target_loop(self, t: int) -> None:
+        dev = self.target_devices[t]
+        stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        end = self.batch_index(self.total_steps, 0)
+        k = self.first_batch + t
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            while k < end:
+                with self.discipline.step_guard(str(dev), self.source.order.batch(k)[2]):
+                    item = self.make_item(t, k)
+                self.target_tokens[t] += item.seq_tokens
+                self.target_busy_s[t] += item.target_s
+                self._put(self.queues[t][self.route(k)[1]], item)
+                k += self.T
+        for q in self.queues[t]:
+            self._put(q, DONE)
+
+    # ------------------------------------------------------------------ drafter threads
+
+    def drafter_step(self, r: int, item: Item) -> tuple[float, dict, float, float]:
+        """Forward and backward of batch ``item`` on replica ``r`` (training and warm-up alike)."""
+        dev = self.drafter_devices[r]
+        batch = {
+            "features": item.features.to(dev, non_blocking=True),
+            "input_ids": item.input_ids.to(dev, non_blocking=True),
+            "loss_mask": item.loss_mask.to(dev, non_blocking=True),
+            "anchors": item.anchors.to(dev, non_blocking=True),
+            "valid": item.valid.to(dev, non_blocking=True),
+        }
+        t0 = time.monotonic()
+        with autocast_for(dev, self.compute_dtype):
+            loss, stats = self.compute_loss(self.replicas[r], batch, self.cfg, self.attention_path)
+        _sync(dev)
+        t1 = time.monotonic()
+        loss.backward()
+        _sync(dev)
+        plain = {k: (v.tolist() if v.dim() else float(v)) if torch.is_tensor(v) else v for k, v in stats.items()}
+        return float(loss.detach()), plain, t1 - t0, time.monotonic() - t1
+
+    def _drafter_loop(self, r: int) -> None:
+        dev = self.drafter_devices[r]
+        stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for step in range(self.start_step, self.total_steps):
+                k = self.batch_index(step, r)
+                t0 = time.monotonic()
+                item = self._get(self.queues[self.route(k)[0]][r])
+                if item is DONE:
+                    return
+                wait_s = time.monotonic() - t0
+                if self.inject_raise is not None and r == 0:
+                    raise RuntimeError(self.inject_raise)
+                with self.discipline.step_guard(str(dev), item.bucket):
+                    loss, stats, fwd_s, bwd_s = self.drafter_step(r, item)
+                valid = item.valid
+                anchor_mean = float(item.anchors[valid].float().mean()) if bool(valid.any()) else 0.0
+                self.reports.put(Report(r, step, k, item.bucket, loss, stats,
+                                        int(stats.get("query_tokens", 0)), item.seq_tokens,
+                                        anchor_mean, wait_s, fwd_s, bwd_s))
+                del item
+                self._wait_release(step)
+
+    def _wait_release(self, step: int) -> None:
+        with self._release:
+            while self._released_step < step:
+                if self.stop_event.is_set():
+                    raise Stopped
+                self._release.wait(_POLL_S)
+
+    # ------------------------------------------------------------------ coordinator side
+
+    def collect(self, step: int, should_stop: Callable[[], bool] = lambda: False) -> Optional[list[Report]]:
+        """The D reports of ``step`` in replica order; None when ``should_stop()`` turned true first."""
+        got: dict[int, Report] = {}
+        while len(got) < self.D:
+            self.check()
+            if should_stop():
+                return None
+            try:
+                rep = self.reports.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            assert rep.step == step, f"replica {rep.replica} reported step {rep.step} during step {step}"
+            got[rep.replica] = rep
+        return [got[r] for r in range(self.D)]
+
+    def release(self, step: int) -> None:
+        with self._release:
+            self._released_step = step
+            self._release.notify_all()
+
+    def queue_depths(self) -> list[int]:
+        """Batches waiting for each drafter replica (over all its target queues)."""
+        return [sum(self.queues[t][r].qsize() for t in range(self.T)) for r in range(self.D)]
+
+
+# ---------------------------------------------------------------------------- replicas
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def reduce_gradients(replicas: list) -> None:
+    """Average the replicas' gradients onto replica 0 (the master), in replica order."""
+    master = trainable(replicas[0])
+    if len(replicas) == 1:
+        return
+    for replica in replicas[1:]:
+        for pm, pr in zip(master, trainable(replica)):
+            if pr.grad is None:
+                continue
+            g = pr.grad.to(pm.device, non_blocking=True)
+            if pm.grad is None:
+                pm.grad = g.clone()
+            else:
+                pm.grad.add_(g)
+    scale = 1.0 / len(replicas)
+    for pm in master:
+        if pm.grad is not None:
+            pm.grad.mul_(scale)
+
+
+@torch.no_grad()
+def broadcast_parameters(replicas: list) -> None:
+    """Copy the master's parameters into every other replica (exact copies: bit-identical)."""
+    master = trainable(replicas[0])
+    for replica in replicas[1:]:
+        for pm, pr in zip(master, trainable(replica)):
+            pr.copy_(pm, non_blocking=True)
+    for replica in replicas:
+        replica.zero_grad(set_to_none=True)
+
+
+def optimizer_step(replicas: list, devices: list[torch.device], optimizer, scheduler, grad_clip: float) -> tuple[float, float, float]:
+    """The coordinator's part of a step: all-reduce, clip, AdamW, schedule, copy to replicas.
+
+    Returns (allreduce seconds, optimiser seconds, gradient norm before clipping).
+    """
+    from trainer.optim import clip_grads
+
+    t0 = time.monotonic()
+    reduce_gradients(replicas)
+    sync_all(devices)
+    t1 = time.monotonic()
+    grad_norm = clip_grads(trainable(replicas[0]), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    broadcast_parameters(replicas)
+    sync_all(devices)
+    return t1 - t0, time.monotonic() - t1, grad_norm
+
+
+def build_models(cfg, target_devices: list[torch.device], drafter_devices: list[torch.device], dtype: torch.dtype):
+    """(targets, replicas): one frozen target per device (threads on a device share it) and one
+    drafter replica per drafter thread, all equal to replica 0 (the master copy)."""
+    from trainer.model import Drafter
+    from trainer.target import build_target
+
+    by_device: dict = {}
+    for dev in target_devices:
+        if dev not in by_device:
+            by_device[dev] = build_target(cfg.model, dev, dtype)
+    targets = [by_device[d] for d in target_devices]
+    torch.manual_seed(cfg.train.seed)
+    replicas = []
+    for dev in drafter_devices:
+        shared = by_device.get(dev, targets[0])  # the frozen embed/lm_head of a target on this device, if any
+        replicas.append(Drafter(cfg.model, targets[0].config, shared.embed_tokens, shared.lm_head).to(dev))
+    broadcast_parameters(replicas)
+    return targets, replicas
+
+
+def replicas_identical(replicas: list) -> bool:
+    master = trainable(replicas[0])
+    return all(torch.equal(pm.detach().cpu(), pr.detach().cpu())
+               for replica in replicas[1:] for pm, pr in zip(master, trainable(replica)))
+
+
+# ---------------------------------------------------------------------------- metrics
+
+# Dense bf16 matrix throughput per GPU model: (flop/s, what the figure is).
+PEAK_FLOPS = {
+    "H200": (790e12, "H200 bf16 dense, measured (989e12 nominal)"),
+    "H100": (790e12, "H100 bf16 dense, as H200 measured (989e12 nominal)"),
+    "A100": (312e12, "A100 bf16 dense, nominal"),
+    "L40S": (362e12, "L40S bf16 dense, nominal"),
+    "A10G": (70e12, "A10G bf16 dense, nominal"),
+}
+
+
+def peak_flops(device: torch.device) -> tuple[Optional[float], Optional[str]]:
+    if device.type != "cuda":
+        return None, None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_FLOPS.items():
+        if key in name:
+            return value
+    return None, f"unknown GPU '{name}'"
+
+
+@dataclass
+class FlopModel:
+    """FLOPs of one step, as DFLASH.md counts them (plus the shared lm_head, which dominates)."""
+
+    drafter_params: int
+    target_params: int
+    hidden: int
+    vocab: int
+    drafter_layers: int
+    attn_width: int  # query heads x head dim of a drafter layer
+    block_size: int
+
+    def drafter(self, query_tokens: int, mean_context: float) -> float:
+        dense = 6 * self.drafter_params * query_tokens
+        # Frozen lm_head: forward + gradient with respect to its input, no weight gradient.
+        lm_head = 4 * self.hidden * self.vocab * query_tokens
+        # QK^T and PV (2 x 2 flops per key and width), forward + backward (x3).
+        attention = 12 * self.drafter_layers * self.attn_width * (mean_context + self.block_size) * query_tokens
+        return dense + lm_head + attention
+
+    def target(self, seq_tokens: int) -> float:
+        return 2 * self.target_params * seq_tokens
+
+
+@dataclass
+class Window:
+    """Accumulates the steps between two metrics lines."""
+
+    start: float = field(default_factory=time.monotonic)
+    steps: int = 0
+    reports: list = field(default_factory=list)
+    allreduce_s: float = 0.0
+    optim_s: float = 0.0
+    step_s: float = 0.0
+    grad_norm: float = 0.0
+
+    def add(self, reports: list[Report], allreduce_s: float, optim_s: float, step_s: float, grad_norm: float):
+        self.steps += 1
+        self.reports.extend(reports)
+        self.allreduce_s += allreduce_s
+        self.optim_s += optim_s
+        self.step_s += step_s
+        self.grad_norm = grad_norm
+
+
+def _mean(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def window_fields(w: Window, n_replicas: int, flops: Optional[FlopModel], peak: Optional[float],
+                  n_drafter_gpus: int, n_target_gpus: int, n_gpus: int) -> dict:
+    """Loss, acc, accept_len, tok/s and the time split of one window (keys of contract.Metrics + extras)."""
+    elapsed = max(1e-9, time.monotonic() - w.start)
+    reps = w.reports
+    query = sum(r.query_tokens for r in reps)
+    seq = sum(r.seq_tokens for r in reps)
+    per_replica = [sum(r.query_tokens for r in reps if r.replica == i) / elapsed for i in range(n_replicas)]
+    ms = lambda seconds: round(1000 * seconds / max(1, w.steps), 2)  # noqa: E731
+    slot_correct = _sum_lists(r.stats.get("slot_correct") for r in reps)
+    slot_count = _sum_lists(r.stats.get("slot_count") for r in reps)
+    blocks = sum(r.stats.get("blocks", 0.0) for r in reps)
+    accept_len = sum(r.stats.get("accept_len", 0.0) * r.stats.get("blocks", 0.0) for r in reps) / blocks if blocks else None
+    out = {
+        "loss": _mean(r.loss for r in reps),
+        "acc": sum(slot_correct) / sum(slot_count) if slot_count and sum(slot_count) else None,
+        "accept_len": accept_len,
+        "tok_s": query / elapsed,
+        "window_tokens": query,
+        "extra": {
+            "tok_s_per_drafter": [round(x, 1) for x in per_replica],
+            "seq_tok_s": round(seq / elapsed, 1),
+            "step_ms": ms(w.step_s),
+            "time_ms": {
+                "wait": ms(sum(r.wait_s for r in reps) / n_replicas),
+                "fwd": ms(sum(r.fwd_s for r in reps) / n_replicas),
+                "bwd": ms(sum(r.bwd_s for r in reps) / n_replicas),
+                "allreduce": ms(w.allreduce_s),
+                "optim": ms(w.optim_s),
+            },
+            "grad_norm": w.grad_norm,
+            "acc_per_slot": [round(c / n, 4) if n else None for c, n in zip(slot_correct, slot_count)],
+            # Published acceptance lengths (tau) count the target's bonus token as well.
+            "tau": None if accept_len is None else accept_len + 1,
+        },
+    }
+    if flops is not None and peak:
+        mean_ctx = _mean(r.anchor_mean for r in reps) or 0.0
+        d_flops = flops.drafter(query, mean_ctx)
+        t_flops = flops.target(seq)
+        out["extra"]["mfu_drafter"] = round(d_flops / elapsed / (peak * n_drafter_gpus), 4)
+        out["extra"]["mfu_target"] = round(t_flops / elapsed / (peak * n_target_gpus), 4)
+        out["extra"]["mfu"] = round((d_flops + t_flops) / elapsed / (peak * n_gpus), 4)
+        out["extra"]["tflops"] = round((d_flops + t_flops) / elapsed / 1e12, 1)
+    return out
+
+
+def _sum_lists(lists) -> list[float]:
+    total: list[float] = []
+    for values in lists:
+        if values is None:
+            continue
+        total = [a + b for a, b in zip(total, values)] if total else list(values)
+    return total
+
+
+def gpu_memory(devices: list[torch.device]) -> dict:
+    out = {}
+    for dev in sorted({d for d in devices if d.type == "cuda"}, key=str):
+        out[str(dev)] = {
+            "alloc_gib": round(torch.cuda.memory_allocated(dev) / 2**30, 2),
+            "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2),
+            "reserved_gib": round(torch.cuda.memory_reserved(dev) / 2**30, 2),
+        }
+    return out
+
+
+def target_rates(pipe: Pipeline, elapsed: float) -> list[float]:
+    """Sequence tokens per second through each target thread since training started."""
+    return [round(n / max(1e-9, elapsed), 1) for n in pipe.target_tokens]
+
+
+def sync_all(devices: list[torch.device]) -> None:
+    for dev in set(devices):
+        _sync(dev)
+
+
+def flop_model(cfg, target, drafter) -> FlopModel:
+    tc = target.config
+    heads = tc.num_attention_heads
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    return FlopModel(
+        drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
+        target_params=sum(p.numel() for p in target.model.parameters()),
+        hidden=tc.hidden_size, vocab=target.vocab_size, drafter_layers=len(drafter.layers),
+        attn_width=heads * head_dim, block_size=cfg.model.block_size,
+    )
+
+
+def warmup_jobs(pipe: Pipeline) -> list[tuple[str, int, Callable[[], None]]]:
+    """Compile warm-up: for every bucket in use, each target's forward, then each
+    replica's forward AND backward, on a real batch of that bucket (real shapes,
+    same grad mode, dtype and autocast as training). Gradients are dropped after."""
+    jobs: list[tuple[str, int, Callable[[], None]]] = []
+    made: dict[int, Item] = {}
+    for bucket in pipe.source.buckets_used():
+        k = pipe.source.first_index(bucket)
+        for t, dev in enumerate(pipe.target_devices):
+            def target_job(t=t, k=k, bucket=bucket):
+                made[bucket] = pipe.make_item(t, k)
+            jobs.append((f"target-{t}@{dev}", bucket, target_job))
+        for r, dev in enumerate(pipe.drafter_devices):
+            def drafter_job(r=r, bucket=bucket):
+                pipe.drafter_step(r, made[bucket])
+                pipe.replicas[r].zero_grad(set_to_none=True)
+            jobs.append((f"drafter-{r}@{dev}", bucket, drafter_job))
+    return jobs

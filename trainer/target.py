@@ -1,0 +1,182 @@
+"""The frozen target model: a Hugging Face causal LM, from a local path or a preset.
+
+Presets are Qwen3 shapes with random, seeded weights: 'tiny' and 'small' for CPU
+tests and the demo (no tokenizer: the synthetic task draws token ids directly), and
+real Qwen3 shapes ('qwen3-0.6b', 'qwen3-1.7b', 'qwen3-4b', 'qwen3-8b') to measure
+throughput on GPUs without downloading weights.
+
+``features`` returns the hidden states of K decoder layers spread evenly over the
+depth (``target_layer_ids``), concatenated per position: the drafter's context.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Union
+
+import torch
+import torch.nn as nn
+
+from dflashctl.contract import did_you_mean
+from trainer.config import ConfigError, ModelConfig
+
+PRESET_SEED = 0
+
+_QWEN3_COMMON = dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936)
+
+PRESETS: dict[str, dict] = {
+    # 8 layers so that the default K=5 gets 5 distinct layers (1..5).
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                 rope_theta=10_000.0, max_position_embeddings=4096, tie_word_embeddings=False),
+    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=12,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-6,
+                  rope_theta=10_000.0, max_position_embeddings=8192, tie_word_embeddings=False),
+    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def target_layer_ids(num_layers: int, k: int) -> list[int]:
+    """K decoder layers (0-based) spread evenly from layer 1 to layer L-3.
+
+    id_i = round(1 + i * (L - 4) / (K - 1)), i = 0..K-1 (Python round, half to even);
+    K = 1 takes the middle layer L // 2. 36 layers, K=5: 1, 9, 17, 25, 33 (the
+    published Qwen3-8B drafter); 28 layers, K=5: 1, 7, 13, 19, 25. The first layer
+    and the last three are skipped: too close to the embeddings / the logits.
+    """
+    if k < 1:
+        raise ConfigError([f"model.num_target_layers: must be at least 1, got {k}"])
+    if k == 1:
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    if end - start < k - 1:
+        raise ConfigError([
+            f"model.num_target_layers: {k} distinct layers do not fit a {num_layers}-layer target "
+            f"(layers 1..{end} are used); at most {max(1, end - start + 1)}"
+        ])
+    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+
+
+def _dtype_kwarg() -> str:
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def preset_config(name: str):
+    from transformers import Qwen3Config
+
+    if name not in PRESETS:
+        raise ConfigError([f"model.preset: unknown preset '{name}'{did_you_mean(name, PRESETS)}; one of {', '.join(PRESETS)}"])
+    return Qwen3Config(**PRESETS[name])
+
+
+class Target:
+    """A frozen causal LM and the feature capture the drafter trains on."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], device: torch.device, dtype: torch.dtype):
+        model.eval().requires_grad_(False)
+        self.model = model
+        self.config = model.config
+        self.device, self.dtype = device, dtype
+        self.layer_ids = list(layer_ids)
+        self.hidden_size = self.config.hidden_size
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self._base = model.base_model
+        layers = self._base.layers
+        if max(self.layer_ids) >= len(layers):
+            raise ConfigError([f"model.num_target_layers: layer {max(self.layer_ids)} does not exist ({len(layers)} layers)"])
+        # Hooks registered once; captures are per thread, so one Target may serve several threads.
+        self._captured = threading.local()
+        for i in self.layer_ids:
+            layers[i].register_forward_hook(self._capture_hook(i))
+
+    def _capture_hook(self, layer_id: int):
+        def hook(module, args, output):
+            store = getattr(self._captured, "store", None)
+            if store is not None:
+                store[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def features(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        """[B, S, K*H]: the captured layers' outputs, concatenated in layer order.
+
+        Computed in inference mode; the result is cloned out of it so the drafter
+        (another thread, maybe another device after .to()) can use it under autograd.
+        """
+        self._captured.store = {}
+        try:
+            with torch.inference_mode():
+                self._base(input_ids=input_ids_BS.to(self.device), use_cache=False)
+                features_BSF = torch.cat([self._captured.store[i] for i in self.layer_ids], dim=-1)
+        finally:
+            self._captured.store = None
+        return features_BSF.clone()
+
+    def greedy_next(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        """[B, S]: the target's greedy next token after every prefix (teacher forced)."""
+        with torch.inference_mode():
+            logits_BSV = self.model(input_ids=input_ids_BS.to(self.device), use_cache=False).logits
+            return logits_BSV.argmax(dim=-1).clone()
+
+    def greedy_generate(self, prompt_BP: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """[B, P + new_tokens]: the prompt followed by the target's greedy continuation
+        (what "responses regenerated by the target" are, for a synthetic data set)."""
+        with torch.inference_mode():
+            prompt_BP = prompt_BP.to(self.device)
+            out_BT = self.model.generate(
+                prompt_BP,
+                attention_mask=torch.ones_like(prompt_BP),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            return out_BT.clone()
+
+
+def build_target(cfg: ModelConfig, device: Union[str, torch.device], dtype: torch.dtype) -> Target:
+    """Load ``cfg.path`` (local files only) or build ``cfg.preset`` with seeded random weights."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    kwargs = {_dtype_kwarg(): dtype, "attn_implementation": "sdpa"}
+    if cfg.path:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, **kwargs)
+        except (OSError, ValueError) as e:
+            raise ConfigError([f"model.path: cannot load a causal LM from '{cfg.path}': {str(e).splitlines()[0]}"]) from None
+        model.to(device)
+    else:
+        if not cfg.preset:
+            raise ConfigError(["model: set either 'path' (a local model directory) or 'preset'"])
+        config = preset_config(cfg.preset)
+        # Same seed, same init order: every replica of a preset on the same kind of
+        # device gets identical weights, without building them on the CPU first.
+        fork = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=fork):
+            torch.manual_seed(PRESET_SEED)
+            with device:
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+    layer_ids = target_layer_ids(model.config.num_hidden_layers, cfg.num_target_layers)
+    return Target(model, layer_ids, device, dtype)
+
+
+def default_dtype(cfg: ModelConfig, device: Union[str, torch.device]) -> torch.dtype:
+    """The target's dtype for ``model.dtype``: 'auto' is bf16 on GPU, fp32 on CPU."""
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+

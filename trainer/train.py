@@ -1,0 +1,321 @@
+"""The trainer's main: read top to bottom.
+
+Phases written to status.json: starting -> compiling -> training (-> checkpointing)
+-> done | stopped | failed. Exit codes: dflashctl.contract (EXIT_*).
+
+Fault injection (``fault:`` in the config; for tests and drills, never production),
+checked at each step boundary once ``after_steps`` optimiser steps are done:
+
+- ``exit``: print ``message`` to stderr, write status ``failed`` with its signature,
+  exit with ``exit_code`` at once (no checkpoint), as a crash would;
+- ``hang``: stop making progress (status stays ``training``, no metrics) until a
+  signal arrives, as a deadlock would;
+- ``slow``: every step from then on takes ``factor`` times as long;
+- ``raise_in_thread``: drafter thread 0 raises ``RuntimeError(message)``: the run
+  must end ``failed`` with that signature.
+
+With ``once: true`` (default) the fault fires in the first process of a run only: a
+marker file ``fault_fired.json`` in the run directory disarms it, so a restart from
+the last checkpoint recovers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Optional
+
+from dflashctl import contract
+from dflashctl.contract import Metrics, Status, error_signature
+from trainer.config import ConfigError, TrainerConfig
+
+FAULT_MARKER = "fault_fired.json"
+
+
+# ---------------------------------------------------------------------------- small helpers
+
+
+class StatusFile:
+    """status.json, kept in memory and rewritten atomically on every change."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self.status = Status(phase=contract.PHASE_STARTING, pid=os.getpid(), started=time.time())
+        self.lock = threading.Lock()
+
+    def set(self, phase: Optional[str] = None, **changes) -> None:
+        with self.lock:
+            if phase:
+                self.status.phase = phase
+            for key, value in changes.items():
+                setattr(self.status, key, value)
+            contract.write_status(self.run_dir, self.status)
+
+
+class StopRequest:
+    """SIGTERM/SIGINT: the first asks for checkpoint-then-exit, a second exits at once."""
+
+    def __init__(self, status: StatusFile):
+        self.event = threading.Event()
+        self.signal_name: Optional[str] = None
+        self.status = status
+        self.pipeline = None  # stopped by run() when training ends in an exception
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if self.event.is_set():
+            self.status.set(contract.PHASE_STOPPED, detail={"signal": signal.Signals(signum).name, "checkpoint": False})
+            os._exit(contract.EXIT_STOPPED)
+        self.signal_name = signal.Signals(signum).name
+        self.event.set()
+        print(f"{self.signal_name} received: checkpoint, then stop", file=sys.stderr, flush=True)
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
+def log(line: str) -> None:
+    print(line, flush=True)
+
+
+def resolve_devices(cfg: TrainerConfig):
+    import torch
+
+    p = cfg.placement
+    kind = p.device if p.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cpu":  # indices only count threads: every one runs on the CPU
+        return kind, [torch.device("cpu")] * len(p.target), [torch.device("cpu")] * len(p.drafter)
+    if not torch.cuda.is_available():
+        raise ConfigError(["placement.device: 'cuda' but torch sees no GPU (use 'auto' or 'cpu')"])
+    n = torch.cuda.device_count()
+    problems = [f"placement.{role}[{i}]: GPU {g} does not exist (this host has {n})"
+                for role, ids in (("target", p.target), ("drafter", p.drafter)) for i, g in enumerate(ids) if not 0 <= g < n]
+    if problems:
+        raise ConfigError(problems)
+    return kind, [torch.device("cuda", g) for g in p.target], [torch.device("cuda", g) for g in p.drafter]
+
+
+def fault_armed(cfg: TrainerConfig, run_dir: str) -> bool:
+    f = cfg.fault
+    return f.kind is not None and not (f.once and os.path.exists(os.path.join(run_dir, FAULT_MARKER)))
+
+
+def mark_fault(cfg: TrainerConfig, run_dir: str, step: int) -> None:
+    contract.atomic_write_text(os.path.join(run_dir, FAULT_MARKER),
+                               json.dumps({"kind": cfg.fault.kind, "step": step, "time": time.time()}))
+
+
+def fault_signature(message: str) -> str:
+    """``Type: text`` messages keep their type ("torch.OutOfMemoryError: CUDA out of memory")."""
+    m = re.match(r"([A-Za-z_][\w.]*): (.*)", message)
+    if m and m.group(1).rsplit(".", 1)[-1][:1].isupper():
+        return error_signature(m.group(1), m.group(2))
+    return error_signature("InjectedFault", message)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals: bool = True) -> int:
+    """Train per ``cfg`` in ``run_dir``; returns the process exit code (contract.EXIT_*)."""
+    os.makedirs(run_dir, exist_ok=True)
+    status = StatusFile(run_dir)
+    status.set(contract.PHASE_STARTING)
+    stop = StopRequest(status)
+    if install_signals and threading.current_thread() is threading.main_thread():
+        stop.install()
+    try:
+        return train(cfg, run_dir, resume, status, stop)
+    except Exception as e:  # noqa: BLE001 - every failure ends as status + exit code, never a hang
+        from trainer.data import DataError
+
+        thread = getattr(e, "_dflash_thread", None)
+        sig = error_signature(type(e).__name__, str(e))
+        expected = isinstance(e, (DataError, ConfigError))  # the user's input: a message, no traceback
+        code = (contract.EXIT_DATA_ERROR if isinstance(e, DataError)
+                else contract.EXIT_CONFIG_ERROR if isinstance(e, ConfigError) else contract.EXIT_CRASH)
+        if not expected:  # the traceback goes to trainer.log, where crash signatures are matched
+            print(getattr(e, "_dflash_traceback", None) or traceback.format_exc(), file=sys.stderr)
+        where = f" in thread {thread}" if thread else ""
+        print(f"error{where}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        status.set(contract.PHASE_FAILED, error=sig, detail={**status.status.detail, "exit_code": code,
+                                                             "message": str(e)[:500], **({"thread": thread} if thread else {})})
+        if stop.pipeline is not None:
+            stop.pipeline.stop(timeout=5.0)
+        return code
+
+
+def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, stop: StopRequest) -> int:
+    # ---------------------------------------------------------------- torch, devices, seeds
+    import torch
+
+    from trainer import checkpoint, compile as compile_mod, pipeline as pl
+    from trainer.anchors import sample_anchors
+    from trainer.attention import FLEX_COMPILED, paths_ran, select_attention_path
+    from trainer.data import build_source
+    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.step import compute_loss
+    from trainer.target import default_dtype
+
+    kind, target_devs, drafter_devs = resolve_devices(cfg)
+    main_dev = drafter_devs[0]
+    cache = compile_mod.setup_cache(cfg.compile.cache_dir, main_dev)
+    compute_dtype = default_dtype(cfg.model, main_dev)
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    path = select_attention_path(main_dev, cfg.compile.enabled, cfg.compile.allow_eager)
+    log(f"devices: target {[str(d) for d in target_devs]}, drafter {[str(d) for d in drafter_devs]}; "
+        f"compute {compute_dtype}; attention {path.name}; compile cache {cache}")
+
+    # ---------------------------------------------------------------- target(s) and drafter replicas
+    targets, replicas = pl.build_models(cfg, target_devs, drafter_devs, compute_dtype)
+    first, master = targets[0], replicas[0]
+    optimizer = build_optimizer(master.trainable_parameters(), cfg, main_dev)
+    scheduler = build_scheduler(optimizer, cfg)
+
+    # ---------------------------------------------------------------- data
+    source = build_source(cfg, first.vocab_size, master.mask_token_id)
+    log(f"data: {len(source.dataset)} samples, {source.order.per_epoch} batches per epoch, buckets "
+        f"{source.buckets_used()}, {source.dataset.errors.count} bad records skipped, {source.dataset.short} too short")
+
+    # ---------------------------------------------------------------- resume
+    start_step, tokens_total, first_batch = 0, 0, 0
+    latest = checkpoint.latest(run_dir) if resume == "auto" else None
+    if latest:
+        meta = checkpoint.load(latest, master, optimizer, scheduler)
+        start_step, tokens_total = int(meta["step"]), int(meta.get("tokens", 0))
+        first_batch = source.order.resume_from(meta["data"])
+        pl.broadcast_parameters(replicas)
+        log(f"resumed from {latest}: step {start_step}, data epoch {meta['data']['epoch']} "
+            f"position {meta['data']['position']}")
+    total_steps = cfg.train.steps
+    status.set(step=start_step)
+    if start_step >= total_steps:
+        status.set(contract.PHASE_DONE, step=start_step)
+        log(f"nothing to do: checkpoint step {start_step} >= train.steps {total_steps}")
+        return contract.EXIT_DONE
+
+    n_devices = len(set(target_devs) | set(drafter_devs))
+    discipline = compile_mod.Discipline(cfg, n_devices + len(replicas), enabled=path.name == FLEX_COMPILED,
+                                        guard_eager_flex=path.name == FLEX_COMPILED and not cfg.compile.allow_eager)
+    pipe = pl.Pipeline(cfg=cfg, source=source, targets=targets, target_devices=target_devs, replicas=replicas,
+                       drafter_devices=drafter_devs, attention_path=path, discipline=discipline,
+                       compute_loss=compute_loss, sample_anchors=sample_anchors, start_step=start_step,
+                       total_steps=total_steps, first_batch=first_batch, compute_dtype=compute_dtype)
+    replicas_ran = lambda steps_done: first_batch + (steps_done - start_step) * len(replicas)  # noqa: E731
+
+    def save(steps_done: int) -> None:
+        status.set(contract.PHASE_CHECKPOINTING)
+        checkpoint.save(run_dir, steps_done, master, optimizer, scheduler, source.order.state(replicas_ran(steps_done)),
+                        extra={"tokens": tokens_total, "config": cfg.to_dict(), "data_fingerprint": source.fingerprint()},
+                        keep=cfg.train.keep_checkpoints)
+
+    # ---------------------------------------------------------------- compile: warm-up before threads run free
+    discipline.enter_thread()
+    status.set(contract.PHASE_COMPILING, detail={"mode": discipline.mode})
+    discipline.warmup(pl.warmup_jobs(pipe), lambda progress: status.set(detail={"mode": discipline.mode, **progress}),
+                      should_stop=stop.is_set)
+    discipline.lock_recompiles()
+    log(f"compile: {discipline.mode} warm-up {discipline.warmup_s:.1f}s, {compile_mod.dynamo_counters()}")
+
+    # ---------------------------------------------------------------- training
+    status.set(contract.PHASE_TRAINING, detail={"warmup_s": round(discipline.warmup_s, 2), "compile_mode": discipline.mode})
+    metrics_path = os.path.join(run_dir, contract.METRICS_FILE)
+    flops = pl.flop_model(cfg, first, master)
+    peak, peak_name = pl.peak_flops(main_dev)
+    fault, slow_factor = (cfg.fault if fault_armed(cfg, run_dir) else None), 1.0
+    stop.pipeline = pipe
+    pipe.start()
+    window, train_start = pl.Window(), time.monotonic()
+    steps_done, last_saved = start_step, (start_step if latest else None)
+
+    for step in range(start_step, total_steps):
+        # ---- fault injection (tests and drills; see the module docstring)
+        if fault is not None and step >= fault.after_steps:
+            mark_fault(cfg, run_dir, step)
+            if fault.kind == "exit":
+                print(fault.message, file=sys.stderr, flush=True)
+                status.set(contract.PHASE_FAILED, error=fault_signature(fault.message),
+                           detail={"fault": "exit", "exit_code": fault.exit_code})
+                os._exit(fault.exit_code)
+            if fault.kind == "hang":
+                log(f"fault: hanging before step {step + 1}")
+                stop.event.wait()
+            if fault.kind == "raise_in_thread":
+                pipe.inject_raise = fault.message
+            slow_factor = fault.factor if fault.kind == "slow" else 1.0
+            fault = None  # fired
+
+        # ---- wait for every replica's gradients
+        t_step = time.monotonic()
+        reports = pipe.collect(step, should_stop=stop.is_set)
+        if reports is None:
+            break  # stop requested: the step in flight is dropped, the last finished one is saved
+        for rep in reports:
+            if not math.isfinite(rep.loss):
+                raise FloatingPointError(f"loss is {rep.loss} at step {step + 1} (replica {rep.replica}, batch {rep.index})")
+
+        # ---- all-reduce onto the master copy, clip, AdamW, copy back into every replica
+        allreduce_s, optim_s, grad_norm = pl.optimizer_step(replicas, drafter_devs, optimizer, scheduler, cfg.optim.grad_clip)
+        pipe.release(step)
+        steps_done = step + 1
+        tokens_total += sum(r.query_tokens for r in reports)
+        if slow_factor > 1:
+            time.sleep((slow_factor - 1) * (time.monotonic() - t_step))
+        window.add(reports, allreduce_s, optim_s, time.monotonic() - t_step, grad_norm)
+
+        # ---- metrics
+        if steps_done % cfg.train.log_every == 0 or steps_done == total_steps:
+            now = time.monotonic()
+            f = pl.window_fields(window, len(replicas), flops, peak, len(set(drafter_devs)), len(set(target_devs)),
+                                 n_devices if kind == "cuda" else 0)
+            eta_s = (total_steps - steps_done) * (now - window.start) / max(1, window.steps)
+            extra = {
+                **f["extra"], "lr": scheduler.get_last_lr()[0], "queue_depth": pipe.queue_depths(),
+                "target_tok_s": pl.target_rates(pipe, now - train_start), "attention_path": path.name,
+                "attention_calls": paths_ran(), "dynamo": compile_mod.counters_report(discipline),
+                "gpu_mem": pl.gpu_memory(target_devs + drafter_devs), "data_errors": source.dataset.errors.count,
+                "epoch": source.order.state(replicas_ran(steps_done))["epoch"], "mfu_peak_flops": peak,
+                "mfu_peak": peak_name, "warmup_s": round(discipline.warmup_s, 2), "elapsed_s": round(now - train_start, 2),
+            }
+            m = Metrics(time=time.time(), step=steps_done, total_steps=total_steps, tokens=tokens_total,
+                        tok_s=f["tok_s"], loss=f["loss"], acc=f["acc"], accept_len=f["accept_len"], eta_s=eta_s, extra=extra)
+            with open(metrics_path, "a", encoding="utf-8") as out:
+                out.write(m.to_line() + "\n")
+            log(f"step {steps_done}/{total_steps} loss {f['loss']:.4f} acc {f['acc'] or 0:.3f} accept_len "
+                f"{f['accept_len'] or 0:.2f} tok/s {f['tok_s']:.0f} eta {eta_s:.0f}s")
+            status.set(contract.PHASE_TRAINING, step=steps_done)
+            window = pl.Window()
+
+        # ---- checkpoint
+        if cfg.train.checkpoint_every and steps_done % cfg.train.checkpoint_every == 0 and steps_done < total_steps:
+            save(steps_done)
+            last_saved = steps_done
+            status.set(contract.PHASE_TRAINING, step=steps_done)
+        if stop.is_set():
+            break
+
+    # ---------------------------------------------------------------- shutdown
+    stragglers = pipe.stop(timeout=5.0)
+    if stragglers:
+        log(f"warning: threads still running at shutdown: {stragglers}")
+    if last_saved != steps_done:
+        save(steps_done)
+    if stop.is_set():
+        status.set(contract.PHASE_STOPPED, step=steps_done, detail={"signal": stop.signal_name, "checkpoint": steps_done})
+        log(f"stopped at step {steps_done} ({stop.signal_name}); checkpoint saved")
+        return contract.EXIT_STOPPED
+    status.set(contract.PHASE_DONE, step=steps_done)
+    log(f"done: {steps_done} steps, {tokens_total} tokens")
+    return contract.EXIT_DONE
