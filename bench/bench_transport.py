@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dflashctl.transport import Pool, command_line, fanout  # noqa: E402
 from tests.harness import SshEnv  # noqa: E402
-from tests.harness.sshd import _children as children  # noqa: E402
+from tests.harness.sshd import descendants  # noqa: E402
 
 
 def median_ms(fn, repeat: int) -> float:
@@ -57,7 +57,7 @@ def cpu_ms(pids: list[int]) -> float:
     """CPU time (user+system, with reaped children) of these processes and their
     descendants: the sshd side of the work."""
     total = 0
-    for pid in {p for root in pids for p in [root, *children(root)]}:
+    for pid in {p for root in pids for p in [root, *descendants(root)]}:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()

@@ -21,7 +21,7 @@ for another CUDA major than torch's; the same shared library from a wheel and
 from the system; user site-packages and PYTHONPATH entries shadowing the
 environment; stray inference stacks beside the trainer. A suggested fix never
 uninstalls a package torch (or the trainer) requires: every removal goes through
-``_removal``, which drops those.
+``_Context.removal``, which keeps those.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from packaging.markers import InvalidMarker, UndefinedComparison, UndefinedEnvironmentName
 from packaging.requirements import InvalidRequirement, Requirement
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from dflashctl.contract import did_you_mean
@@ -65,7 +64,7 @@ LIB_PREFIXES = ("libcudnn", "libnccl", "libcuda", "libcublas")
 AUDIT_SOURCE = r'''
 import csv, json, os, platform, re, shutil, site, socket, struct, subprocess, sys
 
-LIB_PREFIXES = ("libcudnn", "libnccl", "libcuda", "libcublas")
+LIB_PREFIXES = ("libcudnn", "libnccl", "libcuda", "libcublas")  # as in dflashctl/envaudit.py
 LIB_NAME = re.compile(r"^lib(?:cudnn|nccl|cuda|cublas)[A-Za-z0-9_+-]*\.so(?:\.[0-9]+)*$")
 SKIP_TOP = re.compile(r"(\.dist-info|\.egg-info|\.data|\.pth|__pycache__|\.\.)$")
 errors = []
@@ -212,7 +211,9 @@ def torch_files(dists):
 
 
 def ldconfig():
-    exe = shutil.which("ldconfig") or next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), None)
+    # Often not on a non-root PATH.
+    found = [p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)]
+    exe = shutil.which("ldconfig") or (found[0] if found else None)
     if exe is None:
         return {"error": "ldconfig not found"}
     try:
@@ -366,7 +367,8 @@ class Snapshot:
     ldconfig: list[LibEntry] = field(default_factory=list)
     ldconfig_error: str | None = None
     ld_library_path: list[str] = field(default_factory=list)
-    ld_library_libs: dict[str, list[str] | None] = field(default_factory=dict)  # dir -> matching files (None: unreadable)
+    # LD_LIBRARY_PATH directory -> the CUDA-family files in it (None: unreadable, or a capture)
+    ld_library_libs: dict[str, list[str] | None] = field(default_factory=dict)
     ld_preload: list[str] = field(default_factory=list)
     pythonpath: list[PathEntry] = field(default_factory=list)
     env_sources: dict[str, str] = field(default_factory=dict)  # variable -> where it was set
@@ -529,7 +531,8 @@ STRAY_STACKS = {
     "mlc-llm": "MLC LLM",
 }
 # Other frameworks with their own CUDA libraries: harmless unless the trainer imports them.
-OTHER_FRAMEWORKS = re.compile(r"^(jax-cuda\d+-(plugin|pjrt)|tensorflow|tensorflow-gpu|cupy-cuda\w+|paddlepaddle-gpu|mxnet-cu\w+)$")
+OTHER_FRAMEWORKS = re.compile(
+    r"^(jax-cuda\d+-(plugin|pjrt)|tensorflow|tensorflow-gpu|cupy-cuda\w+|paddlepaddle-gpu|mxnet-cu\w+)$")
 
 # A CUDA major in a name: nvidia-cudnn-cu12, cupy-cuda13x, jax-cuda13-plugin, nvidia-dali-cuda120.
 _NAME_CUDA = re.compile(r"(?:^|-)cu(?:da)?(\d{2,3})x?(?:-|$)")
@@ -848,9 +851,12 @@ def _rule_torch(c: _Context) -> list[Finding]:
     fix = ("install a CUDA build of torch (pip install torch from the CUDA index matching the driver), "
            "or set trainer.placement.device: cpu")
     if c.torch.cuda is None and c.device == "cuda":
-        return [Finding("error", "torch-cpu-build",
+        # A warning, not an error: the trainer refuses this itself at start, with a
+        # configuration error (exit 2) that the supervisor does not retry.
+        return [Finding("warning", "torch-cpu-build",
                         f"{c.torch.label} is not a CUDA build (read from {c.torch.source}), but the playbook "
-                        "says trainer.placement.device: cuda", fix=fix, packages=["torch"])]
+                        "says trainer.placement.device: cuda: the trainer will refuse to start",
+                        fix=fix, packages=["torch"])]
     if c.torch.cuda is None and c.device == "auto" and c.host_gpus:
         return [Finding("warning", "torch-cpu-build",
                         f"{c.torch.label} is not a CUDA build (read from {c.torch.source}): with "
@@ -863,26 +869,30 @@ def _rule_torch(c: _Context) -> list[Finding]:
 
 
 def _rule_requirements(c: _Context) -> list[Finding]:
-    """Missing requirements of torch / the trainer, and versions they do not accept."""
-    findings = []
+    """Missing requirements of torch / the trainer, and versions they do not accept:
+    one finding per package and version range, naming every requirer."""
+    failing: dict[tuple[str, str], list[ReqCheck]] = {}
     for check in c.checks:
-        if check.satisfied or canon(check.requirement.name) in TRITON_NAMES:
-            continue
-        name = check.requirement.name
+        name = canon(check.requirement.name)
+        if not check.satisfied and name not in TRITON_NAMES:  # triton has a rule of its own
+            failing.setdefault((name, str(check.requirement.specifier)), []).append(check)
+    findings = []
+    for group in failing.values():
+        check, name = group[0], group[0].requirement.name
+        also = f" (also required by {', '.join(g.chain for g in group[1:])})" if group[1:] else ""
+        detail = {"chains": [g.chain for g in group], "requirement": check.spec}
         if check.installed is None:
             findings.append(Finding(
-                "error", "missing-requirement",
-                f"{check.chain} requires {check.spec}, which is not installed",
-                fix=_install([check.spec]), packages=[name], detail={"chain": check.chain, "requirement": check.spec}))
+                "error", "missing-requirement", f"{check.chain} requires {check.spec}, which is not installed{also}",
+                fix=_install([check.spec]), packages=[name], detail=detail))
             continue
         # A binary wheel pinned by torch (CUDA libraries) at another version breaks
         # at load time; a pure-Python one usually just works, so it is a warning.
         binary = canon(name).startswith(("nvidia-", "cuda-"))
         findings.append(Finding(
             "error" if binary else "warning", "requirement-version",
-            f"{check.chain} requires {check.spec}; {check.installed.label()} is installed",
-            fix=_install([check.spec]), packages=[name],
-            detail={"chain": check.chain, "requirement": check.spec, "installed": check.installed.version}))
+            f"{check.chain} requires {check.spec}; {check.installed.label()} is installed{also}",
+            fix=_install([check.spec]), packages=[name], detail={**detail, "installed": check.installed.version}))
     return findings
 
 
@@ -895,7 +905,7 @@ def _rule_triton(c: _Context) -> list[Finding]:
     check = next((ch for ch in c.checks if ch.chain == "torch" and canon(ch.requirement.name) in TRITON_NAMES), None)
     findings = []
     if check is not None and not check.satisfied:
-        found = check.installed.label() if check.installed else "none is installed"
+        found = f"{check.installed.label()} is installed" if check.installed else "none is installed"
         others = [d.label() for k, d in c.installed.items() if k in TRITON_NAMES and d is not check.installed]
         if others and check.installed is None:
             found = f"{_listing(others)} is installed instead"
@@ -916,7 +926,8 @@ def _rule_triton(c: _Context) -> list[Finding]:
             "error", "triton-version",
             f"{' and '.join(d.label() for d in both)} are both installed: both provide the `triton` module "
             "and the one found first on sys.path wins",
-            fix=_uninstall(ok) + f" (torch requires {wanted}; reinstall it afterwards: files are shared)" if ok else None,
+            fix=(_uninstall(ok) + f" (torch requires {wanted}; reinstall it afterwards: files are shared)")
+            if ok else None,
             packages=[d.name for d in both], remove=ok))
     return findings
 
@@ -951,8 +962,10 @@ def _rule_cuda_major(c: _Context) -> list[Finding]:
     if strays:
         names = [d.name for d, _, _ in strays]
         ok, kept = c.removal(names)
-        listed = [f"{d.label()} (CUDA {m}" + (f", for {', '.join(required_by(c.s, d.name))})"
-                                              if required_by(c.s, d.name) else ")") for d, m, _ in strays]
+        listed = []
+        for d, m, _ in strays:
+            users = required_by(c.s, d.name)
+            listed.append(f"{d.label()} (CUDA {m}" + (f", for {', '.join(users)})" if users else ")"))
         findings.append(Finding(
             "warning", "cuda-major",
             f"{len(strays)} wheel(s) built for another CUDA major than torch's CUDA {c.torch.cuda}: {_listing(listed)}",
@@ -964,7 +977,7 @@ def _rule_cuda_major(c: _Context) -> list[Finding]:
 def _cuda_fix(c: _Context, names: list[str], ok: list[str], kept: list[str]) -> str:
     parts = []
     if ok:
-        parts.append(_uninstall(ok) + " (after checking nothing you run from this environment needs them)")
+        parts.append(_uninstall(ok) + " (check first that nothing else you run from this environment needs them)")
     for name in kept:
         check = c.torch_requirement(name)
         spec = check.spec if check else name
@@ -991,8 +1004,11 @@ def _rule_duplicate_libraries(c: _Context) -> list[Finding]:
     for e in c.s.ldconfig:
         if _VERSIONED_SONAME.search(e.soname):
             system.setdefault(e.soname, []).append(e)
+    torch_major = c.torch.cuda_major if c.torch else None
     findings = []
     for d in c.installed.values():
+        if torch_major is not None and cuda_major(d) not in (None, torch_major):
+            continue  # a wheel for another CUDA: the cuda-major rule reports it
         shared = _wheel_sonames(d, system)
         if not shared:
             continue
@@ -1005,6 +1021,9 @@ def _rule_duplicate_libraries(c: _Context) -> list[Finding]:
         severity = "error" if ld_hits and torch_needs else "warning"
         message = (f"{_listing(names, 3)} installed twice: by the wheel {d.label()} and in the system "
                    f"library cache ({_listing(sys_paths, 2)}). {how}")
+        if len(names) > 1:
+            message += ("; if the two copies' versions differ, a process that ends up with libraries from both "
+                        "fails with a version mismatch")
         if torch_needs:
             fix = (f"keep {d.name} (torch requires it). If nothing else on the host needs the system copy, remove "
                    f"the package that owns it (`dpkg -S {sys_paths[0]}` names it); otherwise keep both at the "
@@ -1260,7 +1279,8 @@ def collect(transport: "Transport", env: dict[str, str] | None = None, timeout: 
     except (ValueError, KeyError, TypeError):
         raise TransportError(
             transport.host.name, f"{argv[0]} -c <env-audit script>",
-            "the env-audit script gave no answer" + (" (is python: right in the inventory?)" if result.exit_code else ""),
+            "the env-audit script gave no answer"
+            + (" (is python: right in the inventory?)" if result.exit_code else ""),
             exit_code=result.exit_code, stderr_tail=result.stderr[-2000:],
             hint=f"check that {transport.host.python} runs on {transport.host.name}",
         ) from None
@@ -1300,7 +1320,9 @@ def audit_host(
                        torch_build(snapshot), time.monotonic() - started)
 
 
-def resolve_target(name: str, inventory: "Inventory", playbooks_dir: str | None = None) -> tuple[str, "Playbook | None"]:
+def resolve_target(
+    name: str, inventory: "Inventory", playbooks_dir: str | None = None
+) -> tuple[str, "Playbook | None"]:
     """PLAYBOOK|HOST -> (host name, playbook or None). A playbook of that name wins
     over a host of that name (it says more: its environment and GPU placement)."""
     from dflashctl.config import list_playbooks, load_playbook

@@ -779,6 +779,10 @@ def start_supervisor(run_id: str, foreground: bool, store: Store, inventory: "In
     Foreground: follow the run here until it ends, printing its new metrics lines
     (a plain tail; the supervisor replaces it); returns the final state."""
     say = progress or _quiet
+    if foreground and watch_available():
+        from dflashctl.supervisor import follow  # the supervisor itself, in this process
+
+        return follow(run_id, store, inventory, emit or print, playbooks_dir=playbooks_dir)
     if foreground:
         return follow_run(run_id, store, inventory, emit or print, clock=clock)
     if not watch_available():

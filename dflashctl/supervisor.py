@@ -40,6 +40,7 @@ from __future__ import annotations
 import os
 import queue
 import random
+import re
 import socket
 import threading
 import time
@@ -155,11 +156,18 @@ class _Latest:
 
 @dataclass
 class _Open:
-    """A finding already written: since when, how bad, when last written."""
+    """A finding already written: since when, how bad, its wording, when last written."""
 
     severity: str
     since: float
     written: float
+    shape: str
+
+
+def _shape(message: str) -> str:
+    """A finding's wording without its numbers: a new shape is news ("ETA 9 d > 7 d"
+    becoming "4.3 Ktok/s = 34% of baseline ...; ETA ..."), new numbers are not."""
+    return re.sub(r"\d+(\.\d+)?", "N", message)
 
 
 @dataclass
@@ -297,8 +305,9 @@ class Supervisor:
             run=run,
             policy=run_policy,
             alerter=self._alerter(run_policy.alerts),
-            args=ProbeArgs(run_dir=run.run_dir or "", session=run.tmux_session, socket=run.tmux_socket or _tmux_socket(),
-                           metrics_offset=offset, metrics_inode=inode, pane_lines=PANE_LINES, nvidia_smi=bool(run.gpus)),
+            args=ProbeArgs(run_dir=run.run_dir or "", session=run.tmux_session,
+                           socket=run.tmux_socket or _tmux_socket(), metrics_offset=offset, metrics_inode=inode,
+                           pane_lines=PANE_LINES, nvidia_smi=bool(run.gpus)),
         )
         rows = self.store.restarts(run.id)
         w.history = [policy.Restart(r.time, r.step_before, r.step_after) for r in rows]
@@ -322,7 +331,8 @@ class Supervisor:
         if warning:
             self._event(w, "supervisor", "warning", warning)
         how = "re-attached to" if (offset or rows) else "watching"
-        self._event(w, "supervisor", "info", f"supervisor pid {os.getpid()} {how} run {run.id} ({run.state} on {run.host})",
+        self._event(w, "supervisor", "info",
+                    f"supervisor pid {os.getpid()} {how} run {run.id} ({run.state} on {run.host})",
                     {"pid": os.getpid(), "metrics_offset": offset, "restarts": len(rows)})
         return w
 
@@ -350,7 +360,8 @@ class Supervisor:
     def _issued_since_restarting(self, run: Run, restart_time: float) -> bool:
         """Whether the latest restart row was issued after the run last went
         ``restarting`` (else that restart is still to do: its supervisor died first)."""
-        went = [e.time for e in self.store.events(run.id, kind="state", limit=50) if (e.detail or {}).get("to") == RESTARTING]
+        went = [e.time for e in self.store.events(run.id, kind="state", limit=50)
+                if (e.detail or {}).get("to") == RESTARTING]
         return bool(went) and restart_time >= went[-1]
 
     def _alerter(self, alerts: "Alerts") -> alerts_mod.Alerter:
@@ -376,7 +387,13 @@ class Supervisor:
         try:
             while True:
                 started = time.monotonic()
-                self.tick()
+                try:
+                    self.tick()
+                except Exception as e:  # noqa: BLE001  (e.g. the store locked for too long: try again next tick)
+                    if os.environ.get("DFLASHCTL_DEBUG") or once:
+                        raise
+                    self.emit("info", f"supervisor: this tick failed ({type(e).__name__}: {_first_line(e)}); "
+                              "trying again at the next one")
                 if once or stop.is_set() or not self.active():
                     return
                 if self._hurry:
@@ -425,7 +442,8 @@ class Supervisor:
             self._refresh(w)
         if self.act:
             for w in self.active():
-                if w.pending is not None and w.job is None and now >= w.pending.due:
+                host_up = self.hosts.get(w.run.host, _HostState()).down_since is None  # else: when it is back
+                if w.pending is not None and w.job is None and now >= w.pending.due and host_up:
                     self._issue_restart(w)
         by_host: dict[str, list[Watched]] = {}
         for w in self.active():
@@ -453,8 +471,11 @@ class Supervisor:
             for w, pr in zip(watched, parsed.runs):
                 try:
                     report.findings[w.id] = self._observe(w, pr, hs.skew)
-                except DflashError as e:  # a store refusal: said, and the loop goes on
-                    self._event(w, "supervisor", "error", f"could not handle this poll: {_first_line(e)}")
+                except Exception as e:  # noqa: BLE001  (one run's trouble must not stop the watch of the others)
+                    if os.environ.get("DFLASHCTL_DEBUG"):
+                        raise
+                    self._event(w, "supervisor", "error",
+                                f"could not handle this poll: {type(e).__name__}: {_first_line(e)}")
         self._emit_new_events()
         report.seconds = time.monotonic() - t0
         self.last_report = report
@@ -494,10 +515,10 @@ class Supervisor:
 
         started = status is not None and pr.exit_code is None and status.phase not in contract.FINAL_PHASES
         if started and self.act and w.run.state == LAUNCHING:
-            self._transition(w, RUNNING, f"trainer started (pid {status.pid}, phase {status.phase})", local)
+            self._transition(w, RUNNING, f"trainer started (pid {status.pid}, phase {status.phase})")
         elif started and self.act and w.run.state == RESTARTING and w.restart_issued:
             w.restart_issued = False
-            self._transition(w, RUNNING, f"trainer running again (pid {status.pid}, phase {status.phase})", local)
+            self._transition(w, RUNNING, f"trainer running again (pid {status.pid}, phase {status.phase})")
         if w.run.state == RESTARTING and (w.pending is not None or not w.restart_issued):
             return []  # a restart is coming: ours after its backoff, or an operator's
 
@@ -529,12 +550,14 @@ class Supervisor:
             return  # metrics.jsonl could not be read this time; the offset stays
         lines, malformed = parse_metrics_chunk(pr.metrics_chunk)
         if pr.metrics_reset and w.args.metrics_offset:
-            self._event(w, "metrics", "warning", f"{contract.METRICS_FILE} was truncated or replaced; read again from the start")
+            self._event(w, "metrics", "warning",
+                        f"{contract.METRICS_FILE} was truncated or replaced; read again from the start")
         if malformed:
             self._event(w, "metrics", "warning", f"{malformed} malformed line(s) of {contract.METRICS_FILE} skipped")
         if lines or (pr.metrics_offset, pr.metrics_inode) != (w.args.metrics_offset, w.args.metrics_inode):
             gpu = [g.__dict__ for g in pr.gpus or [] if g.index in w.run.gpus] or None
-            self.store.add_samples(w.id, lines, gpu=gpu, metrics_offset=pr.metrics_offset, metrics_inode=pr.metrics_inode)
+            self.store.add_samples(w.id, lines, gpu=gpu, metrics_offset=pr.metrics_offset,
+                                   metrics_inode=pr.metrics_inode)
         w.args = pr.next_args(w.args)
         self._hurry = self._hurry or pr.metrics_more
         for m in lines:
@@ -565,8 +588,8 @@ class Supervisor:
             if r.failed_at is not None:
                 changes["downtime_s"] = round(max(0.0, first - r.failed_at), 3)
             self._event(w, "restart", "info", f"training resumed at step {ours[0].step}, "
-                        f"{fmt_duration(first - r.issued_at)} after the restart"
-                        + (f" ({fmt_duration(first - r.failed_at)} down in all)" if r.failed_at else ""),
+                        f"{_seconds(first - r.issued_at)} after the restart"
+                        + (f" ({_seconds(first - r.failed_at)} down in all)" if r.failed_at else ""),
                         {"restart_id": r.id, **changes})
         self.store.update_restart(r.id, **changes)
 
@@ -600,22 +623,22 @@ class Supervisor:
         if trigger is not None:
             self._decided(w, pr, trigger, decision, local, skew)
         elif w.run.state == STALLED and self.act:
-            self._transition(w, RUNNING, "making progress again" + (f": step {w.step_max}" if w.step_max else ""), local)
+            self._transition(w, RUNNING, "making progress again" + (f": step {w.step_max}" if w.step_max else ""))
         for a in alerts:
             one_shot = trigger is not None and a.finding == trigger.kind and decision.kind != policy.NONE
             if one_shot or a.finding in fresh:
                 self._alert(w, a.finding or "finding", a.severity, a.reason, a.detail, local)
 
     def _note_findings(self, w: Watched, findings: list[Finding], local: float) -> set[str]:
-        """Kinds to write now: new, worse than when last written, or lasting long
-        enough to say again. Kinds that went away are written as cleared."""
+        """Kinds to write now: new, worse or worded otherwise than when last written,
+        or lasting long enough to say again. Kinds that went away are written as cleared."""
         fresh = set()
         for f in findings:
             o = w.findings.get(f.kind)
-            worse = o is not None and detectors.SEVERITIES.index(f.severity) > detectors.SEVERITIES.index(o.severity)
-            if o is None or worse or local - o.written >= REPEAT_FINDING_S:
+            worse = o is not None and _rank(f.severity) > _rank(o.severity)
+            if o is None or worse or o.shape != _shape(f.message) or local - o.written >= REPEAT_FINDING_S:
                 fresh.add(f.kind)
-                w.findings[f.kind] = _Open(f.severity, o.since if o else local, local)
+                w.findings[f.kind] = _Open(f.severity, o.since if o else local, local, _shape(f.message))
         for kind in set(w.findings) - {f.kind for f in findings}:
             o = w.findings.pop(kind)
             if kind != detectors.CRASH:
@@ -633,13 +656,13 @@ class Supervisor:
             return
         if decision.kind == policy.NONE:  # e.g. a process someone stopped on purpose
             if w.run.state != STALLED:
-                self._transition(w, STALLED, decision.reason, local, detail, severity=decision.severity)
+                self._transition(w, STALLED, decision.reason, detail, severity=decision.severity)
             return
         w.findings.pop(trigger.kind, None)  # acted on: the next one is news again
         if decision.kind == signatures.STOP:
             if pr.session_alive or (pr.process is not None and pr.process.alive):
                 self._submit(w, "kill", self._kill_session, w.run)
-            self._transition(w, FAILED, decision.reason, local, detail, severity=decision.severity,
+            self._transition(w, FAILED, decision.reason, detail, severity=decision.severity,
                              exit_code=pr.exit_code, exit_reason=_stop_why(trigger, decision))
             return
         w.pending = _Pending(
@@ -648,7 +671,9 @@ class Supervisor:
             step_before=w.step_max,
         )
         w.crash_seen = None
-        self._transition(w, RESTARTING, decision.reason, local, detail, severity=decision.severity)
+        if not self._transition(w, RESTARTING, decision.reason, detail, severity=decision.severity):
+            # A restarted process that failed before it was seen running: still one decision, one event.
+            self._event(w, "restart", decision.severity, decision.reason, detail)
         if decision.delay <= 0:
             self._issue_restart(w)
 
@@ -672,7 +697,7 @@ class Supervisor:
             return
         state = DONE if finding.detail.get("outcome") == "done" else STOPPED
         reason = contract.describe_exit(code) if code is not None else finding.detail.get("outcome")
-        self._transition(w, state, finding.message, local, finding.detail, exit_code=code, exit_reason=reason)
+        self._transition(w, state, finding.message, finding.detail, exit_code=code, exit_reason=reason)
         self._alert(w, detectors.FINISHED, "info", finding.message, finding.detail, local)
 
     def _alert(self, w: Watched, kind: str, severity: str, message: str, detail: dict | None, local: float) -> None:
@@ -723,7 +748,8 @@ class Supervisor:
             if kind == "restart":
                 self._restarted(w, None if error else job.result(), error)
             elif error is not None:
-                self._event(w, "stop", "warning", f"could not kill tmux session {w.run.tmux_session}: {_first_line(error)}")
+                self._event(w, "stop", "warning",
+                            f"could not kill tmux session {w.run.tmux_session}: {_first_line(error)}")
 
     def _restarted(self, w: Watched, issued: float | None, error: BaseException | None) -> None:
         p, now = w.pending, self.clock()
@@ -732,7 +758,7 @@ class Supervisor:
             if p.tries >= RESTART_TRIES or not isinstance(error, TransportError):
                 w.pending = None
                 message = f"restart failed ({p.tries} tries): {_first_line(error)}"
-                self._transition(w, FAILED, message, now, severity="critical", exit_reason="restart failed")
+                self._transition(w, FAILED, message, severity="critical", exit_reason="restart failed")
                 self._alert(w, "restart_failed", "critical", message, {"signature": p.signature}, now)
             else:
                 p.due = now + max(w.policy.restart.backoff_initial, self.interval)
@@ -764,7 +790,7 @@ class Supervisor:
         hs.polls += 1
         finding = detectors.detect_unreachable(host, hs.down_since, hs.polls, now, error=error,
                                                escalate_after=self.escalate_after)
-        worse = hs.severity is None or detectors.SEVERITIES.index(finding.severity) > detectors.SEVERITIES.index(hs.severity)
+        worse = hs.severity is None or _rank(finding.severity) > _rank(hs.severity)
         for w in watched:
             if worse:
                 self._event(w, detectors.UNREACHABLE, finding.severity, finding.message, finding.detail)
@@ -772,7 +798,7 @@ class Supervisor:
             if self.act and hs.polls >= LOST_AFTER_POLLS and w.run.state in (LAUNCHING, RUNNING, STALLED, RESTARTING):
                 w.state_before_lost = w.run.state
                 self._transition(w, LOST, f"host {host} unreachable for {hs.polls} polls; the trainer may still be "
-                                 "running there", now, {"host": host, "since": hs.down_since})
+                                 "running there", {"host": host, "since": hs.down_since})
         if worse:
             hs.severity = finding.severity
 
@@ -786,23 +812,23 @@ class Supervisor:
             self._event(w, detectors.UNREACHABLE, "info", message, {"host": host, "down_s": now - hs.down_since})
             if self.act and w.run.state == LOST:
                 back = w.state_before_lost if w.state_before_lost in TRANSITIONS[LOST] else RUNNING
-                self._transition(w, back, message, now)
+                self._transition(w, back, message)
                 w.state_before_lost = None
         hs.down_since, hs.polls, hs.severity = None, 0, None
 
     # ----------------------------------------------------------------- store and output
 
-    def _transition(self, w: Watched, state: str, message: str, now: float, detail: dict | None = None, **kw) -> None:
+    def _transition(self, w: Watched, state: str, message: str, detail: dict | None = None, **kw) -> bool:
+        """Move the run to ``state`` (False when it already is there, or is finished)."""
         current = self.store.get_run(w.id).state
-        if current == state or current in FINAL_STATES:
-            # Only an operator revives a finished run (it may have been stopped meanwhile).
-            w.run = self.store.get_run(w.id)
-            return
-        if state not in TRANSITIONS[current] and state in TRANSITIONS[RUNNING] and RUNNING in TRANSITIONS[current]:
-            # e.g. a restarted process that stalls or finishes before it was seen running
-            self.store.transition(w.id, RUNNING, "trainer running again", now)
-        self.store.transition(w.id, state, message, now, _jsonable(detail), **kw)
+        moved = False
+        if current != state and current not in FINAL_STATES:  # only an operator revives a finished run
+            if state not in TRANSITIONS[current] and state in TRANSITIONS[RUNNING] and RUNNING in TRANSITIONS[current]:
+                # e.g. a (re)started process that fails or finishes before it was seen running
+                self.store.transition(w.id, RUNNING, "trainer started", self.clock())
+            moved = self.store.transition(w.id, state, message, self.clock(), _jsonable(detail), **kw)
         w.run = self.store.get_run(w.id)
+        return moved
 
     def _event(self, w: Watched, kind: str, severity: str, message: str, detail: dict | None = None) -> None:
         self.store.add_event(w.id, kind, message, self.clock(), severity, _jsonable(detail))
@@ -870,6 +896,14 @@ def _stop_why(trigger: Finding, decision: policy.Action) -> str:
     return f"{decision.signature or trigger.kind}: {why}"[:300]
 
 
+def _rank(severity: str) -> int:
+    return detectors.SEVERITIES.index(severity)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value < 60 else fmt_duration(value)
+
+
 def _first_line(e: Any) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -903,7 +937,7 @@ def format_line(kind: str, payload: Any) -> str:
         from dflashctl.launch import format_metrics
 
         run_id, m = payload
-        return f"{detectors.fmt_clock(m.time)}  {run_id}  {'metrics':<8} {'':<11} {format_metrics(m)}"
+        return f"{detectors.fmt_clock(m.time)}  {run_id}  {format_metrics(m)}"
     return str(payload)
 
 
@@ -945,7 +979,8 @@ def resolve_targets(sup: Supervisor, targets: Sequence[str]) -> None:
             raise
         except DflashError as e:
             raise DflashError(f"no run or playbook named '{target}'",
-                              hint=f"{_first_line(e)}; `dflashctl runs` lists runs, playbooks/ holds playbooks") from None
+                              hint=f"{_first_line(e)}; `dflashctl runs` lists runs, playbooks/ holds playbooks",
+                              ) from None
 
 
 def watch(
@@ -968,7 +1003,8 @@ def watch(
         resolve_targets(sup, targets)
         if not sup.active():
             raise DflashError(f"nothing to watch: no active run in {', '.join(targets)}",
-                              hint="`dflashctl runs` lists runs and their states; `dflashctl launch PLAYBOOK` starts one")
+                              hint="`dflashctl runs` lists runs and their states; "
+                              "`dflashctl launch PLAYBOOK` starts one")
     except BaseException:
         sup.close()
         raise

@@ -9,9 +9,15 @@
     ssh_env.sshd_pids           {host: listening sshd pid}
     ssh_env.log(h)              its sshd log (jumps log every direct-tcpip forward)
     ssh_env.workdir(h), home(h), host_dir(h)   paths on this machine
-    ssh_env.set_smi_mode(h, 'idle'|'load')     the fake nvidia-smi's state
-    ssh_env.add_hosts(n, jump='jump')          n more hosts; returns their names
+    ssh_env.set_smi_mode(h, 'idle'|'load')     the fake nvidia-smi's state (or env DFLASHCTL_FAKE_SMI)
+    ssh_env.add_hosts(n, jump='jump', wrapper=None, fake_gpu=False)   n more hosts; their names
     ssh_env.ssh_argv(h)         OpenSSH client argv reaching h (ssh -F ssh_config h)
+    ssh_env.server(h)           its Server: .address, .port, .dir, .pid, .log_path
+    ssh_env.known_hosts, .client_key, .ssh_config, .local_workdir   files on this machine
+
+Each ssh host has its own $HOME (so workdir '~/dflash' differs per host), $TMUX_TMPDIR
+and bin/ first on PATH; the inventory's python is this interpreter. `target` runs
+commands inside the fake `pct exec 200 --` (hostname ct200, no PID namespace).
 
 A test that stops a host or cuts connections must leave it up again (try/finally).
 """

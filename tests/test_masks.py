@@ -237,6 +237,19 @@ def test_bug7_gpu_path_refuses_the_dense_fallback():
                 flex_attention(q, q, q, block_mask=bm)
 
 
+def test_compiled_path_can_build_its_block_masks_eagerly():
+    # The compiled mask builder's cold compile grows with the bucket; the flex path
+    # may build BlockMasks eagerly instead, never dense tensors.
+    anchors, valid = make_anchors(40, 4, 6, [(3, 40)])
+    path = AttentionPath(FLEX_COMPILED, "cpu", compiled_masks=False)
+    masks = build_layer_masks(path, anchors, valid, 40, 4, ["full", "sliding"], 6)
+    for layer_type, window in (("full", None), ("sliding", 6)):
+        got = masks.for_layer(layer_type)
+        want = build_block_mask(anchors, valid, 40, 4, window, compiled=False)
+        assert not isinstance(got, torch.Tensor)
+        assert torch.equal(got.to_dense(), want.to_dense()) and torch.equal(got.kv_indices, want.kv_indices)
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_flex_and_sdpa_paths_agree(window):
     torch.manual_seed(0)

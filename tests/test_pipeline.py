@@ -23,9 +23,10 @@ from trainer.step import compute_loss
 from trainer.train import resolve_devices
 
 
-def make_pipeline(targets=(0,), drafters=(0, 1), compute=compute_loss, anchors=sample_anchors, queue_depth=2, steps=6):
+def make_pipeline(targets=(0,), drafters=(0, 1), compute=compute_loss, anchors=sample_anchors, queue_depth=2, steps=6,
+                  **sections):
     cfg = from_dict(tiny_config(placement={"device": "cpu", "target": list(targets), "drafter": list(drafters),
-                                           "queue_depth": queue_depth}, train={"steps": steps}))
+                                           "queue_depth": queue_depth}, train={"steps": steps}, **sections))
     _, target_devs, drafter_devs = resolve_devices(cfg)
     target_models, replicas = pl.build_models(cfg, target_devs, drafter_devs, torch.float32)
     source = build_source(cfg, target_models[0].vocab_size, replicas[0].mask_token_id)
@@ -75,6 +76,19 @@ def test_threads_train_deterministically_and_shut_down_cleanly():
         runs.append([r.loss for step in reports for r in step])
     assert runs[0] == runs[1]
     assert all(loss == loss for loss in runs[0])
+
+
+def test_locked_first_steps_compile_each_thread_and_bucket_under_the_lock_then_run_free():
+    pipe, opt, sched = make_pipeline(targets=(0, 1), drafters=(0, 1), compile={"serialized_warmup": False},
+                                     data={"buckets": [256]})
+    d = pipe.discipline
+    d.warmup(pl.warmup_jobs(pipe), report=lambda progress: None)
+    assert d.mode == "locked_first_steps"
+    assert d._pending == {(name, 256) for name in ("target-0@cpu", "target-1@cpu", "drafter-0@cpu", "drafter-1@cpu")}
+    pipe.start()
+    train(pipe, opt, sched, 3)
+    assert pipe.stop(timeout=10) == []
+    assert d._pending == set() and d.frames_ok_after_warmup is not None  # every shape went through: locked
 
 
 def test_replicas_stay_bit_identical():

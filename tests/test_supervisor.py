@@ -23,18 +23,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl import contract, deploy
+from dflashctl import contract
 from dflashctl.bundle import build_bundle
 from dflashctl.config import load_inventory, load_playbook
-from dflashctl.launch import run_files, start_command
-from dflashctl.store import Store, new_run_id
+from dflashctl.store import Store
 from dflashctl.supervisor import (
     RESTART_MARKER, Supervisor, SupervisorConflict, _attempt_output, live_supervisor,
 )
 from dflashctl.tmux import SOCKET_ENV, Tmux
-from dflashctl.transport import connect
+from tests.harness.fake_trainer import start_fake_run
 
-FAKE_TRAINER = Path(__file__).parent / "harness" / "fake_trainer.py"
 SOCKET = f"dflash-sup-{os.getpid()}"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -172,8 +170,8 @@ def private_tmux_socket():
 
 
 class LocalEnv:
-    """The local host with a deployed bundle, a store, playbooks; ``start`` launches
-    a fake-trainer run the way the launcher does (run.sh in a tmux session)."""
+    """The local host, a store, playbooks; ``start`` launches a fake-trainer run the
+    way the launcher does (run.sh in a tmux session)."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -185,9 +183,7 @@ class LocalEnv:
         self.playbooks = root / "playbooks"
         self.store_path = str(root / "runs.db")
         self.store = Store(self.store_path)
-        self.transport = connect("local", self.inventory)
-        result = deploy.deploy_bundle(self.transport, build_bundle(), self.workdir)
-        self.bundle_hash, self.bundle_dir = result.bundle_hash, result.bundle_dir
+        self.bundle = build_bundle()
         self.tmux = Tmux(self.host, self.inventory, SOCKET)
 
     def playbook(self, name: str, trainer: dict | None = None, **settings):
@@ -198,25 +194,9 @@ class LocalEnv:
                              inventory=self.inventory)
 
     def start(self, pb, step_s: float = 0.05, tokens: int = 256) -> str:
-        now = time.time()
-        run_id = new_run_id(pb.name, now)
-        run_dir = deploy.run_dir(self.workdir, run_id)
-        config = {
-            "trainer": pb.trainer.to_dict(),
-            "gpus": [],
-            "env": {"PYTHONPATH": self.bundle_dir, "FAKE_TRAINER_STEP_S": str(step_s),
-                    "FAKE_TRAINER_TOKENS": str(tokens)},
-            "compile_cache": None,
-            # run.sh runs `<python> -m trainer --config ...`: here the fake trainer takes those arguments.
-            "python": f"{sys.executable} {FAKE_TRAINER}",
-            "workdir": self.workdir,
-            "playbook_source": pb.source,
-        }
-        self.store.create_run(pb.name, "local", config, now, run_id=run_id, bundle_hash=self.bundle_hash,
-                              run_dir=run_dir, tmux_session=run_id, tmux_socket=SOCKET)
-        deploy.write_run_files(self.transport, run_dir, run_files(run_id, run_dir, config, SOCKET))
-        self.tmux.start(run_id, start_command(run_dir))
-        return run_id
+        return start_fake_run(self.store, self.inventory, "local", pb.trainer.to_dict(), playbook=pb.name,
+                              playbook_source=pb.source, socket=SOCKET, step_s=step_s, tokens=tokens,
+                              bundle=self.bundle)
 
     def run_dir(self, run_id: str) -> str:
         return self.store.get_run(run_id).run_dir
@@ -382,7 +362,8 @@ def test_a_crash_loop_stops_after_k_restarts_with_an_alert(local_env, webhook):
     assert run.state == "failed"
     assert run.exit_reason.startswith("unknown: crash loop: 2 restarts in a row without step progress")
     assert len(store.restarts(run_id)) == 2
-    assert [s for s in states(store, run_id) if s != "running"] == ["launching", "restarting", "restarting", "failed"]
+    assert [s for s in states(store, run_id) if s != "running"] == ["launching", "restarting", "failed"]
+    assert "restart 2/5" in kinds(store, run_id, "restart")[0].message  # the second decision, while restarting
     critical = [a for a in webhook.received if a["severity"] == "critical"]
     assert len(critical) == 1 and "crash loop" in critical[0]["message"] and critical[0]["kind"] == "crash"
     # the first crash alert went out; the second was rate-limited (same kind, same severity)
@@ -444,19 +425,22 @@ def test_a_hung_trainer_is_restarted_after_the_stall_window(local_env):
 
 def test_a_slowdown_is_a_regression_in_the_operators_terms(local_env):
     pb = local_env.playbook(
-        "slow", {"fault": {"kind": "slow", "after_steps": 6, "factor": 3}, "train": {"steps": 100000, "log_every": 2}},
-        expect={"baseline_tok_s": 5000, "regression_windows": 2, "max_eta": "1d"},
+        "slow", {"fault": {"kind": "slow", "after_steps": 6, "factor": 3}, "train": {"steps": 3000000, "log_every": 2}},
+        expect={"baseline_tok_s": 5000, "regression_windows": 2, "max_eta": "3d"},
     )
     run_id = local_env.start(pb, step_s=0.05, tokens=256)  # ~5 Ktok/s, then ~1.7 Ktok/s
     store = local_env.store
     sup = local_env.supervisor()
     sup.attach(run_id)
     try:
-        found = wait_for(lambda: kinds(store, run_id, "regression"), 30, "a regression", tick=sup.tick)[0]
+        def full():  # tok/s, percent of baseline and ETA (3 x 1.8 d at this pace) in one finding
+            return [e for e in kinds(store, run_id, "regression") if "% of baseline" in e.message and "ETA" in e.message]
+
+        found = wait_for(full, 30, "a regression", tick=sup.tick)[0]
         assert found.severity == "warning"
-        assert "Ktok/s = " in found.message and "% of baseline 5.0 Ktok/s" in found.message
+        assert "Ktok/s = " in found.message and "% of baseline 5.0 Ktok/s; ETA " in found.message
         assert 20 <= found.detail["fraction"] * 100 <= 45
-        assert "ETA" in found.message and "> 1 d" in found.message
+        assert found.message.endswith("> 3 d") and 4 * 86400 < found.detail["eta_s"] < 7 * 86400
         assert store.get_run(run_id).state == "running"  # a restart would not fix it
         assert not store.restarts(run_id)
     finally:
@@ -604,3 +588,26 @@ def test_watch_once_prints_json_events_and_records_samples(local_env):
         assert "Traceback" not in missing.stderr
     finally:
         local_env.tmux.kill(run_id)
+
+
+def test_watch_ends_cleanly_on_sigint_and_releases_the_run(local_env, tmp_path):
+    pb = local_env.playbook("interrupted")
+    run_id = local_env.start(pb)
+    store = local_env.store
+    env = {**os.environ, "DFLASHCTL_STORE": local_env.store_path, SOCKET_ENV: SOCKET}
+    out = open(tmp_path / "watch.out", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "-i", str(local_env.inventory_path), "-p",
+                             str(local_env.playbooks), "watch", run_id, "--interval", "0.2"],
+                            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
+    try:
+        wait_for(lambda: (store.get_run(run_id).supervisor or {}).get("pid") == proc.pid, 30, "the watch to claim the run")
+        wait_for(lambda: store.get_run(run_id).state == "running", 30, "the run seen running")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        local_env.tmux.kill(run_id)
+    text = (tmp_path / "watch.out").read_text()
+    assert "trainer started" in text and "stopped watching; the runs go on" in text and "Traceback" not in text
+    assert store.get_run(run_id).supervisor is None

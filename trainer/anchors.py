@@ -37,7 +37,7 @@ def anchor_slots(seq_len: int, max_anchors: int, block_size: int) -> int:
 def eligible_anchors(loss_mask_BS: torch.Tensor, block_size: int) -> torch.Tensor:
     """Boolean [B, S]: positions that may start a block (module docstring)."""
     loss_BS = loss_mask_BS > 0
-    batch, seq_len = loss_BS.shape
+    seq_len = loss_BS.shape[1]
     last = seq_len - block_size  # the last anchor whose block fits
     eligible_BS = torch.zeros_like(loss_BS)
     eligible_BS[:, : last + 1] = loss_BS[:, : last + 1] & loss_BS[:, 1 : last + 2]

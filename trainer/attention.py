@@ -47,13 +47,18 @@ _ran_lock = threading.Lock()
 class AttentionPath:
     name: str  # FLEX_COMPILED, FLEX_EAGER or SDPA
     device_type: str  # 'cuda' or 'cpu'
+    compiled_masks: bool = True
+    """FLEX_COMPILED only: build BlockMasks with the compiled create_block_mask (see
+    masks.build_block_mask for the trade-off); False uses the eager one."""
 
     @property
     def uses_block_mask(self) -> bool:
         return self.name != SDPA
 
 
-def select_attention_path(device: Union[str, torch.device], enabled: str = "auto", allow_eager: bool = False) -> AttentionPath:
+def select_attention_path(
+    device: Union[str, torch.device], enabled: str = "auto", allow_eager: bool = False, compiled_masks: bool = True
+) -> AttentionPath:
     """The path for ``compile.enabled`` on ``device``; ConfigError for a refused combination.
 
     auto: cuda -> flex_compiled, cpu -> sdpa. on: flex_compiled (GPU only: no
@@ -79,7 +84,7 @@ def select_attention_path(device: Union[str, torch.device], enabled: str = "auto
             ])
         return AttentionPath(FLEX_EAGER, device_type)
     refuse_eager_fallback()
-    return AttentionPath(FLEX_COMPILED, device_type)
+    return AttentionPath(FLEX_COMPILED, device_type, compiled_masks)
 
 
 def refuse_eager_fallback() -> None:
@@ -128,7 +133,8 @@ def build_layer_masks(
     for layer_type in sorted(set(layer_types)):
         w = window if layer_type == "sliding" else None
         if path.uses_block_mask:
-            mask = build_block_mask(anchors_BN, valid_BN, ctx_len, block_size, w, compiled=path.name == FLEX_COMPILED)
+            compiled = path.name == FLEX_COMPILED and path.compiled_masks
+            mask = build_block_mask(anchors_BN, valid_BN, ctx_len, block_size, w, compiled=compiled)
         else:
             mask = dense_mask(anchors_BN, valid_BN, ctx_len, block_size, w)
         setattr(masks, layer_type, mask)

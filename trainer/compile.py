@@ -83,7 +83,7 @@ class Discipline:
         self.limit = recompile_limit(n_devices, len(cfg.data.buckets), cfg.compile.recompile_margin)
         self.guard_eager_flex = guard_eager_flex
         self.lock = threading.Lock()
-        self._pending: set[tuple[str, int]] = set()  # (device, bucket) not yet through fwd+bwd
+        self._pending: set[tuple[str, int]] = set()  # (thread, bucket) not yet through fwd+bwd
         self.frames_ok_after_warmup: Optional[int] = None
         self.warmup_s = 0.0
 
@@ -107,13 +107,16 @@ class Discipline:
 
     def warmup(self, jobs: list[tuple[str, int, Callable[[], None]]],
                report: Callable[[dict], None], should_stop: Callable[[], bool] = lambda: False) -> float:
-        """Run ``(device, bucket, fn)`` jobs one at a time (forward + backward each).
+        """Run ``(thread, bucket, fn)`` jobs one at a time (forward + backward each), then
+        lock recompiles. ``thread`` is the name of the thread that will run that shape
+        (``drafter-1@cuda:6``). ``report`` gets ``{device, bucket, seconds, done, total}``
+        before and after each job, for status.json. Returns the total seconds.
 
-        ``report`` gets ``{device, bucket, seconds, done, total}`` before and after
-        each job, for status.json. Returns the total seconds.
+        With ``serialized_warmup: false`` nothing runs here: each (thread, bucket) is
+        compiled by its thread's first step of that bucket, under the global lock.
         """
         start = time.monotonic()
-        if self.mode == "locked_first_steps":
+        if self.mode == "locked_first_steps":  # the threads compile, one at a time (step_guard)
             self._pending = {(d, b) for d, b, _ in jobs}
             return 0.0
         if self.mode == "unsafe_parallel":
@@ -127,13 +130,14 @@ class Discipline:
             report({"device": device, "bucket": bucket, "seconds": round(time.monotonic() - t0, 2),
                     "done": i + 1, "total": len(jobs)})
         self.warmup_s = time.monotonic() - start
+        self.lock_recompiles()
         return self.warmup_s
 
     # ---- locked first steps (serialized_warmup: false)
 
-    def step_guard(self, device: str, bucket: int):
-        """A context for one step: the global lock while any device x bucket is still cold."""
-        return _StepGuard(self, (device, bucket))
+    def step_guard(self, thread: str, bucket: int):
+        """A context for one step: the global lock while any thread x bucket is still cold."""
+        return _StepGuard(self, (thread, bucket))
 
 
 class _StepGuard:

@@ -63,16 +63,21 @@ class DataConfig:
     error_budget: int = 10
     """Bad records skipped (each reported) before the run stops with a data error."""
     seed: int = 0
+    """Seed of the batch order (reshuffled per epoch from (seed, epoch)), the anchors and the synthetic task."""
 
 
 @dataclass
 class OptimConfig:
     lr: float = 6e-4
+    """Peak learning rate of AdamW (fused on CUDA)."""
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_frac: float = 0.04
+    """Linear warm-up over this fraction of train.steps, then cosine decay."""
     min_lr_frac: float = 0.1
+    """The cosine ends at lr * min_lr_frac."""
     grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
 
 
 @dataclass
@@ -83,14 +88,19 @@ class TrainConfig:
     loss_chunk: int = 1024
     """Query positions per chunk of the vocabulary projection in the loss."""
     log_every: int = 10
+    """Steps per metrics.jsonl line."""
     checkpoint_every: int = 50
+    """Steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)."""
     keep_checkpoints: int = 3
+    """Newest complete checkpoints kept."""
     seed: int = 0
+    """Seed of the drafter's initial weights."""
 
 
 @dataclass
 class PlacementConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """'auto': cuda when torch sees a GPU. On cpu the indices below only count threads."""
     target: list[int] = field(default_factory=lambda: [0])
     """GPU indices running the frozen target (one thread each)."""
     drafter: list[int] = field(default_factory=lambda: [0])
@@ -112,6 +122,7 @@ class CompileConfig:
     allow_eager: bool = False
     """DEBUG ONLY: allow the dense flex_attention fallback on GPU."""
     recompile_margin: int = 4
+    """Dynamo recompile limit = devices x buckets x 2 + this; hitting it raises (never a silent eager fallback)."""
 
 
 @dataclass
@@ -119,10 +130,13 @@ class FaultConfig:
     """Fault injection for tests and drills. Never set in a production playbook."""
 
     kind: Optional[Literal["exit", "hang", "slow", "raise_in_thread"]] = None
+    """exit: crash with ``message``; hang: stop progressing until a signal; slow: steps ``factor`` x longer; raise_in_thread: a drafter thread raises RuntimeError(message)."""
     after_steps: int = 0
+    """Fire once this many optimiser steps are done (counted across restarts)."""
     message: str = "injected fault"
-    """With kind=exit: printed to stderr as the error text before exiting."""
+    """With kind=exit: printed to stderr as the error text before exiting; with raise_in_thread: the exception's message."""
     exit_code: int = 1
+    """With kind=exit: the process exit status."""
     factor: float = 3.0
     """With kind=slow: each step takes this many times longer."""
     once: bool = True

@@ -203,7 +203,8 @@ class SyntheticDataset:
     def __init__(self, n: int, vocab_size: int, max_len: int, min_loss_tokens: int, seed: int,
                  alphabet: int = 8, reserved: tuple[int, ...] = ()):
         rng = random.Random(f"synthetic-{seed}")
-        usable = [t for t in range(1, vocab_size) if t not in set(reserved)]
+        skip = set(reserved)
+        usable = [t for t in range(1, vocab_size) if t not in skip]
         if len(usable) < alphabet + 1:
             raise DataError(f"synthetic task: vocabulary of {vocab_size} is too small")
         self.cycle = rng.sample(usable, alphabet)

@@ -79,6 +79,11 @@ class Report:
     bwd_s: float
 
 
+def thread_name(role: str, index: int, device: torch.device) -> str:
+    """'drafter-1@cuda:6': names the thread and labels its compile warm-up jobs alike."""
+    return f"{role}-{index}@{device}"
+
+
 def batch_generator(seed: int, index: int) -> torch.Generator:
     """The anchor RNG of batch ``index``: a pure function of (seed, index), so resumes replay it."""
     return torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**63))
@@ -128,10 +133,10 @@ class Pipeline:
     def start(self) -> None:
         for t, dev in enumerate(self.target_devices):
             self.threads.append(threading.Thread(target=self._guard, args=(self._target_loop, t),
-                                                 name=f"target-{t}@{dev}", daemon=True))
+                                                 name=thread_name("target", t, dev), daemon=True))
         for r, dev in enumerate(self.drafter_devices):
             self.threads.append(threading.Thread(target=self._guard, args=(self._drafter_loop, r),
-                                                 name=f"drafter-{r}@{dev}", daemon=True))
+                                                 name=thread_name("drafter", r, dev), daemon=True))
         for th in self.threads:
             th.start()
 
@@ -222,7 +227,7 @@ class Pipeline:
         k = self.first_batch + t
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             while k < end:
-                with self.discipline.step_guard(str(dev), self.source.order.batch(k)[2]):
+                with self.discipline.step_guard(threading.current_thread().name, self.source.order.batch(k)[2]):
                     item = self.make_item(t, k)
                 self.target_tokens[t] += item.seq_tokens
                 self.target_busy_s[t] += item.target_s
@@ -266,7 +271,7 @@ class Pipeline:
                 wait_s = time.monotonic() - t0
                 if self.inject_raise is not None and r == 0:
                     raise RuntimeError(self.inject_raise)
-                with self.discipline.step_guard(str(dev), item.bucket):
+                with self.discipline.step_guard(threading.current_thread().name, item.bucket):
                     loss, stats, fwd_s, bwd_s = self.drafter_step(r, item)
                 valid = item.valid
                 anchor_mean = float(item.anchors[valid].float().mean()) if bool(valid.any()) else 0.0
@@ -444,6 +449,7 @@ class Window:
     """Accumulates the steps between two metrics lines."""
 
     start: float = field(default_factory=time.monotonic)
+    end: float = 0.0  # time of the last step's release
     steps: int = 0
     reports: list = field(default_factory=list)
     allreduce_s: float = 0.0
@@ -451,7 +457,9 @@ class Window:
     step_s: float = 0.0
     grad_norm: float = 0.0
 
-    def add(self, reports: list[Report], allreduce_s: float, optim_s: float, step_s: float, grad_norm: float):
+    def add(self, reports: list[Report], allreduce_s: float, optim_s: float, step_s: float, grad_norm: float,
+            end: Optional[float] = None):
+        self.end = time.monotonic() if end is None else end
         self.steps += 1
         self.reports.extend(reports)
         self.allreduce_s += allreduce_s
@@ -468,7 +476,7 @@ def _mean(values) -> Optional[float]:
 def window_fields(w: Window, n_replicas: int, flops: Optional[FlopModel], peak: Optional[float],
                   n_drafter_gpus: int, n_target_gpus: int, n_gpus: int) -> dict:
     """Loss, acc, accept_len, tok/s and the time split of one window (keys of contract.Metrics + extras)."""
-    elapsed = max(1e-9, time.monotonic() - w.start)
+    elapsed = max(1e-9, w.end - w.start)
     reps = w.reports
     query = sum(r.query_tokens for r in reps)
     seq = sum(r.seq_tokens for r in reps)
@@ -483,7 +491,6 @@ def window_fields(w: Window, n_replicas: int, flops: Optional[FlopModel], peak: 
         "acc": sum(slot_correct) / sum(slot_count) if slot_count and sum(slot_count) else None,
         "accept_len": accept_len,
         "tok_s": query / elapsed,
-        "window_tokens": query,
         "extra": {
             "tok_s_per_drafter": [round(x, 1) for x in per_replica],
             "seq_tok_s": round(seq / elapsed, 1),
@@ -532,9 +539,12 @@ def gpu_memory(devices: list[torch.device]) -> dict:
     return out
 
 
-def target_rates(pipe: Pipeline, elapsed: float) -> list[float]:
-    """Sequence tokens per second through each target thread since training started."""
-    return [round(n / max(1e-9, elapsed), 1) for n in pipe.target_tokens]
+def target_stats(pipe: Pipeline, elapsed: float) -> dict:
+    """Per target thread since training started: sequence tokens/s, and the busy fraction
+    (near 1: the targets are the bottleneck; the drafters' ``wait`` time says the same)."""
+    elapsed = max(1e-9, elapsed)
+    return {"target_tok_s": [round(n / elapsed, 1) for n in pipe.target_tokens],
+            "target_busy": [round(b / elapsed, 3) for b in pipe.target_busy_s]}
 
 
 def sync_all(devices: list[torch.device]) -> None:
@@ -557,7 +567,8 @@ def flop_model(cfg, target, drafter) -> FlopModel:
 def warmup_jobs(pipe: Pipeline) -> list[tuple[str, int, Callable[[], None]]]:
     """Compile warm-up: for every bucket in use, each target's forward, then each
     replica's forward AND backward, on a real batch of that bucket (real shapes,
-    same grad mode, dtype and autocast as training). Gradients are dropped after."""
+    same grad mode, dtype and autocast as training). Gradients are dropped after.
+    Jobs are labelled with the name of the thread that runs that shape later."""
     jobs: list[tuple[str, int, Callable[[], None]]] = []
     made: dict[int, Item] = {}
     for bucket in pipe.source.buckets_used():
@@ -565,10 +576,10 @@ def warmup_jobs(pipe: Pipeline) -> list[tuple[str, int, Callable[[], None]]]:
         for t, dev in enumerate(pipe.target_devices):
             def target_job(t=t, k=k, bucket=bucket):
                 made[bucket] = pipe.make_item(t, k)
-            jobs.append((f"target-{t}@{dev}", bucket, target_job))
+            jobs.append((thread_name("target", t, dev), bucket, target_job))
         for r, dev in enumerate(pipe.drafter_devices):
             def drafter_job(r=r, bucket=bucket):
                 pipe.drafter_step(r, made[bucket])
                 pipe.replicas[r].zero_grad(set_to_none=True)
-            jobs.append((f"drafter-{r}@{dev}", bucket, drafter_job))
+            jobs.append((thread_name("drafter", r, dev), bucket, drafter_job))
     return jobs

@@ -226,7 +226,6 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     status.set(contract.PHASE_COMPILING, detail={"mode": discipline.mode})
     discipline.warmup(pl.warmup_jobs(pipe), lambda progress: status.set(detail={"mode": discipline.mode, **progress}),
                       should_stop=stop.is_set)
-    discipline.lock_recompiles()
     log(f"compile: {discipline.mode} warm-up {discipline.warmup_s:.1f}s, {compile_mod.dynamo_counters()}")
 
     # ---------------------------------------------------------------- training
@@ -236,8 +235,11 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     peak, peak_name = pl.peak_flops(main_dev)
     fault, slow_factor = (cfg.fault if fault_armed(cfg, run_dir) else None), 1.0
     stop.pipeline = pipe
-    pipe.start()
-    window, train_start = pl.Window(), time.monotonic()
+    if not stop.is_set():  # a signal during start-up or warm-up: straight to the checkpoint
+        pipe.start()
+    window = pl.Window()
+    train_start = last_release = window.start  # a step's period: from one release of the drafters to the next
+    slow_period = None  # fault kind=slow: the normal period, measured when it fires
     steps_done, last_saved = start_step, (start_step if latest else None)
 
     for step in range(start_step, total_steps):
@@ -258,7 +260,6 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             fault = None  # fired
 
         # ---- wait for every replica's gradients
-        t_step = time.monotonic()
         reports = pipe.collect(step, should_stop=stop.is_set)
         if reports is None:
             break  # stop requested: the step in flight is dropped, the last finished one is saved
@@ -268,22 +269,24 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
 
         # ---- all-reduce onto the master copy, clip, AdamW, copy back into every replica
         allreduce_s, optim_s, grad_norm = pl.optimizer_step(replicas, drafter_devs, optimizer, scheduler, cfg.optim.grad_clip)
+        if slow_factor > 1:  # holding the release stalls every thread, so the whole run slows by the factor
+            slow_period = slow_period or (time.monotonic() - train_start) / (step + 1 - start_step)
+            time.sleep(max(0.0, last_release + slow_factor * slow_period - time.monotonic()))
         pipe.release(step)
+        now = time.monotonic()
+        step_s, last_release = now - last_release, now
         steps_done = step + 1
         tokens_total += sum(r.query_tokens for r in reports)
-        if slow_factor > 1:
-            time.sleep((slow_factor - 1) * (time.monotonic() - t_step))
-        window.add(reports, allreduce_s, optim_s, time.monotonic() - t_step, grad_norm)
+        window.add(reports, allreduce_s, optim_s, step_s, grad_norm, end=now)
 
         # ---- metrics
         if steps_done % cfg.train.log_every == 0 or steps_done == total_steps:
-            now = time.monotonic()
             f = pl.window_fields(window, len(replicas), flops, peak, len(set(drafter_devs)), len(set(target_devs)),
                                  n_devices if kind == "cuda" else 0)
-            eta_s = (total_steps - steps_done) * (now - window.start) / max(1, window.steps)
+            eta_s = (total_steps - steps_done) * (window.end - window.start) / max(1, window.steps)
             extra = {
                 **f["extra"], "lr": scheduler.get_last_lr()[0], "queue_depth": pipe.queue_depths(),
-                "target_tok_s": pl.target_rates(pipe, now - train_start), "attention_path": path.name,
+                **pl.target_stats(pipe, now - train_start), "attention_path": path.name,
                 "attention_calls": paths_ran(), "dynamo": compile_mod.counters_report(discipline),
                 "gpu_mem": pl.gpu_memory(target_devs + drafter_devs), "data_errors": source.dataset.errors.count,
                 "epoch": source.order.state(replicas_ran(steps_done))["epoch"], "mfu_peak_flops": peak,
@@ -296,7 +299,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             log(f"step {steps_done}/{total_steps} loss {f['loss']:.4f} acc {f['acc'] or 0:.3f} accept_len "
                 f"{f['accept_len'] or 0:.2f} tok/s {f['tok_s']:.0f} eta {eta_s:.0f}s")
             status.set(contract.PHASE_TRAINING, step=steps_done)
-            window = pl.Window()
+            window = pl.Window(start=last_release)
 
         # ---- checkpoint
         if cfg.train.checkpoint_every and steps_done % cfg.train.checkpoint_every == 0 and steps_done < total_steps:

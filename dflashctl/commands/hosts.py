@@ -77,18 +77,19 @@ def check_command(
 
 def _print_checks(checks) -> None:
     table = Table(title_justify="left")
-    for column in ("host", "", "route", "hostname", "os / kernel", "python", "tmux", "gpus", "disk free", "time"):
-        table.add_column(column, overflow="fold")
+    for column in ("host", "route", "hostname", "system", "gpus", "disk free", "time"):
+        table.add_column(column, overflow="fold", no_wrap=column in ("host", "disk free", "time"))
     for c in checks:
         f = c.facts
         if f is None:
-            table.add_row(escape(c.name), "[red]FAIL[/]", escape(c.route_text), *["-"] * 6, f"{c.seconds:.1f}s")
+            table.add_row(f"[red]{escape(c.name)}[/]", escape(c.route_text), "[red]FAIL[/]", "-", "-", "-", f"{c.seconds:.1f}s")
             continue
+        tmux = escape(f.tmux.replace("tmux ", "")) if f.tmux else "[yellow]missing[/]"
         table.add_row(
-            escape(c.name),
-            "[green]ok[/]",
-            *map(escape, (c.route_text, f.hostname, f"{f.os}\n{f.kernel}", f.python)),
-            escape(f.tmux.replace("tmux ", "")) if f.tmux else "[yellow]missing[/]",
+            f"[green]{escape(c.name)}[/]",
+            escape(c.route_text),
+            escape(f.hostname),
+            f"{escape(f.os)}\nkernel {escape(f.kernel)}\npython {escape(f.python)}, tmux {tmux}",
             _gpus(f),
             _bytes(f.disk_free) if f.disk_free is not None else f"[red]{escape(f.disk_error or '')}[/]",
             f"{c.seconds:.1f}s",

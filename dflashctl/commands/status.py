@@ -16,7 +16,7 @@ from dflashctl.cli import app, out
 
 @app.command("status")
 def status_command(
-    run: Optional[str] = typer.Argument(None, metavar="[RUN]", help="Only this run (id or an unambiguous prefix)."),
+    run: Optional[str] = typer.Argument(None, metavar="RUN", help="Only this run (id or an unambiguous prefix)."),
     once: bool = typer.Option(False, "--once", help="Print a table and exit (default when stdout is not a terminal)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON and exit."),
     interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes of the live screen."),

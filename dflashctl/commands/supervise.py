@@ -15,8 +15,9 @@ from dflashctl.detectors import SEVERITIES
 
 @app.command("watch")
 def watch_command(
-    targets: List[str] = typer.Argument(..., metavar="PLAYBOOK|RUN...",
-                                        help="Run ids (or unambiguous prefixes) and/or playbook names (their active runs)."),
+    targets: List[str] = typer.Argument(
+        ..., metavar="PLAYBOOK|RUN...", help="Run ids (or unambiguous prefixes) and/or playbook names (their active runs)."
+    ),
     once: bool = typer.Option(False, "--once", help="Poll once, record and print what is found, and exit "
                               "(observes only: never restarts or stops a run). Exit code 1 on errors."),
     interval: Optional[str] = typer.Option(None, "--interval", help="Time between polls (5, 30s, 2m). "
@@ -44,6 +45,12 @@ def watch_command(
             raise ConfigError(f"--interval: {interval} is not a positive duration")
 
     def emit(kind: str, payload) -> None:
+        try:
+            show(kind, payload)
+        except OSError:
+            pass  # the terminal is gone (its tmux session was killed): the store has it all
+
+    def show(kind: str, payload) -> None:
         if kind == "info":
             err.print(payload, highlight=False, markup=False)
         elif as_json and kind == "event":
@@ -65,10 +72,10 @@ def watch_command(
         )
         raise typer.Exit(1 if bad else 0)
     if stop.is_set():
-        err.print("stopped watching; the runs go on", highlight=False)
+        emit("info", "stopped watching; the runs go on")
         return
     states = {w.id: w.run.state for w in sup.runs.values()}
-    err.print("nothing left to watch: " + ", ".join(f"{r} {s}" for r, s in states.items()), highlight=False)
+    emit("info", "nothing left to watch: " + ", ".join(f"{r} {s}" for r, s in states.items()))
     raise typer.Exit(0 if all(s in (DONE, STOPPED) for s in states.values()) else 1)
 
 

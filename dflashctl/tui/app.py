@@ -66,6 +66,9 @@ class StatusApp(App):
         self.action_reload()
         self.set_interval(self.interval, self.action_reload)
 
+    def on_unmount(self) -> None:
+        self.store.close()
+
     def action_reload(self) -> None:
         self.load(self.selected)
 

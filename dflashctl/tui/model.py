@@ -55,10 +55,6 @@ def _num(value: Any, fmt: str) -> str:
     return format(value, fmt)
 
 
-def fmt_age(seconds: float | None) -> str:
-    return NA if seconds is None else f"{fmt_duration(max(0.0, seconds))} ago"
-
-
 # --------------------------------------------------------------------------- views
 
 

@@ -6,7 +6,8 @@ it starts in a fraction of a second instead of ten.
 It accepts the real trainer's command line, so the launcher's own run.sh can run
 it: with ``python`` set to ``<python> fake_trainer.py`` in a run's stored config,
 run.sh executes ``<python> fake_trainer.py -m trainer --config config.json
---run-dir DIR --resume auto``. From config.json it reads ``train.steps``,
+--run-dir DIR --resume auto``; ``start_fake_run`` sets a run up that way (and the
+launcher's restart then restarts it for real). From config.json it reads ``train.steps``,
 ``train.log_every``, ``train.checkpoint_every`` and ``fault`` (kind exit | hang |
 slow, after_steps, message, exit_code, factor, once) with the real trainer's
 meaning. The environment sets its pace: FAKE_TRAINER_STEP_S (seconds per step,
@@ -113,6 +114,41 @@ def main(argv: list[str]) -> int:
     contract.write_status(run_dir, status)
     print(f"done: {step} steps", flush=True)
     return contract.EXIT_DONE
+
+
+def start_fake_run(store, inventory, host: str, trainer: dict, *, playbook: str = "fake",
+                   playbook_source: str | None = None, socket: str | None = None, step_s: float = 0.05,
+                   tokens: int = 256, bundle=None) -> str:
+    """Record a run and start this fake trainer for it in tmux on ``host``, as the
+    launcher starts the real one (bundle deployed, config.json and run.sh written,
+    run.sh in a session named after the run). Returns the run id (state launching)."""
+    from dflashctl import deploy
+    from dflashctl.bundle import build_bundle
+    from dflashctl.launch import run_files, start_command
+    from dflashctl.store import new_run_id
+    from dflashctl.tmux import Tmux, socket_name
+    from dflashctl.transport import connect
+
+    socket = socket or socket_name()
+    transport = connect(host, inventory)
+    deployed = deploy.deploy_bundle(transport, bundle or build_bundle(), inventory.get(host).workdir)
+    now = time.time()
+    run_id = new_run_id(playbook, now)
+    run_dir = deploy.run_dir(deployed.workdir, run_id)
+    config = {
+        "trainer": trainer,
+        "gpus": [],
+        "env": {"PYTHONPATH": deployed.bundle_dir, "FAKE_TRAINER_STEP_S": str(step_s), "FAKE_TRAINER_TOKENS": str(tokens)},
+        "compile_cache": None,
+        "python": f"{sys.executable} {os.path.abspath(__file__)}",
+        "workdir": deployed.workdir,
+        "playbook_source": playbook_source,
+    }
+    store.create_run(playbook, host, config, now, run_id=run_id, bundle_hash=deployed.bundle_hash, run_dir=run_dir,
+                     tmux_session=run_id, tmux_socket=socket)
+    deploy.write_run_files(transport, run_dir, run_files(run_id, run_dir, config, socket))
+    Tmux(inventory.get(host), inventory, socket).start(run_id, start_command(run_dir))
+    return run_id
 
 
 if __name__ == "__main__":

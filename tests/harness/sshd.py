@@ -77,7 +77,7 @@ def free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
-def _children(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every descendant of ``pid`` (from /proc), deepest last."""
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -207,7 +207,7 @@ class Server:
         if self.pid is None:
             return []
         killed = []
-        for pid in _children(self.pid):
+        for pid in descendants(self.pid):
             if _comm(pid) == "sshd":
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -286,15 +286,19 @@ class SshEnv:
                     f.write(f"[{server.address}]:{server.port} {' '.join(key)}\n")
         self._write_client_files()
 
-    def add_hosts(self, n: int, jump: str | None = "jump", wrapper: str | None = None, prefix: str = "node") -> list[str]:
-        """Start ``n`` more hosts (``node1``...), reached through ``jump``; returns their names.
-        The inventory file and ``inventory`` are rewritten to include them."""
+    def add_hosts(
+        self, n: int, jump: str | None = "jump", wrapper: str | None = None, fake_gpu: bool = False, prefix: str = "node"
+    ) -> list[str]:
+        """Start ``n`` more hosts (``node1``...), reached through ``jump`` (None: direct),
+        optionally inside the fake `pct` wrapper (e.g. 'pct exec 200 --') and with the
+        fake nvidia-smi; returns their names. The inventory file and ``inventory``
+        are rewritten to include them."""
         first = sum(1 for name in self.servers if name.startswith(prefix)) + 1
         specs = []
         for i in range(first, first + n):
             if self._next_octet > 254:
                 raise ValueError("out of loopback addresses for extra hosts")
-            specs.append(HostSpec(f"{prefix}{i}", f"127.0.0.{self._next_octet}", jump=jump, wrapper=wrapper))
+            specs.append(HostSpec(f"{prefix}{i}", f"127.0.0.{self._next_octet}", jump=jump, wrapper=wrapper, fake_gpu=fake_gpu))
             self._next_octet += 1
         self._add(tuple(specs))
         self.hosts += [s.name for s in specs]

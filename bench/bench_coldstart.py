@@ -1,0 +1,85 @@
+"""The threaded cold start on one GPU: 1 target thread and 3 drafter threads sharing
+GPU 0, each start with a FRESH compile cache, then one start on the warm cache.
+
+    python bench/bench_coldstart.py                     # 3 cold starts + 1 warm, 50 steps each
+    python bench/bench_coldstart.py --unsafe --timeout 180
+        # the same with the compile discipline switched off (compile.unsafe_parallel_warmup):
+        # on a cold cache the drafter threads compile flex_attention forward+backward at once;
+        # a start that reaches no training step before --timeout is reported as a hang, with
+        # every thread's stack (SIGUSR1 -> faulthandler) from the trainer log.
+
+Prints one JSON line per start (time to first step, steps, dynamo counters, attention
+path) and a summary line. Exit 0 when every start behaved as expected (safe mode:
+all finished; --unsafe: reported, whatever happened).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_trainer import run_once, write_shard  # noqa: E402
+
+
+def config(args) -> dict:
+    return {
+        "model": {"preset": args.preset, "drafter_layers": 2, "block_size": 16},
+        "data": {"buckets": [args.bucket], "max_anchors": args.anchors, "batch_size": 2},
+        "train": {"steps": args.steps, "log_every": 1, "checkpoint_every": 0},
+        "placement": {"device": "cuda", "target": [0], "drafter": [0, 0, 0], "queue_depth": 4},
+        "compile": {"enabled": "on", "unsafe_parallel_warmup": bool(args.unsafe)},
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="small", help="target preset (default small)")
+    p.add_argument("--bucket", type=int, default=1024)
+    p.add_argument("--anchors", type=int, default=64)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--cold", type=int, default=3, help="starts with a fresh compile cache (default 3)")
+    p.add_argument("--warm", type=int, default=1, help="starts on the last cold start's cache (default 1)")
+    p.add_argument("--unsafe", action="store_true", help="switch the compile discipline off (debug flag)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per start before it counts as a hang")
+    p.add_argument("--work-dir", help="keep run directories and logs here")
+    args = p.parse_args(argv)
+
+    cfg = config(args)
+    work = args.work_dir or tempfile.mkdtemp(prefix="bench-coldstart-")
+    cfg["data"]["shards"] = write_shard(os.path.join(work, "shards"), cfg, samples=64)
+    print(json.dumps({"bench": "coldstart", "unsafe": args.unsafe, "config": cfg}), flush=True)
+    results = []
+    cache = None
+    plan = [("cold", i) for i in range(args.cold)] + [("warm", i) for i in range(args.warm)]
+    for kind, i in plan:
+        if kind == "cold":
+            cache = os.path.join(work, f"cache-{i}")
+            shutil.rmtree(cache, ignore_errors=True)
+        r = run_once(f"{kind}{i}", cfg, work, cache, args.timeout)
+        r["kind"] = kind
+        r["hang"] = r["exit_code"] == "timeout" and not r["steps"]
+        r.pop("dynamo", None) if r.get("dynamo") is None else None
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    finished = [r for r in results if r["exit_code"] == 0 and r["steps"] >= 1]
+    summary = {
+        "summary": True,
+        "unsafe": args.unsafe,
+        "starts": len(results),
+        "finished": len(finished),
+        "hangs": sum(r["hang"] for r in results),
+        "first_step_s": {r["run"]: r["start_to_first_step_s"] for r in results},
+    }
+    print(json.dumps(summary), flush=True)
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if (args.unsafe or len(finished) == len(results)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
