@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,6 +88,8 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) ->
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # every thread's stack into the log (faulthandler)
+            time.sleep(3)
             proc.kill()
             code = "timeout"
     metrics = []
@@ -127,7 +130,7 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) ->
     }
     if code != 0:
         with open(log_path) as f:
-            result["log_tail"] = f.read()[-2000:]
+            result["log_tail"] = f.read()[-(12000 if code == "timeout" else 2000):]
     return result
 
 

@@ -28,8 +28,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-err = Console(stderr=True)
-out = Console()
+def _console(stderr: bool = False) -> Console:
+    """A console that does not fold long lines at 80 columns when piped to a file or a
+    pager: logs and tables stay one line per record (COLUMNS still wins)."""
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() or os.environ.get("COLUMNS") else 200
+    return Console(stderr=stderr, width=width)
+
+
+err = _console(stderr=True)
+out = _console()
 
 
 @dataclass

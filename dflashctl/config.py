@@ -76,7 +76,7 @@ hosts:
 # The embedded `demo` playbook. playbooks/demo.yaml is this exact text (a test
 # keeps the two identical), so `dflashctl launch demo` works from anywhere.
 DEMO_PLAYBOOK_YAML = """\
-# demo: a tiny DFlash run on this machine's CPU, finishing in a minute or two.
+# demo: a tiny DFlash run on this machine's CPU, finishing in under a minute.
 #   dflashctl launch demo
 # The target is the built-in 'tiny' preset with random weights and the data is
 # the built-in synthetic task, so nothing has to be downloaded.
@@ -86,12 +86,16 @@ host: local
 trainer:
   model:
     preset: tiny
+    drafter_layers: 2
+    block_size: 8
   data:
     buckets: [256]
-    batch_size: 1
-    max_anchors: 32
+    batch_size: 2
+    max_anchors: 16
+  optim:
+    lr: 1.0e-2                  # tiny model, synthetic task: learns in a few hundred steps
   train:
-    steps: 200
+    steps: 300
     log_every: 10
     checkpoint_every: 50
   placement:

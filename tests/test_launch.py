@@ -298,7 +298,8 @@ def test_launch_demo_on_the_local_host_with_the_cli(tmp_path):
 
         store = Store(os.environ["DFLASHCTL_STORE"])
         _wait_metrics(connect("local", inventory), store.get_run(run_id), lines=1)
-        assert "step 10/200" in _cli(["logs", run_id, "-n", "50"], cwd=tmp_path).stdout
+        total = load_playbook("demo").trainer.train.steps
+        assert f"step 10/{total}" in _cli(["logs", run_id, "-n", "50"], cwd=tmp_path).stdout
 
         stopped = _cli(["stop", run_id, "--timeout", "90"], cwd=tmp_path)
         assert stopped.returncode == 0 and stopped.stdout.split() == [run_id, "stopped"], stopped.stderr

@@ -246,6 +246,11 @@ def test_fault_hang_stops_progress_until_a_signal(tmp_path, trainers):
     time.sleep(2.0)
     assert max(m["step"] for m in t.metrics()) == 2 and t.proc.poll() is None
     assert t.status()["phase"] == contract.PHASE_TRAINING
+    t.proc.send_signal(signal.SIGUSR1)  # a hung run shows where every thread is, and goes on
+    deadline = time.monotonic() + 20
+    while "Thread 0x" not in t.output and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "Thread 0x" in t.output and "trainer/pipeline.py" in t.output and t.proc.poll() is None
     t.proc.send_signal(signal.SIGTERM)
     assert t.wait(60) == contract.EXIT_STOPPED
     assert t.status()["step"] == 2 and os.path.isdir(os.path.join(t.run_dir, "checkpoints", "step-00000002"))

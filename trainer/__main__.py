@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import faulthandler
 import inspect
 import json
 import os
+import signal
 import sys
 import typing
 
@@ -73,6 +75,10 @@ def main(argv=None) -> int:
     os.makedirs(run_dir, exist_ok=True)
     if not os.path.exists(os.path.join(run_dir, contract.CONFIG_FILE)):
         config_mod.save(cfg, os.path.join(run_dir, contract.CONFIG_FILE))
+
+    # `kill -USR1 PID` prints every thread's stack into the log without stopping the
+    # run: the first thing to look at when a run hangs (the supervisor asks for it on a stall).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     from trainer.train import run  # imports torch: after the cheap checks
 

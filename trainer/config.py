@@ -121,6 +121,8 @@ class CompileConfig:
     """DEBUG ONLY: let threads compile concurrently on a cold cache (reproduces the deadlock)."""
     allow_eager: bool = False
     """DEBUG ONLY: allow the dense flex_attention fallback on GPU."""
+    mask_builder: Literal["compiled", "eager"] = "compiled"
+    """How BlockMasks are built on GPU: 'compiled' create_block_mask (fast per step, but its first compile takes minutes at 3072-token buckets on a cold cache) or 'eager' (about 0.2 s per call, briefly holds a boolean [B,Q,KV] mask)."""
     recompile_margin: int = 4
     """Dynamo recompile limit = devices x buckets x 2 + this; hitting it raises (never a silent eager fallback)."""
 

@@ -1,0 +1,55 @@
+"""The command line as a whole: every command explains itself, the controller never
+imports torch, and a user error is a message with an exit code, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import dflashctl
+from dflashctl.cli import _load_commands, app
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_load_commands()
+COMMANDS = sorted(c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands)
+
+
+def test_the_documented_commands_exist():
+    assert {"launch", "watch", "status", "env-audit", "runs", "events", "logs", "stop", "restart", "hosts", "check"} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command):
+    result = CliRunner().invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output and len(result.output.splitlines()) > 5
+
+
+def test_the_controller_never_imports_torch():
+    modules = [m.name for m in pkgutil.walk_packages(dflashctl.__path__, "dflashctl.") if not m.name.endswith("__main__")]
+    assert len(modules) > 20
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'transformers'))\n"
+        "print(bad); sys.exit(1 if bad else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_user_error_is_a_message_not_a_traceback(tmp_path):
+    bad = tmp_path / "inventory.yaml"
+    bad.write_text("hosts:\n  gpu1:\n    address: 10.0.0.5\n    jump: gatway\n")
+    env = dict(os.environ, DFLASHCTL_HOME=str(tmp_path / "home"))
+    env.pop("DFLASHCTL_DEBUG", None)
+    done = subprocess.run([sys.executable, "-m", "dflashctl", "--inventory", str(bad), "hosts"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2
+    assert "hosts.gpu1.jump: unknown host 'gatway'" in done.stderr
+    assert "Traceback" not in done.stderr
