@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dflashctl import contract, deploy
 from dflashctl.bundle import Bundle, build_bundle
+from dflashctl.detectors import fmt_duration, fmt_tok_s
 from dflashctl.errors import DflashError, TransportError
 from dflashctl.store import (
     DONE, FAILED, FINAL_STATES, LAUNCHING, RESTARTING, RUNNING, STOPPED, TRANSITIONS, Run, Store, new_run_id,
@@ -199,7 +200,7 @@ def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str
 def format_metrics(m: contract.Metrics) -> str:
     parts = [f"step {m.step}/{m.total_steps}", m.phase]
     if m.tok_s is not None:
-        parts.append(f"{m.tok_s / 1000:.2f} Ktok/s" if m.tok_s >= 1000 else f"{m.tok_s:.0f} tok/s")
+        parts.append(fmt_tok_s(m.tok_s))
     if m.loss is not None:
         parts.append(f"loss {m.loss:.4f}")
     if m.acc is not None:
@@ -207,19 +208,8 @@ def format_metrics(m: contract.Metrics) -> str:
     if m.accept_len is not None:
         parts.append(f"accept {m.accept_len:.2f}")
     if m.eta_s is not None:
-        parts.append(f"ETA {_duration(m.eta_s)}")
+        parts.append(f"ETA {fmt_duration(m.eta_s)}")
     return "  ".join(parts)
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 86400:
-        return f"{seconds / 86400:.1f}d"
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    if seconds >= 60:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds}s"
 
 
 def final_state_for(exit_code: int | None) -> str:
@@ -319,7 +309,15 @@ class _Launcher:
 
     def run(self) -> LaunchResult:
         pb, host = self.playbook, self.host
-        findings = preflight(pb, self.inventory, None if self.dry_run else self.store)
+        if self.dry_run:  # the audit is a remote command too: shown, not run
+            from dflashctl.envaudit import audit_command
+
+            argv = audit_command(host)
+            self.say("preflight", f"would run on {host.name}: {_show(argv[:-1])} '<env-audit script, "
+                                  f"{len(argv[-1])} bytes>'")
+            findings = []
+        else:
+            findings = preflight(pb, self.inventory, self.store)
         blocking = blocking_findings(findings)
         for f in findings:
             self.say("preflight", f"{_field(f, 'severity')}: {_field(f, 'message', f)}")
@@ -545,15 +543,30 @@ def launch_run(playbook: "Playbook", inventory: "Inventory", store: Store, force
 # --------------------------------------------------------------------------- stop
 
 
-# Send SIGTERM to the trainer named in status.json, but only if that pid really is
-# this run's trainer (pids are reused). Prints 'signalled PID' or 'no-process'.
-_SIGNAL_TRAINER = r"""
-d=$1; sig=$2
+# The trainer named in status.json, but only while that pid really is this run's
+# trainer (pids are reused): `ours` is true while it lives.
+_TRAINER_PID = r"""
+d=$1
 pid=$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' "$d/status.json" 2>/dev/null | head -n 1)
-if [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -qF -- "$d"; then
-  kill -s "$sig" "$pid" && { echo "signalled $pid"; exit 0; }
-fi
+ours() { [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -qF -- "$d"; }
+"""
+
+# Send a signal to the run's trainer. Prints 'signalled PID' or 'no-process'.
+_SIGNAL_TRAINER = _TRAINER_PID + r"""
+if ours; then kill -s "$2" "$pid" && { echo "signalled $pid"; exit 0; }; fi
 echo no-process
+"""
+
+# Before a restart: the previous trainer must be gone. A hung process can outlive its
+# tmux session; it would hold its GPUs, and run.sh would write its exit code after
+# the new process started. Prints 'gone', 'killed PID' or 'still-alive PID' (exit 1).
+_REAP_TRAINER = _TRAINER_PID + r"""
+ours || { echo gone; exit 0; }
+kill -KILL "$pid" 2>/dev/null
+i=0; while ours && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+ours && { echo "still-alive $pid"; exit 1; }
+sleep 0.5  # run.sh writes the exit code of the process it ran
+echo "killed $pid"
 """
 
 
@@ -659,6 +672,13 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     killed = tmux.kill(run.tmux_session)
     if killed:
         say("restart", f"killed the previous tmux session {run.tmux_session}")
+    reaped = transport.run(["sh", "-c", _REAP_TRAINER, "dflashctl-reap", run.run_dir], timeout=30, check=False)
+    if not reaped.ok:
+        raise LaunchError(f"the previous trainer of {run.id} on {host.name} does not die "
+                          f"({reaped.stdout.strip() or reaped.stderr.strip()}); not starting a second one",
+                          hint="look at the process on the host (uninterruptible I/O? a stuck GPU driver?)")
+    if reaped.stdout.startswith("killed"):
+        say("restart", f"the previous trainer outlived its session: {reaped.stdout.strip()}")
     state = deploy.check(transport, run.config.get("workdir") or host.workdir, run.bundle_hash or "")
     redeployed = False
     config = run.config

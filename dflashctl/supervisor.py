@@ -73,6 +73,7 @@ RESTART_MARKER = "--- dflashctl:"  # the trainer.log line written before each re
 # Before a restart: the previous process's answers (exit_code, status.json) must not
 # be read as the next one's, and trainer.log (appended to by every process of the
 # run) gets a marker, so the next crash is classified from its own output only.
+STACK_DUMP_WAIT_S = 2.0  # faulthandler writes within milliseconds; the log is on a shared disk
 _PREPARE_RESTART = 'cd "$1" || exit 1; rm -f "$2" "$3"; printf "%s\\n" "$4" >> "$5"'
 
 Emit = Callable[[str, Any], None]  # ('event', store.Event) | ('metrics', (run_id, Metrics)) | ('info', str)
@@ -716,12 +717,20 @@ class Supervisor:
         serialized = p.action == signatures.RESTART_SERIALIZED
         marker = (f"{RESTART_MARKER} restart {len(w.history) + 1} at {time.strftime('%Y-%m-%d %H:%M:%S')} "
                   f"({p.signature or 'unknown'}{', serialized warm-up' if serialized else ''}) ---")
-        self._submit(w, "restart", self._restart, w.run, serialized, marker)
+        hung = p.signature == policy.STALL_SIGNATURE
+        self._submit(w, "restart", self._restart, w.run, serialized, marker, hung)
 
-    def _restart(self, run: Run, serialized: bool, marker: str) -> float:
+    def _restart(self, run: Run, serialized: bool, marker: str, hung: bool = False) -> float:
+        from dflashctl.launch import signal_trainer_argv
         from dflashctl.transport import connect
 
-        connect(run.host, self.inventory).run(
+        transport = connect(run.host, self.inventory)
+        if hung:
+            # Before the hung process is killed, its threads' stacks go into trainer.log
+            # (the trainer's faulthandler on SIGUSR1): where it hung is the diagnosis.
+            transport.run(signal_trainer_argv(run.run_dir, "USR1"), timeout=15, check=False)
+            time.sleep(STACK_DUMP_WAIT_S)
+        transport.run(
             ["sh", "-c", _PREPARE_RESTART, "dflashctl-restart", run.run_dir, contract.EXIT_CODE_FILE,
              contract.STATUS_FILE, marker, contract.LOG_FILE], timeout=30)
         issued = self.clock()

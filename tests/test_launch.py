@@ -39,6 +39,7 @@ from dflashctl.parsers import parse_compute_apps, parse_gpu_query
 from dflashctl.probe import HostProbe
 from dflashctl.store import GpuConflict, Store
 from dflashctl.tmux import SOCKET_ENV, Tmux
+from tests.harness import environ
 from dflashctl.transport import connect
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
@@ -50,25 +51,18 @@ _servers: list[tuple] = []  # (host, inventory) whose tmux server on SOCKET this
 def private_tmux_socket_and_home(tmp_path_factory):
     """A tmux socket of our own, and a $HOME of our own for the local host's runs (the
     trainer's compile cache under ~/.cache must not land in the user's home)."""
-    previous = os.environ.get(SOCKET_ENV), os.environ.get("HOME")
-    os.environ[SOCKET_ENV] = SOCKET
-    os.environ["HOME"] = str(tmp_path_factory.mktemp("home"))
-    yield
-    for host, inventory in _servers:
-        try:
-            pid = Tmux(host, inventory, SOCKET).server_pid()
-        except Exception:  # noqa: BLE001  (the host may already be gone)
-            continue
-        if pid:  # the test hosts are this machine: the pid is ours to end
-            os.kill(pid, signal.SIGTERM)
-    # A server ended by a signal leaves its socket file behind.
-    local_socket = Path(os.environ.get("TMUX_TMPDIR") or "/tmp") / f"tmux-{os.getuid()}" / SOCKET
-    local_socket.unlink(missing_ok=True)
-    for name, value in zip((SOCKET_ENV, "HOME"), previous):
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with environ(**{SOCKET_ENV: SOCKET, "HOME": str(tmp_path_factory.mktemp("home"))}):
+        yield
+        for host, inventory in _servers:
+            try:
+                pid = Tmux(host, inventory, SOCKET).server_pid()
+            except Exception:  # noqa: BLE001  (the host may already be gone)
+                continue
+            if pid:  # the test hosts are this machine: the pid is ours to end
+                os.kill(pid, signal.SIGTERM)
+        # A server ended by a signal leaves its socket file behind.
+        local_socket = Path(os.environ.get("TMUX_TMPDIR") or "/tmp") / f"tmux-{os.getuid()}" / SOCKET
+        local_socket.unlink(missing_ok=True)
 
 
 def _uses_tmux(host_name: str, inventory) -> None:
@@ -309,6 +303,7 @@ def test_launch_demo_on_the_local_host_with_the_cli(tmp_path):
         assert restarted.returncode == 0 and restarted.stdout.strip() == "running", restarted.stderr
         run = store.get_run(run_id)
         assert run.state == "running" and run.ended is None
+        assert run.supervisor["kind"] == "tmux" and "supervisor running" in restarted.stderr  # watched again
         config = json.loads((Path(run.run_dir) / "config.json").read_text())
         assert config["compile"]["serialized_warmup"] is True
         deadline = time.monotonic() + 90

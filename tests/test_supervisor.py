@@ -32,6 +32,7 @@ from dflashctl.supervisor import (
 )
 from dflashctl.tmux import SOCKET_ENV, Tmux
 from tests.harness.fake_trainer import start_fake_run
+from tests.harness import environ
 
 SOCKET = f"dflash-sup-{os.getpid()}"
 REPO = Path(__file__).resolve().parent.parent
@@ -160,13 +161,8 @@ def kill_tmux_servers(servers) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def private_tmux_socket():
-    previous = os.environ.get(SOCKET_ENV)
-    os.environ[SOCKET_ENV] = SOCKET
-    yield
-    if previous is None:
-        os.environ.pop(SOCKET_ENV, None)
-    else:
-        os.environ[SOCKET_ENV] = previous
+    with environ(**{SOCKET_ENV: SOCKET}):
+        yield
 
 
 class LocalEnv:

@@ -28,6 +28,7 @@ from dflashctl.launch import launch_run
 from dflashctl.store import Store
 from dflashctl.supervisor import RESTART_MARKER, Supervisor
 from dflashctl.tmux import SOCKET_ENV
+from tests.harness import environ
 from tests.test_supervisor import (
     REPO, SOCKET, Background, LocalEnv, Webhook, kill_tmux_servers, kinds, metrics_lines, read_status, states,
     wait_for, write_playbook,
@@ -42,13 +43,8 @@ TRAIN = {"steps": 100000, "log_every": 2, "checkpoint_every": 6}
 
 @pytest.fixture(scope="module", autouse=True)
 def private_tmux_socket():
-    previous = os.environ.get(SOCKET_ENV)
-    os.environ[SOCKET_ENV] = SOCKET
-    yield
-    if previous is None:
-        os.environ.pop(SOCKET_ENV, None)
-    else:
-        os.environ[SOCKET_ENV] = previous
+    with environ(**{SOCKET_ENV: SOCKET}):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +160,32 @@ def test_a_3x_slowdown_is_a_regression_with_tok_s_percent_of_baseline_and_eta(lo
     assert 0.15 < found.detail["fraction"] < 0.6  # about a third
     assert found.detail["eta_s"] > found.detail["max_eta_s"]
     assert store.get_run(run_id).state == "running" and not store.restarts(run_id)  # alert, no restart
+
+
+def test_a_hung_trainer_is_a_stall_its_stacks_are_logged_and_it_is_restarted(local_env):
+    env, store = local_env, local_env.store
+    trainer = {"train": TRAIN, "fault": {"kind": "hang", "after_steps": 8}}
+    path = write_playbook(env.playbooks, "hang", "local", trainer, poll_interval=INTERVAL,
+                          expect={"stall_window": 4}, restart={"backoff_initial": 0.2, "jitter": 0})
+    run_id = _launch(env, load_playbook(str(path), inventory=env.inventory))
+    sup = env.supervisor(interval=INTERVAL)
+    sup.attach(run_id)
+    bg = Background(sup)
+    try:
+        wait_for(lambda: (store.restarts(run_id) and store.restarts(run_id)[0].step_after
+                          and store.restarts(run_id)[0].step_after > 8), 150, "the hung run training again",
+                 every=0.5)
+    finally:
+        bg.close()
+        env.tmux.kill(run_id)
+    restart = store.restarts(run_id)[0]
+    assert (restart.signature, restart.action) == ("stall", "restart")
+    assert "no new step" in kinds(store, run_id, "stall")[0].message
+    log = Path(store.get_run(run_id).run_dir, contract.LOG_FILE).read_text()
+    before, _, after = log.partition(RESTART_MARKER)
+    # Where every thread hung, written by the trainer itself just before it was replaced.
+    assert "Thread 0x" in before and "trainer/pipeline.py" in before
+    assert "Thread 0x" not in after
 
 
 # --------------------------------------------------------------------------- over ssh: jump -> container

@@ -105,11 +105,17 @@ def stop_command(
 def restart_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
     serialized_warmup: bool = typer.Option(False, "--serialized-warmup", help="Warm up compiled kernels one at a time."),
+    no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
 ) -> None:
-    """Start the run's trainer again in its run directory (resumes from the last checkpoint)."""
-    from dflashctl.launch import restart
+    """Start the run's trainer again in its run directory (resumes from the last checkpoint,
+    compile cache kept), then supervise it in a local tmux session as `launch` does."""
+    from dflashctl.launch import restart, start_supervisor
 
-    state = restart(run, _store(), _inventory(), serialized_warmup=serialized_warmup, progress=_progress(False))
+    store, inventory, show = _store(), _inventory(), _progress(False)
+    state = restart(run, store, inventory, serialized_warmup=serialized_warmup, progress=show)
+    if state == "running" and not no_watch:
+        start_supervisor(store.get_run(run).id, False, store, inventory, show,
+                         inventory_path=G.inventory, playbooks_dir=G.playbooks)
     out.print(state, highlight=False)
     if state == "failed":
         raise typer.Exit(1)
