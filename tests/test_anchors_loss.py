@@ -179,3 +179,26 @@ def test_empty_batch_gives_zero_loss_not_nan():
     loss, stats = dflash_loss(h, torch.randn(9, 4), torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8), 4, block_size=4)
     loss.backward()
     assert loss == 0 and torch.isfinite(h.grad).all() and stats["tokens"] == 0 and stats["accept_len"] == 0
+
+
+def test_loss_gradient_matches_autograd_through_the_dense_reference():
+    """The loss computes d loss / d hidden in its forward (the lm_head is frozen): it
+    must equal autograd through plain weighted cross-entropy over full logits."""
+    torch.manual_seed(3)
+    hidden = torch.randn(2, 16, 6, dtype=torch.float64)
+    head = torch.randn(13, 6, dtype=torch.float64)
+    labels = torch.randint(0, 13, (2, 16))
+    labels[0, 5] = -100  # "no label": no weight, no gradient
+    weight = torch.rand(2, 16, dtype=torch.float64)
+    weight[:, ::8] = 0  # slot 0 of each block
+
+    h_ref = hidden.clone().requires_grad_()
+    ce = torch.nn.functional.cross_entropy((h_ref @ head.T).reshape(-1, 13), labels.reshape(-1), reduction="none")
+    w = torch.where(labels.reshape(-1) >= 0, weight.reshape(-1), 0.0)
+    ((ce * w).sum() / w.sum()).backward()
+
+    h = hidden.clone().requires_grad_()
+    loss, _ = dflash_loss(h, head, labels, weight, chunk=5, block_size=8)
+    (3.0 * loss).backward()  # the incoming gradient scales the stored one
+    assert torch.allclose(h.grad, 3.0 * h_ref.grad, atol=1e-6)  # the loss is accumulated in fp32
+    assert h.grad[0, 5].abs().max() == 0 and head.grad is None

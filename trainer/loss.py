@@ -7,8 +7,13 @@ the weights.
 
 The vocabulary projection of all N*B query positions would be the largest tensor of
 the step (512 anchors x 16 slots x 152K vocab = 2.5 GB in fp32), so it is computed in
-chunks of query positions, each under activation checkpointing: only one chunk's
-logits exist at a time, in the forward and in the backward.
+chunks of query positions and only one chunk's logits exist at a time. The lm_head
+is frozen, so the gradient of the loss w.r.t. the hidden states is all the backward
+needs: it is computed in the forward, chunk by chunk (softmax - onehot, times the
+weights, times W), and the backward only scales it. That is two vocabulary
+projections per chunk; activation checkpointing would take three (forward, forward
+again, backward), and at a 152K vocabulary the projection is most of the drafter's
+work.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 def default_gamma(block_size: int) -> float:
@@ -33,11 +37,41 @@ def slot_weights(label_mask_BQ: torch.Tensor, block_size: int, gamma: float) -> 
     return label_mask_BQ.float() * decay_Q
 
 
-def _chunk_terms(hidden_CH, weight_VH, labels_C, weight_C):
-    logits_CV = F.linear(hidden_CH, weight_VH).float()
-    ce_C = F.cross_entropy(logits_CV, labels_C, reduction="none")
-    correct_C = logits_CV.argmax(dim=-1) == labels_C
-    return (ce_C * weight_C).sum(), correct_C
+class _ChunkedLinearCE(torch.autograd.Function):
+    """sum_x weight_x * CE(hidden_x @ W^T, label_x) over chunks of positions, and
+    whether each position's top-1 prediction is its label. W (the lm_head) gets no
+    gradient: it is frozen."""
+
+    @staticmethod
+    def forward(ctx, hidden_XH, weight_VH, labels_X, weight_X, chunk):
+        need_grad = ctx.needs_input_grad[0]
+        grad_XH = torch.empty_like(hidden_XH) if need_grad else None
+        correct_X = torch.empty_like(labels_X, dtype=torch.bool)
+        total = hidden_XH.new_zeros((), dtype=torch.float32)
+        for start in range(0, hidden_XH.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            labels_C, weight_C = labels_X[rows], weight_X[rows]
+            logits_CV = F.linear(hidden_XH[rows], weight_VH).float()
+            correct_C = logits_CV.argmax(dim=-1) == labels_C
+            correct_X[rows] = correct_C
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            target_C = logits_CV.gather(1, labels_C.clamp(min=0)[:, None]).squeeze(1)
+            total += ((lse_C - target_C) * weight_C).sum()
+            if need_grad:
+                # d(weight * CE)/d logits = weight * (softmax - onehot), in place of the logits.
+                probs_CV = logits_CV.sub_(lse_C[:, None]).exp_()
+                probs_CV[torch.arange(probs_CV.shape[0], device=probs_CV.device), labels_C.clamp(min=0)] -= 1
+                probs_CV.mul_(weight_C[:, None])
+                grad_XH[rows] = (probs_CV.to(weight_VH.dtype) @ weight_VH).to(grad_XH.dtype)
+        ctx.mark_non_differentiable(correct_X)
+        if need_grad:
+            ctx.save_for_backward(grad_XH)
+        return total, correct_X
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_correct):
+        (grad_XH,) = ctx.saved_tensors
+        return grad_XH * grad_total.to(grad_XH.dtype), None, None, None, None
 
 
 def dflash_loss(
@@ -67,26 +101,16 @@ def dflash_loss(
         raise ValueError(f"query length {q_len} is not a multiple of block_size {block_size}")
     hidden_XH = hidden_BQH.reshape(-1, hidden)
     labels_X = labels_BQ.reshape(-1)
-    weight_X = weight_BQ.reshape(-1).to(torch.float32)
-    use_checkpoint = torch.is_grad_enabled() and hidden_XH.requires_grad
-
-    total = hidden_XH.new_zeros((), dtype=torch.float32)
-    correct_parts = []
-    for start in range(0, hidden_XH.shape[0], chunk):
-        args = (hidden_XH[start : start + chunk], lm_head_weight, labels_X[start : start + chunk], weight_X[start : start + chunk])
-        if use_checkpoint:
-            part, correct_C = checkpoint(_chunk_terms, *args, use_reentrant=False)
-        else:
-            part, correct_C = _chunk_terms(*args)
-        total = total + part
-        correct_parts.append(correct_C)
+    # A label of -100 (the cross-entropy convention for "none") carries no weight.
+    weight_X = torch.where(labels_X >= 0, weight_BQ.reshape(-1).to(torch.float32), 0.0)
+    total, correct_X = _ChunkedLinearCE.apply(hidden_XH, lm_head_weight.detach(), labels_X, weight_X, chunk)
 
     weight_sum = weight_X.sum()
     loss = total / weight_sum.clamp(min=1e-6)  # an all-invalid batch gives 0, not NaN
 
     with torch.no_grad():
         supervised_NK = (weight_X > 0).view(-1, block_size)
-        correct_NK = torch.cat(correct_parts).view(-1, block_size) & supervised_NK
+        correct_NK = correct_X.view(-1, block_size) & supervised_NK
         slot_count = supervised_NK.sum(dim=0).float()
         slot_correct = correct_NK.sum(dim=0).float()
         tokens = slot_count.sum()
