@@ -250,9 +250,9 @@ def probe_run(transport: "Transport", run: Run, *, offset: int = 0, inode: int |
 
 def gpu_probe_argv(python: str) -> list[str]:
     """The probe asked for nvidia-smi only (no runs)."""
-    from dflashctl.probe import PROBE_SOURCE
+    from dflashctl.probe import probe_command
 
-    return [*shlex.split(python), "-I", "-c", PROBE_SOURCE, json.dumps({"runs": [], "nvidia_smi": True})]
+    return probe_command(python, [], nvidia_smi=True)
 
 
 def probe_gpus(transport: "Transport") -> "HostProbe":

@@ -322,9 +322,10 @@ def test_banner_before_the_result_is_ignored() -> None:
 
 
 def test_probe_command_shape() -> None:
-    argv = probe_command("/opt/py 3/bin/python3", [ProbeArgs(run_dir="~/dflash/runs/x", session="x")])
-    assert argv[:4] == ["/opt/py 3/bin/python3", "-I", "-c", PROBE_SOURCE]
-    assert json.loads(argv[4])[0]["run_dir"] == "~/dflash/runs/x"
+    # The inventory's `python` is split as the launcher splits it: a path with a space is quoted there.
+    argv = probe_command("'/opt/py 3/bin/python3' -X utf8", [ProbeArgs(run_dir="~/dflash/runs/x", session="x")])
+    assert argv[:6] == ["/opt/py 3/bin/python3", "-X", "utf8", "-I", "-S", "-c"] and argv[6] == PROBE_SOURCE
+    assert json.loads(argv[7])[0]["run_dir"] == "~/dflash/runs/x"
 
 
 def test_probe_through_jump_and_container_wrapper(ssh_env) -> None:
