@@ -43,33 +43,28 @@ def status_command(
     StatusApp(path, run=run, interval=interval).run()
 
 
+def _table(title: str, columns, rows, style=None) -> Table:
+    """A rich table of view rows; ``style(row)`` colours the second cell (state or severity)."""
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, no_wrap=column == "run", overflow="fold")
+    for row in rows:
+        cells = [Text(c) for c in row.cells()]
+        if style is not None:
+            cells[1].stylize(style(row))
+        table.add_row(*cells)
+    return table
+
+
 def print_status(view) -> None:
     from dflashctl.tui.model import EVENT_COLUMNS, GPU_COLUMNS, RUN_COLUMNS, SEVERITY_STYLE, STATE_STYLE
 
     if not view.runs:
         out.print(view.summary(), highlight=False)
         return
-    runs = Table(title=view.summary(), title_justify="left")
-    for column in RUN_COLUMNS:
-        runs.add_column(column, no_wrap=column == "run", overflow="fold")
-    for r in view.runs:
-        cells = [Text(c) for c in r.cells()]
-        cells[1].stylize(STATE_STYLE.get(r.state, ""))
-        runs.add_row(*cells)
-    out.print(runs)
+    out.print(_table(view.summary(), RUN_COLUMNS, view.runs, lambda r: STATE_STYLE.get(r.state, "")))
     if view.events:
-        events = Table(title=f"events of {view.selected}", title_justify="left")
-        for column in EVENT_COLUMNS:
-            events.add_column(column, overflow="fold")
-        for e in view.events:
-            cells = [Text(c) for c in e.cells()]
-            cells[1].stylize(SEVERITY_STYLE.get(e.severity, ""))
-            events.add_row(*cells)
-        out.print(events)
+        out.print(_table(f"events of {view.selected}", EVENT_COLUMNS, view.events,
+                         lambda e: SEVERITY_STYLE.get(e.severity, "")))
     if view.gpus:
-        gpus = Table(title="GPUs (latest samples)", title_justify="left")
-        for column in GPU_COLUMNS:
-            gpus.add_column(column)
-        for g in view.gpus:
-            gpus.add_row(*map(Text, g.cells()))
-        out.print(gpus)
+        out.print(_table("GPUs (latest samples)", GPU_COLUMNS, view.gpus))
