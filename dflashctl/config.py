@@ -335,6 +335,11 @@ def _env_values(value: Any) -> Any:
         return value
     out, bad = {}, []
     for k, v in value.items():
+        if not _ENV_NAME.fullmatch(str(k)):
+            # Names go into `export NAME=...` lines and `env NAME=...` argv on the host.
+            bad.append((str(k), "not a valid environment variable name (letters, digits and '_', not starting "
+                                "with a digit)"))
+            continue
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             v = _number(v)
         elif not isinstance(v, str):
@@ -349,6 +354,7 @@ EnvMap = Annotated[dict[str, str], BeforeValidator(_env_values), _none_is_empty(
 
 _LOCAL_HOST_HAS_ROUTE = "a local host runs commands on this machine: remove it, or set transport: ssh"
 _HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PLAYBOOK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 

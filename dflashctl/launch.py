@@ -82,6 +82,12 @@ class LaunchError(DflashError):
 # --------------------------------------------------------------------------- preflight
 
 
+class LaunchInterrupted(DflashError):
+    """Ctrl-C after the run was started: it goes on; the message says how to reach it."""
+
+    exit_code = 130
+
+
 def preflight(playbook: "Playbook", inventory: "Inventory", store: Store | None = None) -> list[Any]:
     """Environment audit of the run host before a launch: a list of findings, each
     with a ``severity`` ('info' | 'warning' | 'error' | 'critical') and a
@@ -307,6 +313,17 @@ class _Launcher:
         """In a dry run: say exactly what would run on the host."""
         self.say(step, f"would run on {self.host.name}: {_show(argv, len(input) if input else None)}")
 
+    def _preflight_verdict(self, findings: list) -> None:
+        blocking = blocking_findings(findings)
+        for f in findings:
+            self.say("preflight", f"{_field(f, 'severity')}: {_field(f, 'message', f)}")
+        if blocking and not self.force:
+            raise LaunchError(
+                f"env-audit found {len(blocking)} error(s) on {self.host.name}; not launching",
+                hint=f"see `dflashctl env-audit {self.playbook.name}`; fix them, or pass --force to launch anyway",
+            )
+        self.say("preflight", f"{len(findings)} finding(s)" + (" (forced past errors)" if blocking else ""))
+
     def run(self) -> LaunchResult:
         pb, host = self.playbook, self.host
         if self.dry_run:  # the audit is a remote command too: shown, not run
@@ -315,18 +332,11 @@ class _Launcher:
             argv = audit_command(host)
             self.say("preflight", f"would run on {host.name}: {_show(argv[:-1])} '<env-audit script, "
                                   f"{len(argv[-1])} bytes>'")
+            self.say("preflight", f"not run (dry run): `dflashctl env-audit {pb.name}` shows what it finds")
             findings = []
         else:
             findings = preflight(pb, self.inventory, self.store)
-        blocking = blocking_findings(findings)
-        for f in findings:
-            self.say("preflight", f"{_field(f, 'severity')}: {_field(f, 'message', f)}")
-        if blocking and not self.force:
-            raise LaunchError(
-                f"env-audit found {len(blocking)} error(s) on {host.name}; not launching",
-                hint=f"see `dflashctl env-audit {pb.name}`; fix them, or pass --force to launch anyway",
-            )
-        self.say("preflight", f"{len(findings)} finding(s)" + (" (forced past errors)" if blocking else ""))
+            self._preflight_verdict(findings)
 
         bundle = self.bundle or build_bundle()
         self.say("bundle", f"trainer bundle {bundle.short} ({bundle.size} bytes, {len(bundle.files)} files)")
@@ -379,6 +389,13 @@ class _Launcher:
         try:
             state = wait_started(self.store, self.store.get_run(run_id), self.transport, self.start_timeout,
                                  self.clock, self.say)
+        except KeyboardInterrupt:
+            self.store.add_event(run_id, "startup", "launch interrupted while waiting for the trainer to start",
+                                 self.clock(), severity="warning")
+            raise LaunchInterrupted(
+                f"interrupted: run {run_id} was started on {host.name} and goes on, unsupervised",
+                hint=f"`dflashctl watch {run_id}` supervises it; `dflashctl stop {run_id}` stops it",
+            ) from None
         except DflashError as e:
             # The session is started; whether the trainer came up is the supervisor's to see.
             self.store.add_event(run_id, "startup", f"could not confirm the start: {_first_line(e)}",
@@ -603,7 +620,8 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     transport = _transport(host.name, inventory)
     tmux = Tmux(host, inventory, run.tmux_socket or socket_name())
     stop_supervisor(run, inventory)
-    store.add_event(run.id, "stop_requested", "stop requested by the operator", clock())
+    if run.state not in FINAL_STATES:
+        store.add_event(run.id, "stop_requested", "stop requested by the operator", clock())
     probe = probe_run(transport, run)
     ended_before = _ended(probe)
     if ended_before:
@@ -710,8 +728,17 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
 def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup: bool = False,
             progress: Progress | None = None, *, clock: Callable[[], float] = time.time,
             start_timeout: float = START_TIMEOUT) -> str:
-    """Operator restart (``dflashctl restart``): restarting -> new process -> running."""
+    """Operator restart (``dflashctl restart``): a run still going is first stopped
+    gracefully (SIGTERM: it checkpoints), then restarting -> new process -> running."""
     run = store.get_run(run_id)
+    if run.state == DONE:
+        raise LaunchError(f"run {run.id} is done: it finished all its steps and is not restarted",
+                          hint=f"start a new run: dflashctl launch {run.playbook}")
+    if run.state not in FINAL_STATES:
+        (progress or _quiet)("restart", f"run {run.id} is {run.state}: stopping it first (checkpoint)")
+        run = stop(run.id, store, inventory, progress=progress, clock=clock)
+        if run.state == DONE:
+            return run.state
     store.transition(run.id, RESTARTING, "restart requested by the operator", clock())
     try:
         restart_run(run.id, serialized_warmup, store, inventory, progress, clock=clock)

@@ -74,7 +74,9 @@ RESTART_MARKER = "--- dflashctl:"  # the trainer.log line written before each re
 # be read as the next one's, and trainer.log (appended to by every process of the
 # run) gets a marker, so the next crash is classified from its own output only.
 STACK_DUMP_WAIT_S = 2.0  # faulthandler writes within milliseconds; the log is on a shared disk
-_PREPARE_RESTART = 'cd "$1" || exit 1; rm -f "$2" "$3"; printf "%s\\n" "$4" >> "$5"'
+_PREPARE_RESTART = 'cd "$1" || exit 1; rm -f "$2"; printf "%s\\n" "$4" >> "$5"'  # $3: status.json, kept:
+# the restart reads the old trainer's pid from it to make sure that process is gone
+# (launch.restart_run), then removes it before the new process starts.
 
 Emit = Callable[[str, Any], None]  # ('event', store.Event) | ('metrics', (run_id, Metrics)) | ('info', str)
 
@@ -318,6 +320,11 @@ class Supervisor:
             first = last.time + last.time_to_first_step_s if last.time_to_first_step_s is not None else None
             w.latest = _Latest(last.id, last.time, None, first, last.step_after)
             w.restart_issued = run.state == RESTARTING and self._issued_since_restarting(run, last.time)
+        if run.state == RESTARTING and not w.restart_issued:
+            # Decided by a supervisor that is gone (its backoff was in memory), or an
+            # operator's restart that never confirmed: watch it as a starting process;
+            # if nothing runs, that is a crash and this supervisor decides again.
+            w.restart_issued = True
         for s in self.store.samples(run.id, since=w.attempt_started, limit=WINDOW):
             w.samples.append(Sample(s.time, s.step, s.tok_s, s.phase or contract.PHASE_TRAINING, s.eta_s))
             w.step_max = max(w.step_max or 0, s.step)
@@ -764,7 +771,7 @@ class Supervisor:
         p, now = w.pending, self.clock()
         if error is not None:
             p.tries += 1
-            if p.tries >= RESTART_TRIES or not isinstance(error, TransportError):
+            if p.tries >= RESTART_TRIES or not isinstance(error, DflashError):  # e.g. a bug: no retry
                 w.pending = None
                 message = f"restart failed ({p.tries} tries): {_first_line(error)}"
                 self._transition(w, FAILED, message, severity="critical", exit_reason="restart failed")
@@ -814,6 +821,9 @@ class Supervisor:
     def _host_back(self, host: str, watched: list[Watched]) -> None:
         hs = self.hosts[host]
         if hs.down_since is None:
+            for w in watched:  # lost under an earlier supervisor (the outage and a restart of ours often coincide)
+                if self.act and w.run.state == LOST:
+                    self._transition(w, RUNNING, f"host {host} answers again; watching the run")
             return
         now = self.clock()
         message = f"host {host} reachable again after {fmt_duration(now - hs.down_since)} ({hs.polls} failed poll(s))"

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import libtmux
 
 from dflashctl import paths
-from dflashctl.errors import DflashError
+from dflashctl.errors import DflashError, TransportError
 
 if TYPE_CHECKING:
     from dflashctl.config import Host, Inventory
@@ -164,8 +164,15 @@ class Tmux:
         return TmuxError(f"{self.host.name}: tmux {what} failed on socket '{self.socket}': {detail}")
 
     def has_session(self, name: str) -> bool:
-        """Exact name match (never a prefix)."""
-        return self.server.has_session(name, exact=True)
+        """Exact name match (never a prefix). A host that cannot be asked raises: "no
+        such session" must not be concluded from "no answer" (a stop would then record
+        a run as stopped while its trainer goes on)."""
+        proc = self._cmd("has-session", "-t", f"={name}")
+        if proc.returncode in (0, 1):  # 1: no such session, or no server on the socket
+            return proc.returncode == 0
+        detail = "; ".join(proc.stderr) or f"exit {proc.returncode}"
+        raise TransportError(self.host.name, f"tmux -L {self.socket} has-session -t ={name}",
+                             f"cannot ask tmux on {self.host.name}: {detail}", proc.returncode)
 
     def start(self, name: str, command: str, cwd: str | None = None) -> None:
         """A detached session ``name`` whose one window runs ``command`` (a shell line).

@@ -189,10 +189,10 @@ class LocalEnv:
         return load_playbook(str(write_playbook(self.playbooks, name, "local", trainer, **settings)),
                              inventory=self.inventory)
 
-    def start(self, pb, step_s: float = 0.05, tokens: int = 256) -> str:
+    def start(self, pb, step_s: float = 0.05, tokens: int = 256, env: dict[str, str] | None = None) -> str:
         return start_fake_run(self.store, self.inventory, "local", pb.trainer.to_dict(), playbook=pb.name,
                               playbook_source=pb.source, socket=SOCKET, step_s=step_s, tokens=tokens,
-                              bundle=self.bundle)
+                              bundle=self.bundle, env=env)
 
     def run_dir(self, run_id: str) -> str:
         return self.store.get_run(run_id).run_dir
@@ -417,6 +417,48 @@ def test_a_hung_trainer_is_restarted_after_the_stall_window(local_env):
     finally:
         local_env.tmux.kill(run_id)
         sup.close()
+
+
+def test_a_hung_trainer_that_outlives_its_session_is_reaped_before_the_restart(local_env):
+    pb = local_env.playbook("hang-hup", {"fault": {"kind": "hang", "after_steps": 4}}, expect={"stall_window": 1.5})
+    run_id = local_env.start(pb, env={"FAKE_TRAINER_IGNORE_HUP": "1"})
+    store = local_env.store
+    old_pid = local_env.trainer_pid(run_id)
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    try:
+        wait_for(lambda: store.restarts(run_id) and store.restarts(run_id)[0].step_after, 40,
+                 "the hung trainer replaced and training again", tick=sup.tick)
+        assert not os.path.exists(f"/proc/{old_pid}")  # killed, not left beside the new one
+        assert local_env.trainer_pid(run_id) != old_pid
+        assert store.get_run(run_id).state == "running"  # no stale exit code read as a new crash
+    finally:
+        local_env.tmux.kill(run_id)
+        sup.close()
+
+
+def test_a_run_left_restarting_or_lost_by_a_dead_supervisor_is_watched_again(local_env):
+    pb = local_env.playbook("orphan")
+    store = local_env.store
+    for state in ("restarting", "lost"):
+        run_id = local_env.start(pb)
+        first = local_env.supervisor()
+        first.attach(run_id)
+        try:
+            wait_for(lambda: store.get_run(run_id).state == "running", 20, "running", tick=first.tick)
+            # The first supervisor dies holding the run in `state` (a backoff in memory, an outage).
+            store.transition(run_id, state, f"left {state} by a supervisor that died", time.time())
+            store.set_supervisor(run_id, None)
+            second = local_env.supervisor()
+            second.attach(run_id)
+            wait_for(lambda: store.get_run(run_id).state == "running", 20, f"running again after {state}",
+                     tick=second.tick)
+            local_env.tmux.kill(run_id)  # and it is watched: the crash is seen and acted on
+            wait_for(lambda: store.restarts(run_id), 20, f"a restart after {state}", tick=second.tick)
+        finally:
+            local_env.tmux.kill(run_id)
+            first.close()
+            second.close()
 
 
 def test_a_slowdown_is_a_regression_in_the_operators_terms(local_env):

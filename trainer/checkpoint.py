@@ -95,6 +95,10 @@ def save(run_dir: str, step: int, model, optimizer, scheduler, data_state: dict,
         if name.startswith(".tmp-step-"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     final = os.path.join(root, f"step-{step:08d}")
+    if _is_complete(final):
+        # The same step saved again (a stop right after a periodic save): the state after
+        # `step` steps is the same, and replacing it would leave a moment with none.
+        return final
     tmp = os.path.join(root, f".tmp-step-{step:08d}-{os.getpid()}")
     os.makedirs(tmp)
     _save_tensor_file({k: v.cpu() for k, v in trainable_state(model).items()}, os.path.join(tmp, "model.pt"))
@@ -119,7 +123,7 @@ def save(run_dir: str, step: int, model, optimizer, scheduler, data_state: dict,
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    if os.path.exists(final):  # the same step saved again (e.g. stop right after a periodic save)
+    if os.path.exists(final):  # an incomplete directory of that name (damaged by hand or by the disk)
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync_dir(root)

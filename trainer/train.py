@@ -51,13 +51,20 @@ class StatusFile:
         self.status = Status(phase=contract.PHASE_STARTING, pid=os.getpid(), started=time.time())
         self.lock = threading.Lock()
 
-    def set(self, phase: Optional[str] = None, **changes) -> None:
-        with self.lock:
+    def set(self, phase: Optional[str] = None, *, blocking: bool = True, **changes) -> bool:
+        """Apply and write; with ``blocking=False`` (a signal handler, which may have
+        interrupted this very method on the same thread) skip when the lock is held."""
+        if not self.lock.acquire(blocking=blocking):
+            return False
+        try:
             if phase:
                 self.status.phase = phase
             for key, value in changes.items():
                 setattr(self.status, key, value)
             contract.write_status(self.run_dir, self.status)
+            return True
+        finally:
+            self.lock.release()
 
 
 class StopRequest:
@@ -75,7 +82,8 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         if self.event.is_set():
-            self.status.set(contract.PHASE_STOPPED, detail={"signal": signal.Signals(signum).name, "checkpoint": False})
+            self.status.set(contract.PHASE_STOPPED, blocking=False,
+                            detail={"signal": signal.Signals(signum).name, "checkpoint": False})
             os._exit(contract.EXIT_STOPPED)
         self.signal_name = signal.Signals(signum).name
         self.event.set()

@@ -49,7 +49,7 @@ def _progress(as_json: bool):
 @app.command("launch")
 def launch_command(
     playbook: str = typer.Argument(..., help="Playbook name (see playbooks/) or path to a playbook YAML."),
-    foreground: bool = typer.Option(False, "--foreground", help="Stay attached: print metrics until the run ends."),
+    foreground: bool = typer.Option(False, "--foreground", help="Supervise here, printing events and metrics until the run ends (Ctrl-C hands it to a background supervisor)."),
     no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
     force: bool = typer.Option(False, "--force", help="Launch despite env-audit errors or busy / claimed GPUs."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print every step and remote command; change nothing."),
@@ -76,7 +76,11 @@ def launch_command(
                 supervisor = start_supervisor(result.run_id, True, store, inventory, show,
                                               emit=lambda line: out.print(line, highlight=False, markup=False))
             except KeyboardInterrupt:
-                err.print(f"detached; the run goes on: dflashctl logs {result.run_id} -f")
+                # Detach, not abandon: the run keeps its supervisor, now in a tmux session.
+                session = start_supervisor(result.run_id, False, store, inventory, show,
+                                           inventory_path=G.inventory, playbooks_dir=G.playbooks)
+                err.print(f"detached; the run goes on, supervised in local tmux session {session}: "
+                          f"dflashctl status, dflashctl logs {result.run_id} -f")
                 raise typer.Exit(0)
         else:
             supervisor = start_supervisor(result.run_id, False, store, inventory, show,

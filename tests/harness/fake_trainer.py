@@ -17,6 +17,7 @@ default 0.05) and FAKE_TRAINER_TOKENS (tokens per step, default 256).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -58,6 +59,9 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # as the real trainer: stacks into the log
+    if os.environ.get("FAKE_TRAINER_IGNORE_HUP"):  # like a process stuck in a driver call: outlives its session
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     step = 0
     try:
@@ -118,7 +122,7 @@ def main(argv: list[str]) -> int:
 
 def start_fake_run(store, inventory, host: str, trainer: dict, *, playbook: str = "fake",
                    playbook_source: str | None = None, socket: str | None = None, step_s: float = 0.05,
-                   tokens: int = 256, bundle=None) -> str:
+                   tokens: int = 256, bundle=None, env: dict[str, str] | None = None) -> str:
     """Record a run and start this fake trainer for it in tmux on ``host``, as the
     launcher starts the real one (bundle deployed, config.json and run.sh written,
     run.sh in a session named after the run). Returns the run id (state launching)."""
@@ -138,7 +142,8 @@ def start_fake_run(store, inventory, host: str, trainer: dict, *, playbook: str 
     config = {
         "trainer": trainer,
         "gpus": [],
-        "env": {"PYTHONPATH": deployed.bundle_dir, "FAKE_TRAINER_STEP_S": str(step_s), "FAKE_TRAINER_TOKENS": str(tokens)},
+        "env": {"PYTHONPATH": deployed.bundle_dir, "FAKE_TRAINER_STEP_S": str(step_s), "FAKE_TRAINER_TOKENS": str(tokens),
+                **(env or {})},
         "compile_cache": None,
         "python": f"{sys.executable} {os.path.abspath(__file__)}",
         "workdir": deployed.workdir,
