@@ -794,18 +794,6 @@ def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False
 # --------------------------------------------------------------------------- supervision
 
 
-def watch_available() -> bool:
-    """Whether this dflashctl has a `watch` command (the supervisor)."""
-    from dflashctl import cli
-
-    cli._load_commands()
-    names = set()
-    for command in cli.app.registered_commands:
-        name = command.name or (command.callback.__name__.replace("_", "-") if command.callback else None)
-        names.add(name)
-    return "watch" in names
-
-
 _FORWARDED_ENV = ("DFLASHCTL_HOME", "DFLASHCTL_STORE", "DFLASHCTL_TMUX_SOCKET", "DFLASHCTL_INVENTORY",
                   "DFLASHCTL_PLAYBOOKS", "DFLASHCTL_DEBUG")
 
@@ -821,21 +809,14 @@ def start_supervisor(run_id: str, foreground: bool, store: Store, inventory: "In
     """Supervise a launched run.
 
     Background (default): ``dflashctl watch RUN`` in a local tmux session
-    ``watch-<run_id>`` on the dflash socket, if this dflashctl has ``watch``;
-    returns the session name (None when watching is unavailable).
-    Foreground: follow the run here until it ends, printing its new metrics lines
-    (a plain tail; the supervisor replaces it); returns the final state."""
+    ``watch-<run_id>`` on the dflash socket; returns the session name.
+    Foreground: the supervisor in this process until the run ends, printing its
+    events and metrics lines; returns the final state."""
     say = progress or _quiet
-    if foreground and watch_available():
-        from dflashctl.supervisor import follow  # the supervisor itself, in this process
+    if foreground:
+        from dflashctl.supervisor import follow
 
         return follow(run_id, store, inventory, emit or print, playbooks_dir=playbooks_dir)
-    if foreground:
-        return follow_run(run_id, store, inventory, emit or print, clock=clock)
-    if not watch_available():
-        say("supervise", "watching is unavailable in this version (no `dflashctl watch`); "
-            f"follow the run with `dflashctl logs {run_id} -f`")
-        return None
     argv = [sys.executable, "-m", "dflashctl"]
     if inventory_path:
         argv += ["--inventory", os.path.abspath(inventory_path)]
@@ -855,34 +836,3 @@ def start_supervisor(run_id: str, foreground: bool, store: Store, inventory: "In
                                   "started": clock()})
     say("supervise", f"supervisor running in local tmux session {session} (tmux -L {socket} attach -t ={session})")
     return session
-
-
-def follow_run(run_id: str, store: Store, inventory: "Inventory", emit: Callable[[str], None],
-               *, clock: Callable[[], float] = time.time, poll: float | None = None) -> str:
-    """Print the run's new metrics lines until it ends; store them as samples and
-    record how it ended. Returns the final state."""
-    from dflashctl.parsers import parse_metrics_chunk
-
-    run = store.get_run(run_id)
-    transport = _transport(run.host, inventory)
-    offset, inode = store.metrics_position(run.id)
-    interval = poll if poll is not None else 2.0
-    while True:
-        probe = probe_run(transport, run, offset=offset, inode=inode)
-        lines, _ = parse_metrics_chunk(probe.metrics_chunk)
-        for m in lines:
-            emit(format_metrics(m))
-        if probe.metrics_offset is not None:
-            store.add_samples(run.id, lines, metrics_offset=probe.metrics_offset, metrics_inode=probe.metrics_inode)
-            offset, inode = probe.metrics_offset, probe.metrics_inode
-        current = store.get_run(run.id)
-        if current.state in FINAL_STATES:
-            return current.state
-        if current.state == LAUNCHING and _started(probe) and probe.exit_code is None:
-            store.transition(run.id, RUNNING, "trainer started", clock())
-        if _ended(probe) and not probe.metrics_more:
-            if probe.session_alive:
-                Tmux(inventory.get(run.host), inventory, run.tmux_socket or socket_name()).kill(run.tmux_session)
-            state = _record_end(store, current, probe, clock, lambda s, m: emit(m), "the trainer ended")
-            return state
-        time.sleep(interval)

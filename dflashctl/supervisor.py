@@ -85,6 +85,10 @@ class SupervisorConflict(DflashError):
     """Another live supervisor already watches the run."""
 
 
+class RestartCancelled(DflashError):
+    """The run was ended (an operator's stop) between the decision and the restart."""
+
+
 # --------------------------------------------------------------------------- per-run policy
 
 
@@ -731,6 +735,9 @@ class Supervisor:
         from dflashctl.launch import signal_trainer_argv
         from dflashctl.transport import connect
 
+        current = self.store.get_run(run.id)
+        if current.state in FINAL_STATES:  # `dflashctl stop` won the race: never start what was stopped
+            raise RestartCancelled(f"restart not issued: the run is {current.state} meanwhile")
         transport = connect(run.host, self.inventory)
         if hung:
             # Before the hung process is killed, its threads' stacks go into trainer.log
@@ -769,6 +776,10 @@ class Supervisor:
 
     def _restarted(self, w: Watched, issued: float | None, error: BaseException | None) -> None:
         p, now = w.pending, self.clock()
+        if isinstance(error, RestartCancelled):
+            w.pending = None
+            self._event(w, "restart", "info", str(error))
+            return
         if error is not None:
             p.tries += 1
             if p.tries >= RESTART_TRIES or not isinstance(error, DflashError):  # e.g. a bug: no retry

@@ -129,7 +129,7 @@ def restart_command(
 def logs_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new output until the trainer ends."),
-    n: int = typer.Option(50, "-n", "--lines", help="Lines of the log to show first."),
+    n: int = typer.Option(50, "-n", "--lines", min=0, help="Lines of the log to show first."),
 ) -> None:
     """Print the run's trainer log (stdout and stderr of every process of the run)."""
     from dflashctl.launch import logs
