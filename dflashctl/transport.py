@@ -410,7 +410,12 @@ class SSHTransport(Transport):
             gateway = self.pool.get(self.host.jump, self.inventory)
             if not isinstance(gateway, SSHTransport):
                 raise self._unreachable(f"jump host '{self.host.jump}' is not an ssh host")
-            gw = gateway.ssh_transport()  # opens the gateway chain first, under its lock
+            try:
+                gw = gateway.ssh_transport()  # opens the gateway chain first, under its lock
+            except UnreachableError as e:
+                # Say which host was asked for, and that the hop before it is what failed.
+                raise self._unreachable(f"jump host '{self.host.jump}' unreachable: {str(e).splitlines()[0]}",
+                                        hint=e.hint) from None
             try:
                 return gw.open_channel("direct-tcpip", (self.address, self.port), ("127.0.0.1", 0), timeout=left())
             except paramiko.ChannelException as e:

@@ -275,7 +275,9 @@ def test_gateways_are_host_key_checked_too(ssh_env, tmp_path):
     try:
         with pytest.raises(UnreachableError, match="unknown host key") as caught:
             pool.get("target", inventory).run(["true"])
-        assert caught.value.host == "jump"
+        # The host asked for is named, and the hop that failed, with the jump's own hint.
+        assert caught.value.host == "target" and "jump host 'jump' unreachable" in str(caught.value)
+        assert "ssh-keyscan" in caught.value.hint and str(jump.port) in caught.value.hint
     finally:
         pool.close()
 
