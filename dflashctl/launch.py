@@ -57,6 +57,7 @@ from dflashctl.tmux import Tmux, socket_name
 
 if TYPE_CHECKING:
     from dflashctl.config import Host, Inventory, Playbook
+    from dflashctl.detectors import Finding
     from dflashctl.probe import HostProbe, ProbeResult
     from dflashctl.transport import Transport
 
@@ -80,6 +81,25 @@ class LaunchError(DflashError):
 
 
 # --------------------------------------------------------------------------- preflight
+
+
+def environment_drift(store: Store, run: Run) -> "Finding | None":
+    """The host's package set now (the preflight's snapshot) against the one recorded
+    when the last good run of the same playbook on the same host was launched."""
+    from dflashctl.detectors import env_drift
+
+    snapshots = store.env_snapshots(run.host, limit=50)
+    if not snapshots:
+        return None
+    good = next((r for r in store.list_runs(playbook=run.playbook, host=run.host, limit=20)
+                 if r.id != run.id and r.state in (DONE, STOPPED, RUNNING)), None)
+    if good is None:
+        return None
+    # The snapshot its launch took: the newest one not after it was recorded.
+    before = next((s for s in snapshots if s["time"] <= good.created), None)
+    if before is None or before["id"] == snapshots[0]["id"]:
+        return None
+    return env_drift(before["data"], snapshots[0]["data"])
 
 
 class LaunchInterrupted(DflashError):
@@ -379,6 +399,11 @@ class _Launcher:
         self.store.add_event(run_id, "deploy", f"bundle {bundle.short} {result.status}", self.clock(),
                              detail=result.to_dict())
         self.say("record", f"run {run.id} (GPUs {', '.join(map(str, gpus)) or 'none'})")
+        drift = environment_drift(self.store, run)
+        if drift is not None:
+            self.store.add_event(run.id, drift.kind, drift.message, self.clock(), severity=drift.severity,
+                                 detail=drift.detail)
+            self.say("preflight", f"warning: {drift.message}")
         try:
             self._configure(run_id, run_dir, config)
             self._start(run_id, run_dir)

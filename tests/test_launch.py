@@ -342,3 +342,30 @@ def test_a_trainer_exit_is_read_from_its_exit_code_file(tmp_path):
     # Every metrics line the trainer wrote before it failed was stored, whenever the follow began.
     assert [s.step for s in store.samples(run.id)] == [1, 2, 3]
     assert any("data_error" in line or "data error" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_a_changed_package_set_since_the_last_good_run_is_reported(tmp_path):
+    inventory = load_inventory(None)
+    _uses_tmux("local", inventory)
+    store = Store(str(tmp_path / "runs.db"))
+    pb = _playbook(tmp_path, inventory, "local", name="drift", train={"steps": 5000, "log_every": 2})
+    first = launch_run(pb, inventory, store)
+    stop(first.run_id, store, inventory)
+    # The package set the first launch recorded, as if the host had then had one more
+    # package and an older torch (what an `apt`/`pip` "clean-up" between runs leaves).
+    recorded = store.env_snapshots("local", limit=1)[0]
+    then = dict(recorded["data"], **{"flashinfer-python": "0.2.5", "torch": "2.12.0"})
+    store.db.execute("UPDATE env_snapshots SET data = ? WHERE id = ?", [json.dumps(then), recorded["id"]])
+    store.db.conn.commit()
+
+    said: list[str] = []
+    second = launch_run(pb, inventory, store, progress=lambda step, message: said.append(message))
+    try:
+        (drift,) = [e for e in store.events(second.run_id) if e.kind == "drift"]
+        assert drift.severity == "warning"
+        assert "removed flashinfer-python 0.2.5" in drift.message and "torch 2.12.0 -> " in drift.message
+        assert any("environment changed since the last good run" in m for m in said)
+        assert not [e for e in store.events(first.run_id) if e.kind == "drift"]
+    finally:
+        stop(second.run_id, store, inventory)
