@@ -102,16 +102,15 @@ def tmux_alive(sock, session, timeout):
 
 def tmux_pane(sock, session, lines, timeout):
     target = "=" + session + ":"
+    # One tmux client for both (a command sequence): the pane's state line, then its text.
     rc, out, err = run(["tmux", "-L", sock, "display-message", "-p", "-t", target,
-                        "#{pane_dead}\t#{pane_dead_status}\t#{pane_pid}"], timeout)
+                        "#{pane_dead}\t#{pane_dead_status}\t#{pane_pid}", ";",
+                        "capture-pane", "-p", "-J", "-S", "-%%d" %% lines, "-t", target], timeout)
     if rc != 0:
         raise RuntimeError("exit %%d: %%s" %% (rc, first_line(err)))
-    dead, dead_status, pane_pid = (out.rstrip("\n").split("\t") + ["", "", ""])[:3]
-    rc, out, err = run(["tmux", "-L", sock, "capture-pane", "-p", "-J", "-S", "-%%d" %% lines,
-                        "-t", target], timeout)
-    if rc != 0:
-        raise RuntimeError("exit %%d: %%s" %% (rc, first_line(err)))
-    text = "\n".join(l.rstrip() for l in out.rstrip().splitlines()[-lines:])
+    head, _, pane = out.partition("\n")
+    dead, dead_status, pane_pid = (head.split("\t") + ["", "", ""])[:3]
+    text = "\n".join(l.rstrip() for l in pane.rstrip().splitlines()[-lines:])
     return {"tail": text, "dead": dead == "1",
             "dead_status": int(dead_status) if dead_status.lstrip("-").isdigit() else None,
             "pid": int(pane_pid) if pane_pid.isdigit() else None}
