@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh 2   # loss projection on GPU; reference-size tok/s, MFU, cold/warm first step
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in 1|2) ;; *) echo "usage: bash bench/gpu_session.sh 1|2" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -30,6 +31,4 @@ case "${1:-}" in
     timeout 60 python3 bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 --vocab 151936 2>&1 | tee "$out/loss.log"
     timeout 480 python3 bench/bench_trainer.py --steps 20 --timeout 400 2>&1 | tee "$out/trainer.log"
     ;;
-  *)
-    echo "usage: bash bench/gpu_session.sh 1|2" >&2; exit 2 ;;
 esac
