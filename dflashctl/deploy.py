@@ -156,11 +156,6 @@ def check(transport: "Transport", workdir: str, bundle_hash: str = "", timeout: 
     return keys
 
 
-def resolve_workdir(transport: "Transport", workdir: str | None = None) -> str:
-    """The host's work directory as an absolute path on that host (created if missing)."""
-    return check(transport, workdir or transport.host.workdir)["workdir"]
-
-
 def deploy_bundle(transport: "Transport", bundle: Bundle, workdir: str | None = None,
                   timeout: float | None = None) -> DeployResult:
     """Make ``<workdir>/bundles/<hash>/`` complete on the host; send only when missing."""

@@ -38,7 +38,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
 from dflashctl.contract import did_you_mean
-from dflashctl.errors import ConfigError, TransportError, UnreachableError
+from dflashctl.errors import ConfigError, TransportError, UnreachableError, first_line
 
 if TYPE_CHECKING:
     from dflashctl.config import Host, Inventory, Playbook
@@ -1362,7 +1362,7 @@ def preflight(playbook: "Playbook", inventory: "Inventory", store: "Store | None
     except UnreachableError:
         raise
     except TransportError as e:
-        first = str(e).splitlines()[0]
+        first = first_line(e)
         return [Finding("error", "audit-failed", f"cannot audit {playbook.host}: {first}",
                         fix=e.hint or "run `dflashctl env-audit` for details", detail={"stderr": e.stderr_tail})]
     if store is not None:

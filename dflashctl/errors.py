@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (its type when the message is empty):
+    what an event, a progress line or a wrapping error quotes."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class DflashError(Exception):
     """Base of every error the CLI turns into a clean message and an exit code."""
 

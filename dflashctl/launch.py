@@ -38,7 +38,6 @@ the physical indices (``config["gpus"]``).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shlex
 import sys
@@ -49,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from dflashctl import contract, deploy
 from dflashctl.bundle import Bundle, build_bundle
 from dflashctl.detectors import fmt_duration, fmt_tok_s
-from dflashctl.errors import DflashError, TransportError
+from dflashctl.errors import DflashError, TransportError, first_line
 from dflashctl.store import (
     DONE, FAILED, FINAL_STATES, LAUNCHING, RESTARTING, RUNNING, STOPPED, TRANSITIONS, Run, Store, new_run_id,
 )
@@ -408,7 +407,7 @@ class _Launcher:
             self._configure(run_id, run_dir, config)
             self._start(run_id, run_dir)
         except BaseException as e:
-            self.store.transition(run_id, FAILED, f"launch failed: {_first_line(e)}", self.clock(),
+            self.store.transition(run_id, FAILED, f"launch failed: {first_line(e)}", self.clock(),
                                   exit_reason="launch failed")
             raise
         try:
@@ -423,9 +422,9 @@ class _Launcher:
             ) from None
         except DflashError as e:
             # The session is started; whether the trainer came up is the supervisor's to see.
-            self.store.add_event(run_id, "startup", f"could not confirm the start: {_first_line(e)}",
+            self.store.add_event(run_id, "startup", f"could not confirm the start: {first_line(e)}",
                                  self.clock(), severity="warning")
-            self.say("wait", f"warning: could not confirm the start ({_first_line(e)})")
+            self.say("wait", f"warning: could not confirm the start ({first_line(e)})")
             state = LAUNCHING
         return LaunchResult(run_id, state, host.name, run_dir, run_id, deploy=result.to_dict(), findings=findings)
 
@@ -492,11 +491,6 @@ class _Launcher:
             return
         Tmux(self.host, self.inventory, self.socket).start(run_id, command)
         self.say("start", f"tmux session {run_id} (tmux -L {self.socket})")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _route(host_name: str, inventory: "Inventory") -> str:
@@ -768,7 +762,7 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
     try:
         restart_run(run.id, serialized_warmup, store, inventory, progress, clock=clock)
     except BaseException as e:
-        store.transition(run.id, FAILED, f"restart failed: {_first_line(e)}", clock(), exit_reason="restart failed")
+        store.transition(run.id, FAILED, f"restart failed: {first_line(e)}", clock(), exit_reason="restart failed")
         raise
     transport = _transport(run.host, inventory)
     return wait_started(store, store.get_run(run.id), transport, start_timeout, clock, progress)

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from dflashctl import alerts as alerts_mod
 from dflashctl import contract, detectors, policy, signatures
 from dflashctl.detectors import Finding, Sample, fmt_duration
-from dflashctl.errors import DflashError, TransportError
+from dflashctl.errors import DflashError, first_line
 from dflashctl.parsers import parse_metrics_chunk
 from dflashctl.probe import ProbeArgs, ProbeError, ProbeResult, estimate_skew, parse_probe_host, probe_command
 from dflashctl.store import (
@@ -126,7 +126,7 @@ def policy_for_run(run: Run, inventory: "Inventory", playbooks_dir: str | None =
         try:
             return RunPolicy.from_playbook(load_playbook(ref, playbooks_dir, inventory)), None
         except DflashError as e:
-            error = _first_line(e)
+            error = first_line(e)
     return RunPolicy.defaults(run.playbook), (
         f"playbook {run.playbook} cannot be loaded ({error}); holding the run to the default expectations "
         "and restart policy"
@@ -404,7 +404,7 @@ class Supervisor:
                 except Exception as e:  # noqa: BLE001  (e.g. the store locked for too long: try again next tick)
                     if os.environ.get("DFLASHCTL_DEBUG") or once:
                         raise
-                    self.emit("info", f"supervisor: this tick failed ({type(e).__name__}: {_first_line(e)}); "
+                    self.emit("info", f"supervisor: this tick failed ({type(e).__name__}: {first_line(e)}); "
                               "trying again at the next one")
                 if once or stop.is_set() or not self.active():
                     return
@@ -466,7 +466,7 @@ class Supervisor:
         for host, answer in answers.items():
             watched = by_host[host]
             if isinstance(answer, Exception):
-                report.hosts[host] = _first_line(answer)
+                report.hosts[host] = first_line(answer)
                 self._host_failed(host, watched, report.hosts[host])
                 continue
             result, sent, received = answer
@@ -487,7 +487,7 @@ class Supervisor:
                     if os.environ.get("DFLASHCTL_DEBUG"):
                         raise
                     self._event(w, "supervisor", "error",
-                                f"could not handle this poll: {type(e).__name__}: {_first_line(e)}")
+                                f"could not handle this poll: {type(e).__name__}: {first_line(e)}")
         self._emit_new_events()
         report.seconds = time.monotonic() - t0
         self.last_report = report
@@ -772,7 +772,7 @@ class Supervisor:
                 self._restarted(w, None if error else job.result(), error)
             elif error is not None:
                 self._event(w, "stop", "warning",
-                            f"could not kill tmux session {w.run.tmux_session}: {_first_line(error)}")
+                            f"could not kill tmux session {w.run.tmux_session}: {first_line(error)}")
 
     def _restarted(self, w: Watched, issued: float | None, error: BaseException | None) -> None:
         p, now = w.pending, self.clock()
@@ -784,13 +784,13 @@ class Supervisor:
             p.tries += 1
             if p.tries >= RESTART_TRIES or not isinstance(error, DflashError):  # e.g. a bug: no retry
                 w.pending = None
-                message = f"restart failed ({p.tries} tries): {_first_line(error)}"
+                message = f"restart failed ({p.tries} tries): {first_line(error)}"
                 self._transition(w, FAILED, message, severity="critical", exit_reason="restart failed")
                 self._alert(w, "restart_failed", "critical", message, {"signature": p.signature}, now)
             else:
                 p.due = now + max(w.policy.restart.backoff_initial, self.interval)
                 self._event(w, "restart", "error", f"restart not issued (try {p.tries}/{RESTART_TRIES}; again in "
-                            f"{fmt_duration(p.due - now)}): {_first_line(error)}")
+                            f"{fmt_duration(p.due - now)}): {first_line(error)}")
             return
         w.pending = None
         delay = p.detected_at - p.failed_at if p.failed_at is not None else None
@@ -934,11 +934,6 @@ def _seconds(value: float) -> str:
     return f"{value:.1f} s" if value < 60 else fmt_duration(value)
 
 
-def _first_line(e: Any) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _tmux_socket() -> str:
     from dflashctl.tmux import socket_name
 
@@ -1009,7 +1004,7 @@ def resolve_targets(sup: Supervisor, targets: Sequence[str]) -> None:
             raise
         except DflashError as e:
             raise DflashError(f"no run or playbook named '{target}'",
-                              hint=f"{_first_line(e)}; `dflashctl runs` lists runs, playbooks/ holds playbooks",
+                              hint=f"{first_line(e)}; `dflashctl runs` lists runs, playbooks/ holds playbooks",
                               ) from None
 
 

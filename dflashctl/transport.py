@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Union
 
 import paramiko
 
-from dflashctl.errors import CommandTimeout, TransportError, UnreachableError
+from dflashctl.errors import CommandTimeout, TransportError, UnreachableError, first_line
 
 if TYPE_CHECKING:
     from dflashctl.config import Host, Inventory
@@ -414,7 +414,7 @@ class SSHTransport(Transport):
                 gw = gateway.ssh_transport()  # opens the gateway chain first, under its lock
             except UnreachableError as e:
                 # Say which host was asked for, and that the hop before it is what failed.
-                raise self._unreachable(f"jump host '{self.host.jump}' unreachable: {str(e).splitlines()[0]}",
+                raise self._unreachable(f"jump host '{self.host.jump}' unreachable: {first_line(e)}",
                                         hint=e.hint) from None
             try:
                 return gw.open_channel("direct-tcpip", (self.address, self.port), ("127.0.0.1", 0), timeout=left())
