@@ -1,5 +1,7 @@
 """The threaded cold start on one GPU: 1 target thread and 3 drafter threads sharing
-GPU 0, each start with a FRESH compile cache, then one start on the warm cache.
+GPU 0, each start with a FRESH compile cache, then one start on the warm cache. The
+2-layer drafter has a full and a sliding-window layer, so flex_attention is compiled
+for both mask variants, forward and backward.
 
     python bench/bench_coldstart.py                     # 3 cold starts + 1 warm, 50 steps each
     python bench/bench_coldstart.py --unsafe --timeout 180
@@ -28,11 +30,13 @@ from bench_trainer import run_once, write_shard  # noqa: E402
 
 def config(args) -> dict:
     return {
-        "model": {"preset": args.preset, "drafter_layers": 2, "block_size": 16},
+        "model": {"preset": args.preset, "drafter_layers": len(args.layer_types), "block_size": 16,
+                  "layer_types": args.layer_types, "sliding_window": args.window},
         "data": {"buckets": [args.bucket], "max_anchors": args.anchors, "batch_size": 2},
         "train": {"steps": args.steps, "log_every": 1, "checkpoint_every": 0},
         "placement": {"device": "cuda", "target": [0], "drafter": [0, 0, 0], "queue_depth": 4},
-        "compile": {"enabled": "on", "unsafe_parallel_warmup": bool(args.unsafe)},
+        "compile": {"enabled": "on", "unsafe_parallel_warmup": bool(args.unsafe),
+                    **({"mask_builder": args.mask_builder} if args.mask_builder else {})},
     }
 
 
@@ -42,6 +46,11 @@ def main(argv=None) -> int:
     p.add_argument("--bucket", type=int, default=1024)
     p.add_argument("--anchors", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--layer-types", type=lambda v: v.split(","), default=["full", "sliding"],
+                   help="drafter layers, comma list of full/sliding (default full,sliding: both mask variants)")
+    p.add_argument("--mask-builder", choices=["direct", "compiled", "eager"],
+                   help="how BlockMasks are built (default: the trainer's default)")
+    p.add_argument("--window", type=int, default=512, help="sliding window (default 512)")
     p.add_argument("--cold", type=int, default=3, help="starts with a fresh compile cache (default 3)")
     p.add_argument("--warm", type=int, default=1, help="starts on the last cold start's cache (default 1)")
     p.add_argument("--unsafe", action="store_true", help="switch the compile discipline off (debug flag)")

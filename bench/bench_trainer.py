@@ -53,6 +53,10 @@ def reference_config(args) -> dict:
             "placement": {"device": "cuda", "target": [0], "drafter": [0], "queue_depth": 2},
             "compile": {"enabled": "on"},
         }
+        if args.layer_types:
+            cfg["model"]["layer_types"] = args.layer_types.split(",")
+    if args.mask_builder:
+        cfg.setdefault("compile", {})["mask_builder"] = args.mask_builder
     cfg.setdefault("train", {})
     cfg["train"].update({"steps": args.steps or 20, "log_every": 1, "checkpoint_every": 0})
     return cfg
@@ -142,6 +146,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument("--anchors", type=int, default=512, help="anchors per sequence (default 512)")
     p.add_argument("--bucket", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--layer-types", help="drafter layers as a comma list of full/sliding (default: all full)")
+    p.add_argument("--mask-builder", choices=["direct", "compiled", "eager"],
+                   help="how BlockMasks are built (default: the trainer's default)")
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")
     p.add_argument("--runs", default="cold,warm", help="comma list of cold/warm runs, in order (default cold,warm)")
     p.add_argument("--cache-dir", help="compile cache to use (default: a fresh temporary directory)")

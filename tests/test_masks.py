@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 from trainer.anchors import sample_anchors
 from trainer.attention import (
@@ -102,7 +102,7 @@ def test_dense_mask_matches_reference(seq_len, block_size, max_anchors, spans, w
 def test_block_mask_matches_reference_tile_by_tile(seq_len, block_size, max_anchors, spans, window):
     anchors, valid = make_anchors(seq_len, block_size, max_anchors, spans)
     q_len, kv_len = anchors.shape[1] * block_size, seq_len + anchors.shape[1] * block_size
-    bm = build_block_mask(anchors, valid, seq_len, block_size, window, compiled=False)
+    bm = build_block_mask(anchors, valid, seq_len, block_size, window, builder="eager")
     assert bm.shape == (2, 1, q_len, kv_len)
     want = reference_mask(anchors.tolist(), valid.tolist(), seq_len, block_size, window, (round_up(q_len), round_up(kv_len)))
     any_t, all_t = tiles(want)
@@ -172,8 +172,8 @@ def test_bug5_padded_rows_are_clamped_and_masked():
     padded = create_mask(mod, 1, 1, TILE, TILE, device="cpu")[0, 0]  # what a kernel evaluates for the tile
     assert not padded[20:].any() and not padded[:, 70:].any()
     assert torch.equal(padded[:20, :70], reference_mask(anchors.tolist(), valid.tolist(), 50, 4, 7)[0])
-    bm = build_block_mask(anchors, valid, 50, 4, compiled=False)
-    assert bm.shape == (1, 1, 20, 70)
+    for builder in ("eager", "direct"):
+        assert build_block_mask(anchors, valid, 50, 4, builder=builder).shape == (1, 1, 20, 70)
 
     # The same rule without the clamp reads the anchor table out of bounds.
     def unclamped(b, h, q_idx, kv_idx):
@@ -199,13 +199,125 @@ def test_bug6_compiled_block_mask_does_not_recompile_across_anchor_counts():
             assert anchors.shape == (2, max_anchors)  # static per bucket, whatever the data
             valid_counts.update(valid.sum(1).tolist())
             got = build_block_mask(anchors, valid, seq_len, bs, builder=builder)
-            want = build_block_mask(anchors, valid, seq_len, bs, compiled=False)
+            want = build_block_mask(anchors, valid, seq_len, bs, builder="eager")
             assert torch.equal(got.to_dense(), want.to_dense())
         assert len(valid_counts) >= 4  # several anchor counts went through one compiled entry
 
         # The bug: anchor tables sized to the anchors found recompile on every new count.
         with pytest.raises(RuntimeError, match="recompile"):
             build_block_mask(anchors[:, :5], valid[:, :5], seq_len, bs, builder=builder)
+
+
+# ----------------------------------------------------------------------------- direct builder
+
+
+def sampled(seq_len, block_size, max_anchors, spans):
+    def sampled():
+        return make_anchors(seq_len, block_size, max_anchors, spans)
+
+    return sampled
+
+
+def hand_picked():
+    """ctx_len 300 (not a multiple of 128), 20 blocks of 16: Q = 320, KV = 620.
+
+    Sequence 0: the first Q tile's anchors are all 255 (context tile 0 full, tile 1
+    one key short of full), the second's all at ctx_len (context tiles 0 and 1
+    full), then anchors 0, 17 (invalid), 128 and 299. Sequence 1: spread anchors,
+    the second half invalid.
+    """
+    anchors = torch.tensor([[255] * 8 + [300] * 8 + [0, 17, 128, 299], [3 + 14 * n for n in range(20)]])
+    valid = torch.ones(2, 20, dtype=torch.bool)
+    valid[0, 17] = False
+    valid[1, 10:] = False
+    return anchors, valid
+
+
+DIRECT_CASES = [
+    # (anchors and valid flags, ctx_len, block_size, window, assert that full tiles occur)
+    *[(sampled(s, bs, n, spans), s, bs, w, False) for s, bs, n, spans, w in CASES],
+    (sampled(700, 8, 60, [(200, 700), (0, 650)]), 700, 8, None, True),
+    (sampled(700, 8, 60, [(200, 700), (0, 650)]), 700, 8, 7, False),  # window < block
+    (sampled(700, 8, 60, [(200, 700), (0, 650)]), 700, 8, 300, False),
+    (sampled(130, 4, 40, [(0, 130), (60, 130)]), 130, 4, None, False),
+    (sampled(130, 4, 40, [(0, 130), (60, 130)]), 130, 4, 2, False),
+    (sampled(256, 16, 24, [(0, 256), (100, 256)]), 256, 16, None, False),  # blocks aligned to tiles
+    (sampled(256, 16, 24, [(0, 256), (100, 256)]), 256, 16, 20, False),
+    (hand_picked, 300, 16, None, True),
+    (hand_picked, 300, 16, 1, False),  # each query sees its own slot only
+    (hand_picked, 300, 16, 3, False),  # window < block
+    (hand_picked, 300, 16, 16, False),
+    (hand_picked, 300, 16, 100, False),
+    (hand_picked, 300, 16, 128, False),  # anchor 255, slot 0: lowest context key 128, a tile edge
+    (hand_picked, 300, 16, 1000, True),  # window longer than the context
+]
+
+
+def assert_same_tables(got, want):
+    """Equal block counts and, per (b, tile row), equal sets of listed tiles, on both axes."""
+    assert got.shape == want.shape and got.BLOCK_SIZE == want.BLOCK_SIZE
+    for kind in ("kv", "full_kv", "q", "full_q"):
+        num, indices = getattr(got, f"{kind}_num_blocks"), getattr(got, f"{kind}_indices")
+        want_num, want_indices = getattr(want, f"{kind}_num_blocks"), getattr(want, f"{kind}_indices")
+        assert indices.shape == want_indices.shape and indices.dtype == want_indices.dtype == torch.int32, kind
+        assert torch.equal(num, want_num), kind
+        shape = (indices.shape[0], indices.shape[2], indices.shape[3])
+        assert torch.equal(listed_blocks(num, indices, shape), listed_blocks(want_num, want_indices, shape)), kind
+
+
+@pytest.mark.parametrize("make,ctx_len,block_size,window,has_full", DIRECT_CASES)
+def test_direct_block_mask_matches_create_block_mask(make, ctx_len, block_size, window, has_full):
+    anchors, valid = make()
+    got = build_block_mask(anchors, valid, ctx_len, block_size, window, builder="direct")
+    want = build_block_mask(anchors, valid, ctx_len, block_size, window, builder="eager")
+    assert_same_tables(got, want)
+    if has_full:  # the full-tile tables are exercised, not only empty ones
+        assert want.full_kv_num_blocks.sum() > 0
+
+
+def as_kernel_sees(bm):
+    """``bm`` with a mask_mod that applies its tile tables the way the fused kernel does.
+
+    Eager flex_attention evaluates the mask_mod over the whole [Q, KV] grid and
+    ignores the tables; the kernel skips unlisted tiles and skips the mask_mod on
+    full ones.
+    """
+    shape = (bm.kv_indices.shape[0], bm.kv_indices.shape[2], bm.kv_indices.shape[3])
+    partial = listed_blocks(bm.kv_num_blocks, bm.kv_indices, shape)
+    full = listed_blocks(bm.full_kv_num_blocks, bm.full_kv_indices, shape)
+    mask_mod = bm.mask_mod
+
+    def kernel_mask_mod(b, h, q_idx, kv_idx):
+        q_tile, kv_tile = q_idx // TILE, kv_idx // TILE
+        return full[b, q_tile, kv_tile] | (partial[b, q_tile, kv_tile] & mask_mod(b, h, q_idx, kv_idx))
+
+    return BlockMask.from_kv_blocks(
+        bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+        BLOCK_SIZE=TILE, mask_mod=kernel_mask_mod, seq_lengths=bm.seq_lengths,
+    )
+
+
+@pytest.mark.parametrize("window", [None, 1000])
+def test_flex_attention_with_direct_and_create_block_masks_agree(window):
+    torch.manual_seed(0)
+    anchors, valid = hand_picked()
+    ctx_len, bs = 300, 16
+    q = torch.randn(2, 4, 320, 16)
+    k, v = torch.randn(2, 2, 620, 16), torch.randn(2, 2, 620, 16)
+    path = AttentionPath(FLEX_EAGER, "cpu")
+    out = {}
+    for builder in ("direct", "eager"):
+        bm = as_kernel_sees(build_block_mask(anchors, valid, ctx_len, bs, window, builder=builder))
+        out[builder] = attend(q, k, v, bm, path)
+    assert torch.equal(out["direct"], out["eager"])
+    dense = dense_mask(anchors, valid, ctx_len, bs, window)
+    assert (attend(q, k, v, dense, AttentionPath(SDPA, "cpu")) - out["direct"]).abs().max() < 1e-5
+
+
+def test_build_block_mask_refuses_an_unknown_builder():
+    anchors, valid = make_anchors(40, 4, 3, [(5, 40)])
+    with pytest.raises(ValueError, match="not one of"):
+        build_block_mask(anchors, valid, 40, 4, builder="dense")
 
 
 # ----------------------------------------------------------------------------- attention paths
@@ -223,6 +335,9 @@ def test_bug7_gpu_path_refuses_the_dense_fallback():
         assert select_attention_path("cpu", "off").name == SDPA
         with pytest.raises(ConfigError, match="no backward on CPU"):
             select_attention_path("cpu", "on")
+        assert select_attention_path("cuda", "auto").mask_builder == "direct"
+        assert select_attention_path("cuda", "auto", mask_builder="compiled").mask_builder == "compiled"
+        assert select_attention_path("cuda", "auto", mask_builder="eager").mask_builder == "eager"
 
         # After choosing the compiled GPU path, a silent eager fallback is an error,
         # even when torch already showed its once-per-process warning.
@@ -237,15 +352,16 @@ def test_bug7_gpu_path_refuses_the_dense_fallback():
                 flex_attention(q, q, q, block_mask=bm)
 
 
-def test_compiled_path_can_build_its_block_masks_eagerly():
+@pytest.mark.parametrize("mask_builder", ["direct", "eager"])
+def test_compiled_path_can_build_its_block_masks_without_compiling(mask_builder):
     # The compiled mask builder's cold compile grows with the bucket; the flex path
-    # may build BlockMasks eagerly instead, never dense tensors.
+    # may build BlockMasks directly or eagerly instead, never dense tensors.
     anchors, valid = make_anchors(40, 4, 6, [(3, 40)])
-    path = AttentionPath(FLEX_COMPILED, "cpu", compiled_masks=False)
+    path = AttentionPath(FLEX_COMPILED, "cpu", mask_builder)
     masks = build_layer_masks(path, anchors, valid, 40, 4, ["full", "sliding"], 6)
     for layer_type, window in (("full", None), ("sliding", 6)):
         got = masks.for_layer(layer_type)
-        want = build_block_mask(anchors, valid, 40, 4, window, compiled=False)
+        want = build_block_mask(anchors, valid, 40, 4, window, builder="eager")
         assert not isinstance(got, torch.Tensor)
         assert torch.equal(got.to_dense(), want.to_dense()) and torch.equal(got.kv_indices, want.kv_indices)
 

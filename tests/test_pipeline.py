@@ -91,6 +91,44 @@ def test_locked_first_steps_compile_each_thread_and_bucket_under_the_lock_then_r
     assert d._pending == set() and d.frames_ok_after_warmup is not None  # every shape went through: locked
 
 
+def test_unsafe_parallel_warmup_runs_every_drafter_first_call_at_once_after_the_targets():
+    """The debug mode that reproduces the GPU deadlock: its drafter jobs must overlap."""
+    pipe, opt, sched = make_pipeline(targets=(0,), drafters=(0, 0, 0), compile={"unsafe_parallel_warmup": True},
+                                     data={"buckets": [256]})
+    d = pipe.discipline
+    assert d.mode == "unsafe_parallel"
+    order: list[str] = []
+    meet = threading.Barrier(3, timeout=10)  # jobs run one after another would break it
+
+    def job(name, fn):
+        def run():
+            order.append(name)
+            if name.startswith("drafter"):
+                meet.wait()
+            fn()
+        return name, 256, run
+
+    real = pl.warmup_jobs(pipe)
+    assert [name for name, _, _ in real] == ["target-0@cpu", "drafter-0@cpu", "drafter-1@cpu", "drafter-2@cpu"]
+    d.warmup([job(name, fn) for name, _, fn in real], report=lambda progress: None)
+    assert order[0] == "target-0@cpu" and sorted(order[1:]) == ["drafter-0@cpu", "drafter-1@cpu", "drafter-2@cpu"]
+    assert all(p.grad is None for r in pipe.replicas for p in r.parameters())
+    pipe.start()
+    train(pipe, opt, sched, 2)
+    assert pipe.stop(timeout=10) == [] and pl.replicas_identical(pipe.replicas)
+
+
+def test_unsafe_parallel_warmup_reraises_a_failed_first_call():
+    pipe, _, _ = make_pipeline(drafters=(0, 0), compile={"unsafe_parallel_warmup": True}, data={"buckets": [256]})
+
+    def boom():
+        raise RuntimeError("first call failed")
+
+    with pytest.raises(RuntimeError, match="first call failed"):
+        pipe.discipline.warmup([("target-0@cpu", 256, lambda: None), ("drafter-0@cpu", 256, boom),
+                                ("drafter-1@cpu", 256, lambda: None)], report=lambda progress: None)
+
+
 def test_replicas_stay_bit_identical():
     pipe, opt, sched = make_pipeline(drafters=(0, 1))
     before = [p.detach().clone() for p in pl.trainable(pipe.replicas[0])]

@@ -47,9 +47,9 @@ _ran_lock = threading.Lock()
 class AttentionPath:
     name: str  # FLEX_COMPILED, FLEX_EAGER or SDPA
     device_type: str  # 'cuda' or 'cpu'
-    compiled_masks: bool = True
-    """FLEX_COMPILED only: build BlockMasks with the compiled create_block_mask (see
-    masks.build_block_mask for the trade-off); False uses the eager one."""
+    mask_builder: str = "direct"
+    """How the flex paths build BlockMasks: one of masks.MASK_BUILDERS (costs in the
+    masks module docstring). FLEX_EAGER compiles nothing, so it builds 'compiled' eagerly."""
 
     @property
     def uses_block_mask(self) -> bool:
@@ -57,7 +57,10 @@ class AttentionPath:
 
 
 def select_attention_path(
-    device: Union[str, torch.device], enabled: str = "auto", allow_eager: bool = False, compiled_masks: bool = True
+    device: Union[str, torch.device],
+    enabled: str = "auto",
+    allow_eager: bool = False,
+    mask_builder: str = "direct",
 ) -> AttentionPath:
     """The path for ``compile.enabled`` on ``device``; ConfigError for a refused combination.
 
@@ -82,9 +85,9 @@ def select_attention_path(
                 "materialises the full score matrix (about 3x slower and O(S^2) memory); use 'auto', "
                 "or set compile.allow_eager: true to debug"
             ])
-        return AttentionPath(FLEX_EAGER, device_type)
+        return AttentionPath(FLEX_EAGER, device_type, mask_builder)
     refuse_eager_fallback()
-    return AttentionPath(FLEX_COMPILED, device_type, compiled_masks)
+    return AttentionPath(FLEX_COMPILED, device_type, mask_builder)
 
 
 def refuse_eager_fallback() -> None:
@@ -133,8 +136,10 @@ def build_layer_masks(
     for layer_type in sorted(set(layer_types)):
         w = window if layer_type == "sliding" else None
         if path.uses_block_mask:
-            compiled = path.name == FLEX_COMPILED and path.compiled_masks
-            mask = build_block_mask(anchors_BN, valid_BN, ctx_len, block_size, w, compiled=compiled)
+            builder = path.mask_builder
+            if builder == "compiled" and path.name != FLEX_COMPILED:
+                builder = "eager"
+            mask = build_block_mask(anchors_BN, valid_BN, ctx_len, block_size, w, builder=builder)
         else:
             mask = dense_mask(anchors_BN, valid_BN, ctx_len, block_size, w)
         setattr(masks, layer_type, mask)

@@ -18,8 +18,9 @@ forward and backward in several threads deadlock with no error. So:
    keyed by torch version, triton version and GPU model (entries are valid for the
    same three only).
 
-``compile.unsafe_parallel_warmup`` skips 2 and 4 and exists to reproduce the
-deadlock on a GPU. Never use it in production.
+``compile.unsafe_parallel_warmup`` replaces 2 with every thread's first forward +
+backward at the same moment, skips 4, and exists to reproduce the deadlock on a
+GPU. Never use it in production.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class Discipline:
             self._pending = {(d, b) for d, b, _ in jobs}
             return 0.0
         if self.mode == "unsafe_parallel":
-            return 0.0
+            self.warmup_s = self._parallel_first_calls(jobs)
+            return self.warmup_s
         for i, (device, bucket, fn) in enumerate(jobs):
             if should_stop():
                 break
@@ -132,6 +134,39 @@ class Discipline:
         self.warmup_s = time.monotonic() - start
         self.lock_recompiles()
         return self.warmup_s
+
+    def _parallel_first_calls(self, jobs: list[tuple[str, int, Callable[[], None]]]) -> float:
+        """The discipline switched off, on purpose: per bucket, the target jobs one by
+        one (their output feeds the others), then every other job in its own thread,
+        all released at once by a barrier, so the first compiles of flex_attention
+        forward and backward overlap. Never returns if they deadlock."""
+        start = time.monotonic()
+        for bucket in dict.fromkeys(b for _, b, _ in jobs):
+            mine = [(name, fn) for name, b, fn in jobs if b == bucket]
+            for name, fn in mine:
+                if name.startswith("target"):
+                    fn()
+            rest = [(name, fn) for name, fn in mine if not name.startswith("target")]
+            gate = threading.Barrier(len(rest))
+            errors: list[BaseException] = []
+
+            def first_call(fn):
+                self.enter_thread()
+                gate.wait()
+                try:
+                    fn()
+                except BaseException as e:  # re-raised below, in the calling thread
+                    errors.append(e)
+
+            threads = [threading.Thread(target=first_call, args=(fn,), name=f"warmup-{name}", daemon=True)
+                       for name, fn in rest]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+        return time.monotonic() - start
 
     # ---- locked first steps (serialized_warmup: false)
 

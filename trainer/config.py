@@ -121,8 +121,8 @@ class CompileConfig:
     """DEBUG ONLY: let threads compile concurrently on a cold cache (reproduces the deadlock)."""
     allow_eager: bool = False
     """DEBUG ONLY: allow the dense flex_attention fallback on GPU."""
-    mask_builder: Literal["compiled", "eager"] = "compiled"
-    """How BlockMasks are built on GPU: 'compiled' create_block_mask (fast per step, but its first compile takes minutes at 3072-token buckets on a cold cache) or 'eager' (about 0.2 s per call, briefly holds a boolean [B,Q,KV] mask)."""
+    mask_builder: Literal["direct", "compiled", "eager"] = "direct"
+    """How BlockMasks are built on GPU: 'direct' computes the tile tables from the anchors (a few tensor ops on int32 [B,Q,KV/128] temporaries; nothing to compile, no [B,Q,KV] mask), 'compiled' runs torch.compile(create_block_mask) (fast per step once compiled, but its cold compile takes minutes at 3072-token buckets, per bucket and layer type) or 'eager' runs create_block_mask (about 0.2 s per call; materialises a boolean [B,Q,KV] mask, 1.5 GB at B=16, Q=8192, KV=11264)."""
     recompile_margin: int = 4
     """Dynamo recompile limit = devices x buckets x 2 + this; hitting it raises (never a silent eager fallback)."""
 

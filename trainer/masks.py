@@ -25,16 +25,33 @@ Sliding-window layers (window W) add, for the query at position p = a + o, the u
 - context key j additionally needs ``j >= p - (W - 1) = a + o - (W - 1)``;
 - block key at slot o' additionally needs ``o' <= o`` (causal inside the block) and
   ``o' >= o - (W - 1)`` (only binds when W < B).
+
+So every query row sees at most two intervals of keys: ``[lo, min(a, S))`` of the
+context and a run of its own block's slots. A BlockMask lists, per 128x128 tile,
+whether every (query, key) pair of it is visible (full) or only some (partial);
+three builders compute the same tables (build_block_mask):
+
+- ``direct``: from the row intervals, a few vectorised ops on [B, Q, KV/128] int32
+  tensors (46 MB each at B=16, Q=8192, KV=11264); nothing to compile, no [B, Q, KV]
+  mask.
+- ``eager``: torch's create_block_mask; it materialises the boolean [B, Q, KV]
+  mask on every call (92 MB per sequence at Q=8192, KV=11264: 1.5 GB at B=16).
+- ``compiled``: torch.compile(create_block_mask); fast per call once compiled, but
+  its cold compile grows with the bucket: measured on an H200 (torch 2.11), 10 s
+  at Q=1024/KV=2048 and 212 s at Q=8192/KV=11264, per bucket and layer type.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+TILE = 128  # flex_attention's default BlockMask tile, on both axes
+MASK_BUILDERS = ("direct", "compiled", "eager")
 
 
 def dflash_mask_mod(
@@ -96,6 +113,68 @@ def _default_compiled_builder() -> Callable[..., BlockMask]:
     return _compiled_create_block_mask
 
 
+def direct_block_mask(
+    anchors_BN: torch.Tensor,
+    valid_BN: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    window: Optional[int] = None,
+) -> BlockMask:
+    """The BlockMask of create_block_mask(dflash_mask_mod(...)), computed from the anchors.
+
+    Each query row sees a context interval and an interval of its own block (module
+    docstring), both empty for invalid blocks and padded rows. Their overlaps with
+    a KV tile add up to the number of keys the row sees in it: the tile is full if
+    every row of the Q tile sees all 128 keys (so never when it holds padded rows or
+    columns), partial if some row sees some key and it is not full. The tables have
+    create_block_mask's format and order (listed tiles first, ascending) and stay on
+    the anchors' device.
+    """
+    batch, num_blocks = anchors_BN.shape
+    q_len, kv_len = mask_lengths(num_blocks, ctx_len, block_size)
+    device = anchors_BN.device
+    q_tiles, kv_tiles = -(-q_len // TILE), -(-kv_len // TILE)
+
+    rows = torch.arange(q_tiles * TILE, device=device)
+    block, slot = rows // block_size, rows % block_size
+    row = block.clamp(max=num_blocks - 1)
+    anchor = anchors_BN[:, row]  # [B, Qpad]
+    live = valid_BN[:, row] & (block < num_blocks)
+    ctx_lo = torch.zeros_like(anchor)
+    own_lo, own_hi = ctx_len + row * block_size, ctx_len + (row + 1) * block_size
+    if window is not None:
+        ctx_lo = (anchor + slot - (window - 1)).clamp(min=0)
+        own_lo, own_hi = own_lo + (slot - (window - 1)).clamp(min=0), own_lo + slot + 1
+    ctx_hi = torch.where(live, anchor.clamp(max=ctx_len), 0)
+    own_hi = torch.where(live, own_hi, 0)
+
+    starts = torch.arange(kv_tiles, device=device, dtype=torch.int32) * TILE
+    seen = _overlap(ctx_lo, ctx_hi, starts) + _overlap(own_lo, own_hi, starts)  # [B, Qpad, KVtiles]
+    seen = seen.view(batch, q_tiles, TILE, kv_tiles)
+    full = seen.amin(2) == TILE
+    partial = (seen.amax(2) > 0) & ~full
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial),
+        *_ordered(full),
+        BLOCK_SIZE=TILE,
+        mask_mod=dflash_mask_mod(anchors_BN, valid_BN, ctx_len, block_size, window),
+        seq_lengths=(q_len, kv_len),
+    )
+
+
+def _overlap(lo: torch.Tensor, hi: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Length of [lo, hi) (per row, broadcast to [B, Qpad]) inside each tile [s, s + TILE)."""
+    lo, hi = lo.to(torch.int32).unsqueeze(-1), hi.to(torch.int32).unsqueeze(-1)
+    return (torch.minimum(hi, starts + TILE) - torch.maximum(lo, starts)).clamp(min=0)
+
+
+def _ordered(tiles_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_blocks [B, 1, Qt], indices [B, 1, Qt, KVt]) of a tile table, listed tiles first."""
+    tiles = tiles_BQK.to(torch.int32).unsqueeze(1)
+    indices = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+    return tiles.sum(-1, dtype=torch.int32), indices.to(torch.int32)
+
+
 def build_block_mask(
     anchors_BN: torch.Tensor,
     valid_BN: torch.Tensor,
@@ -103,24 +182,23 @@ def build_block_mask(
     block_size: int,
     window: Optional[int] = None,
     *,
-    compiled: bool = True,
-    builder: Optional[Callable[..., BlockMask]] = None,
+    builder: Union[str, Callable[..., BlockMask]] = "direct",
 ) -> BlockMask:
     """flex_attention BlockMask [B, 1, Q, KV] (heads broadcast) for one batch.
 
-    ``compiled`` uses the shared compiled create_block_mask; the eager one
-    materialises the boolean [B, Q, KV] mask first (92 MB at Q=8192, KV=11264: fine
-    on a GPU, unlike the dense score matrix of eager flex_attention). The compiled
-    one is faster per call, but its cold compile grows with the bucket: measured on
-    an H200 (torch 2.11), 10 s at Q=1024/KV=2048 but 212 s at Q=8192/KV=11264, per
-    bucket and layer type, until the compile cache is warm.
-    ``builder`` overrides the function used, e.g. ``compiled_block_mask_builder("eager")``
+    ``builder`` is one of MASK_BUILDERS (costs in the module docstring) or a
+    create_block_mask-like function, e.g. ``compiled_block_mask_builder("eager")``
     to exercise Dynamo's guards cheaply.
     """
+    if builder == "direct":
+        return direct_block_mask(anchors_BN, valid_BN, ctx_len, block_size, window)
+    if isinstance(builder, str):
+        if builder not in MASK_BUILDERS:
+            raise ValueError(f"mask builder {builder!r} is not one of {MASK_BUILDERS}")
+        builder = _default_compiled_builder() if builder == "compiled" else create_block_mask
     q_len, kv_len = mask_lengths(anchors_BN.shape[1], ctx_len, block_size)
-    fn = builder or (_default_compiled_builder() if compiled else create_block_mask)
     mask_mod = dflash_mask_mod(anchors_BN, valid_BN, ctx_len, block_size, window)
-    return fn(mask_mod, anchors_BN.shape[0], None, q_len, kv_len, device=anchors_BN.device)
+    return builder(mask_mod, anchors_BN.shape[0], None, q_len, kv_len, device=anchors_BN.device)
 
 
 def dense_mask(

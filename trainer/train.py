@@ -183,7 +183,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     path = select_attention_path(main_dev, cfg.compile.enabled, cfg.compile.allow_eager,
-                                 compiled_masks=cfg.compile.mask_builder == "compiled")
+                                 cfg.compile.mask_builder)
     log(f"devices: target {[str(d) for d in target_devs]}, drafter {[str(d) for d in drafter_devs]}; "
         f"compute {compute_dtype}; attention {path.name}; compile cache {cache}")
 
