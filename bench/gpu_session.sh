@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_session.sh 1   # threaded cold start: 3 cold + 1 warm (1 target + 3 drafter threads, one GPU)
 #   bash bench/gpu_session.sh 2   # the same with the discipline off, 3 cold starts (the hang, with stacks);
-#                                 # loss projection on GPU
+#                                 # loss projection and mask building on GPU
 #   bash bench/gpu_session.sh 3   # reference size: tok/s, MFU, cold/warm first step; nvidia-smi under load
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +26,10 @@ case "${1:-}" in
     timeout 330 python3 bench/bench_coldstart.py --cold 3 --warm 1 --steps 50 --timeout 150 2>&1 | tee "$out/coldstart.log"
     ;;
   2)
-    timeout 480 python3 bench/bench_coldstart.py --unsafe --cold 3 --warm 0 --steps 50 --timeout 120 2>&1 | tee "$out/coldstart-unsafe.log"
-    timeout 60 python3 bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 --vocab 151936 2>&1 | tee "$out/loss.log"
+    timeout 400 python3 bench/bench_coldstart.py --unsafe --cold 3 --warm 0 --steps 50 --timeout 120 2>&1 | tee "$out/coldstart-unsafe.log"
+    timeout 50 python3 bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 --vocab 151936 2>&1 | tee "$out/loss.log"
+    timeout 60 python3 bench/bench_masks.py --device cuda --batch 16 2>&1 | tee "$out/masks.log"
+    timeout 60 python3 bench/bench_masks.py --device cuda --ctx 1024 --anchors 64 --builders direct,compiled,eager 2>&1 | tee -a "$out/masks.log"
     ;;
   3)
     work=$(mktemp -d)  # capture once the warm run has logged 8 steps (steady state)
