@@ -1,12 +1,16 @@
 """The loss's vocabulary projection: trainer.loss.dflash_loss (gradient w.r.t. the
-hidden states computed in the forward, two projections per chunk) against the
-activation-checkpointed form (forward, forward again in the backward, backward: three).
+hidden states computed in the forward, two projections per chunk), eager and with
+each chunk's softmax and gradient compiled (``--compiled``, as the trainer runs it on
+a GPU), against the activation-checkpointed form (forward, forward again in the
+backward, backward: three projections).
 
     python bench/bench_loss.py                                  # CPU, small vocabulary
-    python bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 2048 --vocab 151936
+    python bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 --vocab 151936 --compiled
 
-Prints one JSON line: seconds per forward+backward of each (best of --repeat) and the
-largest difference between their gradients.
+Prints one JSON line: seconds per forward+backward of each (best of --repeat; the
+compiled form's first call, its compile, is not timed), the projections' TFLOP/s
+(4 x positions x hidden x vocab per forward+backward) and the largest difference
+between the gradients and the checkpointed form's.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--compiled", action="store_true", help="also time the compiled per-chunk softmax (GPU)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -66,16 +71,22 @@ def main(argv=None) -> int:
     head = (torch.randn(args.vocab, args.hidden, device=args.device) * 0.05).to(dtype)
     labels = torch.randint(0, args.vocab, (1, args.positions), device=args.device)
     weight = torch.rand(1, args.positions, device=args.device)
-    fused_s, fused_grad = timed(
-        lambda h: dflash_loss(h, head, labels, weight, args.chunk, block_size=16)[0], hidden, args.repeat, args.device)
+    def ours(compiled):
+        return lambda h: dflash_loss(h, head, labels, weight, args.chunk, block_size=16, compiled=compiled)[0]
+
     ckpt_s, ckpt_grad = timed(
         lambda h: checkpointed_loss(h.reshape(-1, args.hidden), head, labels.reshape(-1), weight.reshape(-1),
                                     args.chunk), hidden, args.repeat, args.device)
-    print(json.dumps({
-        "bench": "loss", **vars(args), "torch": torch.__version__,
-        "fused_s": round(fused_s, 4), "checkpointed_s": round(ckpt_s, 4), "speedup": round(ckpt_s / fused_s, 2),
-        "max_grad_diff": float((fused_grad.float() - ckpt_grad.float()).abs().max()),
-    }))
+    row = {"bench": "loss", **vars(args), "torch": torch.__version__, "checkpointed_s": round(ckpt_s, 4)}
+    flops = 4 * args.positions * args.hidden * args.vocab
+    for name, compiled in (("fused", False),) + ((("compiled", True),) if args.compiled else ()):
+        if compiled:
+            timed(ours(True), hidden, 1, args.device)  # the compile
+        seconds, grad = timed(ours(compiled), hidden, args.repeat, args.device)
+        row.update({f"{name}_s": round(seconds, 4), f"{name}_speedup": round(ckpt_s / seconds, 2),
+                    f"{name}_tflops": round(flops / seconds / 1e12, 1),
+                    f"{name}_max_grad_diff": float((grad.float() - ckpt_grad.float()).abs().max())})
+    print(json.dumps(row))
     return 0
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.anchors import anchor_slots, build_block_inputs, eligible_anchors, sample_anchors
-from trainer.loss import default_gamma, dflash_loss, slot_weights
+from trainer.loss import chunk_cross_entropy, default_gamma, dflash_loss, slot_weights
 
 MASK = 99
 
@@ -202,3 +202,30 @@ def test_loss_gradient_matches_autograd_through_the_dense_reference():
     (3.0 * loss).backward()  # the incoming gradient scales the stored one
     assert torch.allclose(h.grad, 3.0 * h_ref.grad, atol=1e-6)  # the loss is accumulated in fp32
     assert h.grad[0, 5].abs().max() == 0 and head.grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_cross_entropy_traces_as_one_graph_with_the_same_results(dtype):
+    """On a GPU the trainer compiles chunk_cross_entropy; a graph break would run part
+    of it eagerly and compile it per thread. Dynamo + AOTAutograd (no inductor: CPU
+    tests have no C++ toolchain to count on) must take it whole and agree with eager,
+    in-place updates of the logits included."""
+    torch.manual_seed(4)
+    logits = (torch.randn(12, 40) * 3).to(dtype)
+    labels = torch.randint(0, 40, (12,))
+    weight = torch.rand(12)
+    weight[3] = 0
+    traced = torch.compile(chunk_cross_entropy, backend="aot_eager", fullgraph=True, dynamic=False)
+    for need_grad in (True, False):
+        want = chunk_cross_entropy(logits.clone(), labels, weight, need_grad)
+        got = traced(logits.clone(), labels, weight, need_grad)
+        assert torch.allclose(got[0], want[0]) and torch.equal(got[1], want[1])
+        if need_grad:
+            assert got[2].dtype == dtype and torch.allclose(got[2].float(), want[2].float(), atol=1e-6)
+        else:
+            assert got[2] is None and want[2] is None
+    # and the gradient is weight * (softmax - onehot)
+    grad = chunk_cross_entropy(logits.clone(), labels, weight, True)[2].float()
+    onehot = torch.nn.functional.one_hot(labels, 40).float()
+    expected = ((torch.softmax(logits.float(), -1) - onehot) * weight[:, None]).to(dtype).float()
+    assert torch.allclose(grad, expected, atol=1e-6)

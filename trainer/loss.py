@@ -37,32 +37,58 @@ def slot_weights(label_mask_BQ: torch.Tensor, block_size: int, gamma: float) -> 
     return label_mask_BQ.float() * decay_Q
 
 
+def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_C: torch.Tensor, need_grad: bool):
+    """One chunk: (sum of weight x CE, top-1 == label, d(sum)/d logits in the logits'
+    dtype or None). ``labels_C`` must be valid indices (callers clamp -100 to 0 and
+    give those rows weight 0).
+
+    Compiled, the ops fuse into a few passes over the chunk's logits; eager, each is a
+    pass of its own over an fp32 [C, V] tensor (done in place where possible), which at
+    a 152K vocabulary costs more than the projections themselves."""
+    logits = logits_CV.float()
+    lse_C = torch.logsumexp(logits, dim=-1)
+    target_C = logits.gather(1, labels_C[:, None]).squeeze(1)
+    correct_C = logits.argmax(dim=-1) == labels_C
+    total = ((lse_C - target_C) * weight_C).sum()
+    if not need_grad:
+        return total, correct_C, None
+    # d(weight * CE)/d logits = weight * (softmax - onehot), in place of the logits.
+    probs_CV = logits.sub_(lse_C[:, None]).exp_()
+    probs_CV[torch.arange(probs_CV.shape[0], device=probs_CV.device), labels_C] -= 1
+    return total, correct_C, probs_CV.mul_(weight_C[:, None]).to(logits_CV.dtype)
+
+
+_compiled_chunk_cross_entropy = None
+
+
+def compiled_chunk_cross_entropy():
+    """torch.compile(chunk_cross_entropy), created once (static shapes: one entry per
+    chunk shape and device, compiled in the trainer's warm-up like the attention)."""
+    global _compiled_chunk_cross_entropy
+    if _compiled_chunk_cross_entropy is None:
+        _compiled_chunk_cross_entropy = torch.compile(chunk_cross_entropy, dynamic=False)
+    return _compiled_chunk_cross_entropy
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """sum_x weight_x * CE(hidden_x @ W^T, label_x) over chunks of positions, and
     whether each position's top-1 prediction is its label. W (the lm_head) gets no
     gradient: it is frozen."""
 
     @staticmethod
-    def forward(ctx, hidden_XH, weight_VH, labels_X, weight_X, chunk):
+    def forward(ctx, hidden_XH, weight_VH, labels_X, weight_X, chunk, compiled):
         need_grad = ctx.needs_input_grad[0]
+        ce = compiled_chunk_cross_entropy() if compiled else chunk_cross_entropy
         grad_XH = torch.empty_like(hidden_XH) if need_grad else None
         correct_X = torch.empty_like(labels_X, dtype=torch.bool)
         total = hidden_XH.new_zeros((), dtype=torch.float32)
         for start in range(0, hidden_XH.shape[0], chunk):
             rows = slice(start, start + chunk)
-            labels_C, weight_C = labels_X[rows], weight_X[rows]
-            logits_CV = F.linear(hidden_XH[rows], weight_VH).float()
-            correct_C = logits_CV.argmax(dim=-1) == labels_C
-            correct_X[rows] = correct_C
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            target_C = logits_CV.gather(1, labels_C.clamp(min=0)[:, None]).squeeze(1)
-            total += ((lse_C - target_C) * weight_C).sum()
+            logits_CV = F.linear(hidden_XH[rows], weight_VH)
+            loss_C, correct_X[rows], grad_CV = ce(logits_CV, labels_X[rows].clamp(min=0), weight_X[rows], need_grad)
+            total += loss_C
             if need_grad:
-                # d(weight * CE)/d logits = weight * (softmax - onehot), in place of the logits.
-                probs_CV = logits_CV.sub_(lse_C[:, None]).exp_()
-                probs_CV[torch.arange(probs_CV.shape[0], device=probs_CV.device), labels_C.clamp(min=0)] -= 1
-                probs_CV.mul_(weight_C[:, None])
-                grad_XH[rows] = (probs_CV.to(weight_VH.dtype) @ weight_VH).to(grad_XH.dtype)
+                grad_XH[rows] = (grad_CV @ weight_VH).to(grad_XH.dtype)
         ctx.mark_non_differentiable(correct_X)
         if need_grad:
             ctx.save_for_backward(grad_XH)
@@ -71,7 +97,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _grad_correct):
         (grad_XH,) = ctx.saved_tensors
-        return grad_XH * grad_total.to(grad_XH.dtype), None, None, None, None
+        return grad_XH * grad_total.to(grad_XH.dtype), None, None, None, None, None
 
 
 def dflash_loss(
@@ -82,8 +108,10 @@ def dflash_loss(
     chunk: int,
     *,
     block_size: int,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted CE over query positions, ``chunk`` positions per vocabulary projection.
+    """Weighted CE over query positions, ``chunk`` positions per vocabulary projection;
+    ``compiled`` runs each chunk's softmax and gradient as compiled kernels (GPU).
 
     Returns (loss, stats); stats are detached tensors (no host sync here):
       tokens       supervised positions (weight > 0)
@@ -103,7 +131,8 @@ def dflash_loss(
     labels_X = labels_BQ.reshape(-1)
     # A label of -100 (the cross-entropy convention for "none") carries no weight.
     weight_X = torch.where(labels_X >= 0, weight_BQ.reshape(-1).to(torch.float32), 0.0)
-    total, correct_X = _ChunkedLinearCE.apply(hidden_XH, lm_head_weight.detach(), labels_X, weight_X, chunk)
+    total, correct_X = _ChunkedLinearCE.apply(hidden_XH, lm_head_weight.detach(), labels_X, weight_X, chunk,
+                                              compiled)
 
     weight_sum = weight_X.sum()
     loss = total / weight_sum.clamp(min=1e-6)  # an all-invalid batch gives 0, not NaN

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from trainer.anchors import build_block_inputs, sample_anchors
-from trainer.attention import AttentionPath, build_layer_masks
+from trainer.attention import FLEX_COMPILED, AttentionPath, build_layer_masks
 from trainer.config import TrainerConfig
 from trainer.loss import default_gamma, dflash_loss, slot_weights
 from trainer.model import Drafter
@@ -52,7 +52,8 @@ def compute_loss(
     gamma = cfg.train.gamma or default_gamma(block_size)
     weight_BQ = slot_weights(label_mask_BQ, block_size, gamma)
     loss, stats = dflash_loss(
-        hidden_BQH, drafter.lm_head.weight, labels_BQ, weight_BQ, cfg.train.loss_chunk, block_size=block_size
+        hidden_BQH, drafter.lm_head.weight, labels_BQ, weight_BQ, cfg.train.loss_chunk, block_size=block_size,
+        compiled=attention_path.name == FLEX_COMPILED,
     )
     stats["anchors"] = valid_BN.sum().float()
     stats["query_tokens"] = stats["anchors"] * block_size
