@@ -36,13 +36,12 @@ VOCAB = {"tiny": 512, "small": 4096}  # presets with a small vocabulary; the qwe
 
 def reference_config(args) -> dict:
     if args.cpu_smoke:
-        return {
+        cfg = {
             "model": {"preset": "tiny", "drafter_layers": 2, "block_size": 8},
             "data": {"buckets": [256], "max_anchors": 16, "batch_size": 2},
-            "train": {"steps": args.steps or 6, "log_every": 1, "checkpoint_every": 0},
             "placement": {"device": "cpu", "target": [0], "drafter": [0]},
         }
-    if args.config:
+    elif args.config:
         with open(args.config) as f:
             cfg = json.load(f)
         cfg = cfg.get("trainer", cfg)
@@ -58,7 +57,11 @@ def reference_config(args) -> dict:
     if args.mask_builder:
         cfg.setdefault("compile", {})["mask_builder"] = args.mask_builder
     cfg.setdefault("train", {})
-    cfg["train"].update({"steps": args.steps or 20, "log_every": 1, "checkpoint_every": 0})
+    cfg["train"].update({"steps": args.steps or (6 if args.cpu_smoke else 20), "log_every": 1, "checkpoint_every": 0})
+    if args.loss_chunk:
+        cfg["train"]["loss_chunk"] = args.loss_chunk
+    if args.profile:
+        cfg["train"].update({"profile_steps": args.profile, "profile_after": 5})
     return cfg
 
 
@@ -149,12 +152,15 @@ def main(argv=None) -> int:
     p.add_argument("--layer-types", help="drafter layers as a comma list of full/sliding (default: all full)")
     p.add_argument("--mask-builder", choices=["direct", "compiled", "eager"],
                    help="how BlockMasks are built (default: the trainer's default)")
+    p.add_argument("--loss-chunk", type=int, help="query positions per loss chunk (default: the trainer's)")
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")
     p.add_argument("--runs", default="cold,warm", help="comma list of cold/warm runs, in order (default cold,warm)")
     p.add_argument("--cache-dir", help="compile cache to use (default: a fresh temporary directory)")
     p.add_argument("--work-dir", help="where run directories and logs go (default: a temporary directory, removed)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per run before it is killed")
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU run of the whole bench")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N steps after 5 (train.profile_steps); prints each run's profile.txt")
     args = p.parse_args(argv)
 
     cfg = reference_config(args)
@@ -170,6 +176,10 @@ def main(argv=None) -> int:
         result = run_once(f"{i}-{kind}", cfg, work, cache_dir, args.timeout)
         results.append(result)
         print(json.dumps(result), flush=True)
+        table = os.path.join(work, result["run"], "profile.txt")
+        if os.path.exists(table):
+            with open(table) as f:
+                print(f.read(), flush=True)
     ok = all(r["exit_code"] == 0 for r in results)
     summary = {"summary": True, "ok": ok}
     for r in results:

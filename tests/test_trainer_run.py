@@ -135,6 +135,17 @@ def test_learns_the_synthetic_task(tmp_path):
     assert last["attention_path"] == "sdpa" and last["time_ms"]["fwd"] > 0 and len(last["acc_per_slot"]) == 8
 
 
+def test_profile_steps_write_a_kernel_table_and_a_trace(tmp_path):
+    cfg = tiny_config(train={"steps": 6, "log_every": 2, "checkpoint_every": 0, "profile_steps": 2, "profile_after": 2})
+    t = run_trainer(cfg, tmp_path / "run")
+    assert t.proc.returncode == contract.EXIT_DONE, t.output[-3000:]
+    assert "profile: steps 3-4" in t.output
+    table = (tmp_path / "run" / "profile.txt").read_text()
+    assert "Self CPU time total" in table and "aten::" in table
+    with open(tmp_path / "run" / "profile.json") as f:
+        assert json.load(f)["traceEvents"]
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, trainers):
     cfg = tiny_config(train={"steps": 30, "log_every": 1, "checkpoint_every": 10})

@@ -95,6 +95,12 @@ class TrainConfig:
     """Newest complete checkpoints kept."""
     seed: int = 0
     """Seed of the drafter's initial weights."""
+    profile_steps: int = 0
+    """Profile this many training steps with torch.profiler (0: off), starting after
+    ``profile_after`` steps: profile.txt (kernels and ops by GPU time, every thread)
+    and profile.json (a Chrome/Perfetto trace) go to the run directory."""
+    profile_after: int = 5
+    """Steps to run before profiling starts (past the first steps' allocator effects)."""
 
 
 @dataclass
@@ -185,6 +191,8 @@ class TrainerConfig:
             problems.append("placement.queue_depth: must be at least 1")
         if self.train.steps < 1:
             problems.append("train.steps: must be at least 1")
+        if self.train.profile_steps < 0 or self.train.profile_after < 0:
+            problems.append("train.profile_steps, train.profile_after: must not be negative")
         if not self.placement.target or not self.placement.drafter:
             problems.append("placement: needs at least one target and one drafter device")
         if problems:

@@ -173,6 +173,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     from trainer.attention import FLEX_COMPILED, paths_ran, select_attention_path
     from trainer.data import build_source
     from trainer.optim import build_optimizer, build_scheduler
+    from trainer.profiling import StepProfiler
     from trainer.step import compute_loss
     from trainer.target import default_dtype
 
@@ -250,8 +251,10 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     train_start = last_release = window.start  # a step's period: from one release of the drafters to the next
     slow_period = None  # fault kind=slow: the normal period, measured when it fires
     steps_done, last_saved = start_step, (start_step if latest else None)
+    profiler = StepProfiler(run_dir, start_step + cfg.train.profile_after, cfg.train.profile_steps, log)
 
     for step in range(start_step, total_steps):
+        profiler.before(step)
         # ---- fault injection (tests and drills; see the module docstring)
         if fault is not None and step >= fault.after_steps:
             mark_fault(cfg, run_dir, step)
@@ -287,6 +290,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         steps_done = step + 1
         tokens_total += sum(r.query_tokens for r in reports)
         window.add(reports, allreduce_s, optim_s, step_s, grad_norm, end=now)
+        profiler.after(steps_done)
 
         # ---- metrics
         if steps_done % cfg.train.log_every == 0 or steps_done == total_steps:
@@ -319,6 +323,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             break
 
     # ---------------------------------------------------------------- shutdown
+    profiler.close()
     stragglers = pipe.stop(timeout=5.0)
     if stragglers:
         log(f"warning: threads still running at shutdown: {stragglers}")
