@@ -58,6 +58,8 @@ def reference_config(args) -> dict:
         cfg.setdefault("compile", {})["mask_builder"] = args.mask_builder
     cfg.setdefault("train", {})
     cfg["train"].update({"steps": args.steps or (6 if args.cpu_smoke else 20), "log_every": 1, "checkpoint_every": 0})
+    if args.eager_layers:
+        cfg.setdefault("compile", {})["drafter_layers"] = False
     if args.loss_chunk:
         cfg["train"]["loss_chunk"] = args.loss_chunk
     if args.profile:
@@ -152,6 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--layer-types", help="drafter layers as a comma list of full/sliding (default: all full)")
     p.add_argument("--mask-builder", choices=["direct", "compiled", "eager"],
                    help="how BlockMasks are built (default: the trainer's default)")
+    p.add_argument("--eager-layers", action="store_true",
+                   help="compile only flex_attention and the loss, not whole drafter layers (compile.drafter_layers: false)")
     p.add_argument("--loss-chunk", type=int, help="query positions per loss chunk (default: the trainer's)")
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")
     p.add_argument("--runs", default="cold,warm", help="comma list of cold/warm runs, in order (default cold,warm)")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.anchors import build_block_inputs, sample_anchors
-from trainer.attention import FLEX_EAGER, SDPA, AttentionPath, build_layer_masks, select_attention_path
+from trainer.attention import FLEX_EAGER, SDPA, AttentionPath, build_layer_masks, paths_ran, select_attention_path
 from trainer.config import ConfigError, ModelConfig, TrainerConfig
 from trainer.model import Drafter
 from trainer.step import compute_loss
@@ -145,6 +145,41 @@ def test_flex_and_sdpa_drafter_forwards_agree(target):
         sdpa, _ = compute_loss(drafter, batch, cfg, CPU)
         flex, _ = compute_loss(drafter, batch, cfg, AttentionPath(FLEX_EAGER, "cpu"))
     assert abs(sdpa.item() - flex.item()) < 1e-5
+
+
+def test_drafter_counts_its_attention_calls_per_path(target):
+    cfg = make_cfg(layer_types=["sliding", "full", "sliding"], sliding_window=5)
+    drafter = make_drafter(target, cfg)
+    batch = make_batch(target, seed=3)
+    before = paths_ran()
+    with torch.no_grad():
+        compute_loss(drafter, batch, cfg, CPU)
+        compute_loss(drafter, batch, cfg, AttentionPath(FLEX_EAGER, "cpu"))
+    after = paths_ran()
+    assert after.get(SDPA, 0) - before.get(SDPA, 0) == 3
+    assert after.get(FLEX_EAGER, 0) - before.get(FLEX_EAGER, 0) == 3
+
+
+def test_compiled_layers_trace_whole_and_match_eager(target):
+    """On a GPU each drafter layer is compiled (compile.drafter_layers). A graph break
+    would split it and leave ops eager; Dynamo + AOTAutograd (no inductor: CPU tests
+    have no C++ toolchain to count on) must take a layer whole, forward and backward,
+    with the same loss and gradients."""
+    cfg = make_cfg(layer_types=["sliding", "full", "sliding"], sliding_window=5)
+    batch = make_batch(target, seed=5)
+    results = []
+    for compiled in (False, True):
+        drafter = make_drafter(target, cfg)
+        if compiled:
+            torch._dynamo.reset()
+            drafter.compile_layers(backend="aot_eager", fullgraph=True)
+        loss, _ = compute_loss(drafter, batch, cfg, CPU)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in drafter.trainable_parameters()]))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    assert torch.allclose(eager_loss, compiled_loss, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(eager_grads, compiled_grads))
+    assert {k for k in drafter.state_dict()} == {k for k in make_drafter(target, cfg).state_dict()}  # same keys
 
 
 def block_outputs(drafter, batch, features):

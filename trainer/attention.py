@@ -168,9 +168,14 @@ def attend(
         _forget_fallback_warning()
     else:
         raise ValueError(f"unknown attention path {path.name!r}")
-    with _ran_lock:
-        _ran[path.name] += 1
     return out_BHQD
+
+
+def record_attention(path: AttentionPath, calls: int) -> None:
+    """Count ``calls`` attention calls on ``path`` (for metrics). Kept out of
+    ``attend`` so that a compiled layer traces without a break at the lock."""
+    with _ran_lock:
+        _ran[path.name] += calls
 
 
 def paths_ran() -> dict[str, int]:

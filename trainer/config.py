@@ -85,7 +85,7 @@ class TrainConfig:
     steps: int = 100
     gamma: Optional[float] = None
     """Loss decay over block slots; default 7 for B=16, 4 for B=8, else B/2."""
-    loss_chunk: int = 1024
+    loss_chunk: int = 4096
     """Query positions per chunk of the vocabulary projection in the loss."""
     log_every: int = 10
     """Steps per metrics.jsonl line."""
@@ -127,6 +127,10 @@ class CompileConfig:
     """DEBUG ONLY: let threads compile concurrently on a cold cache (reproduces the deadlock)."""
     allow_eager: bool = False
     """DEBUG ONLY: allow the dense flex_attention fallback on GPU."""
+    drafter_layers: bool = True
+    """On the compiled GPU path, compile each drafter layer whole (norms, projections,
+    rotary, attention, MLP) instead of only its flex_attention call: fewer, fused
+    kernels. Compiled in the same serialized warm-up."""
     mask_builder: Literal["direct", "compiled", "eager"] = "direct"
     """How BlockMasks are built on GPU: 'direct' computes the tile tables from the anchors (a few tensor ops on int32 [B,Q,KV/128] temporaries; nothing to compile, no [B,Q,KV] mask), 'compiled' runs torch.compile(create_block_mask) (fast per step once compiled, but its cold compile takes minutes at 3072-token buckets, per bucket and layer type) or 'eager' runs create_block_mask (about 0.2 s per call; materialises a boolean [B,Q,KV] mask, 1.5 GB at B=16, Q=8192, KV=11264)."""
     recompile_margin: int = 4

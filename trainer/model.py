@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from trainer.attention import AttentionPath, LayerMasks, attend
+from trainer.attention import AttentionPath, LayerMasks, attend, record_attention
 from trainer.config import ConfigError, ModelConfig
 
 FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
@@ -37,7 +37,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()  # the statistics in fp32, as the target computes them
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # The (fp32 master) weight in x's dtype: a bf16 input stays bf16, as in the target.
+        return self.weight.to(x.dtype) * x32.to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -83,7 +84,7 @@ class InjectedAttention(nn.Module):
 
         q_BhQD = apply_rope(q_BhQD, cos_BKD[:, -q_len:], sin_BKD[:, -q_len:])
         k_BhKD = apply_rope(k_BhKD, cos_BKD, sin_BKD)
-        # Norm weights in fp32 (master weights) promote q/k; the kernels want one dtype: v's.
+        # The kernels want one dtype: v's.
         out_BhQD = attend(q_BhQD.to(v_BhKD.dtype), k_BhKD.to(v_BhKD.dtype), v_BhKD, mask, path)
         return self.o_proj(out_BhQD.transpose(1, 2).reshape(batch, q_len, self.heads * self.head_dim))
 
@@ -195,4 +196,12 @@ class Drafter(nn.Module):
 
         for layer in self.layers:
             x_BQH = layer(x_BQH, ctx_BSH, cos_BKD, sin_BKD, mask)
+        record_attention(mask.path, len(self.layers))
         return self.norm(x_BQH)
+
+    def compile_layers(self, **options) -> None:
+        """Compile each decoder layer whole (norms, projections, rotary, attention, MLP:
+        one graph forward, one backward), static shapes. Layers of one type share the
+        compiled graph: their weights are inputs, not constants."""
+        for layer in self.layers:
+            layer.compile(dynamic=False, **options)

@@ -190,6 +190,9 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
 
     # ---------------------------------------------------------------- target(s) and drafter replicas
     targets, replicas = pl.build_models(cfg, target_devs, drafter_devs, compute_dtype)
+    if path.name == FLEX_COMPILED and cfg.compile.drafter_layers:
+        for replica in replicas:
+            replica.compile_layers()
     first, master = targets[0], replicas[0]
     optimizer = build_optimizer(master.trainable_parameters(), cfg, main_dev)
     scheduler = build_scheduler(optimizer, cfg)
