@@ -24,6 +24,7 @@ SEED_FIELDS = ("index", "memory.used", "utilization.gpu")
 NA_FIELDS = ("index", "ecc.errors.uncorrected.volatile.total", "fan.speed", "pstate", "clocks_throttle_reasons.active")
 IDLE_UUID = "GPU-ee9be14c-3e1f-0e09-1585-ac6bd6c589c0"
 LOAD_UUID = "GPU-8a7820b2-30e1-7367-326a-a5d3dfe3b0fd"
+TRAINER_UUID = "GPU-b592ecf6-ee08-c729-81ce-cff86e0cf6e2"
 
 # file -> (parser, fields queried, expected rows); the README there says which command made each.
 EXPECTED = {
@@ -66,6 +67,16 @@ EXPECTED = {
     ),
     "h200-idle-apps.csv": (parse_compute_apps, None, []),
     "h200-load-apps.csv": (parse_compute_apps, None, [ComputeApp(416, "python3", 1002.0, LOAD_UUID)]),
+    "h200-trainer-query.csv": (
+        parse_gpu_query,
+        None,
+        [GpuReading(0, TRAINER_UUID, "NVIDIA H200", 90223.0, 143771.0, 100.0, 54.0, 677.19, 700.0, 1965.0)],
+    ),
+    "h200-trainer-apps.csv": (
+        parse_compute_apps,
+        None,
+        [ComputeApp(2546, "/opt/torch/.venv/bin/python3", 90214.0, TRAINER_UUID)],
+    ),
 }
 
 

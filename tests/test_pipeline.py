@@ -218,3 +218,19 @@ def test_raise_in_thread_fault_fails_the_run_with_its_signature(tmp_path):
         fired = json.load(f)["time"]
     assert status["updated"] - fired < 10  # failed within seconds of the raise
     assert "error in thread drafter-0@cpu: RuntimeError: NCCL watchdog timeout on rank 3" in t.output
+
+
+def test_flop_model_counts_matmul_weights_only():
+    pipe, _, _ = make_pipeline(drafters=(0,))
+    target, drafter = pipe.targets[0], pipe.replicas[0]
+    flops = pl.flop_model(pipe.cfg, target, drafter)
+    cfg = target.config
+    embed = cfg.vocab_size * cfg.hidden_size
+    base = sum(p.numel() for p in target.model.base_model.parameters())
+    assert flops.target_params == base - embed  # no embedding lookup, no lm_head (features stop before it)
+    assert flops.drafter_params == sum(p.numel() for p in drafter.trainable_parameters())
+    assert flops.target(10) == 2 * flops.target_params * 10
+    # drafter: 6 x trainable params, the frozen lm_head's forward + input gradient, attention
+    q = 64
+    attention = 12 * len(drafter.layers) * flops.attn_width * (100 + flops.block_size) * q
+    assert flops.drafter(q, 100) == 6 * flops.drafter_params * q + 4 * cfg.hidden_size * cfg.vocab_size * q + attention
