@@ -35,8 +35,9 @@ from typing import Callable, Optional
 import torch
 
 EAGER_FLEX_WARNING = "flex_attention called without torch.compile"
-# Each compiled function sees one shape per bucket and device; full and sliding
-# layers call flex_attention with different mask functions, hence 2 variants.
+# Each compiled function sees at most 2 variants per bucket and device: full and
+# sliding drafter layers (different mask functions), or the loss's full chunk and
+# its last, shorter one.
 _MASK_VARIANTS = 2
 
 
