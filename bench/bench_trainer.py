@@ -134,6 +134,11 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) ->
         "dynamo": metrics[-1].get("dynamo") if metrics else None,
         "time_ms": metrics[-1].get("time_ms") if metrics else None,
         "gpu_mem": metrics[-1].get("gpu_mem") if metrics else None,
+        "tok_s_per_drafter": [statistics.median(v) for v in zip(*(m["tok_s_per_drafter"] for m in steady))]
+        if steady and all(m.get("tok_s_per_drafter") for m in steady) else None,
+        "queue_depth": [statistics.median(v) for v in zip(*(m["queue_depth"] for m in steady))]
+        if steady and all(m.get("queue_depth") for m in steady) else None,
+        "replica_checksums": metrics[-1].get("replica_checksums") if metrics else None,
         "status": status.get("phase"),
         "error": status.get("error"),
     }
@@ -143,8 +148,8 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) ->
     return result
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that shape the trainer config (reference_config); shared with bench_multigpu."""
     p.add_argument("--config", help="trainer config JSON (or a dict with a 'trainer' key); overrides the reference shape")
     p.add_argument("--preset", default="qwen3-0.6b", help="target preset with random weights (default qwen3-0.6b)")
     p.add_argument("--drafter-layers", type=int, default=5)
@@ -158,13 +163,18 @@ def main(argv=None) -> int:
                    help="compile only flex_attention and the loss, not whole drafter layers (compile.drafter_layers: false)")
     p.add_argument("--loss-chunk", type=int, help="query positions per loss chunk (default: the trainer's)")
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")
-    p.add_argument("--runs", default="cold,warm", help="comma list of cold/warm runs, in order (default cold,warm)")
-    p.add_argument("--cache-dir", help="compile cache to use (default: a fresh temporary directory)")
-    p.add_argument("--work-dir", help="where run directories and logs go (default: a temporary directory, removed)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per run before it is killed")
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU run of the whole bench")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N steps after 5 (train.profile_steps); prints each run's profile.txt")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_arguments(p)
+    p.add_argument("--runs", default="cold,warm", help="comma list of cold/warm runs, in order (default cold,warm)")
+    p.add_argument("--cache-dir", help="compile cache to use (default: a fresh temporary directory)")
+    p.add_argument("--work-dir", help="where run directories and logs go (default: a temporary directory, removed)")
     args = p.parse_args(argv)
 
     cfg = reference_config(args)

@@ -6,9 +6,12 @@
 #   bash bench/gpu_session.sh 2   # the same with the discipline off, 3 cold starts (the hang, with stacks);
 #                                 # loss projection and mask building on GPU
 #   bash bench/gpu_session.sh 3   # reference size: tok/s, MFU, cold/warm first step; nvidia-smi under load
+#   bash bench/gpu_session.sh 4   # 2+ GPUs: topology 1+1, 3 cold starts + 1 warm, 200 steps each
+#   bash bench/gpu_session.sh 5   # 4+ GPUs: topology 2+2, the same (scaling against part 4's 1+1 figure)
+#   (8 GPUs: python3 bench/bench_multigpu.py --topology 5+3 --steps 200 --batch-size 8, split the same way)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3|4|5" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -37,6 +40,13 @@ case "${1:-}" in
       capture 0 h200-train ) &
     timeout 560 python3 bench/bench_trainer.py --steps 30 --timeout 300 --work-dir "$work" 2>&1 | tee "$out/trainer.log"
     kill %1 2>/dev/null
+    wait
+    ;;
+  4|5)
+    topo=$([ "$1" = 4 ] && echo 1+1 || echo 2+2)
+    ( sleep 240; capture 0 "h200x-$topo" ) &
+    timeout 570 python3 bench/bench_multigpu.py --topology "$topo" --steps 200 --batch-size 8 --timeout 160 2>&1 \
+      | tee "$out/multigpu-$topo.log"
     wait
     ;;
 esac

@@ -138,6 +138,14 @@ def test_replicas_stay_bit_identical():
     assert pl.replicas_identical(pipe.replicas)
     assert pipe.replicas[0] is not pipe.replicas[1]
     assert any(not torch.equal(a, p) for a, p in zip(before, pl.trainable(pipe.replicas[0])))
+    sums = pl.replica_checksums(pipe.replicas)
+    assert len(sums) == 2 and sums[0] == sums[1]
+    weight = pl.trainable(pipe.replicas[1])[0]
+    with torch.no_grad():  # one weight of replica 1 moved by one ulp: its checksum changes
+        weight.view(-1)[3] = torch.nextafter(weight.view(-1)[3], torch.tensor(float("inf")))
+    assert not pl.replicas_identical(pipe.replicas)
+    changed = pl.replica_checksums(pipe.replicas)
+    assert changed[0] == sums[0] and changed[1] != sums[1]
 
 
 def test_gradients_are_averaged_onto_the_master_in_replica_order():

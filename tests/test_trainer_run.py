@@ -189,6 +189,8 @@ def test_sigterm_checkpoints_and_stops_then_resumes(tmp_path, trainers):
     again = run_trainer(cfg, tmp_path / "run", "--steps", str(step + 2))
     assert again.proc.returncode == 0, again.output[-3000:]
     assert [m["step"] for m in again.metrics()][-2:] == [step + 1, step + 2]
+    sums = [m["replica_checksums"] for m in again.metrics()]
+    assert all(len(c) == 2 and c[0] == c[1] for c in sums) and sums[-1] != sums[-2]  # equal replicas, moving weights
 
 
 @pytest.mark.slow

@@ -302,6 +302,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             eta_s = (total_steps - steps_done) * (window.end - window.start) / max(1, window.steps)
             extra = {
                 **f["extra"], "lr": scheduler.get_last_lr()[0], "queue_depth": pipe.queue_depths(),
+                **({"replica_checksums": pl.replica_checksums(replicas)} if len(replicas) > 1 else {}),
                 **pl.target_stats(pipe, now - train_start), "attention_path": path.name,
                 "attention_calls": paths_ran(), "dynamo": compile_mod.counters_report(discipline),
                 "gpu_mem": pl.gpu_memory(target_devs + drafter_devs), "data_errors": source.dataset.errors.count,
