@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dflashctl import contract
@@ -39,10 +41,16 @@ XID = "NVRM: Xid (PCI:0000:00:06): 79, pid=4183, GPU has fallen off the bus."
 ECC = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
 SEGV = "Fatal Python error: Segmentation fault\n\nThread 0x00007f3a (most recent call first):\n  File \"x.py\", line 1"
 KILLED = "step 400 loss 2.1\nKilled\n"
+# Captured on an H200: the trainer with its compile discipline switched off (see the README there).
+FX_RACE_H200 = (Path(__file__).parent / "fixtures" / "trainer-logs" / "h200-fx-race-tail.txt").read_text()
+FX_RACE_H200_STATUS = ("RuntimeError: Detected that you are using FX to symbolically trace a dynamo-optimized function. "
+                       "This is not supported at the moment.")
 
 # (text, status error, exit code) -> expected signature name; one or more per shipped entry.
 CASES = [
     (FX_RACE, None, 1, "fx_race"),
+    (FX_RACE_H200, FX_RACE_H200_STATUS, 1, "fx_race"),
+    (FX_RACE_H200, None, 1, "fx_race"),
     (CUDA_OOM, None, 1, "cuda_oom"),
     ("", "OutOfMemoryError: CUDA out of memory. Tried to allocate N.N GiB", None, "cuda_oom"),
     (NCCL, None, -6, "nccl_timeout"),
