@@ -77,6 +77,21 @@ def test_features_are_the_chosen_layers_outputs(target):
     assert not feats.is_inference() and not feats.requires_grad
 
 
+def test_features_stop_after_the_last_captured_layer(target):
+    ran = []
+    layers = target.model.base_model.layers
+    handles = [layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i)) for i, layer in enumerate(layers)]
+    try:
+        target.features(torch.randint(0, 500, (1, 10)))
+        assert ran == list(range(max(target.layer_ids) + 1))  # 0..5 of the tiny preset's 8 layers
+        ran.clear()
+        target.greedy_next(torch.randint(0, 500, (1, 10)))  # the whole model still runs for its own outputs
+        assert ran == list(range(len(layers)))
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def test_features_feed_autograd_in_another_thread(target):
     feats = target.features(torch.randint(0, 500, (1, 10)))
     errors, grads = [], []

@@ -579,9 +579,9 @@ def flop_model(cfg, target, drafter) -> FlopModel:
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
     return FlopModel(
         drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-        # The layers the features run through; the embedding is a lookup, not a matmul.
-        target_params=sum(p.numel() for name, p in target.model.base_model.named_parameters()
-                          if not name.startswith("embed_tokens.")),
+        # The layers the features run through (up to the last captured one); the
+        # embedding is a lookup, not a matmul.
+        target_params=sum(p.numel() for p in target.model.base_model.layers[: max(target.layer_ids) + 1].parameters()),
         hidden=tc.hidden_size, vocab=target.vocab_size, drafter_layers=len(drafter.layers),
         attn_width=heads * head_dim, block_size=cfg.model.block_size,
     )

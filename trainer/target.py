@@ -79,6 +79,10 @@ def preset_config(name: str):
     return Qwen3Config(**PRESETS[name])
 
 
+class _FeaturesCaptured(Exception):
+    """Raised by the last captured layer's hook: ends the target's forward there."""
+
+
 class Target:
     """A frozen causal LM and the feature capture the drafter trains on."""
 
@@ -102,23 +106,31 @@ class Target:
             layers[i].register_forward_hook(self._capture_hook(i))
 
     def _capture_hook(self, layer_id: int):
+        last = max(self.layer_ids)
+
         def hook(module, args, output):
             store = getattr(self._captured, "store", None)
             if store is not None:
                 store[layer_id] = output[0] if isinstance(output, tuple) else output
+                if layer_id == last:
+                    raise _FeaturesCaptured  # the layers after it (and the final norm) need not run
 
         return hook
 
     def features(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
         """[B, S, K*H]: the captured layers' outputs, concatenated in layer order.
 
-        Computed in inference mode; the result is cloned out of it so the drafter
+        Computed in inference mode, and only up to the last captured layer (its hook
+        ends the forward); the result is cloned out of inference mode so the drafter
         (another thread, maybe another device after .to()) can use it under autograd.
         """
         self._captured.store = {}
         try:
             with torch.inference_mode():
-                self._base(input_ids=input_ids_BS.to(self.device), use_cache=False)
+                try:
+                    self._base(input_ids=input_ids_BS.to(self.device), use_cache=False)
+                except _FeaturesCaptured:
+                    pass
                 features_BSF = torch.cat([self._captured.store[i] for i in self.layer_ids], dim=-1)
         finally:
             self._captured.store = None
