@@ -26,6 +26,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # help paragraphs are reflowed; `code` renders as code
 )
 
 def _console(stderr: bool = False) -> Console:

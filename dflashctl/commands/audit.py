@@ -22,12 +22,13 @@ def env_audit_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds the audit may take on the host."),
 ) -> None:
-    """Audit the Python environment that runs the trainer on a host, in one round trip:
-    stray stacks (sglang, vllm, flashinfer, xformers...), wheels built for another CUDA
-    major than torch's, libraries installed twice (wheel and system), user
-    site-packages or PYTHONPATH shadowing the environment, missing torch requirements,
-    a triton torch does not accept. Exit code 0 clean, 1 warnings, 2 errors. Suggested
-    fixes never remove a package torch requires."""
+    """Find packages in a host's trainer environment that would break a run.
+
+    One round trip. Reports stray stacks (sglang, vllm, flashinfer, xformers...),
+    wheels built for another CUDA major than torch's, libraries installed twice
+    (wheel and system), user site-packages or PYTHONPATH shadowing the environment,
+    missing torch requirements, a triton torch does not accept. Exit code 0 clean,
+    1 warnings, 2 errors. Suggested fixes never remove a package torch requires."""
     from dflashctl.config import load_inventory
     from dflashctl.envaudit import audit_target
 

@@ -61,9 +61,11 @@ def check_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds the facts command may take per host (connecting is bounded by each host's connect_timeout)."),
 ) -> None:
-    """Reach each host (concurrently) and report the route taken and its facts:
-    OS, kernel, python, tmux, GPUs, free disk in the work directory (created if
-    missing). Exit code 1 when any host failed."""
+    """Reach every host and report its route and facts.
+
+    Hosts are reached concurrently; reported: the route taken, OS, kernel, python,
+    tmux, GPUs, free disk in the work directory (created if missing). Exit code 1
+    when any host failed."""
     from dflashctl.facts import check_hosts
 
     checks = check_hosts(_inventory(), names or None, timeout=timeout)

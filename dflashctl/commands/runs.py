@@ -111,8 +111,10 @@ def restart_command(
     serialized_warmup: bool = typer.Option(False, "--serialized-warmup", help="Warm up compiled kernels one at a time."),
     no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
 ) -> None:
-    """Start the run's trainer again in its run directory (resumes from the last checkpoint,
-    compile cache kept), then supervise it in a local tmux session as `launch` does."""
+    """Start a run's trainer again, resuming from its last checkpoint.
+
+    The trainer starts in the same run directory (compile cache kept); then a local
+    tmux session supervises it, as after `launch`."""
     from dflashctl.launch import restart, start_supervisor
 
     store, inventory, show = _store(), _inventory(), _progress(False)

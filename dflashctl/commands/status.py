@@ -21,7 +21,9 @@ def status_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON and exit."),
     interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes of the live screen."),
 ) -> None:
-    """Every run: state, host, step, tok/s and its history, loss, acceptance length,
+    """Live view of every run (a terminal UI; --once or --json to print).
+
+    Per run: state, host, step, tok/s and its history, loss, acceptance length,
     ETA, restarts, last event; the selected run's events; GPU readings. Read from the
     store only (the supervisor writes it), so it never waits on a host."""
     from dflashctl.paths import store_path

@@ -25,10 +25,12 @@ def watch_command(
     as_json: bool = typer.Option(False, "--json", help="Print each event as one JSON object per line."),
     metrics: bool = typer.Option(False, "--metrics", help="Also print each new metrics line."),
 ) -> None:
-    """Supervise runs in the foreground: poll their hosts (one round trip per host),
-    detect crashes, stalls, slowdowns and unreachable hosts, restart per the
-    playbook's policy, alert, and record everything in the store. One line per
-    event. Ctrl-C (or SIGTERM) stops watching; the runs go on."""
+    """Supervise runs in the foreground.
+
+    Polls their hosts (one round trip per host), detects crashes, stalls,
+    slowdowns and unreachable hosts, restarts per the playbook's policy, alerts,
+    and records everything in the store. One line per event. Ctrl-C (or SIGTERM)
+    stops watching; the runs go on."""
     from dflashctl.config import load_inventory, parse_duration
     from dflashctl.errors import ConfigError
     from dflashctl.paths import store_path
