@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--work-dir", help="keep run directories and logs here")
     args = p.parse_args(argv)
     topologies = args.topology or [(1, 1), (2, 2)]
+    if args.warm and not args.cold:
+        p.error("--warm needs at least one --cold start: a warm start reuses the last cold start's cache")
     if args.cpu_smoke:
         args.cold, args.warm, args.steps = min(args.cold, 1), min(args.warm, 1), args.steps or 4
 

@@ -45,7 +45,7 @@ case "${1:-}" in
   4|5)
     topo=$([ "$1" = 4 ] && echo 1+1 || echo 2+2)
     ( sleep 240; capture 0 "h200x-$topo" ) &
-    timeout 570 python3 bench/bench_multigpu.py --topology "$topo" --steps 200 --batch-size 8 --timeout 160 2>&1 \
+    timeout 570 python3 bench/bench_multigpu.py --topology "$topo" --steps 200 --batch-size 8 --timeout 130 2>&1 \
       | tee "$out/multigpu-$topo.log"
     wait
     ;;

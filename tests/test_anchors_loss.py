@@ -229,3 +229,12 @@ def test_chunk_cross_entropy_traces_as_one_graph_with_the_same_results(dtype):
     onehot = torch.nn.functional.one_hot(labels, 40).float()
     expected = ((torch.softmax(logits.float(), -1) - onehot) * weight[:, None]).to(dtype).float()
     assert torch.allclose(grad, expected, atol=1e-6)
+
+
+def test_top1_is_greedy_argmax_when_the_largest_logits_tie():
+    """bf16 logits tie often at a large vocabulary: top-1 is what greedy decoding
+    picks (the first of the tied maxima), not "the label's logit equals the max"."""
+    logits = torch.tensor([[1.0, 5.0, 5.0, 0.0], [1.0, 5.0, 5.0, 0.0]], dtype=torch.bfloat16)
+    labels = torch.tensor([1, 2])
+    _, correct, _ = chunk_cross_entropy(logits, labels, torch.ones(2), False)
+    assert correct.tolist() == [True, False]

@@ -243,3 +243,10 @@ def test_flop_model_counts_matmul_weights_only():
     q = 64
     attention = 12 * len(drafter.layers) * flops.attn_width * (100 + flops.block_size) * q
     assert flops.drafter(q, 100) == 6 * flops.drafter_params * q + 4 * cfg.hidden_size * cfg.vocab_size * q + attention
+
+
+def test_replica_checksums_do_not_depend_on_the_slice_size(monkeypatch):
+    pipe, _, _ = make_pipeline(drafters=(0, 1))
+    whole = pl.replica_checksums(pipe.replicas)
+    monkeypatch.setattr(pl, "_CHECKSUM_SLICE", 7)  # many slices per weight, the last one short
+    assert pl.replica_checksums(pipe.replicas) == whole

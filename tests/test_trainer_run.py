@@ -419,7 +419,7 @@ def test_compile_discipline_settings_and_locked_first_steps():
     cfg.data.buckets = [128, 256, 384]
     cfg.compile.serialized_warmup = False
     d = compile_mod.Discipline(cfg, n_devices=3, enabled=False, guard_eager_flex=False)
-    assert d.mode == "locked_first_steps" and d.limit == 3 * 3 * 2 + cfg.compile.recompile_margin
+    assert d.mode == "locked_first_steps" and d.limit == 3 * 3 * 3 + cfg.compile.recompile_margin
     seen = {}
 
     def worker():  # Dynamo's config is per thread from torch 2.12: each thread sets its own

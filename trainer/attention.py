@@ -9,8 +9,9 @@
   matrix (7 GB at S=8192), so on a GPU it exists only behind ``compile.allow_eager``
   (debugging); on CPU it is used by tests to check the BlockMask numerically.
 
-Every call records its path in a process-wide counter (``paths_ran``) that the
-training loop reports, so a run that silently left the fused path shows it.
+Every drafter forward records its layers' attention calls per path in a
+process-wide counter (``paths_ran``, via ``record_attention``) that the training
+loop reports, so a run that silently left the fused path shows it.
 """
 
 from __future__ import annotations

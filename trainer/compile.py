@@ -35,10 +35,11 @@ from typing import Callable, Optional
 import torch
 
 EAGER_FLEX_WARNING = "flex_attention called without torch.compile"
-# Each compiled function sees at most 2 variants per bucket and device: full and
-# sliding drafter layers (different mask functions), or the loss's full chunk and
-# its last, shorter one.
-_MASK_VARIANTS = 2
+# Each compiled function sees at most 3 variants per bucket and device: a drafter
+# layer is compiled for full and for sliding attention (different mask functions)
+# and once more for the first layer (its input, from the frozen embedding, needs
+# no gradient); the loss for its full chunk and its last, shorter one.
+_VARIANTS = 3
 
 
 # ---------------------------------------------------------------------------- cache
@@ -72,7 +73,7 @@ def setup_cache(cache_dir: Optional[str], device: torch.device) -> Optional[str]
 
 
 def recompile_limit(n_devices: int, n_buckets: int, margin: int) -> int:
-    return n_devices * n_buckets * _MASK_VARIANTS + margin
+    return n_devices * n_buckets * _VARIANTS + margin
 
 
 class Discipline:

@@ -97,8 +97,9 @@ class TrainConfig:
     """Seed of the drafter's initial weights."""
     profile_steps: int = 0
     """Profile this many training steps with torch.profiler (0: off), starting after
-    ``profile_after`` steps: profile.txt (kernels and ops by GPU time, every thread)
-    and profile.json (a Chrome/Perfetto trace) go to the run directory."""
+    ``profile_after`` steps: profile.txt (GPU kernels by time, from every thread;
+    operators from the coordinator thread only) and profile.json (a Chrome/Perfetto
+    trace) go to the run directory."""
     profile_after: int = 5
     """Steps to run before profiling starts (past the first steps' allocator effects)."""
 

@@ -38,7 +38,7 @@ def slot_weights(label_mask_BQ: torch.Tensor, block_size: int, gamma: float) -> 
 
 
 def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_C: torch.Tensor, need_grad: bool):
-    """One chunk: (sum of weight x CE, top-1 right, d(sum)/d logits in the logits'
+    """One chunk: (sum of weight x CE, top-1 == label, d(sum)/d logits in the logits'
     dtype or None). ``labels_C`` must be valid indices (callers clamp -100 to 0 and
     give those rows weight 0).
 
@@ -49,9 +49,9 @@ def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_
     max_C = logits.amax(dim=-1)
     lse_C = max_C + torch.log(torch.exp(logits - max_C[:, None]).sum(dim=-1))
     target_C = logits.gather(1, labels_C[:, None]).squeeze(1)
-    # Top-1 is right when no logit beats the label's (a tie counts as right; argmax
-    # would need a second reduction, and ties of the largest logit are rare).
-    correct_C = target_C >= max_C
+    # What greedy decoding picks: the first of tied maxima (bf16 logits tie often
+    # at a 152K vocabulary, so "label's logit == max" would overcount).
+    correct_C = logits.argmax(dim=-1) == labels_C
     total = ((lse_C - target_C) * weight_C).sum()
     if not need_grad:
         return total, correct_C, None

@@ -201,7 +201,8 @@ class Drafter(nn.Module):
 
     def compile_layers(self, **options) -> None:
         """Compile each decoder layer whole (norms, projections, rotary, attention, MLP:
-        one graph forward, one backward), static shapes. Layers of one type share the
-        compiled graph: their weights are inputs, not constants."""
+        one graph forward, one backward), static shapes. Layers share compiled graphs
+        (their weights are inputs, not constants): one per layer type, plus one for
+        the first layer, whose input needs no gradient."""
         for layer in self.layers:
             layer.compile(dynamic=False, **options)

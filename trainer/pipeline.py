@@ -393,22 +393,26 @@ def build_models(cfg, target_devices: list[torch.device], drafter_devices: list[
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHECKSUM_SLICE = 1 << 22  # elements per slice: bounds the int64 temporaries to ~100 MB
 
 
 @torch.no_grad()
 def replica_checksums(replicas: list) -> list[str]:
     """Per replica, a checksum of its trainable weights' bits: a position-weighted
-    integer sum computed on the replica's own device, one host sync per replica.
-    Bit-identical replicas give equal strings; any differing bit changes it (all
-    but surely)."""
+    integer sum computed on the replica's own device in slices, one host sync per
+    replica. Bit-identical replicas give equal strings; any differing bit changes
+    it (all but surely)."""
     out = []
     for replica in replicas:
         acc = None
         for i, p in enumerate(trainable(replica), start=1):
             flat = p.detach().contiguous().view(-1)
-            ints = flat.view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
-            term = (ints * (torch.arange(ints.numel(), device=ints.device) % 65521 + i)).sum()  # int64, wraps
-            acc = term if acc is None else acc + term
+            ints = flat.view(_INT_OF_SIZE[flat.element_size()])
+            for start in range(0, ints.numel(), _CHECKSUM_SLICE):
+                part = ints[start:start + _CHECKSUM_SLICE].to(torch.int64)
+                weights = (torch.arange(start, start + part.numel(), device=part.device) % 65521) + i
+                term = (part * weights).sum()  # int64, wraps
+                acc = term if acc is None else acc + term
         out.append(f"{int(acc) & (2 ** 64 - 1):016x}")
     return out
 

@@ -1,8 +1,10 @@
 """``train.profile_steps``: torch.profiler over a window of training steps.
 
 The coordinator calls ``before(step)`` and ``after(steps_done)`` around each step.
-CUDA kernels are recorded for the whole process (every thread's streams), so the
-table shows the target, drafter and optimiser work that the window's steps did.
+GPU kernels are recorded for the whole process (every thread's streams), so the
+table's kernel rows show the target, drafter and optimiser work of the window's
+steps; operator rows (``aten::...``) and their CPU times come from the
+coordinator's thread only (the optimiser step).
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         if prof is None:
             return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(device)
         prof.__exit__(None, None, None)
         averages = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
