@@ -167,6 +167,7 @@ class Sample:
     eta_s: float | None = None
     phase: str | None = None
     gpu: Any = None
+    mfu: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -293,6 +294,12 @@ def _m0002(db: Database) -> None:
         pk="id",
     )
     db["env_snapshots"].create_index(["host", "time"])
+
+
+@migrations(name="0003_sample_mfu")
+def _m0003(db: Database) -> None:
+    # The trainer's MFU estimate per metrics line (whole run: target and drafter FLOPs).
+    db["samples"].add_column("mfu", float)
 
 
 # --------------------------------------------------------------------------- ids
@@ -625,14 +632,16 @@ class Store:
         rows = []
         for s in samples:
             d = asdict(s) if isinstance(s, Metrics) else dict(s)
+            mfu = d.get("mfu", (d.get("extra") or {}).get("mfu"))
             rows.append(
                 [run_id, float(d["time"]), int(d["step"]), d.get("tok_s"), d.get("loss"), d.get("acc"),
-                 d.get("accept_len"), d.get("eta_s"), d.get("phase"), _json(d.get("gpu", gpu))]
+                 d.get("accept_len"), d.get("eta_s"), d.get("phase"), _json(d.get("gpu", gpu)),
+                 float(mfu) if isinstance(mfu, (int, float)) else None]
             )
         with self._write() as db:
             db.conn.executemany(
-                "INSERT INTO samples (run_id, time, step, tok_s, loss, acc, accept_len, eta_s, phase, gpu) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO samples (run_id, time, step, tok_s, loss, acc, accept_len, eta_s, phase, gpu, mfu) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             if metrics_offset is not None:

@@ -30,7 +30,7 @@ def fill(store: Store, now: float) -> None:
     store.transition(PROD, "running", "trainer started", now - 490)
     samples = [
         {"time": now - 480 + 10 * i, "step": 1000 + 50 * i, "tok_s": tok_s, "loss": 2.5 - 0.1 * i,
-         "accept_len": 3.0 + 0.1 * i, "eta_s": 5 * 86400 - 100 * i, "phase": "training"}
+         "accept_len": 3.0 + 0.1 * i, "eta_s": 5 * 86400 - 100 * i, "phase": "training", "mfu": 0.41 + 0.001 * i}
         for i, tok_s in enumerate(PROD_TOK_S)
     ]
     store.add_samples(PROD, samples[:-1])
@@ -70,12 +70,12 @@ def test_status_view(store):
     smoke, prod, demo = (r.cells() for r in view.runs)
 
     assert prod[:5] == (PROD, "running", "gpu1", "1,350/120,000 (1.1%)", "12.7 Ktok/s")
-    assert prod[5] == "▁▂▃▄▅▆▇█" and prod[6:10] == ("1.8000", "3.70", "5 d", "1")
-    assert prod[10].endswith("4.3 Ktok/s = 34% of baseline; ETA 38.2 d > 7 d")
-    # Nothing sampled yet: missing readings are values.
-    assert smoke == (SMOKE, "launching", "gpu1", NA, NA, NA, NA, NA, NA, "0", smoke[10])
-    assert smoke[10].endswith("launch requested")
-    assert demo[1] == "failed" and demo[8] == "-" and view.runs[2].exit_reason == "crash"
+    assert prod[5] == "▁▂▃▄▅▆▇█" and prod[6:11] == ("42 %", "1.8000", "3.70", "5 d", "1")
+    assert prod[11].endswith("4.3 Ktok/s = 34% of baseline; ETA 38.2 d > 7 d")
+    # Nothing sampled yet: missing readings are values; a CPU run has no MFU.
+    assert smoke == (SMOKE, "launching", "gpu1", NA, NA, NA, NA, NA, NA, NA, "0", smoke[11])
+    assert smoke[11].endswith("launch requested")
+    assert demo[1] == "failed" and demo[6] == NA and demo[9] == "-" and view.runs[2].exit_reason == "crash"
 
     # GPU readings of the active run's latest sample; an unread field is N/A.
     assert [g.cells() for g in view.gpus] == [

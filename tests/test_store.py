@@ -55,7 +55,8 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     applied = [r[0] for r in conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id")]
-    assert applied == [m.name for m in migrations._migrations] == ["0001_core_tables", "0002_env_snapshots"]
+    assert applied == [m.name for m in migrations._migrations] == [
+        "0001_core_tables", "0002_env_snapshots", "0003_sample_mfu"]
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"runs", "events", "samples", "restarts", "env_snapshots"} <= tables
     conn.close()
@@ -64,7 +65,25 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     run = _run(s)
     s.close()
     assert Store(path).get_run(run.id).playbook == "demo"
-    assert sqlite3.connect(path).execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 2
+    assert sqlite3.connect(path).execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 3
+
+
+def test_a_store_from_before_the_mfu_column_upgrades_and_keeps_its_samples(tmp_path):
+    path = str(tmp_path / "runs.db")
+    s = Store(path)
+    run = _run(s)
+    s.close()
+    conn = sqlite3.connect(path)  # back to the schema of 0002: no samples.mfu, no record of 0003
+    conn.execute("ALTER TABLE samples DROP COLUMN mfu")
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = '0003_sample_mfu'")
+    conn.execute("INSERT INTO samples (run_id, time, step, tok_s) VALUES (?, ?, 5, 100.0)", [run.id, T0 + 1])
+    conn.commit()
+    conn.close()
+    s = Store(path)
+    s.add_samples(run.id, [Metrics(time=T0 + 2, step=6, total_steps=10, tok_s=110.0, extra={"mfu": 0.36}),
+                           {"time": T0 + 3, "step": 7, "mfu": "n/a"}])
+    got = s.samples(run.id)
+    assert [(x.step, x.tok_s, x.mfu) for x in got] == [(5, 100.0, None), (6, 110.0, 0.36), (7, None, None)]
 
 
 def test_json_columns_round_trip_and_are_stored_as_json_text(store):
@@ -330,5 +349,5 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path):
         assert [s.step for s in store.samples(f"race-{tag}")] == list(range(300))
         assert store.metrics_offset(f"race-{tag}") == 299
         assert store.get_run(f"race-{tag}").state == "running"
-    assert store.db.execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 2
+    assert store.db.execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 3
     assert os.path.exists(path + "-wal") or store.db.journal_mode == "wal"

@@ -23,7 +23,7 @@ def status_command(
 ) -> None:
     """Live view of every run (a terminal UI; --once or --json to print).
 
-    Per run: state, host, step, tok/s and its history, loss, acceptance length,
+    Per run: state, host, step, tok/s and its history, MFU, loss, acceptance length,
     ETA, restarts, last event; the selected run's events; GPU readings. Read from the
     store only (the supervisor writes it), so it never waits on a host."""
     from dflashctl.paths import store_path

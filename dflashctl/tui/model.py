@@ -26,7 +26,8 @@ RECENT_RUNS = 20  # finished runs shown besides the active ones
 NA = "N/A"
 
 # Column headers of the run table, in the order of RunView.cells().
-RUN_COLUMNS = ("run", "state", "host", "step", "tok/s", "history", "loss", "accept", "ETA", "restarts", "last event")
+RUN_COLUMNS = ("run", "state", "host", "step", "tok/s", "history", "MFU", "loss", "accept", "ETA", "restarts",
+               "last event")
 GPU_COLUMNS = ("host", "run", "GPU", "name", "util", "memory", "temp", "power")
 EVENT_COLUMNS = ("time", "severity", "kind", "message")
 
@@ -120,6 +121,7 @@ class RunView:
     phase: str | None = None
     tok_s: float | None = None
     tok_s_history: list[float] = field(default_factory=list)
+    mfu: float | None = None  # the trainer's estimate, 0..1 (GPU runs only)
     loss: float | None = None
     acc: float | None = None
     accept_len: float | None = None
@@ -159,6 +161,7 @@ class RunView:
             self.step_text(),
             NA if self.tok_s is None else fmt_tok_s(self.tok_s),
             spark(self.tok_s_history) or NA,
+            NA if self.mfu is None else f"{100 * self.mfu:.0f} %",
             _num(self.loss, ".4f"),
             _num(self.accept_len, ".2f"),
             self.eta_text(),
@@ -244,6 +247,7 @@ def _run_view(store: Store, run: Run, history: int) -> tuple[RunView, list]:
     if last is not None:
         view.step, view.phase, view.tok_s, view.loss = last.step, last.phase, last.tok_s, last.loss
         view.acc, view.accept_len, view.eta_s, view.sample_time = last.acc, last.accept_len, last.eta_s, last.time
+        view.mfu = last.mfu
     return view, samples
 
 
