@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trainer import run_once, write_shard  # noqa: E402
+from bench_trainer import cold_then_warm, run_once, write_shard  # noqa: E402
 
 
 def config(args) -> dict:
@@ -63,16 +63,12 @@ def main(argv=None) -> int:
     cfg["data"]["shards"] = write_shard(os.path.join(work, "shards"), cfg, samples=64)
     print(json.dumps({"bench": "coldstart", "unsafe": args.unsafe, "config": cfg}), flush=True)
     results = []
-    cache = None
-    plan = [("cold", i) for i in range(args.cold)] + [("warm", i) for i in range(args.warm)]
-    for kind, i in plan:
-        if kind == "cold":
-            cache = os.path.join(work, f"cache-{i}")
-            shutil.rmtree(cache, ignore_errors=True)
+    for kind, i, cache in cold_then_warm(work, args.cold, args.warm):
         r = run_once(f"{kind}{i}", cfg, work, cache, args.timeout)
         r["kind"] = kind
         r["hang"] = r["exit_code"] == "timeout" and not r["steps"]
-        r.pop("dynamo", None) if r.get("dynamo") is None else None
+        if r.get("dynamo") is None:
+            r.pop("dynamo", None)
         results.append(r)
         print(json.dumps(r), flush=True)
     finished = [r for r in results if r["exit_code"] == 0 and r["steps"] >= 1]

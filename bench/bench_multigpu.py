@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trainer import add_shape_arguments, reference_config, run_once, write_shard  # noqa: E402
+from bench_trainer import add_shape_arguments, cold_then_warm, reference_config, run_once, write_shard  # noqa: E402
 
 
 def topology(text: str) -> tuple[int, int]:
@@ -67,11 +67,7 @@ def main(argv=None) -> int:
         cfg["data"]["shards"] = write_shard(os.path.join(work, f"shards-{name}"), cfg,
                                             samples=max(32, 4 * cfg["data"].get("batch_size", 1) * drafters))
         print(json.dumps({"bench": "multigpu", "topology": name, "config": cfg}), flush=True)
-        cache = None
-        for kind, i in [("cold", i) for i in range(args.cold)] + [("warm", i) for i in range(args.warm)]:
-            if kind == "cold":
-                cache = os.path.join(work, f"cache-{name}-{i}")
-                shutil.rmtree(cache, ignore_errors=True)
+        for kind, i, cache in cold_then_warm(work, args.cold, args.warm, tag=f"{name}-"):
             r = run_once(f"{name}-{kind}{i}", cfg, work, cache, args.timeout)
             sums = r.get("replica_checksums") or []
             r.update(topology=name, kind=kind, drafter_gpus=drafters,

@@ -115,6 +115,11 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) ->
         values = [m[key] for m in steady if m.get(key) is not None]
         return statistics.median(values) if values else None
 
+    def med_each(key):  # per element of a list-valued field (one per drafter replica or queue)
+        if not steady or not all(m.get(key) for m in steady):
+            return None
+        return [statistics.median(v) for v in zip(*(m[key] for m in steady))]
+
     result = {
         "run": name,
         "exit_code": code,
@@ -134,10 +139,8 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) ->
         "dynamo": metrics[-1].get("dynamo") if metrics else None,
         "time_ms": metrics[-1].get("time_ms") if metrics else None,
         "gpu_mem": metrics[-1].get("gpu_mem") if metrics else None,
-        "tok_s_per_drafter": [statistics.median(v) for v in zip(*(m["tok_s_per_drafter"] for m in steady))]
-        if steady and all(m.get("tok_s_per_drafter") for m in steady) else None,
-        "queue_depth": [statistics.median(v) for v in zip(*(m["queue_depth"] for m in steady))]
-        if steady and all(m.get("queue_depth") for m in steady) else None,
+        "tok_s_per_drafter": med_each("tok_s_per_drafter"),
+        "queue_depth": med_each("queue_depth"),
         "replica_checksums": metrics[-1].get("replica_checksums") if metrics else None,
         "status": status.get("phase"),
         "error": status.get("error"),
@@ -146,6 +149,17 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) ->
         with open(log_path) as f:
             result["log_tail"] = f.read()[-(12000 if code == "timeout" else 2000):]
     return result
+
+
+def cold_then_warm(work: str, cold: int, warm: int, tag: str = ""):
+    """(kind, i, cache dir) for ``cold`` starts, each in a fresh compile cache, then
+    ``warm`` starts on the last cold start's cache."""
+    cache = None
+    for kind, i in [("cold", i) for i in range(cold)] + [("warm", i) for i in range(warm)]:
+        if kind == "cold":
+            cache = os.path.join(work, f"cache-{tag}{i}")
+            shutil.rmtree(cache, ignore_errors=True)
+        yield kind, i, cache
 
 
 def add_shape_arguments(p: argparse.ArgumentParser) -> None:
