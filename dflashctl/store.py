@@ -27,7 +27,7 @@ import sqlite3
 import statistics
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Iterator
 
@@ -323,6 +323,7 @@ class Store:
     def __init__(self, path: str, timeout: float = 30.0):
         self.path = os.path.abspath(os.path.expanduser(path))
         self.timeout = timeout
+        self.write_transactions = 0  # opened by this object (all threads): one per supervisor tick
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._local = threading.local()
         db = self.db
@@ -359,6 +360,11 @@ class Store:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def batch(self) -> AbstractContextManager[Database]:
+        """One write transaction around several writes: every write method called
+        inside it joins it (all stored, or none)."""
+        return self._write()
+
     @contextmanager
     def _write(self) -> Iterator[Database]:
         """One write transaction; nested calls join the outer one."""
@@ -367,6 +373,7 @@ class Store:
             yield db
             return
         db.conn.execute("BEGIN IMMEDIATE")
+        self.write_transactions += 1
         try:
             yield db
         except BaseException:
@@ -744,6 +751,12 @@ class Store:
                 f"UPDATE restarts SET {', '.join(f'{k} = ?' for k in values)} WHERE id = ?",
                 [*values.values(), restart_id],
             )
+
+    def update_latest_restart(self, run_id: str, **values: Any) -> None:
+        """``update_restart`` on the run's latest restart row."""
+        rows = self._query("SELECT max(id) AS id FROM restarts WHERE run_id = ?", [run_id])
+        if rows and rows[0]["id"] is not None:
+            self.update_restart(rows[0]["id"], **values)
 
     def restarts(self, run_id: str, since: float | None = None) -> list[Restart]:
         sql, params = "SELECT * FROM restarts WHERE run_id = ?", [run_id]

@@ -1,31 +1,17 @@
-"""The supervisor: one loop watching many runs on many hosts.
+"""The supervisor's shell: one loop watching many runs on many hosts.
 
-Each tick:
+Its decisions live in ``dflashctl.supervisor_core.step``, a pure function; this
+module does the I/O around it. Each tick:
 
     probe    every host with a run to watch, concurrently (``transport.fanout``),
              ONE round trip per host: ``probe.probe_command`` for all its runs
-    parse    ``probe.parse_probe_host`` (pure); new metrics lines become samples,
-             stored with the new metrics.jsonl offset in the same transaction
-    detect   ``detectors.detect`` (pure) with ``now`` = local clock + the host's
-             estimated skew: the trainer stamps its metrics with the host's clock
-    decide   ``policy.decide`` (pure): restart, restart with serialized warm-up,
-             stop, or nothing; alerts
-    act      restarts (``launch.restart_run``) and kills run on a worker thread, so
-             a slow host never holds up the other runs' ticks; alerts go to the
-             playbook's hooks (``alerts.Alerter``, its own worker thread)
-    store    samples, events, state transitions, restart rows with their cost
-
-Clocks: events, restart rows and the restart policy use the local clock; samples,
-phase tracking and the detectors the host's (host time - skew = local time).
-
-A restart's cost, in its restarts row:
-
-    detect_delay_s        detection - failure. The failure time is the trainer's own
-                          when it reported one (status.json ``failed``), else the last
-                          poll that saw it healthy (so at most a poll interval plus a
-                          probe: an upper bound), and for a stall its last step.
-    downtime_s            failure -> first step of the restarted process
-    time_to_first_step_s  restart issued -> first step of the restarted process
+    parse    ``probe.parse_probe_host`` and ``parsers.parse_metrics_chunk`` (pure)
+    step     ``supervisor_core.step`` for each run with what its host answered (or
+             that it did not), a restart or kill that finished, or only the clock
+    store    every write of the tick (samples with their metrics.jsonl offset,
+             events, state transitions, restart rows) in ONE transaction
+    act      restarts and kills on a worker thread, so a slow host never holds up
+             the other runs' ticks; alerts to the playbook's hooks (their own thread)
 
 An unreachable host is a finding, never an error of the loop: its runs go ``lost``
 after ``LOST_AFTER_POLLS`` failed polls and back to their state when it answers.
@@ -33,6 +19,9 @@ Nothing that matters lives only in memory: metrics offsets (stored with the
 samples), samples and restart history are in the store, and the supervisor records
 itself on each run (``Store.set_supervisor``), so a supervisor killed and started
 again picks its runs up where it left them, without restarting anything.
+
+Never here: a decision about a run (that is the core's), or anything drawn on a
+terminal (``dflashctl.console`` formats the stream of events).
 """
 
 from __future__ import annotations
@@ -40,35 +29,27 @@ from __future__ import annotations
 import os
 import queue
 import random
-import re
 import socket
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dflashctl import alerts as alerts_mod
-from dflashctl import contract, detectors, policy, signatures
-from dflashctl.detectors import Finding, Sample, fmt_duration
+from dflashctl import contract, detectors, policy
+from dflashctl import supervisor_core as core
+from dflashctl.detectors import Finding, Sample
 from dflashctl.errors import DflashError, first_line
 from dflashctl.parsers import parse_metrics_chunk
 from dflashctl.probe import ProbeArgs, ProbeError, ProbeResult, estimate_skew, parse_probe_host, probe_command
-from dflashctl.store import (
-    DONE, FAILED, FINAL_STATES, LAUNCHING, LOST, RESTARTING, RUNNING, STALLED, STOPPED, TRANSITIONS, Run, Store,
-)
+from dflashctl.store import FINAL_STATES, RESTARTING, InvalidTransition, Run, Store
+from dflashctl.supervisor_core import RESTART_MARKER, WINDOW, RunPolicy  # noqa: F401  (the supervisor's API)
 
 if TYPE_CHECKING:
-    from dflashctl.config import Alerts, Expect, Inventory, Playbook, RestartPolicy
+    from dflashctl.config import Alerts, Inventory
 
-WINDOW = 256  # samples kept per run for the detectors
 PANE_LINES = 100
-LOST_AFTER_POLLS = 2  # one failed poll can be a blip; two in a row mark the host's runs lost
-RESTART_TRIES = 3  # restarts that could not be issued (host gone) before the run is failed
-SETTLE_S = 3.0  # a process found gone: wait this long for run.sh to write its exit code
-REPEAT_FINDING_S = 600.0  # a lasting finding is written (and alerted) again this often
-RESTART_MARKER = "--- dflashctl:"  # the trainer.log line written before each restart
 
 # Before a restart: the previous process's answers (exit_code, status.json) must not
 # be read as the next one's, and trainer.log (appended to by every process of the
@@ -76,7 +57,7 @@ RESTART_MARKER = "--- dflashctl:"  # the trainer.log line written before each re
 STACK_DUMP_WAIT_S = 2.0  # faulthandler writes within milliseconds; the log is on a shared disk
 _PREPARE_RESTART = 'cd "$1" || exit 1; rm -f "$2"; printf "%s\\n" "$4" >> "$5"'  # $3: status.json, kept:
 # the restart reads the old trainer's pid from it to make sure that process is gone
-# (launch.restart_run), then removes it before the new process starts.
+# (runhost.restart_run), then removes it before the new process starts.
 
 Emit = Callable[[str, Any], None]  # ('event', store.Event) | ('metrics', (run_id, Metrics)) | ('info', str)
 
@@ -87,32 +68,6 @@ class SupervisorConflict(DflashError):
 
 class RestartCancelled(DflashError):
     """The run was ended (an operator's stop) between the decision and the restart."""
-
-
-# --------------------------------------------------------------------------- per-run policy
-
-
-@dataclass
-class RunPolicy:
-    """What a run is held to: its playbook's expectations, restart policy, alert hooks
-    and signatures, as the playbook file says now."""
-
-    playbook: str
-    expect: "Expect"
-    restart: "RestartPolicy"
-    alerts: "Alerts"
-    signatures: list = field(default_factory=list)
-    poll_interval: float = 15.0
-
-    @classmethod
-    def from_playbook(cls, pb: "Playbook") -> "RunPolicy":
-        return cls(pb.name, pb.expect, pb.restart, pb.alerts, list(pb.signatures), float(pb.poll_interval))
-
-    @classmethod
-    def defaults(cls, playbook: str) -> "RunPolicy":
-        from dflashctl.config import Alerts, Expect, RestartPolicy
-
-        return cls(playbook, Expect(), RestartPolicy(), Alerts())
 
 
 def policy_for_run(run: Run, inventory: "Inventory", playbooks_dir: str | None = None) -> tuple[RunPolicy, str | None]:
@@ -133,84 +88,30 @@ def policy_for_run(run: Run, inventory: "Inventory", playbooks_dir: str | None =
     )
 
 
-# --------------------------------------------------------------------------- state
-
-
-@dataclass
-class _Pending:
-    """A restart decided, waiting for its backoff."""
-
-    due: float
-    action: str  # restart | restart_serialized
-    reason: str
-    signature: str | None
-    detected_at: float
-    failed_at: float | None
-    step_before: int | None
-    tries: int = 0
-
-
-@dataclass
-class _Latest:
-    """The latest restart: its cost is known once its process has made a step."""
-
-    id: int
-    issued_at: float
-    failed_at: float | None
-    first_step_at: float | None = None
-    step_after: int | None = None
-
-
-@dataclass
-class _Open:
-    """A finding already written: since when, how bad, its wording, when last written."""
-
-    severity: str
-    since: float
-    written: float
-    shape: str
-
-
-def _shape(message: str) -> str:
-    """A finding's wording without its numbers: a new shape is news ("ETA 9 d > 7 d"
-    becoming "4.3 Ktok/s = 34% of baseline ...; ETA ..."), new numbers are not."""
-    return re.sub(r"\d+(\.\d+)?", "N", message)
+# --------------------------------------------------------------------------- what the shell holds
 
 
 @dataclass
 class Watched:
-    """One run as the supervisor follows it (all of it rebuilt from the store on attach)."""
+    """One run as this process follows it: the core's state plus the shell's handles."""
 
-    run: Run
+    state: core.RunState
     policy: RunPolicy
     alerter: alerts_mod.Alerter
-    args: ProbeArgs
-    samples: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # the current process's
-    history: list[policy.Restart] = field(default_factory=list)
-    baseline: float | None = None
-    phase: str | None = None
-    phase_since: float | None = None  # host clock
-    step_max: int | None = None  # highest step of the current process
-    attempt_started: float | None = None  # local: when the current process was started by a restart
-    last_ok: float | None = None  # local: the last poll that saw the trainer healthy
-    healthy_since: float | None = None  # local: first step of the current process
-    pending: _Pending | None = None
     job: Future | None = None
-    job_kind: str | None = None
-    latest: _Latest | None = None
-    restart_issued: bool = False  # a restart we issued whose process was not yet seen running
-    crash_seen: float | None = None
-    findings: dict[str, _Open] = field(default_factory=dict)
-    state_before_lost: str | None = None
     detached: str | None = None  # why it is no longer watched here
 
     @property
     def id(self) -> str:
-        return self.run.id
+        return self.state.run.id
+
+    @property
+    def run(self) -> Run:
+        return self.state.run
 
     @property
     def active(self) -> bool:
-        return self.run.state not in FINAL_STATES and self.detached is None
+        return self.state.run.state not in FINAL_STATES and self.detached is None
 
 
 @dataclass
@@ -226,7 +127,17 @@ class TickReport:
     time: float
     seconds: float
     hosts: dict[str, float | str]  # host -> probe round trip in seconds, or why it failed
-    findings: dict[str, list[Finding]]  # run id -> this tick's findings
+    findings: dict[str, list[Finding]]  # run id -> this tick's finding events
+
+
+@dataclass
+class _Tick:
+    """What one tick will store and do, gathered before anything is written."""
+
+    writes: list[tuple[str, Any]] = field(default_factory=list)  # (run id, core write)
+    actions: list[tuple[Watched, Any]] = field(default_factory=list)
+    claims: list[Run] = field(default_factory=list)
+    metrics: list[tuple[str, contract.Metrics]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- the supervisor
@@ -238,7 +149,7 @@ class Supervisor:
     act=False observes only (samples, findings, alerts) and never changes a run's
     state, restarts or stops anything; claim=False does not record this process as
     the runs' supervisor. ``restart_fn(run_id, serialized_warmup, store, inventory)``
-    defaults to ``launch.restart_run``. ``clock`` is the local clock; ``rng`` drives
+    defaults to ``runhost.restart_run``. ``clock`` is the local clock; ``rng`` drives
     the backoff jitter. ``emit`` receives every event as it is stored.
     """
 
@@ -281,6 +192,7 @@ class Supervisor:
         self._hook_failures: "queue.SimpleQueue[dict]" = queue.SimpleQueue()
         self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflashctl-act")
         self._cursor: dict[str, tuple[int, float]] = {}  # run -> (last event id, its time) emitted
+        self._carry: list[tuple[str, Any]] = []  # writes that arose after a tick's transaction
         self._hurry = False
         self.ticks = 0
         self.last_report: TickReport | None = None
@@ -292,6 +204,10 @@ class Supervisor:
         if self.interval_override is not None:
             return float(self.interval_override)
         return min([w.policy.poll_interval for w in self.active()] or [15.0])
+
+    def _policy(self, w: Watched) -> core.Policy:
+        return core.Policy(w.policy, act=self.act, interval=self.interval, escalate_after=self.escalate_after,
+                           rng=self.rng)
 
     def attach(self, run_ref: str) -> Watched:
         """Watch a run, resuming from what the store knows of it: metrics offset,
@@ -308,44 +224,45 @@ class Supervisor:
             )
         run_policy, warning = policy_for_run(run, self.inventory, self.playbooks_dir)
         offset, inode = self.store.metrics_position(run.id)
-        w = Watched(
+        state = core.RunState(
             run=run,
-            policy=run_policy,
-            alerter=self._alerter(run_policy.alerts),
             args=ProbeArgs(run_dir=run.run_dir or "", session=run.tmux_session,
                            socket=run.tmux_socket or _tmux_socket(), metrics_offset=offset, metrics_inode=inode,
                            pane_lines=PANE_LINES, nvidia_smi=bool(run.gpus)),
         )
         rows = self.store.restarts(run.id)
-        w.history = [policy.Restart(r.time, r.step_before, r.step_after) for r in rows]
+        state.history = tuple(policy.Restart(r.time, r.step_before, r.step_after) for r in rows)
         if rows:
             last = rows[-1]
-            w.attempt_started = last.time
+            state.attempt_started = last.time
             first = last.time + last.time_to_first_step_s if last.time_to_first_step_s is not None else None
-            w.latest = _Latest(last.id, last.time, None, first, last.step_after)
-            w.restart_issued = run.state == RESTARTING and self._issued_since_restarting(run, last.time)
-        if run.state == RESTARTING and not w.restart_issued:
-            # Decided by a supervisor that is gone (its backoff was in memory), or an
-            # operator's restart that never confirmed: watch it as a starting process;
-            # if nothing runs, that is a crash and this supervisor decides again.
-            w.restart_issued = True
-        for s in self.store.samples(run.id, since=w.attempt_started, limit=WINDOW):
-            w.samples.append(Sample(s.time, s.step, s.tok_s, s.phase or contract.PHASE_TRAINING, s.eta_s))
-            w.step_max = max(w.step_max or 0, s.step)
-            if w.healthy_since is None and s.phase == contract.PHASE_TRAINING:
-                w.healthy_since = s.time  # host clock: the skew is not known yet, and small
-        w.baseline = run_policy.expect.baseline_tok_s or self.store.baseline_tok_s(run.playbook, exclude_run=run.id)
+            state.latest = core.Latest(last.time, None, first, last.step_after)
+        # A run left restarting: its restart was either issued (watch the new process
+        # start) or decided by a supervisor that is gone, its backoff in memory, or an
+        # operator's restart that never confirmed: watch it as a starting process too;
+        # if nothing runs, that is a crash and this supervisor decides again.
+        state.restart_issued = run.state == RESTARTING
+        samples = []
+        for s in self.store.samples(run.id, since=state.attempt_started, limit=WINDOW):
+            samples.append(Sample(s.time, s.step, s.tok_s, s.phase or contract.PHASE_TRAINING, s.eta_s))
+            state.step_max = max(state.step_max or 0, s.step)
+            if state.healthy_since is None and s.phase == contract.PHASE_TRAINING:
+                state.healthy_since = s.time  # host clock: the skew is not known yet, and small
+        state.samples = tuple(samples)
+        state.baseline = run_policy.expect.baseline_tok_s or self.store.baseline_tok_s(run.playbook, exclude_run=run.id)
         last_event = self.store.events(run.id, limit=1)
         self._cursor[run.id] = (last_event[0].id, last_event[0].time) if last_event else (0, 0.0)
+        w = Watched(state=state, policy=run_policy, alerter=self._alerter(run_policy.alerts))
         self.runs[run.id] = w
-        if self.claim:
-            self._claim(run)
-        if warning:
-            self._event(w, "supervisor", "warning", warning)
-        how = "re-attached to" if (offset or rows) else "watching"
-        self._event(w, "supervisor", "info",
-                    f"supervisor pid {os.getpid()} {how} run {run.id} ({run.state} on {run.host})",
-                    {"pid": os.getpid(), "metrics_offset": offset, "restarts": len(rows)})
+        with self.store.batch():
+            if self.claim:
+                self._claim(w)
+            if warning:
+                self.store.add_event(run.id, "supervisor", warning, self.clock(), "warning")
+            how = "re-attached to" if (offset or rows) else "watching"
+            self.store.add_event(run.id, "supervisor", f"supervisor pid {os.getpid()} {how} run {run.id} "
+                                 f"({run.state} on {run.host})", self.clock(), "info",
+                                 {"pid": os.getpid(), "metrics_offset": offset, "restarts": len(rows)})
         return w
 
     def watch_playbook(self, name: str) -> list[Watched]:
@@ -369,13 +286,6 @@ class Supervisor:
     def active(self) -> list[Watched]:
         return [w for w in self.runs.values() if w.active]
 
-    def _issued_since_restarting(self, run: Run, restart_time: float) -> bool:
-        """Whether the latest restart row was issued after the run last went
-        ``restarting`` (else that restart is still to do: its supervisor died first)."""
-        went = [e.time for e in self.store.events(run.id, kind="state", limit=50)
-                if (e.detail or {}).get("to") == RESTARTING]
-        return bool(went) and restart_time >= went[-1]
-
     def _alerter(self, alerts: "Alerts") -> alerts_mod.Alerter:
         key = alerts.model_dump_json()
         if key not in self._alerters:
@@ -383,13 +293,13 @@ class Supervisor:
             self._alerters[key] = alerts_mod.Alerter(alerts, on_hook_failure=self._hook_failures.put)
         return self._alerters[key]
 
-    def _claim(self, run: Run) -> None:
+    def _claim(self, w: Watched) -> None:
         # The launcher records its tmux session (after starting us): keep what it wrote.
-        info = {**(run.supervisor or {}), **self.identity}
+        info = {**(w.run.supervisor or {}), **self.identity}
         if not os.environ.get("TMUX"):
             info["kind"] = "process"
-        self.store.set_supervisor(run.id, info)
-        run.supervisor = info
+        self.store.set_supervisor(w.id, info)
+        w.state.run = replace(w.state.run, supervisor=info)
 
     # ----------------------------------------------------------------- the loop
 
@@ -411,7 +321,8 @@ class Supervisor:
                 if self._hurry:
                     continue
                 wait = self.interval - (time.monotonic() - started)
-                dues = [w.pending.due - self.clock() for w in self.active() if w.pending and w.job is None]
+                dues = [w.state.pending.due - self.clock() for w in self.active()
+                        if w.state.pending and w.job is None]
                 if stop.wait(max(0.0, min([wait, *dues]))):
                     return
         finally:
@@ -424,13 +335,20 @@ class Supervisor:
             if w.job is not None:
                 try:
                     w.job.result(timeout=max(0.1, deadline - time.monotonic()))
-                except Exception:  # noqa: BLE001  (recorded by _collect_jobs)
+                except Exception:  # noqa: BLE001  (recorded as the job's outcome)
                     pass
-        self._collect_jobs()
+        t = _Tick(writes=self._carry)
+        self._carry = []
+        self._collect_jobs(t)
         self._workers.shutdown(wait=False)
         for alerter in self._alerters.values():
             alerter.close(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
-        self._drain_hook_failures()
+        self._drain_hook_failures(t)
+        try:
+            self._store_tick(t)
+            self._act(t)
+        except DflashError:
+            pass
         if self.claim:
             for w in self.runs.values():
                 try:
@@ -448,291 +366,166 @@ class Supervisor:
         self._hurry = False
         if self.playbooks:
             self._refresh_playbooks()
-        self._drain_hook_failures()
-        self._collect_jobs()
+        t = _Tick(writes=self._carry)
+        self._carry = []
+        self._drain_hook_failures(t)
         for w in self.active():
-            self._refresh(w)
-        if self.act:
-            for w in self.active():
+            self._refresh(w, t)
+        self._collect_jobs(t)
+        for w in self.active():
+            if w.job is None:
                 host_up = self.hosts.get(w.run.host, _HostState()).down_since is None  # else: when it is back
-                if w.pending is not None and w.job is None and now >= w.pending.due and host_up:
-                    self._issue_restart(w)
+                self._step(w, core.Clock(host_up=host_up), now, t)
         by_host: dict[str, list[Watched]] = {}
         for w in self.active():
-            if w.job is None:  # a restart or kill in flight: look again when it is done
+            if w.job is None and w.state.job is None:  # a restart or kill in flight: look again when it is done
                 by_host.setdefault(w.run.host, []).append(w)
-        answers = fanout(list(by_host), lambda t: self._probe(t, by_host[t.name]), inventory=self.inventory)
+        answers = fanout(list(by_host), lambda tr: self._probe(tr, by_host[tr.name]), inventory=self.inventory)
         report = TickReport(now, 0.0, {}, {})
         for host, answer in answers.items():
-            watched = by_host[host]
-            if isinstance(answer, Exception):
-                report.hosts[host] = first_line(answer)
-                self._host_failed(host, watched, report.hosts[host])
-                continue
-            result, sent, received = answer
-            parsed = parse_probe_host(result.stdout)
-            if isinstance(parsed, ProbeError):
-                tail = (result.stderr.strip() or parsed.output_tail.strip())[-300:]
-                report.hosts[host] = f"the probe failed (exit {result.exit_code}): {parsed.message}: {tail}"
-                self._host_failed(host, watched, report.hosts[host])
-                continue
-            report.hosts[host] = received - sent
-            hs = self.hosts.setdefault(host, _HostState())
-            hs.skew = estimate_skew(parsed.host_time, sent, received)
-            self._host_back(host, watched)
-            for w, pr in zip(watched, parsed.runs):
-                try:
-                    report.findings[w.id] = self._observe(w, pr, hs.skew)
-                except Exception as e:  # noqa: BLE001  (one run's trouble must not stop the watch of the others)
-                    if os.environ.get("DFLASHCTL_DEBUG"):
-                        raise
-                    self._event(w, "supervisor", "error",
-                                f"could not handle this poll: {type(e).__name__}: {first_line(e)}")
+            self._host_answer(host, by_host[host], answer, report, t)
+        self._store_tick(t)
+        self._act(t)
+        for run_id, m in t.metrics:
+            self.emit("metrics", (run_id, m))
         self._emit_new_events()
+        report.findings = {run_id: [Finding(e.kind, e.severity, e.message, e.detail or {})
+                                    for rid, e in t.writes if rid == run_id and isinstance(e, core.Event)
+                                    and e.kind in (detectors.CRASH, detectors.STALL, detectors.REGRESSION,
+                                                   detectors.FINISHED)]
+                           for run_id in report.findings}
         report.seconds = time.monotonic() - t0
         self.last_report = report
         return report
+
+    def _step(self, w: Watched, obs: Any, now: float, t: _Tick) -> None:
+        w.state, writes, actions = core.step(w.state, obs, now, self._policy(w))
+        t.writes.extend((w.id, x) for x in writes)
+        t.actions.extend((w, a) for a in actions)
 
     # ----------------------------------------------------------------- probe
 
     def _probe(self, transport, watched: list[Watched]):
         limit = self.probe_timeout or min(float(transport.host.command_timeout), max(10.0, 3 * self.interval))
-        argv = probe_command(transport.host.python, [w.args for w in watched])
+        argv = probe_command(transport.host.python, [w.state.args for w in watched])
         sent = self.clock()
         result = transport.run(argv, timeout=limit, check=False)
         return result, sent, self.clock()
 
-    def _refresh(self, w: Watched) -> None:
+    def _host_answer(self, host: str, watched: list[Watched], answer: Any, report: TickReport, t: _Tick) -> None:
+        if isinstance(answer, Exception):
+            report.hosts[host] = first_line(answer)
+            self._host_failed(host, watched, report.hosts[host], t)
+            return
+        result, sent, received = answer
+        parsed = parse_probe_host(result.stdout)
+        if isinstance(parsed, ProbeError):
+            tail = (result.stderr.strip() or parsed.output_tail.strip())[-300:]
+            report.hosts[host] = f"the probe failed (exit {result.exit_code}): {parsed.message}: {tail}"
+            self._host_failed(host, watched, report.hosts[host], t)
+            return
+        report.hosts[host] = received - sent
+        hs = self.hosts.setdefault(host, _HostState())
+        hs.skew = estimate_skew(parsed.host_time, sent, received)
+        back = (hs.down_since, hs.polls) if hs.down_since is not None else None
+        hs.down_since, hs.polls, hs.severity = None, 0, None
+        now = self.clock()
+        for w, pr in zip(watched, parsed.runs):
+            report.findings[w.id] = []
+            lines, malformed = parse_metrics_chunk(pr.metrics_chunk)
+            obs = core.Probed(pr, hs.skew, tuple(lines), malformed, back)
+            try:
+                self._step(w, obs, now, t)
+            except Exception as e:  # noqa: BLE001  (one run's trouble must not stop the watch of the others)
+                if os.environ.get("DFLASHCTL_DEBUG"):
+                    raise
+                t.writes.append((w.id, core.Event("supervisor", "error",
+                                                  f"could not handle this poll: {type(e).__name__}: {first_line(e)}")))
+                continue
+            self._hurry = self._hurry or pr.metrics_more
+            if self.metrics:
+                t.metrics.extend((w.id, m) for m in lines)
+
+    def _host_failed(self, host: str, watched: list[Watched], error: str, t: _Tick) -> None:
+        now = self.clock()
+        hs = self.hosts.setdefault(host, _HostState())
+        if hs.down_since is None:
+            hs.down_since, hs.polls, hs.severity = now, 0, None
+        hs.polls += 1
+        finding = detectors.detect_unreachable(host, hs.down_since, hs.polls, now, error=error,
+                                               escalate_after=self.escalate_after)
+        worse = hs.severity is None or _rank(finding.severity) > _rank(hs.severity)
+        for w in watched:
+            self._step(w, core.Unreachable(host, finding, hs.polls, hs.down_since, worse), now, t)
+        if worse:
+            hs.severity = finding.severity
+
+    def _refresh(self, w: Watched, t: _Tick) -> None:
         """Pick up what others changed: an operator's stop or restart, a new supervisor."""
         run = self.store.get_run(w.id)
+        w.state.run = run
         if self.claim:
             theirs = run.supervisor or {}
             if theirs.get("pid") not in (None, os.getpid()) and live_supervisor(theirs) is not None:
                 w.detached = f"supervisor pid {theirs['pid']} took it over"
                 self.emit("info", f"{w.id}: {w.detached}; no longer watching it here")
             elif theirs.get("pid") != os.getpid():
-                self._claim(run)
-        w.run = run
+                t.claims.append(run)
 
-    # ----------------------------------------------------------------- one run, one probe
+    # ----------------------------------------------------------------- store, then act
 
-    def _observe(self, w: Watched, pr: ProbeResult, skew: float) -> list[Finding]:
-        local = self.clock()
-        now = local + skew  # the host's clock
-        self._ingest_metrics(w, pr, skew)
-        status = pr.status
-        if status is not None and status.step and status.step > (w.step_max or 0):
-            w.step_max = status.step
-        self._track_phase(w, pr, now, skew)
-
-        started = status is not None and pr.exit_code is None and status.phase not in contract.FINAL_PHASES
-        if started and self.act and w.run.state == LAUNCHING:
-            self._transition(w, RUNNING, f"trainer started (pid {status.pid}, phase {status.phase})")
-        elif started and self.act and w.run.state == RESTARTING and w.restart_issued:
-            w.restart_issued = False
-            self._transition(w, RUNNING, f"trainer running again (pid {status.pid}, phase {status.phase})")
-        if w.run.state == RESTARTING and (w.pending is not None or not w.restart_issued):
-            return []  # a restart is coming: ours after its backoff, or an operator's
-
-        findings = detectors.detect(
-            list(w.samples), pr, LAUNCHING if w.run.state == RESTARTING else w.run.state, w.policy.expect, now,
-            baseline_tok_s=w.baseline, assigned_gpus=w.run.gpus or None, phase_since=w.phase_since,
-        )
-        if not {f.kind for f in findings} & {detectors.CRASH, detectors.STALL, detectors.FINISHED}:
-            w.last_ok, w.crash_seen = local, None
-        self._act(w, pr, findings, local, skew)
-        return findings
-
-    def _track_phase(self, w: Watched, pr: ProbeResult, now: float, skew: float) -> None:
-        """When the current phase began (status.json does not say): first seen, or
-        for a process still starting, its start time."""
-        phase = pr.status.phase if pr.status else None
-        if phase == w.phase and w.phase_since is not None:
+    def _store_tick(self, t: _Tick) -> None:
+        """Every write of the tick in one transaction."""
+        if not (t.writes or t.claims):
             return
-        since = now
-        if pr.status is not None and phase == contract.PHASE_STARTING and pr.status.started:
-            since = pr.status.started
-        elif pr.status is None and w.phase_since is None:
-            # Nothing written yet: count from the (re)start.
-            since = (w.attempt_started or w.run.created) + skew
-        w.phase, w.phase_since = phase, since
+        now = self.clock()
+        with self.store.batch():
+            for run in t.claims:
+                if run.id in self.runs:
+                    self._claim(self.runs[run.id])
+            for run_id, x in t.writes:
+                self._write(run_id, x, now)
+        for run_id in {run_id for run_id, x in t.writes if isinstance(x, core.Transition)}:
+            w = self.runs.get(run_id)
+            if w is not None:
+                w.state.run = self.store.get_run(run_id)  # what was stored: the state, ended, exit code
 
-    def _ingest_metrics(self, w: Watched, pr: ProbeResult, skew: float) -> None:
-        if pr.metrics_offset is None:
-            return  # metrics.jsonl could not be read this time; the offset stays
-        lines, malformed = parse_metrics_chunk(pr.metrics_chunk)
-        if pr.metrics_reset and w.args.metrics_offset:
-            self._event(w, "metrics", "warning",
-                        f"{contract.METRICS_FILE} was truncated or replaced; read again from the start")
-        if malformed:
-            self._event(w, "metrics", "warning", f"{malformed} malformed line(s) of {contract.METRICS_FILE} skipped")
-        if lines or (pr.metrics_offset, pr.metrics_inode) != (w.args.metrics_offset, w.args.metrics_inode):
-            gpu = [g.__dict__ for g in pr.gpus or [] if g.index in w.run.gpus] or None
-            self.store.add_samples(w.id, lines, gpu=gpu, metrics_offset=pr.metrics_offset,
-                                   metrics_inode=pr.metrics_inode)
-        w.args = pr.next_args(w.args)
-        self._hurry = self._hurry or pr.metrics_more
-        for m in lines:
-            w.samples.append(Sample.from_metrics(m))
-            if self.metrics:
-                self.emit("metrics", (w.id, m))
-        self._progress(w, lines, skew)
+    def _write(self, run_id: str, x: Any, now: float) -> None:
+        if isinstance(x, core.Event):
+            self.store.add_event(run_id, x.kind, x.message, now, x.severity, x.detail)
+        elif isinstance(x, core.Transition):
+            try:
+                self.store.transition(run_id, x.to, x.message, now, x.detail, severity=x.severity,
+                                      exit_code=x.exit_code, exit_reason=x.exit_reason)
+            except InvalidTransition:
+                pass  # changed meanwhile (an operator's stop): the next tick reads the run again
+        elif isinstance(x, core.Samples):
+            self.store.add_samples(run_id, x.lines, gpu=x.gpu, metrics_offset=x.offset, metrics_inode=x.inode)
+        elif isinstance(x, core.RestartRow):
+            self.store.add_restart(run_id, x.time, x.reason, signature=x.signature, action=x.action,
+                                   step_before=x.step_before, detect_delay_s=x.detect_delay_s)
+        elif isinstance(x, core.RestartUpdate):
+            self.store.update_latest_restart(run_id, **x.changes)
+        else:
+            raise TypeError(f"not a write: {x!r}")
 
-    def _progress(self, w: Watched, lines: list[contract.Metrics], skew: float) -> None:
-        """The current process's steps: healthy_since, and its restart's cost and step_after."""
-        # Lines an earlier process wrote but that are read only now do not count.
-        ours = [m for m in lines if w.attempt_started is None or m.time - skew >= w.attempt_started - 1.0]
-        if not ours:
-            return
-        w.step_max = max([w.step_max or 0, *(m.step for m in ours)])
-        first = ours[0].time - skew  # local
-        if w.healthy_since is None:
-            w.healthy_since = first
-        r = w.latest
-        if r is None or (r.step_after is not None and r.step_after >= w.step_max):
-            return
-        r.step_after = w.step_max
-        w.history[-1] = policy.Restart(w.history[-1].time, w.history[-1].step_before, w.step_max)
-        changes: dict[str, Any] = {"step_after": w.step_max}
-        if r.first_step_at is None:
-            r.first_step_at = first
-            changes["time_to_first_step_s"] = round(max(0.0, first - r.issued_at), 3)
-            if r.failed_at is not None:
-                changes["downtime_s"] = round(max(0.0, first - r.failed_at), 3)
-            self._event(w, "restart", "info", f"training resumed at step {ours[0].step}, "
-                        f"{_seconds(first - r.issued_at)} after the restart"
-                        + (f" ({_seconds(first - r.failed_at)} down in all)" if r.failed_at else ""),
-                        {"restart_id": r.id, **changes})
-        self.store.update_restart(r.id, **changes)
-
-    # ----------------------------------------------------------------- act
-
-    def _act(self, w: Watched, pr: ProbeResult, findings: list[Finding], local: float, skew: float) -> None:
-        finished = next((f for f in findings if f.kind == detectors.FINISHED), None)
-        if finished is not None:
-            self._finished(w, pr, finished, local)
-            return
-        crash = next((f for f in findings if f.kind == detectors.CRASH), None)
-        classification = None
-        if crash is not None:
-            w.crash_seen = w.crash_seen or local
-            proc = pr.process
-            if pr.exit_code is None and pr.session_alive and proc is not None and not proc.alive \
-                    and local - w.crash_seen < SETTLE_S:
-                return  # run.sh is writing the exit code: classify with it at the next poll
-            classification = signatures.classify(
-                _attempt_output(pr), pr.status.error if pr.status else None, pr.exit_code, w.policy.signatures
-            )
-            crash.detail.update(signature=classification.name, matched_line=classification.matched_line)
-        actions = policy.decide(findings, classification, w.policy.restart, w.history, local, self.rng,
-                                healthy_since=w.healthy_since)
-        decision, alerts = actions[0], actions[1:]
-        trigger = crash or next((f for f in findings if f.kind == detectors.STALL), None)
-        fresh = self._note_findings(w, findings, local)
-        for f in findings:
-            if f.kind in fresh:
-                self._event(w, f.kind, f.severity, f.message, f.detail)
-        if trigger is not None:
-            self._decided(w, pr, trigger, decision, local, skew)
-        elif w.run.state == STALLED and self.act:
-            self._transition(w, RUNNING, "making progress again" + (f": step {w.step_max}" if w.step_max else ""))
-        for a in alerts:
-            one_shot = trigger is not None and a.finding == trigger.kind and decision.kind != policy.NONE
-            if one_shot or a.finding in fresh:
-                self._alert(w, a.finding or "finding", a.severity, a.reason, a.detail, local)
-
-    def _note_findings(self, w: Watched, findings: list[Finding], local: float) -> set[str]:
-        """Kinds to write now: new, worse or worded otherwise than when last written,
-        or lasting long enough to say again. Kinds that went away are written as cleared."""
-        fresh = set()
-        for f in findings:
-            o = w.findings.get(f.kind)
-            worse = o is not None and _rank(f.severity) > _rank(o.severity)
-            if o is None or worse or o.shape != _shape(f.message) or local - o.written >= REPEAT_FINDING_S:
-                fresh.add(f.kind)
-                w.findings[f.kind] = _Open(f.severity, o.since if o else local, local, _shape(f.message))
-        for kind in set(w.findings) - {f.kind for f in findings}:
-            o = w.findings.pop(kind)
-            if kind != detectors.CRASH:
-                self._event(w, kind, "info", f"{kind} cleared after {fmt_duration(local - o.since)}")
-        return fresh
-
-    def _decided(self, w: Watched, pr: ProbeResult, trigger: Finding, decision: policy.Action, local: float,
-                 skew: float) -> None:
-        detail = {"decision": decision.kind, "signature": decision.signature, "finding": trigger.kind,
-                  "delay_s": round(decision.delay, 3), **trigger.detail}
-        if not self.act:
-            if decision.kind != policy.NONE:
-                self._event(w, "decision", "info", f"would {decision.kind.replace('_', ' ')} (observing only): "
-                            f"{decision.reason}", detail)
-            return
-        if decision.kind == policy.NONE:  # e.g. a process someone stopped on purpose
-            if w.run.state != STALLED:
-                self._transition(w, STALLED, decision.reason, detail, severity=decision.severity)
-            return
-        w.findings.pop(trigger.kind, None)  # acted on: the next one is news again
-        if decision.kind == signatures.STOP:
-            if pr.session_alive or (pr.process is not None and pr.process.alive):
-                self._submit(w, "kill", self._kill_session, w.run)
-            self._transition(w, FAILED, decision.reason, detail, severity=decision.severity,
-                             exit_code=pr.exit_code, exit_reason=_stop_why(trigger, decision))
-            return
-        w.pending = _Pending(
-            due=local + decision.delay, action=decision.kind, reason=decision.reason, signature=decision.signature,
-            detected_at=w.crash_seen or local, failed_at=self._failure_time(w, pr, trigger, skew),
-            step_before=w.step_max,
-        )
-        w.crash_seen = None
-        if not self._transition(w, RESTARTING, decision.reason, detail, severity=decision.severity):
-            # A restarted process that failed before it was seen running: still one decision, one event.
-            self._event(w, "restart", decision.severity, decision.reason, detail)
-        if decision.delay <= 0:
-            self._issue_restart(w)
-
-    def _failure_time(self, w: Watched, pr: ProbeResult, trigger: Finding, skew: float) -> float | None:
-        """Local time the failure happened (see the module docstring)."""
-        status = pr.status
-        seen = w.last_ok or w.attempt_started
-        if trigger.kind == detectors.CRASH:
-            if status is not None and status.phase == contract.PHASE_FAILED and status.updated:
-                return status.updated - skew
-            return seen
-        if trigger.detail.get("process_state") == "T":
-            return seen
-        progress = detectors.last_progress(list(w.samples), status)
-        return progress[1] - skew if progress else seen
-
-    def _finished(self, w: Watched, pr: ProbeResult, finding: Finding, local: float) -> None:
-        code = pr.exit_code
-        if not self.act:
-            self._event(w, detectors.FINISHED, "info", finding.message, finding.detail)
-            return
-        state = DONE if finding.detail.get("outcome") == "done" else STOPPED
-        reason = contract.describe_exit(code) if code is not None else finding.detail.get("outcome")
-        self._transition(w, state, finding.message, finding.detail, exit_code=code, exit_reason=reason)
-        self._alert(w, detectors.FINISHED, "info", finding.message, finding.detail, local)
-
-    def _alert(self, w: Watched, kind: str, severity: str, message: str, detail: dict | None, local: float) -> None:
-        event = alerts_mod.make_event(kind, severity, message, run_id=w.id, host=w.run.host,
-                                      detail=_jsonable(detail), now=local)
-        if w.alerter.send(event) == alerts_mod.DROPPED:
-            self._event(w, "alert", "warning", f"alert queue full: the '{kind}' alert was dropped")
+    def _act(self, t: _Tick) -> None:
+        for w, a in t.actions:
+            if isinstance(a, core.Alert):
+                event = alerts_mod.make_event(a.kind, a.severity, a.message, run_id=w.id, host=w.run.host,
+                                              detail=a.detail, now=self.clock())
+                if w.alerter.send(event) == alerts_mod.DROPPED:
+                    self._carry.append((w.id, core.Event("alert", "warning",
+                                                         f"alert queue full: the '{a.kind}' alert was dropped")))
+            elif isinstance(a, core.IssueRestart):
+                w.job = self._workers.submit(self._restart, w.run, a.serialized, a.marker, a.hung)
+            elif isinstance(a, core.KillSession):
+                w.job = self._workers.submit(self._kill_session, w.run)
 
     # ----------------------------------------------------------------- restarts and kills, on a worker
 
-    def _submit(self, w: Watched, kind: str, fn: Callable, *args) -> None:
-        w.job_kind, w.job = kind, self._workers.submit(fn, *args)
-
-    def _issue_restart(self, w: Watched) -> None:
-        p = w.pending
-        serialized = p.action == signatures.RESTART_SERIALIZED
-        marker = (f"{RESTART_MARKER} restart {len(w.history) + 1} at {time.strftime('%Y-%m-%d %H:%M:%S')} "
-                  f"({p.signature or 'unknown'}{', serialized warm-up' if serialized else ''}) ---")
-        hung = p.signature == policy.STALL_SIGNATURE
-        self._submit(w, "restart", self._restart, w.run, serialized, marker, hung)
-
     def _restart(self, run: Run, serialized: bool, marker: str, hung: bool = False) -> float:
-        from dflashctl.launch import signal_trainer_argv
+        from dflashctl.launch import restart_run, signal_trainer_argv
         from dflashctl.transport import connect
 
         current = self.store.get_run(run.id)
@@ -751,8 +544,6 @@ class Supervisor:
         if self.restart_fn is not None:
             self.restart_fn(run.id, serialized, self.store, self.inventory)
         else:
-            from dflashctl.launch import restart_run
-
             restart_run(run.id, serialized, self.store, self.inventory, clock=self.clock)
         return issued
 
@@ -761,118 +552,34 @@ class Supervisor:
 
         Tmux(self.inventory.get(run.host), self.inventory, run.tmux_socket or _tmux_socket()).kill(run.tmux_session)
 
-    def _collect_jobs(self) -> None:
+    def _collect_jobs(self, t: _Tick) -> None:
+        now = self.clock()
         for w in self.runs.values():
             if w.job is None or not w.job.done():
                 continue
-            job, kind = w.job, w.job_kind
-            w.job = w.job_kind = None
+            job, kind = w.job, w.state.job or core.RESTART
+            w.job = None
             error = job.exception()
-            if kind == "restart":
-                self._restarted(w, None if error else job.result(), error)
-            elif error is not None:
-                self._event(w, "stop", "warning",
-                            f"could not kill tmux session {w.run.tmux_session}: {first_line(error)}")
-
-    def _restarted(self, w: Watched, issued: float | None, error: BaseException | None) -> None:
-        p, now = w.pending, self.clock()
-        if isinstance(error, RestartCancelled):
-            w.pending = None
-            self._event(w, "restart", "info", str(error))
-            return
-        if error is not None:
-            p.tries += 1
-            if p.tries >= RESTART_TRIES or not isinstance(error, DflashError):  # e.g. a bug: no retry
-                w.pending = None
-                message = f"restart failed ({p.tries} tries): {first_line(error)}"
-                self._transition(w, FAILED, message, severity="critical", exit_reason="restart failed")
-                self._alert(w, "restart_failed", "critical", message, {"signature": p.signature}, now)
+            skew = self.hosts.get(w.run.host, _HostState()).skew
+            if error is None:
+                done = core.JobDone(kind, issued=job.result() if kind == core.RESTART else None, skew=skew)
             else:
-                p.due = now + max(w.policy.restart.backoff_initial, self.interval)
-                self._event(w, "restart", "error", f"restart not issued (try {p.tries}/{RESTART_TRIES}; again in "
-                            f"{fmt_duration(p.due - now)}): {first_line(error)}")
-            return
-        w.pending = None
-        delay = p.detected_at - p.failed_at if p.failed_at is not None else None
-        restart_id = self.store.add_restart(
-            w.id, issued, p.reason, signature=p.signature, action=p.action, step_before=p.step_before,
-            detect_delay_s=round(max(0.0, delay), 3) if delay is not None else None,
-        )
-        w.history.append(policy.Restart(issued, p.step_before, None))
-        w.latest = _Latest(restart_id, issued, p.failed_at)
-        # A new process: it resumes from a checkpoint, so the old one's steps are not its progress.
-        w.restart_issued, w.attempt_started = True, issued
-        w.samples.clear()
-        w.findings.clear()
-        w.step_max = w.healthy_since = w.last_ok = None
-        w.phase, w.phase_since = None, issued + self.hosts.get(w.run.host, _HostState()).skew
+                done = core.JobDone(kind, error=first_line(error), cancelled=isinstance(error, RestartCancelled),
+                                    retry=isinstance(error, DflashError), skew=skew)
+            self._step(w, done, now, t)
 
-    # ----------------------------------------------------------------- hosts
+    # ----------------------------------------------------------------- output
 
-    def _host_failed(self, host: str, watched: list[Watched], error: str) -> None:
-        now = self.clock()
-        hs = self.hosts.setdefault(host, _HostState())
-        if hs.down_since is None:
-            hs.down_since, hs.polls, hs.severity = now, 0, None
-        hs.polls += 1
-        finding = detectors.detect_unreachable(host, hs.down_since, hs.polls, now, error=error,
-                                               escalate_after=self.escalate_after)
-        worse = hs.severity is None or _rank(finding.severity) > _rank(hs.severity)
-        for w in watched:
-            if worse:
-                self._event(w, detectors.UNREACHABLE, finding.severity, finding.message, finding.detail)
-                self._alert(w, detectors.UNREACHABLE, finding.severity, finding.message, finding.detail, now)
-            if self.act and hs.polls >= LOST_AFTER_POLLS and w.run.state in (LAUNCHING, RUNNING, STALLED, RESTARTING):
-                w.state_before_lost = w.run.state
-                self._transition(w, LOST, f"host {host} unreachable for {hs.polls} polls; the trainer may still be "
-                                 "running there", {"host": host, "since": hs.down_since})
-        if worse:
-            hs.severity = finding.severity
-
-    def _host_back(self, host: str, watched: list[Watched]) -> None:
-        hs = self.hosts[host]
-        if hs.down_since is None:
-            for w in watched:  # lost under an earlier supervisor (the outage and a restart of ours often coincide)
-                if self.act and w.run.state == LOST:
-                    self._transition(w, RUNNING, f"host {host} answers again; watching the run")
-            return
-        now = self.clock()
-        message = f"host {host} reachable again after {fmt_duration(now - hs.down_since)} ({hs.polls} failed poll(s))"
-        for w in watched:
-            self._event(w, detectors.UNREACHABLE, "info", message, {"host": host, "down_s": now - hs.down_since})
-            if self.act and w.run.state == LOST:
-                back = w.state_before_lost if w.state_before_lost in TRANSITIONS[LOST] else RUNNING
-                self._transition(w, back, message)
-                w.state_before_lost = None
-        hs.down_since, hs.polls, hs.severity = None, 0, None
-
-    # ----------------------------------------------------------------- store and output
-
-    def _transition(self, w: Watched, state: str, message: str, detail: dict | None = None, **kw) -> bool:
-        """Move the run to ``state`` (False when it already is there, or is finished)."""
-        current = self.store.get_run(w.id).state
-        moved = False
-        if current != state and current not in FINAL_STATES:  # only an operator revives a finished run
-            if state not in TRANSITIONS[current] and state in TRANSITIONS[RUNNING] and RUNNING in TRANSITIONS[current]:
-                # e.g. a (re)started process that fails or finishes before it was seen running
-                self.store.transition(w.id, RUNNING, "trainer started", self.clock())
-            moved = self.store.transition(w.id, state, message, self.clock(), _jsonable(detail), **kw)
-        w.run = self.store.get_run(w.id)
-        return moved
-
-    def _event(self, w: Watched, kind: str, severity: str, message: str, detail: dict | None = None) -> None:
-        self.store.add_event(w.id, kind, message, self.clock(), severity, _jsonable(detail))
-
-    def _drain_hook_failures(self) -> None:
+    def _drain_hook_failures(self, t: _Tick) -> None:
         while True:
             try:
                 failure = self._hook_failures.get_nowait()
             except queue.Empty:
                 return
-            w = self.runs.get(failure.get("run_id"))
-            if w is not None:
+            if failure.get("run_id") in self.runs:
                 detail = {k: v for k, v in failure["detail"].items() if k != "event"}
-                self._event(w, failure["kind"], failure["severity"], failure["message"], detail)
+                t.writes.append((failure["run_id"], core.Event(failure["kind"], failure["severity"],
+                                                               failure["message"], core.jsonable(detail))))
 
     def _emit_new_events(self) -> None:
         """Every event stored for the watched runs since the last call, whoever wrote it
@@ -908,46 +615,17 @@ def live_supervisor(info: dict | None) -> dict | None:
     return info if b"watch" in argv else None  # the pid may have been reused by another program
 
 
-def _attempt_output(pr: ProbeResult) -> str:
-    """The current process's output: trainer.log after the last restart marker, else
-    the pane (which holds only this process's output, but is gone once it ended)."""
-    log = pr.log_tail or ""
-    cut = log.rfind(RESTART_MARKER)
-    if cut >= 0:
-        end = log.find("\n", cut)
-        log = log[end + 1 :] if end >= 0 else ""
-    return log if log.strip() else (pr.pane_tail or "")
-
-
-def _stop_why(trigger: Finding, decision: policy.Action) -> str:
-    """The short reason a run was not restarted, for the runs table."""
-    what = f"{trigger.kind} ({decision.signature}): {trigger.message}; "
-    why = decision.reason[len(what) :] if decision.reason.startswith(what) else decision.reason
-    return f"{decision.signature or trigger.kind}: {why}"[:300]
+_attempt_output = core.attempt_output
 
 
 def _rank(severity: str) -> int:
     return detectors.SEVERITIES.index(severity)
 
 
-def _seconds(value: float) -> str:
-    return f"{value:.1f} s" if value < 60 else fmt_duration(value)
-
-
 def _tmux_socket() -> str:
     from dflashctl.tmux import socket_name
 
     return socket_name()
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return str(value)
 
 
 # --------------------------------------------------------------------------- the watch command's library side

@@ -254,6 +254,31 @@ def test_samples_are_stored_once_with_their_offset_and_the_run_goes_running(loca
     assert store.get_run(run_id).supervisor is None  # released on a clean exit
 
 
+def test_each_tick_stores_everything_in_one_transaction(local_env):
+    """Samples, the metrics offset, the running transition and its event: one
+    BEGIN IMMEDIATE per tick on the real SQLite file, however much the tick saw."""
+    pb = local_env.playbook("steady")
+    run_id = local_env.start(pb)
+    store = local_env.store
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    per_tick, samples_before = [], len(store.samples(run_id))
+    try:
+        wait_for(lambda: metrics_lines(local_env.run_dir(run_id)), 20, "a first metrics line")  # lines to read
+        for _ in range(4):
+            before = store.write_transactions
+            sup.tick()
+            per_tick.append(store.write_transactions - before)
+            time.sleep(0.3)
+    finally:
+        local_env.tmux.kill(run_id)
+        sup.close()
+    assert states(store, run_id)[:2] == ["launching", "running"]
+    assert len(store.samples(run_id)) > samples_before + 1
+    assert per_tick[0] == 1  # the transition, its event and the first samples together
+    assert all(n <= 1 for n in per_tick), per_tick
+
+
 def test_a_finished_run_ends_done_and_the_loop_ends_with_it(local_env):
     pb = local_env.playbook("short", {"train": {"steps": 12, "log_every": 2, "checkpoint_every": 4}})
     run_id = local_env.start(pb, step_s=0.02)

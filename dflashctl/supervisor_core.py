@@ -1,0 +1,670 @@
+"""The supervisor's decisions for one run, as one pure function.
+
+    step(state, observation, now, policy) -> (state', writes, actions)
+
+``state`` is everything the supervisor knows of a run between two ticks
+(``RunState``); ``observation`` is what happened to it since (``Probed``: its
+host's probe answer; ``Unreachable``: its host did not answer; ``JobDone``: a
+restart or kill issued earlier has finished; ``Clock``: only time passed);
+``now`` is the local clock. The result says what to store (``writes``: events,
+state transitions, samples, restart rows, all written by the caller in one
+transaction) and what to do (``actions``: restart, kill the session, alert,
+executed by the caller after the writes).
+
+This module never does I/O, never reads a clock and draws no random number of
+its own (the backoff's jitter comes from ``Policy.rng``): the same state and
+observation give the same answer, so the supervisor's behaviour is tested as
+tables of observations in, writes and actions out (tests/test_supervisor_core.py).
+The shell around it (``dflashctl.supervisor``) probes, stores and acts.
+
+Clocks: events, restart rows and the restart policy use the local clock; samples,
+phase tracking and the detectors the host's (host time - skew = local time).
+
+A restart's cost, in its restarts row:
+
+    detect_delay_s        detection - failure. The failure time is the trainer's own
+                          when it reported one (status.json ``failed``), else the last
+                          poll that saw it healthy (an upper bound), and for a stall
+                          its last step.
+    downtime_s            failure -> first step of the restarted process
+    time_to_first_step_s  restart issued -> first step of the restarted process
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Union
+
+from dflashctl import contract, detectors, policy, signatures
+from dflashctl.detectors import Finding, Sample, fmt_duration
+from dflashctl.probe import ProbeArgs, ProbeResult
+from dflashctl.store import (
+    DONE, FAILED, FINAL_STATES, LAUNCHING, LOST, RESTARTING, RUNNING, STALLED, STOPPED, TRANSITIONS, Run,
+)
+
+if TYPE_CHECKING:
+    from dflashctl.config import Alerts, Expect, Playbook, RestartPolicy
+
+WINDOW = 256  # samples kept per run for the detectors
+LOST_AFTER_POLLS = 2  # one failed poll can be a blip; two in a row mark the host's runs lost
+RESTART_TRIES = 3  # restarts that could not be issued (host gone) before the run is failed
+SETTLE_S = 3.0  # a process found gone: wait this long for run.sh to write its exit code
+REPEAT_FINDING_S = 600.0  # a lasting finding is written (and alerted) again this often
+RESTART_MARKER = "--- dflashctl:"  # the trainer.log line written before each restart
+
+KILL = "kill"
+RESTART = "restart"
+
+
+# --------------------------------------------------------------------------- policy
+
+
+@dataclass
+class RunPolicy:
+    """What a run is held to: its playbook's expectations, restart policy, alert hooks
+    and signatures, as the playbook file says now."""
+
+    playbook: str
+    expect: "Expect"
+    restart: "RestartPolicy"
+    alerts: "Alerts"
+    signatures: list = field(default_factory=list)
+    poll_interval: float = 15.0
+
+    @classmethod
+    def from_playbook(cls, pb: "Playbook") -> "RunPolicy":
+        return cls(pb.name, pb.expect, pb.restart, pb.alerts, list(pb.signatures), float(pb.poll_interval))
+
+    @classmethod
+    def defaults(cls, playbook: str) -> "RunPolicy":
+        from dflashctl.config import Alerts, Expect, RestartPolicy
+
+        return cls(playbook, Expect(), RestartPolicy(), Alerts())
+
+
+@dataclass
+class Policy:
+    """The run's playbook policy and how this supervisor acts on it."""
+
+    run: RunPolicy
+    act: bool = True  # False: observe only (samples, findings, alerts), never change or restart the run
+    interval: float = 15.0  # the supervisor's poll interval: a failed restart is tried again after it
+    escalate_after: float = 300.0  # an unreachable host becomes critical after this long
+    rng: random.Random = field(default_factory=lambda: random.Random(0))  # the backoff's jitter
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A restart decided, waiting for its backoff."""
+
+    due: float
+    action: str  # restart | restart_serialized
+    reason: str
+    signature: str | None
+    detected_at: float
+    failed_at: float | None
+    step_before: int | None
+    tries: int = 0
+
+
+@dataclass(frozen=True)
+class Latest:
+    """The latest restart: its cost is known once its process has made a step."""
+
+    issued_at: float
+    failed_at: float | None
+    first_step_at: float | None = None
+    step_after: int | None = None
+
+
+@dataclass(frozen=True)
+class Open:
+    """A finding already written: since when, how bad, its wording, when last written."""
+
+    severity: str
+    since: float
+    written: float
+    shape: str
+
+
+@dataclass
+class RunState:
+    """One run as the supervisor follows it; rebuilt from the store on attach."""
+
+    run: Run
+    args: ProbeArgs
+    samples: tuple[Sample, ...] = ()  # the current process's, the last WINDOW
+    history: tuple[policy.Restart, ...] = ()
+    baseline: float | None = None
+    phase: str | None = None
+    phase_since: float | None = None  # host clock
+    step_max: int | None = None  # highest step of the current process
+    attempt_started: float | None = None  # local: when the current process was started by a restart
+    last_ok: float | None = None  # local: the last poll that saw the trainer healthy
+    healthy_since: float | None = None  # local: first step of the current process
+    pending: Pending | None = None
+    job: str | None = None  # restart | kill in flight: the run is not probed until it is done
+    latest: Latest | None = None
+    restart_issued: bool = False  # a restart we issued whose process was not yet seen running
+    crash_seen: float | None = None
+    findings: dict[str, Open] = field(default_factory=dict)
+    state_before_lost: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self.run.id
+
+    def copy(self) -> "RunState":
+        return replace(self, findings=dict(self.findings))
+
+
+# --------------------------------------------------------------------------- observations
+
+
+@dataclass(frozen=True)
+class Probed:
+    """The host answered: this run's part of the probe, its new metrics lines parsed."""
+
+    result: ProbeResult
+    skew: float = 0.0  # host clock - local clock
+    lines: tuple[contract.Metrics, ...] = ()
+    malformed: int = 0
+    host_back: tuple[float, int] | None = None  # (down since, failed polls) when the host was unreachable until now
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """The host did not answer this poll (``detectors.detect_unreachable``'s finding)."""
+
+    host: str
+    finding: Finding
+    polls: int  # failed polls in a row
+    since: float
+    worse: bool  # a new or worse severity for the host: written and alerted
+
+
+@dataclass(frozen=True)
+class JobDone:
+    """A restart or kill issued by an earlier step has finished."""
+
+    kind: str  # restart | kill
+    issued: float | None = None  # restart: when it was issued (local)
+    error: str | None = None
+    cancelled: bool = False  # the run ended (an operator's stop) before the restart was issued
+    retry: bool = True  # False: the error is not one a retry can fix
+    skew: float = 0.0  # the host's clock - local clock, as last measured
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Only time passed: a restart whose backoff is over is issued (when its host is up)."""
+
+    host_up: bool = True
+
+
+Observation = Union[Probed, Unreachable, JobDone, Clock]
+
+
+# --------------------------------------------------------------------------- writes and actions
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    severity: str
+    message: str
+    detail: dict | None = None
+
+
+@dataclass(frozen=True)
+class Transition:
+    to: str
+    message: str
+    detail: dict | None = None
+    severity: str | None = None
+    exit_code: int | None = None
+    exit_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Samples:
+    """New metrics lines, stored with the metrics.jsonl position after them."""
+
+    lines: tuple[contract.Metrics, ...]
+    gpu: list | None
+    offset: int
+    inode: int | None
+
+
+@dataclass(frozen=True)
+class RestartRow:
+    time: float
+    reason: str
+    signature: str | None
+    action: str
+    step_before: int | None
+    detect_delay_s: float | None
+
+
+@dataclass(frozen=True)
+class RestartUpdate:
+    """Fill in the run's latest restart row."""
+
+    changes: dict
+
+
+@dataclass(frozen=True)
+class IssueRestart:
+    serialized: bool
+    marker: str  # written to trainer.log before the new process starts
+    hung: bool  # the old process hangs: dump its stacks (SIGUSR1) before it is killed
+
+
+@dataclass(frozen=True)
+class KillSession:
+    pass
+
+
+@dataclass(frozen=True)
+class Alert:
+    kind: str
+    severity: str
+    message: str
+    detail: dict | None = None
+
+
+Write = Union[Event, Transition, Samples, RestartRow, RestartUpdate]
+Action = Union[IssueRestart, KillSession, Alert]
+
+
+@dataclass
+class _Out:
+    writes: list = field(default_factory=list)
+    actions: list = field(default_factory=list)
+
+    def event(self, kind: str, severity: str, message: str, detail: dict | None = None) -> None:
+        self.writes.append(Event(kind, severity, message, jsonable(detail)))
+
+    def alert(self, kind: str, severity: str, message: str, detail: dict | None = None) -> None:
+        self.actions.append(Alert(kind, severity, message, jsonable(detail)))
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def step(state: RunState, obs: Observation, now: float, pol: Policy) -> tuple[RunState, list, list]:
+    """One observation of one run: (its new state, what to store, what to do)."""
+    s, out = state.copy(), _Out()
+    if isinstance(obs, Probed):
+        if obs.host_back is not None or s.run.state == LOST:
+            _host_back(s, obs, now, pol, out)
+        _observe(s, obs, now, pol, out)
+    elif isinstance(obs, Unreachable):
+        _unreachable(s, obs, pol, out)
+    elif isinstance(obs, JobDone):
+        s.job = None
+        if obs.kind == RESTART:
+            _restarted(s, obs, now, pol, out)
+        elif obs.error is not None:
+            out.event("stop", "warning", f"could not kill tmux session {s.run.tmux_session}: {obs.error}")
+    elif isinstance(obs, Clock):
+        if pol.act and s.pending is not None and s.job is None and now >= s.pending.due and obs.host_up:
+            _issue_restart(s, now, out)
+    else:
+        raise TypeError(f"not an observation: {obs!r}")
+    return s, out.writes, out.actions
+
+
+# --------------------------------------------------------------------------- a probe answer
+
+
+def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> None:
+    pr, skew = obs.result, obs.skew
+    now = local + skew  # the host's clock
+    _ingest_metrics(s, obs, out)
+    status = pr.status
+    if status is not None and status.step and status.step > (s.step_max or 0):
+        s.step_max = status.step
+    _track_phase(s, pr, now, skew)
+
+    started = status is not None and pr.exit_code is None and status.phase not in contract.FINAL_PHASES
+    if started and pol.act and s.run.state == LAUNCHING:
+        _transition(s, out, RUNNING, f"trainer started (pid {status.pid}, phase {status.phase})")
+    elif started and pol.act and s.run.state == RESTARTING and s.restart_issued:
+        s.restart_issued = False
+        _transition(s, out, RUNNING, f"trainer running again (pid {status.pid}, phase {status.phase})")
+    if s.run.state == RESTARTING and (s.pending is not None or not s.restart_issued):
+        return  # a restart is coming: ours after its backoff, or an operator's
+
+    findings = detectors.detect(
+        list(s.samples), pr, LAUNCHING if s.run.state == RESTARTING else s.run.state, pol.run.expect, now,
+        baseline_tok_s=s.baseline, assigned_gpus=s.run.gpus or None, phase_since=s.phase_since,
+    )
+    if not {f.kind for f in findings} & {detectors.CRASH, detectors.STALL, detectors.FINISHED}:
+        s.last_ok, s.crash_seen = local, None
+    _act(s, pr, findings, local, skew, pol, out)
+
+
+def _ingest_metrics(s: RunState, obs: Probed, out: _Out) -> None:
+    pr = obs.result
+    if pr.metrics_offset is None:
+        return  # metrics.jsonl could not be read this time; the offset stays
+    if pr.metrics_reset and s.args.metrics_offset:
+        out.event("metrics", "warning", f"{contract.METRICS_FILE} was truncated or replaced; read again from the start")
+    if obs.malformed:
+        out.event("metrics", "warning", f"{obs.malformed} malformed line(s) of {contract.METRICS_FILE} skipped")
+    if obs.lines or (pr.metrics_offset, pr.metrics_inode) != (s.args.metrics_offset, s.args.metrics_inode):
+        gpu = [g.__dict__ for g in pr.gpus or [] if g.index in s.run.gpus] or None
+        out.writes.append(Samples(tuple(obs.lines), gpu, pr.metrics_offset, pr.metrics_inode))
+    s.args = pr.next_args(s.args)
+    s.samples = (s.samples + tuple(Sample.from_metrics(m) for m in obs.lines))[-WINDOW:]
+    _progress(s, obs.lines, obs.skew, out)
+
+
+def _progress(s: RunState, lines, skew: float, out: _Out) -> None:
+    """The current process's steps: healthy_since, and its restart's cost and step_after."""
+    # Lines an earlier process wrote but that are read only now do not count.
+    ours = [m for m in lines if s.attempt_started is None or m.time - skew >= s.attempt_started - 1.0]
+    if not ours:
+        return
+    s.step_max = max([s.step_max or 0, *(m.step for m in ours)])
+    first = ours[0].time - skew  # local
+    if s.healthy_since is None:
+        s.healthy_since = first
+    r = s.latest
+    if r is None or (r.step_after is not None and r.step_after >= s.step_max):
+        return
+    r = replace(r, step_after=s.step_max)
+    last = s.history[-1]
+    s.history = s.history[:-1] + (policy.Restart(last.time, last.step_before, s.step_max),)
+    changes: dict[str, Any] = {"step_after": s.step_max}
+    if r.first_step_at is None:
+        r = replace(r, first_step_at=first)
+        changes["time_to_first_step_s"] = round(max(0.0, first - r.issued_at), 3)
+        if r.failed_at is not None:
+            changes["downtime_s"] = round(max(0.0, first - r.failed_at), 3)
+        out.event("restart", "info", f"training resumed at step {ours[0].step}, "
+                  f"{_seconds(first - r.issued_at)} after the restart"
+                  + (f" ({_seconds(first - r.failed_at)} down in all)" if r.failed_at else ""), changes)
+    s.latest = r
+    out.writes.append(RestartUpdate(changes))
+
+
+def _track_phase(s: RunState, pr: ProbeResult, now: float, skew: float) -> None:
+    """When the current phase began (status.json does not say): first seen, or for a
+    process still starting, its start time."""
+    phase = pr.status.phase if pr.status else None
+    if phase == s.phase and s.phase_since is not None:
+        return
+    since = now
+    if pr.status is not None and phase == contract.PHASE_STARTING and pr.status.started:
+        since = pr.status.started
+    elif pr.status is None and s.phase_since is None:
+        since = (s.attempt_started or s.run.created) + skew  # nothing written yet: count from the (re)start
+    s.phase, s.phase_since = phase, since
+
+
+# --------------------------------------------------------------------------- findings -> decision
+
+
+def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, skew: float, pol: Policy,
+         out: _Out) -> None:
+    finished = next((f for f in findings if f.kind == detectors.FINISHED), None)
+    if finished is not None:
+        _finished(s, pr, finished, pol, out)
+        return
+    crash = next((f for f in findings if f.kind == detectors.CRASH), None)
+    classification = None
+    if crash is not None:
+        s.crash_seen = s.crash_seen or local
+        proc = pr.process
+        if pr.exit_code is None and pr.session_alive and proc is not None and not proc.alive \
+                and local - s.crash_seen < SETTLE_S:
+            return  # run.sh is writing the exit code: classify with it at the next poll
+        classification = signatures.classify(
+            attempt_output(pr), pr.status.error if pr.status else None, pr.exit_code, pol.run.signatures
+        )
+        crash = replace(crash, detail={**crash.detail, "signature": classification.name,
+                                       "matched_line": classification.matched_line})
+        findings = [crash if f.kind == detectors.CRASH else f for f in findings]
+    actions = policy.decide(findings, classification, pol.run.restart, s.history, local, pol.rng,
+                            healthy_since=s.healthy_since)
+    decision, alerts = actions[0], actions[1:]
+    trigger = crash or next((f for f in findings if f.kind == detectors.STALL), None)
+    fresh = _note_findings(s, findings, local, out)
+    for f in findings:
+        if f.kind in fresh:
+            out.event(f.kind, f.severity, f.message, f.detail)
+    if trigger is not None:
+        _decided(s, pr, trigger, decision, local, skew, pol, out)
+    elif s.run.state == STALLED and pol.act:
+        _transition(s, out, RUNNING, "making progress again" + (f": step {s.step_max}" if s.step_max else ""))
+    for a in alerts:
+        one_shot = trigger is not None and a.finding == trigger.kind and decision.kind != policy.NONE
+        if one_shot or a.finding in fresh:
+            out.alert(a.finding or "finding", a.severity, a.reason, a.detail)
+
+
+def _note_findings(s: RunState, findings: list[Finding], local: float, out: _Out) -> set[str]:
+    """Kinds to write now: new, worse or worded otherwise than when last written, or
+    lasting long enough to say again. Kinds that went away are written as cleared."""
+    fresh = set()
+    for f in findings:
+        o = s.findings.get(f.kind)
+        worse = o is not None and _rank(f.severity) > _rank(o.severity)
+        if o is None or worse or o.shape != _shape(f.message) or local - o.written >= REPEAT_FINDING_S:
+            fresh.add(f.kind)
+            s.findings[f.kind] = Open(f.severity, o.since if o else local, local, _shape(f.message))
+    for kind in set(s.findings) - {f.kind for f in findings}:
+        o = s.findings.pop(kind)
+        if kind != detectors.CRASH:
+            out.event(kind, "info", f"{kind} cleared after {fmt_duration(local - o.since)}")
+    return fresh
+
+
+def _decided(s: RunState, pr: ProbeResult, trigger: Finding, decision: policy.Action, local: float, skew: float,
+             pol: Policy, out: _Out) -> None:
+    detail = {"decision": decision.kind, "signature": decision.signature, "finding": trigger.kind,
+              "delay_s": round(decision.delay, 3), **trigger.detail}
+    if not pol.act:
+        if decision.kind != policy.NONE:
+            out.event("decision", "info",
+                      f"would {decision.kind.replace('_', ' ')} (observing only): {decision.reason}", detail)
+        return
+    if decision.kind == policy.NONE:  # e.g. a process someone stopped on purpose
+        if s.run.state != STALLED:
+            _transition(s, out, STALLED, decision.reason, detail, severity=decision.severity)
+        return
+    s.findings.pop(trigger.kind, None)  # acted on: the next one is news again
+    if decision.kind == signatures.STOP:
+        if pr.session_alive or (pr.process is not None and pr.process.alive):
+            s.job = KILL
+            out.actions.append(KillSession())
+        _transition(s, out, FAILED, decision.reason, detail, severity=decision.severity,
+                    exit_code=pr.exit_code, exit_reason=_stop_why(trigger, decision))
+        return
+    s.pending = Pending(
+        due=local + decision.delay, action=decision.kind, reason=decision.reason, signature=decision.signature,
+        detected_at=s.crash_seen or local, failed_at=_failure_time(s, pr, trigger, skew),
+        step_before=s.step_max,
+    )
+    s.crash_seen = None
+    if not _transition(s, out, RESTARTING, decision.reason, detail, severity=decision.severity):
+        # A restarted process that failed before it was seen running: still one decision, one event.
+        out.event("restart", decision.severity, decision.reason, detail)
+    if decision.delay <= 0:
+        _issue_restart(s, local, out)
+
+
+def _failure_time(s: RunState, pr: ProbeResult, trigger: Finding, skew: float) -> float | None:
+    """Local time the failure happened (see the module docstring)."""
+    status = pr.status
+    seen = s.last_ok or s.attempt_started
+    if trigger.kind == detectors.CRASH:
+        if status is not None and status.phase == contract.PHASE_FAILED and status.updated:
+            return status.updated - skew
+        return seen
+    if trigger.detail.get("process_state") == "T":
+        return seen
+    progress = detectors.last_progress(list(s.samples), status)
+    return progress[1] - skew if progress else seen
+
+
+def _finished(s: RunState, pr: ProbeResult, finding: Finding, pol: Policy, out: _Out) -> None:
+    code = pr.exit_code
+    if not pol.act:
+        out.event(detectors.FINISHED, "info", finding.message, finding.detail)
+        return
+    state = DONE if finding.detail.get("outcome") == "done" else STOPPED
+    reason = contract.describe_exit(code) if code is not None else finding.detail.get("outcome")
+    _transition(s, out, state, finding.message, finding.detail, exit_code=code, exit_reason=reason)
+    out.alert(detectors.FINISHED, "info", finding.message, finding.detail)
+
+
+# --------------------------------------------------------------------------- restarts
+
+
+def _issue_restart(s: RunState, now: float, out: _Out) -> None:
+    p = s.pending
+    serialized = p.action == signatures.RESTART_SERIALIZED
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+    marker = (f"{RESTART_MARKER} restart {len(s.history) + 1} at {stamp} "
+              f"({p.signature or 'unknown'}{', serialized warm-up' if serialized else ''}) ---")
+    s.job = RESTART
+    out.actions.append(IssueRestart(serialized, marker, hung=p.signature == policy.STALL_SIGNATURE))
+
+
+def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -> None:
+    p = s.pending
+    if p is None:
+        return
+    if done.cancelled:
+        s.pending = None
+        out.event("restart", "info", done.error or "restart not issued: the run ended meanwhile")
+        return
+    if done.error is not None:
+        tries = p.tries + 1
+        if tries >= RESTART_TRIES or not done.retry:  # e.g. a bug: no retry
+            s.pending = None
+            message = f"restart failed ({tries} tries): {done.error}"
+            _transition(s, out, FAILED, message, severity="critical", exit_reason="restart failed")
+            out.alert("restart_failed", "critical", message, {"signature": p.signature})
+        else:
+            s.pending = replace(p, tries=tries, due=now + max(pol.run.restart.backoff_initial, pol.interval))
+            out.event("restart", "error", f"restart not issued (try {tries}/{RESTART_TRIES}; again in "
+                      f"{fmt_duration(s.pending.due - now)}): {done.error}")
+        return
+    s.pending = None
+    issued = done.issued if done.issued is not None else now
+    delay = p.detected_at - p.failed_at if p.failed_at is not None else None
+    out.writes.append(RestartRow(issued, p.reason, p.signature, p.action, p.step_before,
+                                 round(max(0.0, delay), 3) if delay is not None else None))
+    s.history = s.history + (policy.Restart(issued, p.step_before, None),)
+    s.latest = Latest(issued, p.failed_at)
+    # A new process: it resumes from a checkpoint, so the old one's steps are not its progress.
+    s.restart_issued, s.attempt_started = True, issued
+    s.samples = ()
+    s.findings = {}
+    s.step_max = s.healthy_since = s.last_ok = None
+    s.phase, s.phase_since = None, issued + done.skew
+
+
+# --------------------------------------------------------------------------- hosts
+
+
+def _unreachable(s: RunState, obs: Unreachable, pol: Policy, out: _Out) -> None:
+    f = obs.finding
+    if obs.worse:
+        out.event(detectors.UNREACHABLE, f.severity, f.message, f.detail)
+        out.alert(detectors.UNREACHABLE, f.severity, f.message, f.detail)
+    if pol.act and obs.polls >= LOST_AFTER_POLLS and s.run.state in (LAUNCHING, RUNNING, STALLED, RESTARTING):
+        s.state_before_lost = s.run.state
+        _transition(s, out, LOST, f"host {obs.host} unreachable for {obs.polls} polls; the trainer may still be "
+                    "running there", {"host": obs.host, "since": obs.since})
+
+
+def _host_back(s: RunState, obs: Probed, now: float, pol: Policy, out: _Out) -> None:
+    host = s.run.host
+    if obs.host_back is None:
+        # Lost under an earlier supervisor (the outage and a restart of ours often coincide).
+        if pol.act and s.run.state == LOST:
+            _transition(s, out, RUNNING, f"host {host} answers again; watching the run")
+        return
+    since, polls = obs.host_back
+    message = f"host {host} reachable again after {fmt_duration(now - since)} ({polls} failed poll(s))"
+    out.event(detectors.UNREACHABLE, "info", message, {"host": host, "down_s": now - since})
+    if pol.act and s.run.state == LOST:
+        back = s.state_before_lost if s.state_before_lost in TRANSITIONS[LOST] else RUNNING
+        _transition(s, out, back, message)
+        s.state_before_lost = None
+
+
+# --------------------------------------------------------------------------- state machine
+
+
+def _transition(s: RunState, out: _Out, to: str, message: str, detail: dict | None = None, **kw) -> bool:
+    """Move the run to ``to`` (False when it already is there, or is finished: only an
+    operator revives a finished run)."""
+    current = s.run.state
+    if current == to or current in FINAL_STATES:
+        return False
+    if to not in TRANSITIONS[current] and to in TRANSITIONS[RUNNING] and RUNNING in TRANSITIONS[current]:
+        # e.g. a (re)started process that fails or finishes before it was seen running
+        out.writes.append(Transition(RUNNING, "trainer started"))
+        current = RUNNING
+    if to not in TRANSITIONS[current]:
+        return False
+    out.writes.append(Transition(to, message, jsonable(detail), **kw))
+    s.run = replace(s.run, state=to)
+    return True
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def attempt_output(pr: ProbeResult) -> str:
+    """The current process's output: trainer.log after the last restart marker, else
+    the pane (which holds only this process's output, but is gone once it ended)."""
+    log = pr.log_tail or ""
+    cut = log.rfind(RESTART_MARKER)
+    if cut >= 0:
+        end = log.find("\n", cut)
+        log = log[end + 1 :] if end >= 0 else ""
+    return log if log.strip() else (pr.pane_tail or "")
+
+
+def _shape(message: str) -> str:
+    """A finding's wording without its numbers: a new shape is news ("ETA 9 d > 7 d"
+    becoming "4.3 Ktok/s = 34% of baseline ...; ETA ..."), new numbers are not."""
+    return re.sub(r"\d+(\.\d+)?", "N", message)
+
+
+def _stop_why(trigger: Finding, decision: policy.Action) -> str:
+    """The short reason a run was not restarted, for the runs table."""
+    what = f"{trigger.kind} ({decision.signature}): {trigger.message}; "
+    why = decision.reason[len(what) :] if decision.reason.startswith(what) else decision.reason
+    return f"{decision.signature or trigger.kind}: {why}"[:300]
+
+
+def _rank(severity: str) -> int:
+    return detectors.SEVERITIES.index(severity)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value < 60 else fmt_duration(value)
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

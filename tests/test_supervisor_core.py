@@ -1,0 +1,294 @@
+"""The supervisor's core as tables: a sequence of (time, observation) in, the
+transitions, events and actions out. No host, no store, no clock: what the
+supervisor decides is a function of what it saw.
+
+The same scenarios run for real (tmux, the probe, a real store) in
+test_supervisor.py and test_supervisor_e2e.py; here each decision is pinned
+exactly, including the ones that take minutes of real time (backoff, budgets,
+crash loops)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from dflashctl import contract, detectors
+from dflashctl import supervisor_core as core
+from dflashctl.config import Alerts, Expect, RestartPolicy
+from dflashctl.probe import ProbeArgs, ProbeResult, ProcessState
+from dflashctl.store import Run
+
+T0 = 1_800_000_000.0
+PID = 4242
+
+
+def make_state(state: str = "running", gpus=(), restart_issued: bool = False) -> core.RunState:
+    run = Run(id="r1", playbook="pb", host="gpu1", state=state, created=T0 - 60, run_dir="/runs/r1",
+              tmux_session="r1", config={"gpus": list(gpus)} if gpus else {})
+    return core.RunState(run=run, args=ProbeArgs(run_dir="/runs/r1", session="r1"), restart_issued=restart_issued)
+
+
+def make_policy(act: bool = True, **restart) -> core.Policy:
+    restart = {"backoff_initial": 0.0, "jitter": 0.0, **restart}
+    run = core.RunPolicy("pb", Expect(stall_window=60.0, compile_budget=600.0, startup_budget=120.0),
+                         RestartPolicy(**restart), Alerts())
+    return core.Policy(run, act=act, interval=1.0, rng=random.Random(0))
+
+
+def probe(t: float, phase: str | None = "training", *, step: int = 0, alive: bool = True, state: str = "S",
+          session: bool | None = True, exit_code: int | None = None, error: str | None = None,
+          log: str = "", started: float = T0 - 50) -> ProbeResult:
+    status = None
+    if phase is not None:
+        status = contract.Status(phase=phase, pid=PID, started=started, step=step, updated=t, error=error)
+    return ProbeResult(
+        run_dir="/runs/r1", session="r1", host_time=t, session_alive=session, pane_tail="", pane_dead=False,
+        status=status, log_tail=log, metrics_offset=0, process=ProcessState(PID, alive, state if alive else None),
+        exit_code=exit_code,
+    )
+
+
+def metrics(t: float, step: int, tok_s: float = 1000.0) -> contract.Metrics:
+    return contract.Metrics(time=t, step=step, total_steps=1000, tok_s=tok_s, phase="training")
+
+
+def healthy(t: float, step: int, tok_s: float = 1000.0) -> core.Probed:
+    return core.Probed(probe(t, step=step), lines=(metrics(t, step, tok_s),))
+
+
+def run_table(rows, state=None, pol=None):
+    """Feed (time, observation) rows through ``step``; return the final state and per
+    row (transition targets, event kinds, action kinds)."""
+    state = state or make_state()
+    pol = pol or make_policy()
+    seen = []
+    for t, obs in rows:
+        state, writes, actions = core.step(state, obs, t, pol)
+        seen.append((
+            [w.to for w in writes if isinstance(w, core.Transition)],
+            [w.kind for w in writes if isinstance(w, core.Event)],
+            [type(a).__name__ if not isinstance(a, core.Alert) else f"Alert:{a.kind}" for a in actions],
+        ))
+    return state, seen
+
+
+# --------------------------------------------------------------------------- start-up and progress
+
+
+def test_a_launching_run_goes_running_and_stores_its_samples_with_their_offset():
+    obs = core.Probed(replace(probe(T0, step=5), metrics_offset=120, metrics_inode=7), lines=(metrics(T0, 5),))
+    state, writes, actions = core.step(make_state("launching"), obs, T0, make_policy())
+    assert [type(w).__name__ for w in writes] == ["Samples", "Transition"]
+    assert writes[0].offset == 120 and writes[0].inode == 7 and [m.step for m in writes[0].lines] == [5]
+    assert writes[1].to == "running" and f"pid {PID}" in writes[1].message
+    assert actions == []
+    assert state.run.state == "running" and state.step_max == 5 and state.healthy_since == T0
+    assert (state.args.metrics_offset, state.args.metrics_inode) == (120, 7)
+
+
+def test_step_is_pure_the_input_state_is_left_as_it_was():
+    before = make_state("launching")
+    core.step(before, healthy(T0, 5), T0, make_policy())
+    assert before.run.state == "launching" and before.samples == () and before.step_max is None
+
+
+def test_observing_only_never_transitions_or_restarts():
+    rows = [(T0, healthy(T0, 1)), (T0 + 1, core.Probed(probe(T0 + 1, session=False, alive=False, exit_code=1)))]
+    state, seen = run_table(rows, make_state("launching"), make_policy(act=False))
+    assert all(not transitions for transitions, _, _ in seen)
+    assert "decision" in seen[1][1]  # "would restart (observing only)"
+    assert not any("IssueRestart" in actions for _, _, actions in seen)
+    assert state.run.state == "launching" and state.pending is None
+
+
+# --------------------------------------------------------------------------- crash
+
+
+def test_a_crash_is_classified_and_restarted_and_the_restart_row_follows_its_success():
+    crash = core.Probed(probe(T0 + 10, session=False, alive=False, exit_code=1,
+                              log="Traceback (most recent call last):\nRuntimeError: boom\n"))
+    rows = [(T0, healthy(T0, 10)), (T0 + 10, crash)]
+    state, seen = run_table(rows)
+    assert seen[1] == (["restarting"], ["crash"], ["IssueRestart", "Alert:crash"])
+    assert state.job == core.RESTART and state.pending.step_before == 10
+    # The worker reports the restart issued: the restart row is written, a new attempt begins.
+    state, writes, actions = core.step(state, core.JobDone(core.RESTART, issued=T0 + 11), T0 + 11, make_policy())
+    rows_written = [w for w in writes if isinstance(w, core.RestartRow)]
+    assert len(rows_written) == 1 and rows_written[0].step_before == 10 and rows_written[0].time == T0 + 11
+    assert rows_written[0].detect_delay_s == 10.0  # detected at T0+10, last healthy poll at T0
+    assert state.pending is None and state.restart_issued and state.samples == () and state.step_max is None
+    # Its first step fills in the cost.
+    state, writes, _ = core.step(state, healthy(T0 + 15, 11), T0 + 15, make_policy())
+    assert [w.to for w in writes if isinstance(w, core.Transition)] == ["running"]
+    update = next(w for w in writes if isinstance(w, core.RestartUpdate))
+    # issued at T0+11, first step at T0+15; down since the last healthy poll at T0
+    assert update.changes == {"step_after": 11, "time_to_first_step_s": 4.0, "downtime_s": 15.0}
+
+
+def test_a_process_gone_without_an_exit_code_waits_for_run_sh_to_write_it():
+    gone = core.Probed(probe(T0 + 1, alive=False, session=True))
+    state, seen = run_table([(T0, healthy(T0, 1)), (T0 + 1, gone), (T0 + 2, gone), (T0 + 1 + core.SETTLE_S, gone)])
+    assert seen[1] == ([], [], []) and seen[2] == ([], [], [])  # settling
+    assert seen[3][0] == ["restarting"]
+
+
+def test_a_restart_that_cannot_be_issued_is_tried_again_then_the_run_fails():
+    crash = core.Probed(probe(T0 + 1, session=False, alive=False, exit_code=1))
+    state, _ = run_table([(T0, healthy(T0, 1)), (T0 + 1, crash)])
+    pol = make_policy()
+    seen = []
+    for i in range(core.RESTART_TRIES):
+        t = T0 + 10 * (i + 1)
+        state, writes, actions = core.step(state, core.JobDone(core.RESTART, error="host down"), t, pol)
+        seen.append(([w.to for w in writes if isinstance(w, core.Transition)], [type(a).__name__ for a in actions]))
+        state, _, actions = core.step(state, core.Clock(), t + 5, pol)  # the retry is due after the interval
+        if state.pending is not None:
+            assert [type(a).__name__ for a in actions] == ["IssueRestart"]
+    assert seen[:-1] == [([], [])] * (core.RESTART_TRIES - 1)
+    assert seen[-1] == (["failed"], ["Alert"])
+    assert state.run.state == "failed"
+
+
+def test_a_restart_cancelled_by_an_operators_stop_is_dropped():
+    crash = core.Probed(probe(T0 + 1, session=False, alive=False, exit_code=1))
+    state, _ = run_table([(T0, healthy(T0, 1)), (T0 + 1, crash)])
+    state, writes, actions = core.step(state, core.JobDone(core.RESTART, error="the run is stopped meanwhile",
+                                                           cancelled=True), T0 + 2, make_policy())
+    assert state.pending is None and actions == [] and [w.kind for w in writes] == ["restart"]
+
+
+# --------------------------------------------------------------------------- backoff and crash loop
+
+
+def test_backoff_holds_the_restart_until_it_is_due_and_the_host_is_up():
+    pol = make_policy(backoff_initial=30.0, backoff_max=60.0)
+    crash = core.Probed(probe(T0 + 1, session=False, alive=False, exit_code=1))
+    state, _ = run_table([(T0, healthy(T0, 1)), (T0 + 1, crash)], pol=pol)
+    assert state.pending.due == T0 + 31 and state.job is None
+    for t, host_up, issued in [(T0 + 10, True, False), (T0 + 31, False, False), (T0 + 32, True, True)]:
+        state, _, actions = core.step(state, core.Clock(host_up=host_up), t, pol)
+        assert any(isinstance(a, core.IssueRestart) for a in actions) is issued
+    # While a restart waits for its backoff, probes of the old process decide nothing new.
+    state2, _ = run_table([(T0, healthy(T0, 1)), (T0 + 1, crash), (T0 + 2, crash)], pol=pol)
+    assert state2.pending.due == T0 + 31
+
+
+def test_a_crash_loop_stops_after_k_restarts_without_progress():
+    pol = make_policy(crash_loop_k=2, max_restarts=10)
+    state = make_state()
+    crash = lambda t: core.Probed(probe(t, session=False, alive=False, exit_code=1))  # noqa: E731
+    decisions, failed = [], None
+    for i in range(3):
+        t = T0 + 100 * i
+        state, writes, actions = core.step(state, crash(t), t, pol)
+        decisions.append([w.to for w in writes if isinstance(w, core.Transition)])
+        failed = failed or next((w for w in writes if isinstance(w, core.Transition) and w.to == "failed"), None)
+        if state.pending is not None:
+            state, _, _ = core.step(state, core.JobDone(core.RESTART, issued=t + 1), t + 1, pol)
+    # The restarted process fails before it was seen running: still restarting, one
+    # more decision; the K-th restart without progress is not issued.
+    assert decisions == [["restarting"], [], ["failed"]]
+    assert "crash loop" in failed.message and failed.severity == "critical"
+    last = core.step(make_state(), crash(T0), T0, pol)  # a fresh run is restarted again
+    assert [w.to for w in last[1] if isinstance(w, core.Transition)] == ["restarting"]
+
+
+def test_the_stop_action_kills_a_live_session_and_fails_the_run():
+    pol = make_policy(max_restarts=0)
+    crash = core.Probed(probe(T0, session=True, alive=True, phase="failed", error="RuntimeError: x"))
+    state, writes, actions = core.step(make_state(), crash, T0, pol)
+    transition = [w for w in writes if isinstance(w, core.Transition)][-1]
+    assert transition.to == "failed" and transition.exit_reason
+    assert [type(a).__name__ for a in actions][0] == "KillSession" and state.job == core.KILL
+
+
+# --------------------------------------------------------------------------- stall: compiling vs training
+
+
+@pytest.mark.parametrize("phase,quiet,expect_stall", [
+    ("training", 59.0, False),
+    ("training", 61.0, True),
+    ("compiling", 61.0, False),  # compiling has its own budget (600 s here)
+    ("compiling", 601.0, True),
+    ("starting", 121.0, True),  # the start-up budget (120 s)
+])
+def test_stall_windows_by_phase(phase, quiet, expect_stall):
+    pol = make_policy()
+    state, writes, _ = core.step(make_state(), core.Probed(probe(T0, phase, step=10, started=T0)), T0, pol)
+    obs = core.Probed(probe(T0 + quiet, phase, step=10, started=T0))
+    obs = replace(obs, result=replace(obs.result, status=replace(obs.result.status, updated=T0)))
+    state, writes, actions = core.step(state, obs, T0 + quiet, pol)
+    assert any(isinstance(w, core.Event) and w.kind == "stall" for w in writes) is expect_stall
+    assert any(isinstance(a, core.IssueRestart) for a in actions) is expect_stall
+    if expect_stall:
+        assert actions[0].hung  # its stacks are dumped before it is killed
+
+
+def test_a_stopped_process_is_a_stall_left_alone_then_running_again():
+    pol = make_policy()
+    stopped = core.Probed(probe(T0 + 1, step=1, state="T"))
+    state, seen = run_table([(T0, healthy(T0, 1)), (T0 + 1, stopped), (T0 + 2, stopped), (T0 + 3, healthy(T0 + 3, 2))],
+                            pol=pol)
+    assert seen[1][0] == ["stalled"] and seen[1][1] == ["stall"]
+    assert seen[2] == ([], [], [])  # the same finding is not written twice
+    assert seen[3][0] == ["running"] and "stall" in seen[3][1]  # cleared
+    assert not any("IssueRestart" in a for _, _, a in seen)
+
+
+# --------------------------------------------------------------------------- regression
+
+
+def test_a_regression_alerts_in_the_operators_terms_and_never_restarts():
+    state = make_state()
+    state.baseline = 10_000.0
+    pol = make_policy()
+    seen = []
+    for i in range(5):
+        t = T0 + 10 * i
+        state, writes, actions = core.step(state, healthy(t, i + 1, tok_s=3_000.0), t, pol)
+        seen.append(([w.kind for w in writes if isinstance(w, core.Event)], actions))
+    first = next(i for i, (events, _) in enumerate(seen) if "regression" in events)
+    events = [w for w in core.step(make_state(), healthy(T0, 1), T0, pol)[1]]  # a healthy run: no finding
+    assert not any(isinstance(e, core.Event) and e.kind == "regression" for e in events)
+    assert first == pol.run.expect.regression_windows - 1
+    assert any(isinstance(a, core.Alert) and a.kind == "regression" and "30% of baseline" in a.message
+               for a in seen[first][1])
+    assert not any(isinstance(a, core.IssueRestart) for _, actions in seen for a in actions)
+    assert state.run.state == "running"
+
+
+# --------------------------------------------------------------------------- unreachable
+
+
+def test_an_unreachable_host_is_written_when_worse_and_the_run_goes_lost_then_back():
+    pol = make_policy()
+    state = make_state()
+    down = lambda polls, worse, sev="warning": core.Unreachable(  # noqa: E731
+        "gpu1", detectors.Finding("unreachable", sev, "host gpu1 unreachable"), polls, T0, worse)
+    rows = [(T0, down(1, True)), (T0 + 1, down(2, False)), (T0 + 400, down(3, True, "critical")),
+            (T0 + 401, core.Probed(probe(T0 + 401, step=3), host_back=(T0, 3)))]
+    state, seen = run_table(rows, state, pol)
+    assert seen[0] == ([], ["unreachable"], ["Alert:unreachable"])
+    assert seen[1] == (["lost"], [], [])
+    assert seen[2] == ([], ["unreachable"], ["Alert:unreachable"])
+    assert seen[3][0] == ["running"] and "unreachable" in seen[3][1]
+    assert state.run.state == "running"
+
+
+def test_a_run_lost_under_an_earlier_supervisor_is_running_again_when_its_host_answers():
+    state, seen = run_table([(T0, healthy(T0, 1))], make_state("lost"))
+    assert seen[0][0] == ["running"]
+
+
+# --------------------------------------------------------------------------- finished
+
+
+@pytest.mark.parametrize("phase,code,final", [("done", 0, "done"), ("stopped", 4, "stopped")])
+def test_a_finished_trainer_ends_the_run(phase, code, final):
+    obs = core.Probed(probe(T0, phase, step=100, session=False, alive=False, exit_code=code))
+    state, writes, actions = core.step(make_state(), obs, T0, make_policy())
+    t = [w for w in writes if isinstance(w, core.Transition)]
+    assert [x.to for x in t] == [final] and t[0].exit_code == code
+    assert [a.kind for a in actions] == ["finished"]
