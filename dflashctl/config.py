@@ -11,15 +11,33 @@ Where files are found (first hit wins):
     explicit argument > DFLASHCTL_INVENTORY / DFLASHCTL_PLAYBOOKS
     > ./inventory.yaml, ./playbooks/ > config_dir() (~/.config/dflashctl/)
     > embedded defaults (an inventory with only the ``local`` host; the ``demo`` playbook).
+
+A host may be described by the user's ssh config instead: ``ssh: ALIAS`` (or
+a name the inventory lacks but ``~/.ssh/config`` knows) takes HostName, User,
+Port, IdentityFile, ProxyJump, ServerAliveInterval, ConnectTimeout and
+UserKnownHostsFile from the files fabric loads (``~/.ssh/config``, then
+``/etc/ssh/ssh_config``), once, when the host is read. What the host's own entry
+says wins over the ssh config, which wins over ``defaults:``. ProxyJump hops that
+the inventory does not name become hosts of their own (``Inventory.route``), so
+every hop is a pooled connection whose host key is checked.
+
+A playbook's crash signatures are ``signatures.PlaybookSignature`` models (with
+the signature table they extend). This module only reads and validates files
+(the inventory, playbooks, the user's ssh config): it never reaches a host or
+the store, never imports torch (the trainer section is
+checked by ``trainer.config``, torch-free), and never imports controller modules
+above it (transport, launch, supervisor): they all depend on it.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import re
 import shlex
 import sys
+import threading
 import typing
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -30,7 +48,9 @@ from pydantic import (
     ConfigDict,
     Field,
     InstanceOf,
+    PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -38,7 +58,7 @@ from pydantic import (
 from dflashctl import paths
 from dflashctl.contract import did_you_mean
 from dflashctl.errors import ConfigError
-from dflashctl.signatures import signature_names
+from dflashctl.signatures import Action, PlaybookSignature, Severity, signature_names
 from trainer import config as trainer_config
 from trainer.config import TrainerConfig
 
@@ -53,7 +73,6 @@ __all__ = [
     "Inventory",
     "Playbook",
     "RestartPolicy",
-    "Signature",
     "find_inventory",
     "list_playbooks",
     "load_inventory",
@@ -117,9 +136,6 @@ restart:
   backoff_max: 30s
   healthy_after: 1m
 """
-
-Severity = Literal["info", "warning", "error", "critical"]
-Action = Literal["restart", "restart_serialized", "stop"]
 
 # --------------------------------------------------------------------------- durations
 
@@ -236,7 +252,7 @@ def _type_at(root: Any, loc: tuple) -> Any:
 
 
 # Filled in by the loader, not written in YAML: Host.name (its key), Playbook.name/source.
-_DERIVED_KEYS = {"Host": ("name",), "Playbook": ("name", "source")}
+_DERIVED_KEYS = {"Host": ("name", "ssh_config"), "Playbook": ("name", "source")}
 
 
 def _user_keys(model: type[BaseModel]) -> list[str]:
@@ -317,6 +333,76 @@ def _lines(found: list[tuple[str, str, str]]) -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- ssh config
+
+# Where ssh reads its configuration, in its order: the first value found wins.
+SSH_CONFIG_FILES = ("~/.ssh/config", "/etc/ssh/ssh_config")
+# The options an `ssh:` alias takes from there (lower case, as paramiko's lookup names them).
+SSH_CONFIG_OPTIONS = (
+    "hostname", "user", "port", "identityfile", "proxyjump", "serveraliveinterval", "connecttimeout",
+    "userknownhostsfile",
+)  # fmt: skip
+_ssh_config_lock = threading.Lock()
+_ssh_config_cache: dict[str, Any] = {}
+
+
+def _stamp(path: str) -> Optional[tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def ssh_config():
+    """The user's and the system's ssh config (``SSH_CONFIG_FILES``, ``~`` expanded
+    against $HOME now), as fabric loads them: a ``paramiko.SSHConfig``. Re-read when
+    either file changes. (paramiko's parser does not follow ``Include`` lines.)"""
+    files = tuple(os.path.expanduser(p) for p in SSH_CONFIG_FILES)
+    stamp = (files, tuple(_stamp(f) for f in files))
+    with _ssh_config_lock:
+        if _ssh_config_cache.get("stamp") == stamp:
+            return _ssh_config_cache["config"]
+    from fabric import Config as FabricConfig  # the SSH library the transport opens connections with
+
+    loaded = FabricConfig(user_ssh_path=files[0], system_ssh_path=files[1]).base_ssh_config
+    with _ssh_config_lock:
+        _ssh_config_cache.update(stamp=stamp, config=loaded)
+    return loaded
+
+
+def ssh_config_lookup(alias: str) -> dict[str, Any]:
+    """What the ssh config says for ``alias`` (``SSH_CONFIG_OPTIONS`` only; ``hostname``
+    is the alias itself when no HostName applies, as with ssh)."""
+    found = ssh_config().lookup(alias)
+    return {key: found[key] for key in SSH_CONFIG_OPTIONS if key in found}
+
+
+def ssh_config_knows(name: str) -> bool:
+    """Whether a ``Host`` line of the ssh config names ``name`` (a pattern other than
+    a bare ``*`` counts: ``Host gpu*`` knows ``gpu7``)."""
+    try:
+        patterns = ssh_config().get_hostnames()
+    except Exception:  # noqa: BLE001  (an unreadable ssh config knows no host; `ssh:` hosts report why)
+        return False
+    patterns = [p for p in patterns if p != "*" and not p.startswith("!")]
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def proxy_jump_hops(value: Optional[str]) -> list[dict[str, Any]]:
+    """A ProxyJump value as hops, outermost first: ``{"text", "host", "user", "port"}``
+    each (fabric's parsing of ``[user@]host[:port]``); ``none`` or nothing: no hop."""
+    if not value or value.strip().lower() == "none":
+        return []
+    from fabric.connection import derive_shorthand
+
+    hops = []
+    for text in (h.strip() for h in value.split(",")):
+        if text:
+            hops.append({"text": text, **derive_shorthand(text.removeprefix("ssh://"))})
+    return hops
+
+
 # --------------------------------------------------------------------------- models
 
 
@@ -366,6 +452,11 @@ class Host(BaseModel):
     name: str
     """The key under ``hosts:``."""
     transport: Literal["local", "ssh"] = "ssh"
+    ssh: Optional[str] = None
+    """An alias of the user's ssh config (``Host ALIAS`` in ~/.ssh/config or
+    /etc/ssh/ssh_config): its HostName, User, Port, IdentityFile, ProxyJump,
+    ServerAliveInterval, ConnectTimeout and UserKnownHostsFile apply. Keys set in
+    this host's entry win; ``defaults:`` fill only what the ssh config leaves unset."""
     address: Optional[str] = None
     """Name or IP to connect to; behind a jump host, as the jump host sees it."""
     port: int = Field(22, ge=1, le=65535)
@@ -386,8 +477,20 @@ class Host(BaseModel):
     Local hosts default to data_dir()/work."""
     gpus: Optional[int] = Field(None, ge=0)
     connect_timeout: Duration = Field(10.0, gt=0)
+    """Longest to open the connection, and to wait for the server to open a session
+    on it: an open connection that does not answer for this long is replaced."""
     command_timeout: Duration = Field(120.0, gt=0)
+    keepalive: Duration = Field(15.0, ge=0)
+    """Seconds between SSH keepalives on an idle connection (ServerAliveInterval); 0: none."""
     env: EnvMap = {}
+    env_audit: Annotated[dict, _none_is_empty(dict)] = {}
+    """Env-audit policy for this host (allow, ignore), merged with a playbook's;
+    checked by dflashctl.envaudit.Policy when an audit runs."""
+
+    ssh_config: dict[str, Any] = {}
+    """Filled when the host is read, never written in YAML: what the ssh config said
+    for ``ssh`` (its lower-case keys: hostname, user, port, identityfile, proxyjump,
+    serveraliveinterval, connecttimeout, userknownhostsfile)."""
 
     @property
     def is_local(self) -> bool:
@@ -416,29 +519,87 @@ class Host(BaseModel):
         return os.path.expanduser(value) if value else value
 
     @model_validator(mode="after")
-    def _transport_rules(self) -> "Host":
+    def _transport_rules(self, info: ValidationInfo) -> "Host":
         problems = []
         if self.is_local:
-            for key in ("address", "jump"):
+            for key in ("address", "jump", "ssh"):
                 if getattr(self, key) is not None:
                     problems.append((key, _LOCAL_HOST_HAS_ROUTE))
             if "workdir" not in self.model_fields_set:
                 self.workdir = os.path.join(paths.data_dir(), "work")
             if "python" not in self.model_fields_set:
                 self.python = sys.executable
-        elif not self.address:
-            problems.append(("address", "required for ssh hosts (the name or IP to connect to)"))
+        else:
+            if self.ssh is not None and not self.ssh_config:
+                # The keys of the host's own entry (the loader says which; else all given).
+                own = (info.context or {}).get("own") if info is not None else None
+                problems += self._take_ssh_config(self.model_fields_set if own is None else set(own))
+            if not self.address:  # (or `ssh: ALIAS`, which sets it)
+                problems.append(("address", "required for ssh hosts (the name or IP to connect to)"))
         if self.jump is not None and self.jump == self.name:
             problems.append(("jump", f"jump cycle {self.name} -> {self.name}"))
         if problems:
             raise _Problems(problems)
         return self
 
+    def _take_ssh_config(self, own: set[str]) -> list[tuple[str, str]]:
+        """Fill what the host's own entry leaves unset from the ssh config's ``Host``
+        block for ``ssh``; the problems found, each naming the alias and the option."""
+        try:
+            found = ssh_config_lookup(self.ssh)
+        except Exception as e:  # noqa: BLE001  (any failure to read the user's file is one message)
+            return [("ssh", f"cannot read the ssh config for '{self.ssh}': {e}")]
+        self.ssh_config = found
+        problems: list[tuple[str, str]] = []
+
+        def number(option: str, low: int) -> Optional[int]:
+            try:
+                value = int(found[option])
+                if value >= low:
+                    return value
+            except ValueError:
+                pass
+            problems.append(("ssh", f"the ssh config gives '{self.ssh}' {option} {found[option]!r}: "
+                                    f"expected a whole number of at least {low}"))
+            return None
+
+        if "address" not in own:
+            self.address = found.get("hostname") or self.ssh
+        if "user" in found and "user" not in own:
+            self.user = found["user"]
+        if "port" in found and "port" not in own:
+            port = number("port", 1)
+            if port is not None and port <= 65535:
+                self.port = port
+        if found.get("identityfile") and "identity_file" not in own:
+            # As ssh does: files that do not exist are skipped.
+            existing = [f for f in map(os.path.expanduser, found["identityfile"]) if os.path.isfile(f)]
+            if existing:
+                self.identity_file = existing[0]
+        if "serveraliveinterval" in found and "keepalive" not in own:
+            interval = number("serveraliveinterval", 0)
+            if interval is not None:
+                self.keepalive = float(interval)
+        if "connecttimeout" in found and "connect_timeout" not in own:
+            timeout = number("connecttimeout", 1)
+            if timeout is not None:
+                self.connect_timeout = float(timeout)
+        if found.get("userknownhostsfile") and "known_hosts" not in own:
+            self.known_hosts = os.path.expanduser(found["userknownhostsfile"].split()[0])
+        try:
+            hops = proxy_jump_hops(found.get("proxyjump"))
+        except ValueError as e:
+            problems.append(("ssh", f"the ssh config gives '{self.ssh}' ProxyJump {found['proxyjump']!r}: {e}"))
+            hops = []
+        if hops and "jump" not in own and hops[-1]["host"] not in (self.ssh, self.name):
+            self.jump = hops[-1]["host"]
+        return problems
+
 
 # Host keys that make sense once for every ssh host.
 _DEFAULTABLE = (
     "port", "user", "identity_file", "known_hosts", "trust_on_first_use", "wrapper",
-    "python", "workdir", "connect_timeout", "command_timeout", "env",
+    "python", "workdir", "connect_timeout", "command_timeout", "keepalive", "env",
 )  # fmt: skip
 
 
@@ -449,7 +610,7 @@ def _jump_problems(jumps: dict[str, Optional[str]], local: set[str]) -> list[tup
         where = f"hosts.{name}.jump"
         if jump is None or jump == name:
             continue  # a self-jump is reported by Host itself
-        if jump not in jumps:
+        if jump not in jumps and not ssh_config_knows(jump):
             problems.append((where, f"unknown host '{jump}'{did_you_mean(jump, list(jumps))}"))
         elif jump in local:
             problems.append((where, f"'{jump}' is a local host; a jump host must be reached over ssh"))
@@ -464,42 +625,99 @@ def _jump_problems(jumps: dict[str, Optional[str]], local: set[str]) -> list[tup
 
 
 class Inventory(BaseModel):
-    """All hosts of one inventory file; ``source`` is its path or '<embedded default>'."""
+    """All hosts of one inventory file; ``source`` is its path or '<embedded default>'.
+
+    A name the inventory lacks is still a host when the user's ssh config has a
+    ``Host`` for it (``get``), and ProxyJump hops of ``ssh:`` hosts are hosts too
+    (``route``): both are built from the ssh config (and ``defaults``) when first
+    asked for, then kept, so every caller sees the same ``Host``."""
 
     model_config = ConfigDict(extra="forbid")
 
     hosts: dict[str, Host]
     source: str = EMBEDDED
+    defaults: dict[str, Any] = {}
+    """The file's ``defaults:`` section, for hosts that only the ssh config names."""
+    _from_ssh_config: dict[tuple, Host] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_routes(self) -> "Inventory":
         problems = [(f"hosts.{k}.name", f"does not match its key '{k}'") for k, h in self.hosts.items() if h.name != k]
-        jumps = {k: (None if h.is_local else h.jump) for k, h in self.hosts.items()}
+        # A jump that the ssh config's ProxyJump named may be a host the inventory lacks.
+        jumps = {k: (None if h.is_local or (h.jump not in self.hosts and h.ssh_config.get("proxyjump")) else h.jump)
+                 for k, h in self.hosts.items()}
         problems += _jump_problems(jumps, {k for k, h in self.hosts.items() if h.is_local})
         if problems:
             raise _Problems(problems)
         return self
 
+    def knows(self, name: str) -> bool:
+        """Whether ``get(name)`` finds a host (the inventory's, or the ssh config's)."""
+        return name in self.hosts or ssh_config_knows(name)
+
     def get(self, name: str) -> Host:
-        try:
-            return self.hosts[name]
-        except KeyError:
-            raise ConfigError(
-                f"unknown host '{name}'{did_you_mean(name, list(self.hosts))}",
-                source=self.source,
-                hint=f"hosts in {self.source}: {', '.join(self.hosts) or '(none)'}",
-            ) from None
+        host = self.hosts.get(name)
+        if host is not None:
+            return host
+        if ssh_config_knows(name):
+            return self._ssh_host(name)
+        raise ConfigError(
+            f"unknown host '{name}'{did_you_mean(name, list(self.hosts))}",
+            source=self.source,
+            hint=f"hosts in {self.source}: {', '.join(self.hosts) or '(none)'}; "
+            f"a `Host {name}` entry in ~/.ssh/config would also do",
+        )
 
     def route(self, name: str) -> list[Host]:
         """The hosts to pass through: outermost jump first, the host itself last."""
-        chain = [self.get(name)]
+        return self.route_of(self.get(name))
+
+    def route_of(self, host: Host) -> list[Host]:
+        """``route`` for a host given as a model (it may be a changed copy of one)."""
+        chain = [host]
         while chain[-1].jump is not None:
-            nxt = self.get(chain[-1].jump)
+            nxt = self._jump_of(chain[-1])
             if any(h.name == nxt.name for h in chain):
                 names = " -> ".join(h.name for h in chain + [nxt])
                 raise ConfigError(f"hosts.{chain[-1].name}.jump: jump cycle {names}", source=self.source)
             chain.append(nxt)
         return chain[::-1]
+
+    def _jump_of(self, host: Host) -> Host:
+        """The host that ``host`` connects through: an inventory host by name, or a
+        ProxyJump hop of its ssh config (a chain ``a,b`` reaches ``b`` through ``a``)."""
+        if host.jump in self.hosts:
+            return self.hosts[host.jump]
+        hops = proxy_jump_hops(host.ssh_config.get("proxyjump"))
+        if hops and hops[-1]["host"] == host.jump:
+            last, before = hops[-1], hops[:-1]
+            return self._ssh_host(last["host"], user=last["user"], port=last["port"],
+                                  via=",".join(h["text"] for h in before) or None)
+        return self.get(host.jump)
+
+    def _ssh_host(self, name: str, user: Optional[str] = None, port: Optional[int] = None,
+                  via: Optional[str] = None) -> Host:
+        """A host described by the ssh config's ``Host name`` (and ``defaults``);
+        ``user``/``port`` from a ``user@host:port`` hop win, ``via`` is the
+        ProxyJump chain that leads to it."""
+        key = (name, user, port, via)
+        found = self._from_ssh_config.get(key)
+        if found is not None:
+            return found
+        own: dict[str, Any] = {k: v for k, v in (("user", user), ("port", port)) if v is not None}
+        if via:
+            own["jump"] = proxy_jump_hops(via)[-1]["host"]
+        data = {**{k: v for k, v in self.defaults.items() if k in _DEFAULTABLE}, **own, "name": name, "ssh": name}
+        try:
+            host = Host.model_validate(data, context={"own": set(own)})
+        except ValidationError as e:
+            lines = _lines(_translate(e, Host))
+            raise ConfigError([f"host '{name}' from the ssh config: {line}" for line in lines],
+                              source=self.source) from None
+        if via:
+            host.ssh_config = {**host.ssh_config, "proxyjump": via}
+        self._from_ssh_config[key] = host
+        return host
 
 
 class Expect(BaseModel):
@@ -551,29 +769,6 @@ class RestartPolicy(BaseModel):
         return self
 
 
-class Signature(BaseModel):
-    """A crash signature of this playbook, matched against the error text before the built-in table."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    pattern: str
-    """Python regular expression, searched in the traceback / pane tail."""
-    action: Action = "restart"
-    severity: Severity = "error"
-    hint: Optional[str] = None
-    """Shown to the operator with the alert."""
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, pattern: str) -> str:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ValueError(f"invalid regular expression '{pattern}': {e}") from None
-        return pattern
-
-
 class Alerts(BaseModel):
     """Where events at or above ``min_severity`` go (as JSON)."""
 
@@ -586,6 +781,11 @@ class Alerts(BaseModel):
     """URL receiving an HTTP POST of the event JSON."""
     min_interval: Duration = Field(60.0, ge=0)
     """At most one alert per this interval for the same run and kind."""
+    timeout: Duration = Field(30.0, gt=0)
+    """Longest one hook may take for one alert, all told: then a command's process
+    group is killed and a webhook request abandoned, and the failure reported."""
+    connect_timeout: Duration = Field(10.0, gt=0)
+    """Longest a webhook may take to accept the connection (within ``timeout``)."""
 
     @field_validator("command", mode="before")
     @classmethod
@@ -643,7 +843,7 @@ class Playbook(BaseModel):
     poll_interval: Duration = Field(15.0, gt=0)
     expect: Annotated[Expect, _none_is_empty(dict)] = Field(default_factory=Expect)
     restart: Annotated[RestartPolicy, _none_is_empty(dict)] = Field(default_factory=RestartPolicy)
-    signatures: Annotated[list[Signature], _none_is_empty(list)] = []
+    signatures: Annotated[list[PlaybookSignature], _none_is_empty(list)] = []
     """Checked before the built-in signature table."""
     alerts: Annotated[Alerts, _none_is_empty(dict)] = Field(default_factory=Alerts)
     env_audit: Annotated[dict, _none_is_empty(dict)] = {}
@@ -825,6 +1025,11 @@ def _inventory_from_text(text: str, source: str, base_dir: Optional[str]) -> Inv
             message = "a host's name is its key under hosts:; remove this line"
             found.append((_loc_path(where + ("name",)), "derived", message))
             host_raw = {k: v for k, v in host_raw.items() if k != "name"}
+        if "ssh_config" in host_raw:
+            message = "filled from the ssh config of `ssh:` when the host is read; remove this line"
+            found.append((_loc_path(where + ("ssh_config",)), "derived", message))
+            host_raw = {k: v for k, v in host_raw.items() if k != "ssh_config"}
+        own = set(host_raw)
         if host_raw.get("transport", "ssh") == "local":
             local.add(name)
             jumps[name] = None
@@ -836,7 +1041,8 @@ def _inventory_from_text(text: str, source: str, base_dir: Optional[str]) -> Inv
                     merged["env"] = {**defaults["env"], **host_raw["env"]}  # per-key: host wins
                 host_raw = merged
         try:
-            hosts[name] = Host.model_validate({**_local_paths(host_raw, base_dir), "name": name})
+            hosts[name] = Host.model_validate({**_local_paths(host_raw, base_dir), "name": name},
+                                              context={"own": own})
         except ValidationError as e:
             found += _translate(e, Host, where)
     found += [(path, "route", msg) for path, msg in _jump_problems(jumps, local)]
@@ -844,7 +1050,11 @@ def _inventory_from_text(text: str, source: str, base_dir: Optional[str]) -> Inv
     lines = _lines(found)
     if lines:
         raise ConfigError(lines, source=source)
-    return Inventory(hosts=hosts, source=source)
+    try:
+        return Inventory(hosts=hosts, source=source,
+                         defaults=_local_paths(defaults, base_dir) if not bad_defaults else {})
+    except ValidationError as e:  # a cycle through jumps that the ssh config's ProxyJump named
+        raise ConfigError(_lines(_translate(e, Inventory)), source=source) from None
 
 
 # --------------------------------------------------------------------------- playbooks
@@ -933,7 +1143,7 @@ def _playbook_from_text(text: str, name: str, source: str, inventory: Optional[I
     hint = None
     host_name = raw.get("host")
     if inventory is not None and isinstance(host_name, str):
-        if host_name not in inventory.hosts:
+        if not inventory.knows(host_name):
             suggestion = did_you_mean(host_name, list(inventory.hosts))
             found.append(("host", "route", f"unknown host '{host_name}'{suggestion}"))
             hint = (
@@ -941,7 +1151,7 @@ def _playbook_from_text(text: str, name: str, source: str, inventory: Optional[I
                 "hosts: in the inventory (the shipped inventory.yaml has a commented example) or change host:"
             )
         elif playbook is not None:
-            found += _gpu_problems(playbook, inventory.hosts[host_name])
+            found += _gpu_problems(playbook, inventory.get(host_name))
 
     lines = _lines(found)
     if lines:

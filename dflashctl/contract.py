@@ -12,6 +12,12 @@ Run directory layout (written by the trainer):
     trainer.log        stdout and stderr of the trainer (tmux pipe-pane)
     checkpoints/       step-NNNNNNNN/ directories, newest is resumed
     exit_code          the trainer's exit status (written by the launcher's wrapper)
+
+The controller reads these files from hosts it does not control, so every reader
+here treats its input as untrusted data: a line or file is size- and depth-checked
+before it is parsed, every known field is type- and range-checked, and a bad input
+gives a ``ContractError`` carrying the reason, never any other exception. Readers
+never evaluate, execute or recurse without bound over what they read.
 """
 
 from __future__ import annotations
@@ -81,17 +87,166 @@ def describe_exit(code: int | None) -> str:
     return EXIT_MEANINGS.get(code, f"exit code {code}")
 
 
+# --------------------------------------------------------------------------- reading untrusted files
+
+MAX_LINE_CHARS = 1 << 20  # a metrics line or status.json longer than this is refused unread
+MAX_DEPTH = 32  # JSON nesting deeper than this is refused before it is parsed
+MAX_TEXT_CHARS = 4096  # the longest string value kept
+INT64_MAX = 2**63 - 1
+MAX_MAGNITUDE = 1e18  # the largest number a float field may hold
+
+
+class ContractError(ValueError):
+    """A metrics line or status.json that breaks the contract. ``reason`` says how,
+    in words an operator can act on ("step is not an integer ('x')")."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"|[\[\]{}]', re.DOTALL)
+
+
+def json_depth_exceeds(text: str, limit: int = MAX_DEPTH) -> bool:
+    """Whether JSON ``text`` nests arrays/objects deeper than ``limit``, found
+    without parsing it (brackets inside strings do not count). Linear time: an
+    unterminated string ends the scan."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth = 0
+    for token in _JSON_TOKEN.finditer(text):
+        t = token.group()
+        if t == "[" or t == "{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif t == "]" or t == "}":
+            depth -= 1
+        elif t == '"':  # no closing quote: not JSON, and nothing after it nests
+            return False
+    return False
+
+
+def load_json_object(text: str, what: str = "text") -> dict[str, Any]:
+    """``text`` -> the JSON object it holds, after the size and depth checks.
+    Raises ``ContractError`` (only) when it is not one."""
+    if not isinstance(text, str):
+        raise ContractError(f"{what} is not text ({type(text).__name__})")
+    if len(text) > MAX_LINE_CHARS:
+        raise ContractError(f"{what} is {len(text)} characters long, over the {MAX_LINE_CHARS} limit")
+    if json_depth_exceeds(text):
+        raise ContractError(f"{what} nests deeper than {MAX_DEPTH} levels")
+    try:
+        raw = json.loads(text)
+    except RecursionError:  # the depth check makes this unreachable; kept as a second wall
+        raise ContractError(f"{what} nests too deep to parse") from None
+    except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python converts
+        raise ContractError(f"{what} is not JSON: {str(e)[:120]}") from None
+    if not isinstance(raw, dict):
+        raise ContractError(f"{what} is a JSON {_json_type(raw)}, not an object")
+    return raw
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number"
+    )
+
+
+def _show(value: Any) -> str:
+    """A short, safe rendering of a bad value for a reason text."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(value[:40] + ("..." if len(value) > 40 else ""))
+    return f"a JSON {_json_type(value)}"
+
+
+def check_int(value: Any, name: str, minimum: int = 0, maximum: int = INT64_MAX) -> int:
+    """An integer in [minimum, maximum] (booleans and floats are not integers)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ContractError(f"{name} is not an integer ({_show(value)})")
+    if not minimum <= value <= maximum:
+        raise ContractError(f"{name} is out of range ({_show(value)}; expected {minimum}..{maximum})")
+    return value
+
+
+def check_float(value: Any, name: str, minimum: float = -MAX_MAGNITUDE, maximum: float = MAX_MAGNITUDE) -> float:
+    """A finite number in [minimum, maximum], as float (an integer is accepted)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ContractError(f"{name} is not a number ({_show(value)})")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ContractError(f"{name} is not a finite number ({_show(value)})")
+    if not minimum <= value <= maximum:  # exact for ints of any size: no float() before this
+        raise ContractError(f"{name} is out of range ({_show(value)}; expected {minimum:g}..{maximum:g})")
+    return float(value)
+
+
+def check_text(value: Any, name: str, max_chars: int = MAX_TEXT_CHARS) -> str:
+    """A string of at most ``max_chars`` characters that encodes as UTF-8 (a lone
+    surrogate would break the store's writes later)."""
+    if not isinstance(value, str):
+        raise ContractError(f"{name} is not a string ({_show(value)})")
+    if len(value) > max_chars:
+        raise ContractError(f"{name} is {len(value)} characters long, over the {max_chars} limit")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ContractError(f"{name} is not valid UTF-8 text") from None
+    return value
+
+
+def check_phase(value: Any) -> str | None:
+    """A known phase, or None for anything else (a newer trainer's phase included)."""
+    return value if isinstance(value, str) and value in PHASES else None
+
+
+def is_plain_json(value: Any, depth: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` is safe to keep, store and show: null, a boolean, an int64,
+    a finite float, a capped UTF-8 string, or arrays/objects of those nested at
+    most ``depth`` levels."""
+    if value is None or isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return -INT64_MAX - 1 <= value <= INT64_MAX
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, str):
+        return _is_text(value)
+    if depth <= 0:
+        return False
+    if isinstance(value, list):
+        return all(is_plain_json(v, depth - 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_text(k) and is_plain_json(v, depth - 1) for k, v in value.items())
+    return False
+
+
+def _is_text(value: str) -> bool:
+    try:
+        check_text(value, "text")
+    except ContractError:
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------- metrics
 
 
 @dataclass
 class Metrics:
-    """One line of metrics.jsonl. Unknown keys are kept in ``extra`` when parsing."""
+    """One line of metrics.jsonl. Unknown keys are kept in ``extra`` when parsing
+    (only those whose values are plain JSON, see ``is_plain_json``)."""
 
     time: float
     step: int
     total_steps: int
-    phase: str = PHASE_TRAINING
+    phase: str | None = PHASE_TRAINING  # None when a line names a phase this controller does not know
     tokens: int = 0  # tokens seen so far (query tokens of the drafter)
     tok_s: float | None = None  # whole pipeline, over the logging window
     loss: float | None = None
@@ -109,6 +264,11 @@ class Metrics:
 
 
 _METRIC_FIELDS = {f.name for f in fields(Metrics)} - {"extra"}
+_METRIC_REQUIRED = ("time", "step", "total_steps")
+_METRIC_INTS = ("step", "total_steps", "tokens", "v")
+_METRIC_NONNEGATIVE = ("time", "tok_s", "eta_s")  # float fields below zero are nonsense
+_METRIC_FLOATS = ("time", "tok_s", "loss", "acc", "accept_len", "eta_s")
+_METRIC_OPTIONAL = ("tok_s", "loss", "acc", "accept_len", "eta_s")  # null allowed
 
 
 def _finite(obj: Any) -> Any:
@@ -122,31 +282,47 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def parse_metrics_line(line: str) -> Metrics | None:
-    """Parse one metrics.jsonl line; None when it is malformed.
+def read_metrics_line(line: str) -> Metrics:
+    """One metrics.jsonl line -> ``Metrics``, every field checked.
 
-    Future fields are tolerated (kept in ``extra``); a line missing ``time`` or
-    ``step`` is malformed.
+    Raises ``ContractError`` (and nothing else) with the reason when the line is
+    blank, too long, too deep, not a JSON object, misses ``time``, ``step`` or
+    ``total_steps``, or holds a known field of the wrong type or out of range.
+    Integers are int64 and never booleans; numbers are finite; a phase this
+    controller does not know reads as None. Unknown keys whose values are plain
+    JSON are kept in ``extra``; others are dropped (the line is still good).
     """
+    if not isinstance(line, str):
+        raise ContractError(f"line is not text ({type(line).__name__})")
+    if len(line) > MAX_LINE_CHARS:  # before strip(): never copy a huge line
+        raise ContractError(f"line is {len(line)} characters long, over the {MAX_LINE_CHARS} limit")
     line = line.strip()
     if not line:
-        return None
+        raise ContractError("blank line")
+    raw = load_json_object(line, "line")
+    missing = [k for k in _METRIC_REQUIRED if k not in raw]
+    if missing:
+        raise ContractError(f"{', '.join(missing)} missing")
+    known: dict[str, Any] = {}
+    for name in _METRIC_INTS:
+        if name in raw:
+            known[name] = check_int(raw[name], name)
+    for name in _METRIC_FLOATS:
+        if name in raw and not (raw[name] is None and name in _METRIC_OPTIONAL):
+            known[name] = check_float(raw[name], name, minimum=0.0 if name in _METRIC_NONNEGATIVE else -MAX_MAGNITUDE)
+    if "phase" in raw:
+        known["phase"] = check_phase(raw["phase"])
+    extra = {k: v for k, v in raw.items() if k not in _METRIC_FIELDS and _is_text(k) and is_plain_json(v)}
+    return Metrics(**known, extra=extra)
+
+
+def parse_metrics_line(line: str) -> Metrics | None:
+    """Parse one metrics.jsonl line; None when it is malformed (``read_metrics_line``
+    says why). Never raises."""
     try:
-        raw = json.loads(line)
-    except ValueError:
+        return read_metrics_line(line)
+    except ContractError:
         return None
-    if not isinstance(raw, dict):
-        return None
-    try:
-        known = {k: raw[k] for k in _METRIC_FIELDS if k in raw}
-        extra = {k: v for k, v in raw.items() if k not in _METRIC_FIELDS}
-        m = Metrics(**known, extra=extra)
-        m.time = float(m.time)
-        m.step = int(m.step)
-        m.total_steps = int(m.total_steps)
-    except (TypeError, ValueError):
-        return None
-    return m
 
 
 # --------------------------------------------------------------------------- status
@@ -154,25 +330,77 @@ def parse_metrics_line(line: str) -> Metrics | None:
 
 @dataclass
 class Status:
-    phase: str
+    phase: str | None  # None: missing, or a phase this controller does not know
     pid: int | None = None
     started: float | None = None  # unix time the process started
     updated: float | None = None
-    step: int = 0
+    step: int | None = 0
     error: str | None = None  # error signature, one line
     detail: dict[str, Any] = field(default_factory=dict)  # e.g. compile progress
-    v: int = SCHEMA_VERSION
+    v: int | None = SCHEMA_VERSION
+    # Set when read: each field that was unusable (and so is None or dropped), and why.
+    # Never written to status.json.
+    problems: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps(_finite(asdict(self)), sort_keys=True)
+        d = asdict(self)
+        d.pop("problems")
+        return json.dumps(_finite(d), sort_keys=True)
+
+
+# field -> check; a field that fails becomes None (``detail``: the bad key is dropped)
+_STATUS_CHECKS = {
+    "pid": lambda v: check_int(v, "pid", minimum=1),
+    "started": lambda v: check_float(v, "started", minimum=0.0),
+    "updated": lambda v: check_float(v, "updated", minimum=0.0),
+    "step": lambda v: check_int(v, "step"),
+    "error": lambda v: check_text(v, "error"),
+    "v": lambda v: check_int(v, "v"),
+}
+
+
+def read_status(text: str) -> Status:
+    """status.json text -> ``Status``, every field checked.
+
+    Raises ``ContractError`` (only) when the text as a whole is unusable: too
+    long, too deep, not JSON, not an object. A bad field does not spoil the rest:
+    it reads as None (``detail``: the bad key is dropped, a non-object detail is
+    empty) and ``problems`` records why. An unknown phase is None with a problem;
+    null for an optional field is simply None. Unknown keys are ignored.
+    """
+    raw = load_json_object(text, "status")
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+    phase = raw.get("phase")
+    values["phase"] = check_phase(phase)
+    if values["phase"] is None:
+        problems.append("phase missing" if phase is None else f"phase {_show(phase)} is not a known phase")
+    for name, check in _STATUS_CHECKS.items():
+        if name not in raw:
+            continue
+        if raw[name] is None:
+            values[name] = None
+            continue
+        try:
+            values[name] = check(raw[name])
+        except ContractError as e:
+            values[name] = None
+            problems.append(e.reason)
+    detail = raw.get("detail")
+    if isinstance(detail, dict):
+        values["detail"] = {k: v for k, v in detail.items() if _is_text(k) and is_plain_json(v)}
+        problems += [f"detail.{k[:40]} dropped: not plain JSON" for k in detail if k not in values["detail"]]
+    elif detail is not None:
+        problems.append(f"detail is not an object ({_show(detail)})")
+    return Status(**values, problems=problems)
 
 
 def parse_status(text: str) -> Status | None:
+    """status.json text -> ``Status`` (bad fields None, see ``read_status``), or None
+    when the text is unusable as a whole. Never raises."""
     try:
-        raw = json.loads(text)
-        known = {f.name for f in fields(Status)}
-        return Status(**{k: v for k, v in raw.items() if k in known})
-    except (TypeError, ValueError, AttributeError):
+        return read_status(text)
+    except ContractError:
         return None
 
 
@@ -192,6 +420,20 @@ def atomic_write_text(path: str, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def append_line(path: str, line: str) -> None:
+    """Append one line to a run file, never through a symbolic link: a run directory
+    is shared with whoever can write into it, and the trainer may run as root."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise OSError(e.errno, f"{path} is a symbolic link; run files are never written through links") from None
+        raise
+    with os.fdopen(fd, "a", encoding="utf-8") as f:
+        f.write(line.rstrip("\n") + "\n")
 
 
 def write_status(run_dir: str, status: Status) -> None:

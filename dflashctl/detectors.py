@@ -27,6 +27,10 @@ REGRESSION = "regression"
 UNREACHABLE = "unreachable"
 DRIFT = "drift"
 FINISHED = "finished"  # done or stopped on request: not a failure, the loop closes the run
+# The evidence disagrees (an end claimed while the process lives, a pid the probe
+# cannot see while its pane runs, GPUs at 0 MiB under a live trainer): reported,
+# never acted on. Nothing destructive happens on one signal that was not cross-checked.
+CONFLICT = "conflict"
 
 SEVERITIES = ("info", "warning", "error", "critical")
 
@@ -140,6 +144,9 @@ def detect(
         crash = detect_crash(probe, assigned_gpus)
         if crash is not None:
             return [crash]
+        conflict = detect_conflict(probe, assigned_gpus)
+        if conflict is not None:
+            findings.append(conflict)
         stall = detect_stall(samples, probe, expect, now, phase_since)
         if stall is not None:
             findings.append(stall)
@@ -153,10 +160,26 @@ def detect(
 # --------------------------------------------------------------------------- finished / crash
 
 
+def trainer_gone(probe: "ProbeResult") -> bool:
+    """Whether the evidence agrees that the trainer's process has ended: its process
+    is not alive (or a zombie) AND no live tmux pane runs it. A pid the probe cannot
+    see while the pane lives is not enough (another pid namespace sees the trainer),
+    and neither is a file that claims an end (status.json, exit_code)."""
+    proc = probe.process
+    if proc is not None and proc.state == "Z":
+        return True
+    if proc is not None and proc.alive:
+        return False
+    return not (probe.session_alive is True and not probe.pane_dead)
+
+
 def detect_finished(probe: "ProbeResult") -> Finding | None:
-    """The trainer ended on purpose: phase done/stopped, or exit code done/stopped."""
+    """The trainer ended on purpose: phase done/stopped, or exit code done/stopped,
+    and its process is gone (a claim while it lives is a ``detect_conflict``)."""
     phase = probe.status.phase if probe.status else None
     code = probe.exit_code
+    if not trainer_gone(probe):
+        return None
     if phase == contract.PHASE_DONE or code == contract.EXIT_DONE:
         outcome, message = "done", "training finished"
     elif phase == contract.PHASE_STOPPED or code == contract.EXIT_STOPPED:
@@ -170,22 +193,26 @@ def detect_finished(probe: "ProbeResult") -> Finding | None:
 
 
 def detect_crash(probe: "ProbeResult", assigned_gpus: Sequence[int] | None = None) -> Finding | None:
-    """One crash finding gathering every piece of evidence, the strongest first."""
+    """One crash finding gathering every piece of evidence, the strongest first. The
+    trainer's own word (status ``failed``, an exit code) and a vanished pid count
+    only once its process is gone (``trainer_gone``); GPUs at 0 MiB only back other
+    evidence up."""
     evidence: list[str] = []
     status = probe.status
-    if status is not None and status.phase == contract.PHASE_FAILED:
-        evidence.append(f"the trainer reported failure: {status.error}" if status.error else "the trainer reported failure")
-    if probe.exit_code is not None:
-        evidence.append(f"the trainer exited with code {probe.exit_code} ({contract.describe_exit(probe.exit_code)})")
     proc = probe.process
-    if proc is not None and not proc.alive:
+    gone = trainer_gone(probe)
+    if gone and status is not None and status.phase == contract.PHASE_FAILED:
+        evidence.append(f"the trainer reported failure: {status.error}" if status.error else "the trainer reported failure")
+    if gone and probe.exit_code is not None:
+        evidence.append(f"the trainer exited with code {probe.exit_code} ({contract.describe_exit(probe.exit_code)})")
+    if gone and proc is not None and not proc.alive:
         if proc.state == "Z":
             evidence.append(f"trainer process {proc.pid} is a zombie (exited, not reaped)")
         elif probe.exit_code is None:
             evidence.append(f"trainer process {proc.pid} is gone")
-    if probe.session_alive is False:
+    if gone and probe.session_alive is False:
         evidence.append(f"tmux session '{probe.session}' is gone")
-    elif probe.pane_dead:
+    elif gone and probe.pane_dead:
         code = probe.pane_dead_status
         evidence.append("the trainer's tmux pane exited" + (f" (status {code})" if code is not None else ""))
     pane_tb = last_traceback(probe.pane_tail)
@@ -195,11 +222,11 @@ def detect_crash(probe: "ProbeResult", assigned_gpus: Sequence[int] | None = Non
     if not evidence and pane_tb is not None and pane_tb.lines_after == 0 and pane_tb.exception:
         # Nothing printed since: the main thread is likely waiting on a dead worker.
         evidence.append(f"a traceback ends the output while the process is alive: {pane_tb.exception[:200]}")
+    if not evidence:
+        return None
     zero = _zero_mib_gpus(probe, assigned_gpus)
     if zero:
         evidence.append(f"GPU {','.join(map(str, zero))} at 0 MiB while the run should hold memory")
-    if not evidence:
-        return None
     message = evidence[0]
     if exception and exception not in message:
         message += f"; last error: {exception[:200]}"
@@ -212,6 +239,35 @@ def detect_crash(probe: "ProbeResult", assigned_gpus: Sequence[int] | None = Non
         "step": status.step if status else None,
     }
     return Finding(CRASH, "error", message, detail)
+
+
+def detect_conflict(probe: "ProbeResult", assigned_gpus: Sequence[int] | None = None) -> Finding | None:
+    """Evidence that disagrees with itself, said as such (never a crash, never an end)."""
+    proc = probe.process
+    status = probe.status
+    said = []
+    if status is not None and status.phase in contract.FINAL_PHASES:
+        said.append(f"status.json says {status.phase}")
+    if probe.exit_code is not None:
+        said.append(f"exit_code says {probe.exit_code}")
+    if said and proc is not None and proc.alive:
+        return Finding(CONFLICT, "warning", f"{' and '.join(said)} but trainer process {proc.pid} is alive: "
+                       "not taken as the end of the run; still watching it",
+                       {"conflict": "end_claimed_while_alive", "pid": proc.pid, "claims": said})
+    if proc is not None and not proc.alive and proc.state is None and probe.session_alive and not probe.pane_dead:
+        return Finding(CONFLICT, "warning", f"trainer pid {proc.pid} is not visible to the probe, but its tmux pane "
+                       "is alive: the probe and the trainer see different pid namespaces (a container wrapper "
+                       "whose commands land in another one?); not taken as a crash",
+                       {"conflict": "pid_not_visible", "pid": proc.pid})
+    if proc is not None and proc.alive and probe.session_alive is False:
+        return Finding(CONFLICT, "warning", f"tmux session '{probe.session}' is gone but trainer process {proc.pid} "
+                       "is alive: watching it by its pid", {"conflict": "session_gone_while_alive", "pid": proc.pid})
+    zero = _zero_mib_gpus(probe, assigned_gpus)
+    if zero:
+        return Finding(CONFLICT, "warning", f"GPU {','.join(map(str, zero))} at 0 MiB while trainer process "
+                       f"{proc.pid if proc else '?'} is alive and {status.phase if status else 'running'}: the GPU "
+                       "readings and the process disagree", {"conflict": "gpus_at_zero", "gpus": zero})
+    return None
 
 
 def _zero_mib_gpus(probe: "ProbeResult", assigned_gpus: Sequence[int] | None) -> list[int]:

@@ -63,3 +63,8 @@ class UnreachableError(TransportError):
 
 class CommandTimeout(TransportError):
     """The remote command outlived its timeout and was killed on the host."""
+
+
+class StoreError(DflashError):
+    """The run store cannot be used as it is: written by a newer dflashctl, corrupted,
+    or out of space. The message names the file; the hint says what to do."""

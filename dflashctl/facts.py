@@ -1,9 +1,12 @@
 """Host facts for `dflashctl check`: what a run host is, gathered in ONE round trip.
 
-A small stdlib-only Python script runs on the host (inside its container wrapper)
-and prints one JSON object; everything is parsed here, on this side, with pure
-functions. Hosts are checked concurrently; an unreachable host is a failed
-``HostCheck`` with its message, never an exception that hides the others.
+A small stdlib-only Python script (``dflashctl/remote/facts.py``) runs on the host
+(inside its container wrapper) and prints one JSON object; everything is parsed
+here, on this side, with pure functions. That answer is untrusted: a value of the
+wrong type is a ValueError naming the field (``contract.check_*``), never a crash
+of `check`. Hosts are checked concurrently; an unreachable host is a failed
+``HostCheck`` with its message, never an exception that hides the others. Nothing
+in this module runs on the host.
 """
 
 from __future__ import annotations
@@ -13,59 +16,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflashctl import parsers
+from dflashctl import contract, parsers, remote
 from dflashctl.errors import DflashError
 from dflashctl.transport import Transport, describe_route, fanout
 
 GPU_FIELDS = ("index", "name", "memory.total", "memory.used")
 DEFAULT_TIMEOUT = 30.0
 
-# Runs on the host with its python (>= 3.7). argv: WORKDIR GPU_FIELDS
-FACTS_SCRIPT = r"""
-import json, os, platform, shutil, socket, subprocess, sys
-
-def run(argv):
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=20)
-        return p.returncode, p.stdout, p.stderr
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, "", str(e)
-
-def os_name():
-    try:
-        with open("/etc/os-release") as f:
-            for line in f:
-                key, _, value = line.strip().partition("=")
-                if key == "PRETTY_NAME":
-                    return value.strip('"')
-    except OSError:
-        pass
-    return platform.platform()
-
-workdir = os.path.expanduser(sys.argv[1])
-facts = {
-    "hostname": socket.gethostname(),
-    "os": os_name(),
-    "kernel": platform.release(),
-    "python": platform.python_version(),
-    "python_path": sys.executable,
-    "workdir": workdir,
-}
-tmux = shutil.which("tmux")
-facts["tmux"] = run([tmux, "-V"])[1].strip() if tmux else None
-smi = shutil.which("nvidia-smi")
-facts["nvidia_smi"] = smi
-if smi:
-    code, out, err = run([smi, "--query-gpu=" + sys.argv[2], "--format=csv,noheader,nounits"])
-    facts["gpu_query"] = {"exit_code": code, "stdout": out, "stderr": err[-500:]}
-try:
-    os.makedirs(workdir, exist_ok=True)
-    usage = shutil.disk_usage(workdir)
-    facts["disk_free"], facts["disk_total"] = usage.free, usage.total
-except OSError as e:
-    facts["disk_error"] = str(e)
-print(json.dumps(facts))
-"""
+# The host-side script (dflashctl/remote/facts.py), shipped as its text.
+FACTS_SCRIPT = remote.source("facts")
 
 
 @dataclass
@@ -93,31 +52,56 @@ class HostFacts:
     disk_error: str | None = None
 
 
+_TEXT_FACTS = ("hostname", "os", "kernel", "python", "python_path", "workdir")
+_OPTIONAL_TEXT_FACTS = ("tmux", "nvidia_smi", "disk_error")
+_OPTIONAL_INT_FACTS = ("disk_free", "disk_total")
+_MAX_SMI_CHARS = 1 << 20
+
+
 def parse_facts(text: str) -> HostFacts:
-    """The facts script's output -> HostFacts (ValueError when it is not its JSON)."""
-    raw = json.loads(text.strip().splitlines()[-1]) if text.strip() else None
+    """The facts script's output -> HostFacts. ValueError (only) when it is not its
+    JSON, or a fact has the wrong type (the message names it)."""
+    last = text.strip().splitlines()[-1] if isinstance(text, str) and text.strip() else ""
+    try:
+        raw = json.loads(last) if last.startswith("{") else None
+    except RecursionError:
+        raw = None
     if not isinstance(raw, dict):
-        raise ValueError(f"expected the facts JSON object, got {text[:200]!r}")
-    query = raw.pop("gpu_query", None)
-    known = set(HostFacts.__dataclass_fields__)
-    facts = HostFacts(**{k: v for k, v in raw.items() if k in known})
-    if query is not None:
-        if query.get("exit_code") == 0:
-            facts.gpus = [
-                Gpu(g.index, g.name, g.memory_total_mib, g.memory_used_mib)
-                for g in parsers.parse_gpu_query(query.get("stdout", ""), GPU_FIELDS)
-            ]
-        else:
-            reason = (query.get("stderr") or query.get("stdout") or "").strip().splitlines()
-            facts.gpu_error = f"nvidia-smi exit {query.get('exit_code')}" + (f": {reason[-1]}" if reason else "")
+        raise ValueError(f"expected the facts JSON object, got {str(text)[:200]!r}")
+    values: dict[str, Any] = {}
+    for key in _TEXT_FACTS:
+        values[key] = contract.check_text(raw.get(key), f"'{key}'")
+    for key in _OPTIONAL_TEXT_FACTS:
+        if raw.get(key) is not None:
+            values[key] = contract.check_text(raw[key], f"'{key}'")
+    for key in _OPTIONAL_INT_FACTS:
+        if raw.get(key) is not None:
+            values[key] = contract.check_int(raw[key], f"'{key}'", 0, 2**64)
+    facts = HostFacts(**values)
+    query = raw.get("gpu_query")
+    if query is None:
+        return facts
+    if not isinstance(query, dict):
+        raise ValueError(f"'gpu_query' is not an object ({type(query).__name__})")
+    code = None if query.get("exit_code") is None else contract.check_int(query["exit_code"], "'gpu_query' exit_code",
+                                                                           -(2**31), 2**31)  # fmt: skip
+    stdout = contract.check_text(query.get("stdout", ""), "'gpu_query' stdout", _MAX_SMI_CHARS)
+    stderr = contract.check_text(query.get("stderr", ""), "'gpu_query' stderr", _MAX_SMI_CHARS)
+    if code == 0:
+        parsed = parsers.read_gpu_query(stdout, GPU_FIELDS)
+        facts.gpus = [Gpu(g.index, g.name, g.memory_total_mib, g.memory_used_mib) for g in parsed.rows]
+        if parsed.rejected:
+            facts.gpu_error = f"nvidia-smi answer refused: {parsed.rejected[0]}"
+    else:
+        reason = (stderr or stdout).strip().splitlines()
+        facts.gpu_error = f"nvidia-smi exit {code}" + (f": {reason[-1]}" if reason else "")
     return facts
 
 
 def gather_facts(transport: Transport, timeout: float | None = None) -> HostFacts:
     """One round trip to the host; creates its workdir if missing."""
-    result = transport.run_script(
-        FACTS_SCRIPT, [transport.host.workdir, ",".join(GPU_FIELDS)], timeout=timeout or DEFAULT_TIMEOUT
-    )
+    args = json.dumps({"workdir": transport.host.workdir, "gpu_fields": list(GPU_FIELDS)})
+    result = transport.run_script(FACTS_SCRIPT, [args], timeout=timeout or DEFAULT_TIMEOUT)
     try:
         return parse_facts(result.stdout)
     except ValueError as e:

@@ -1,17 +1,56 @@
 """Pure parsers for what the probe brings back: nvidia-smi CSV, metrics lines, pane text.
 
-Every function here is a function of text. A missing reading (``[N/A]``, an empty
-file, a field nvidia-smi does not support on this GPU) is ``None``, never an
-exception: one odd GPU must not hide the others.
+Every function here is a function of text, and that text comes from a host the
+controller does not control: it is untrusted. A missing reading (``[N/A]``, an
+empty file, a field nvidia-smi does not support on this GPU) is ``None``, never an
+exception: one odd GPU must not hide the others. A malformed row or line (wrong
+field count, a number that is not one or is out of range, memory used above
+total, a metrics line breaking the contract) is refused and reported as a
+``Rejected`` value by the ``read_*`` functions, never repaired by guessing and
+never raised; the ``parse_*`` functions return only what was accepted. Nothing
+here may raise on any input text, call float()/int() on an unbounded string, or
+recurse over what it reads.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Generic, TypeVar
 
 from dflashctl import contract
+
+T = TypeVar("T")
+
+# --------------------------------------------------------------------------- rejections
+
+
+@dataclass
+class Rejected:
+    """A line of some output that was not accepted, and why."""
+
+    line: int  # 1-based, counted in the text given to the parser (blank lines included)
+    reason: str  # e.g. "step is not an integer ('x')"
+    text: str  # the line's first characters, for the operator
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+@dataclass
+class Parsed(Generic[T]):
+    """What a parser accepted, and what it rejected with the reasons."""
+
+    rows: list[T] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+
+_SHOWN_CHARS = 200  # of a rejected line
+
+
+def _rejected(number: int, reason: str, line: str) -> Rejected:
+    return Rejected(number, reason, line[:_SHOWN_CHARS])
+
 
 # --------------------------------------------------------------------------- nvidia-smi
 
@@ -55,6 +94,27 @@ _APP_ATTRS = {
     "gpu_uuid": "gpu_uuid",
 }
 
+# attribute -> (lowest, highest, whole number): a reading outside is not a reading of a GPU.
+_MAX_MIB = 2**30  # 1 PiB
+_GPU_NUMBERS = {
+    "index": (0, 65535, True),
+    "memory_used_mib": (0, _MAX_MIB, False),
+    "memory_total_mib": (0, _MAX_MIB, False),
+    "utilization_pct": (0, 100, False),
+    "temperature_c": (-100, 300, False),
+    "power_draw_w": (0, 100_000, False),
+    "power_limit_w": (0, 100_000, False),
+    "clocks_sm_mhz": (0, 100_000, False),
+}
+_APP_NUMBERS = {
+    "pid": (0, 2**31 - 1, True),
+    "used_memory_mib": (0, _MAX_MIB, False),
+}
+
+MAX_CELL_CHARS = 4096  # a longer cell (a process path is the longest real one) rejects its row
+MAX_ID_CHARS = 256  # GPU names and UUIDs
+_MAX_NUMBER_CHARS = 40  # "693.45 W" is 8; longer never reaches float()
+
 # A number, optionally followed by its unit ("1011 MiB", "100 %", "693.45 W", "1980 MHz").
 _NUMBER = re.compile(r"^(-?\d+(?:\.\d+)?)(?:\s*[A-Za-z%]+)?$")
 _HEADER_UNIT = re.compile(r"\s*\[[^\]]*\]\s*$")
@@ -88,6 +148,10 @@ class ComputeApp:
     gpu_uuid: str | None = None
 
 
+class _BadCell(ValueError):
+    """A cell that cannot be what its field says; its row is rejected."""
+
+
 def smi_value(cell: str) -> str | None:
     """The cell's text, or None for nvidia-smi's ways of saying 'no reading'
     (``[N/A]``, ``N/A``, ``[Not Supported]``, ``[Unknown Error]``, ...)."""
@@ -98,12 +162,38 @@ def smi_value(cell: str) -> str | None:
 
 
 def smi_number(cell: str) -> float | None:
-    """A numeric cell with or without its unit; None when missing or not a number."""
+    """A numeric cell with or without its unit; None when missing or not a number
+    (a cell too long to be a reading included: it never reaches float())."""
     text = smi_value(cell)
-    if text is None:
+    if text is None or len(text) > _MAX_NUMBER_CHARS:
         return None
     m = _NUMBER.match(text)
     return float(m.group(1)) if m else None
+
+
+def _number_cell(name: str, cell: str, low: float, high: float, whole: bool) -> float | int | None:
+    """A numeric field's cell: None when nvidia-smi has no reading; ``_BadCell``
+    when it holds anything but a number in [low, high]."""
+    if smi_value(cell) is None:
+        return None
+    number = smi_number(cell)
+    if number is None:
+        raise _BadCell(f"{name} is not a number ({_show(cell)})")
+    if not low <= number <= high or (whole and not number.is_integer()):
+        kind = "a whole number" if whole else "a number"
+        raise _BadCell(f"{name} is not {kind} in {low}..{high} ({_show(cell)})")
+    return int(number) if whole else number
+
+
+def _text_cell(name: str, cell: str, max_chars: int) -> str | None:
+    text = smi_value(cell)
+    if text is not None and len(text) > max_chars:
+        raise _BadCell(f"{name} is {len(text)} characters long, over the {max_chars} limit")
+    return text
+
+
+def _show(cell: str) -> str:
+    return repr(cell[:40] + ("..." if len(cell) > 40 else ""))
 
 
 def _split(line: str) -> list[str]:
@@ -115,102 +205,166 @@ def _field_name(header_cell: str) -> str:
     return _HEADER_UNIT.sub("", header_cell.strip())
 
 
-def _rows(text: str, fields: tuple[str, ...] | list[str]) -> tuple[list[str], list[list[str]]]:
-    """Split CSV text into (field names, rows). A header line, when present,
-    names the fields (and wins over ``fields``). Lines with no comma at all are
-    nvidia-smi's error messages, not rows, when more than one field is expected."""
-    names = list(fields)
-    rows = []
-    for n, line in enumerate(l for l in text.splitlines() if l.strip()):
-        cells = _split(line)
-        if n == 0 and _looks_like_header(cells):
-            names = [_field_name(c) for c in cells]
-            continue
-        if len(cells) == 1 and len(names) > 1:
-            continue
-        rows.append(_fit(cells, names))
-    return names, rows
-
-
 def _looks_like_header(cells: list[str]) -> bool:
     # Field names are lower-case dotted identifiers; a data row always has a
     # number, an upper-case name or a bracketed "[N/A]" somewhere.
     return all(_FIELD_NAME.match(_field_name(c)) for c in cells)
 
 
-def _fit(cells: list[str], names: list[str]) -> list[str]:
-    """Make a row as long as the field list. Surplus cells come from a comma
-    inside a name: glue them back into that field; missing cells are empty."""
-    surplus = len(cells) - len(names)
-    if surplus > 0:
-        at = next((i for i, n in enumerate(names) if n in ("name", "process_name")), len(names) - 1)
-        cells = cells[:at] + [", ".join(cells[at : at + surplus + 1])] + cells[at + surplus + 1 :]
-    return cells + [""] * (len(names) - len(cells))
+def _rows(
+    text: str, fields: tuple[str, ...] | list[str], glue_into: tuple[str, ...] = ()
+) -> tuple[list[str], list[tuple[int, str, list[str]]], list[Rejected]]:
+    """Split CSV text into (field names, rows as (line number, line, cells), rejected lines).
+
+    A header line, when present, names the fields (and wins over ``fields``). A
+    row must have exactly one cell per field: a short row is cut off, a long one
+    misaligned; either is rejected, never padded or glued. The one exception is
+    ``glue_into``: fields whose values may contain ", " (a process name); the
+    first of them present takes the surplus cells. Lines with no comma at all are nvidia-smi's error
+    messages, not rows, when more than one field is expected."""
+    names = list(fields)
+    rows: list[tuple[int, str, list[str]]] = []
+    rejected: list[Rejected] = []
+    first = True
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        cells = _split(line)
+        if first:
+            first = False
+            if _looks_like_header(cells):
+                names = [_field_name(c) for c in cells]
+                continue
+        if len(cells) == 1 and len(names) > 1:
+            rejected.append(_rejected(number, "not a CSV row (a message from nvidia-smi?)", line))
+            continue
+        surplus = len(cells) - len(names)
+        glue = next((n for n in glue_into if n in names), None)
+        if surplus > 0 and glue is not None:
+            at = names.index(glue)
+            cells = cells[:at] + [", ".join(cells[at : at + surplus + 1])] + cells[at + surplus + 1 :]
+        if len(cells) != len(names):
+            rejected.append(_rejected(number, f"{len(cells)} fields, expected {len(names)}", line))
+            continue
+        longest = max(range(len(cells)), key=lambda i: len(cells[i]))
+        if len(cells[longest]) > MAX_CELL_CHARS:
+            reason = f"{names[longest]} is {len(cells[longest])} characters long, over the {MAX_CELL_CHARS} limit"
+            rejected.append(_rejected(number, reason, line))
+            continue
+        rows.append((number, line, cells))
+    return names, rows, rejected
+
+
+def _read_table(
+    text: str,
+    fields: tuple[str, ...] | list[str],
+    make_row: Callable[[list[str], list[str]], T],
+    glue_into: tuple[str, ...] = (),
+) -> Parsed[T]:
+    """``_rows`` then ``make_row`` on each row; a ``_BadCell`` refuses that row alone."""
+    names, rows, rejected = _rows(text, fields, glue_into)
+    parsed = Parsed[T](rejected=rejected)
+    for number, line, cells in rows:
+        try:
+            parsed.rows.append(make_row(names, cells))
+        except _BadCell as e:
+            rejected.append(_rejected(number, str(e), line))
+    rejected.sort(key=lambda r: r.line)
+    return parsed
+
+
+def _gpu_row(names: list[str], cells: list[str]) -> GpuReading:
+    """One row's cells -> GpuReading; ``_BadCell`` when a field is not what it says
+    or memory used exceeds memory total."""
+    reading = GpuReading()
+    for name, cell in zip(names, cells):
+        attr = _GPU_ATTRS.get(name)
+        if attr is None:
+            number = smi_number(cell)
+            reading.extra[name] = number if number is not None else smi_value(cell)
+        elif attr in _TEXT_ATTRS:
+            setattr(reading, attr, _text_cell(name, cell, MAX_ID_CHARS))
+        else:
+            setattr(reading, attr, _number_cell(name, cell, *_GPU_NUMBERS[attr]))
+    used, total = reading.memory_used_mib, reading.memory_total_mib
+    if used is not None and total is not None and used > total:
+        raise _BadCell(f"memory.used {used:g} MiB exceeds memory.total {total:g} MiB")
+    return reading
+
+
+def read_gpu_query(text: str, fields: tuple[str, ...] | list[str] = GPU_QUERY_FIELDS) -> Parsed[GpuReading]:
+    """``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` -> one reading
+    per well-formed GPU row, and every other row with the reason it was refused.
+
+    ``fields`` are the queried names in order (ignored when the text has a header).
+    A row is refused when its field count differs from the query's, when a
+    numeric field holds anything but an in-range number (``[N/A]`` and the like
+    are None, not refusals), when a name or UUID is implausibly long, or when
+    memory used exceeds memory total. Fields without a ``GpuReading`` attribute
+    land in ``extra`` (numbers as float, anything else as text, missing as None).
+    Never raises on any text.
+    """
+    return _read_table(text, fields, _gpu_row)
 
 
 def parse_gpu_query(text: str, fields: tuple[str, ...] | list[str] = GPU_QUERY_FIELDS) -> list[GpuReading]:
-    """``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` -> one reading per GPU.
+    """The well-formed GPU rows of ``read_gpu_query`` (refused rows left out)."""
+    return read_gpu_query(text, fields).rows
 
-    ``fields`` are the queried names in order (ignored when the text has a header).
-    Fields without a ``GpuReading`` attribute land in ``extra`` (numbers as float,
-    anything else as text, missing as None).
-    """
-    names, rows = _rows(text, fields)
-    readings = []
-    for cells in rows:
-        reading = GpuReading()
-        for name, cell in zip(names, cells):
-            attr = _GPU_ATTRS.get(name)
-            if attr is None:
-                number = smi_number(cell)
-                reading.extra[name] = number if number is not None else smi_value(cell)
-            elif attr in _TEXT_ATTRS:
-                setattr(reading, attr, smi_value(cell))
-            elif attr == "index":
-                number = smi_number(cell)
-                reading.index = int(number) if number is not None else None
-            else:
-                setattr(reading, attr, smi_number(cell))
-        readings.append(reading)
-    return readings
+
+def _app_row(names: list[str], cells: list[str]) -> ComputeApp:
+    values = {_APP_ATTRS.get(n, n): (n, c) for n, c in zip(names, cells)}
+
+    def cell(attr: str) -> tuple[str, str]:
+        return values.get(attr, (attr, ""))
+
+    pid = _number_cell(*cell("pid"), *_APP_NUMBERS["pid"])
+    return ComputeApp(
+        pid=int(pid) if pid is not None else None,
+        process_name=_text_cell(*cell("process_name"), MAX_CELL_CHARS),
+        used_memory_mib=_number_cell(*cell("used_memory_mib"), *_APP_NUMBERS["used_memory_mib"]),
+        gpu_uuid=_text_cell(*cell("gpu_uuid"), MAX_ID_CHARS),
+    )
+
+
+def read_compute_apps(text: str, fields: tuple[str, ...] | list[str] = COMPUTE_APPS_FIELDS) -> Parsed[ComputeApp]:
+    """``nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_uuid`` ->
+    the well-formed rows, and every other row with the reason it was refused.
+    Empty text (no process on any GPU) is no rows. A comma inside a process name
+    stays in that name; any other field count mismatch, a pid that is not a
+    whole number, or memory that is not an in-range number refuses the row.
+    Never raises on any text."""
+    return _read_table(text, fields, _app_row, glue_into=("process_name", "name"))
 
 
 def parse_compute_apps(text: str, fields: tuple[str, ...] | list[str] = COMPUTE_APPS_FIELDS) -> list[ComputeApp]:
-    """``nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_uuid`` -> rows.
-    Empty text (no process on any GPU) is an empty list."""
-    names, rows = _rows(text, fields)
-    apps = []
-    for cells in rows:
-        values = {_APP_ATTRS.get(n): c for n, c in zip(names, cells)}
-        pid = smi_number(values.get("pid", ""))
-        apps.append(
-            ComputeApp(
-                pid=int(pid) if pid is not None else None,
-                process_name=smi_value(values.get("process_name", "")),
-                used_memory_mib=smi_number(values.get("used_memory_mib", "")),
-                gpu_uuid=smi_value(values.get("gpu_uuid", "")),
-            )
-        )
-    return apps
+    """The well-formed rows of ``read_compute_apps`` (refused rows left out)."""
+    return read_compute_apps(text, fields).rows
 
 
 # --------------------------------------------------------------------------- metrics
 
 
+def read_metrics_chunk(text: str) -> Parsed[contract.Metrics]:
+    """Complete metrics.jsonl lines -> the good lines as ``Metrics`` and the bad ones
+    as ``Rejected`` (1-based line number in ``text``, the reason from
+    ``contract.read_metrics_line``). Blank lines are neither. Never raises."""
+    parsed = Parsed[contract.Metrics]()
+    for number, line in enumerate(text.split("\n"), 1):
+        if len(line) <= contract.MAX_LINE_CHARS and not line.strip():
+            continue
+        try:
+            parsed.rows.append(contract.read_metrics_line(line))
+        except contract.ContractError as e:
+            parsed.rejected.append(_rejected(number, e.reason, line))
+    return parsed
+
+
 def parse_metrics_chunk(text: str) -> tuple[list[contract.Metrics], int]:
     """Complete metrics.jsonl lines -> (parsed metrics, number of malformed lines).
-    Blank lines are neither."""
-    parsed: list[contract.Metrics] = []
-    malformed = 0
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        m = contract.parse_metrics_line(line)
-        if m is None:
-            malformed += 1
-        else:
-            parsed.append(m)
-    return parsed, malformed
+    Blank lines are neither. ``read_metrics_chunk`` also says which lines and why."""
+    chunk = read_metrics_chunk(text)
+    return chunk.rows, len(chunk.rejected)
 
 
 # --------------------------------------------------------------------------- pane / log text

@@ -1,15 +1,21 @@
 """The remote probe: everything one poll needs from a host, in one round trip.
 
-``PROBE_SOURCE`` is a small stdlib-only script (Python >= 3.8, no dflashctl on the
-host) run by the host's python with one JSON argument. It reads, for each run:
-tmux session liveness and the pane tail, status.json, the metrics.jsonl bytes
-appended since an offset, the tail of trainer.log, the trainer's process state and
-its exit_code file; and once per host: nvidia-smi GPU and compute-process rows and
-the host clock. Each sub-step has a time limit; anything that goes wrong becomes a
-line in an ``errors`` list, never an exception, and the script always prints
-exactly one JSON object.
+``PROBE_SOURCE`` is the text of ``dflashctl/remote/probe.py``, a stdlib-only script
+(Python >= 3.8, no dflashctl on the host) run by the host's python with one JSON
+argument. It reads, for each run: tmux session liveness and the pane tail,
+status.json, the metrics.jsonl bytes appended since an offset, the tail of
+trainer.log, the trainer's process state and its exit_code file; and once per host:
+nvidia-smi GPU and compute-process rows and the host clock. Each sub-step has a
+time and size limit; anything that goes wrong becomes a line in an ``errors`` list,
+never an exception, and the script always prints exactly one JSON object.
 
-The controller side (``probe_command``, ``parse_probe_output``) is pure.
+This side (``probe_command``, ``parse_probe_host``, ``parse_probe_output``) is pure
+and treats the answer as hostile: it never raises on any text. Output that is not
+the probe's answer is a ``ProbeError`` (a value); a field of the wrong type or out
+of range (``"pid": "x"``, a step given as text, ``10**400``) is None in the result
+and a line in that run's ``errors``, never passed on to the detectors. The checks
+are the contract's (``contract.check_*``, ``contract.read_status``) and the
+nvidia-smi parsers' (``parsers.read_gpu_query``), so one rule holds everywhere.
 """
 
 from __future__ import annotations
@@ -17,266 +23,16 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from dflashctl import contract
-from dflashctl.parsers import (
-    COMPUTE_APPS_FIELDS,
-    GPU_QUERY_FIELDS,
-    ComputeApp,
-    GpuReading,
-    parse_compute_apps,
-    parse_gpu_query,
-)
+from dflashctl import contract, remote
+from dflashctl.parsers import ComputeApp, GpuReading, read_compute_apps, read_gpu_query
 
 PROBE_VERSION = 1
 TMUX_SOCKET = "dflash"
 
-# --------------------------------------------------------------------------- the remote script
-
-# %-formatted once, at import, with names from the contract: a literal % in the
-# script is written %%.
-PROBE_SOURCE = r'''
-import json, os, socket, subprocess, sys, threading, time
-
-STATUS_FILE = %(status_file)r
-METRICS_FILE = %(metrics_file)r
-LOG_FILE = %(log_file)r
-EXIT_CODE_FILE = %(exit_code_file)r
-GPU_QUERY = %(gpu_query)r
-APPS_QUERY = %(apps_query)r
-MAX_TEXT = 65536
-
-
-def step(errors, name, timeout, fn, *args):
-    """fn(*args) in a daemon thread, so a hung read (dead NFS, stuck driver) costs
-    at most ``timeout`` seconds and an error line, never the whole probe."""
-    box = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args)
-        except Exception as e:
-            box["error"] = "%%s: %%s" %% (type(e).__name__, e)
-
-    t = threading.Thread(target=target, name="probe-" + name)
-    t.daemon = True
-    t.start()
-    t.join(timeout + 1.0)
-    if t.is_alive():
-        errors.append("%%s: timed out after %%gs" %% (name, timeout))
-        return None
-    if "error" in box:
-        errors.append("%%s: %%s" %% (name, box["error"]))
-        return None
-    return box.get("value")
-
-
-def utf8_env():
-    # tmux mangles non-ASCII output in the C locale.
-    env = dict(os.environ)
-    if not (env.get("LC_ALL") or env.get("LC_CTYPE") or env.get("LANG")):
-        env["LANG"] = "C.UTF-8"
-    return env
-
-
-def run(argv, timeout):
-    p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       stdin=subprocess.DEVNULL, timeout=timeout, env=utf8_env())
-    return p.returncode, p.stdout.decode("utf-8", "replace"), p.stderr.decode("utf-8", "replace")
-
-
-def first_line(text):
-    lines = text.strip().splitlines()
-    return lines[0][:300] if lines else ""
-
-
-def tmux_alive(sock, session, timeout):
-    rc, out, err = run(["tmux", "-L", sock, "has-session", "-t", "=" + session], timeout)
-    if rc == 0:
-        return True
-    if rc == 1:  # no such session, or no server on the socket at all
-        return False
-    raise RuntimeError("exit %%d: %%s" %% (rc, first_line(err)))
-
-
-def tmux_pane(sock, session, lines, timeout):
-    target = "=" + session + ":"
-    # One tmux client for both (a command sequence): the pane's state line, then its text.
-    rc, out, err = run(["tmux", "-L", sock, "display-message", "-p", "-t", target,
-                        "#{pane_dead}\t#{pane_dead_status}\t#{pane_pid}", ";",
-                        "capture-pane", "-p", "-J", "-S", "-%%d" %% lines, "-t", target], timeout)
-    if rc != 0:
-        raise RuntimeError("exit %%d: %%s" %% (rc, first_line(err)))
-    head, _, pane = out.partition("\n")
-    dead, dead_status, pane_pid = (head.split("\t") + ["", "", ""])[:3]
-    text = "\n".join(l.rstrip() for l in pane.rstrip().splitlines()[-lines:])
-    return {"tail": text, "dead": dead == "1",
-            "dead_status": int(dead_status) if dead_status.lstrip("-").isdigit() else None,
-            "pid": int(pane_pid) if pane_pid.isdigit() else None}
-
-
-def read_text(path, limit):
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit).decode("utf-8", "replace")
-    except FileNotFoundError:
-        return None
-
-
-def read_tail(path, lines):
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - MAX_TEXT))
-            data = f.read().decode("utf-8", "replace")
-    except FileNotFoundError:
-        return None
-    return "\n".join(data.rstrip().splitlines()[-lines:])
-
-
-def read_metrics(path, offset, inode, max_bytes):
-    """Complete lines appended since ``offset``. A file shorter than the offset,
-    or another file (new inode), was truncated or rotated: start again at 0."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return {"chunk": "", "offset": 0, "inode": None, "size": None, "reset": offset > 0, "more": False}
-    reset = st.st_size < offset or (inode is not None and st.st_ino != inode)
-    if reset:
-        offset = 0
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read(max_bytes)
-    end = data.rfind(b"\n")
-    skipped = 0
-    if end >= 0:
-        chunk, new_offset = data[:end + 1], offset + end + 1
-    elif len(data) >= max_bytes:  # one line longer than the whole budget: skip it
-        chunk, new_offset, skipped = b"", offset + len(data), len(data)
-    else:  # a partial line being written: wait for its newline
-        chunk, new_offset = b"", offset
-    return {"chunk": chunk.decode("utf-8", "replace"), "offset": new_offset, "inode": st.st_ino,
-            "size": st.st_size, "reset": reset, "more": new_offset < st.st_size, "skipped": skipped}
-
-
-def process_state(pid):
-    try:
-        os.kill(pid, 0)
-        exists = True
-    except ProcessLookupError:
-        exists = False
-    except PermissionError:
-        exists = True
-    state = cmdline = None
-    if exists:
-        try:
-            with open("/proc/%%d/stat" %% pid) as f:
-                stat = f.read()
-            state = stat[stat.rindex(")") + 2:].split()[0]
-            with open("/proc/%%d/cmdline" %% pid, "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()[:300]
-        except (OSError, ValueError, IndexError):
-            pass  # exited meanwhile, or no /proc
-    return {"pid": pid, "alive": exists and state not in ("Z", "X"), "state": state, "cmdline": cmdline}
-
-
-def read_exit_code(path):
-    text = read_text(path, 64)
-    if text is None or not text.strip():
-        return None
-    return int(text.strip())
-
-
-def nvidia_smi(timeout):
-    out = {}
-    for key, query in (("gpus", GPU_QUERY), ("apps", APPS_QUERY)):
-        try:
-            rc, text, err = run(["nvidia-smi", query, "--format=csv,noheader,nounits"], timeout)
-        except FileNotFoundError:
-            raise RuntimeError("nvidia-smi not found on PATH")
-        if rc != 0:
-            raise RuntimeError("exit %%d: %%s" %% (rc, first_line(err) or first_line(text)))
-        out[key] = text
-    return out
-
-
-def status_pid(text):
-    try:
-        pid = json.loads(text).get("pid")
-        return int(pid) if pid else None
-    except (ValueError, TypeError, AttributeError):
-        return None
-
-
-def probe_run(spec, default_timeout):
-    errors = []
-    timeout = float(spec.get("step_timeout") or default_timeout)
-    run_dir = os.path.expanduser(spec["run_dir"])
-    lines = int(spec.get("pane_lines") or 200)
-    out = {"run_dir": spec["run_dir"], "session": spec.get("session"), "errors": errors}
-    session = spec.get("session")
-    if session:
-        sock = spec.get("socket") or "dflash"
-        out["session_alive"] = step(errors, "tmux has-session", timeout, tmux_alive, sock, session, timeout)
-        if out["session_alive"]:
-            out["pane"] = step(errors, "tmux capture-pane", timeout, tmux_pane, sock, session, lines, timeout)
-    out["status_text"] = step(errors, STATUS_FILE, timeout, read_text, os.path.join(run_dir, STATUS_FILE), MAX_TEXT)
-    out["metrics"] = step(errors, METRICS_FILE, timeout, read_metrics, os.path.join(run_dir, METRICS_FILE),
-                          int(spec.get("metrics_offset") or 0), spec.get("metrics_inode"),
-                          int(spec.get("metrics_max_bytes") or 4194304))
-    out["log_tail"] = step(errors, LOG_FILE, timeout, read_tail, os.path.join(run_dir, LOG_FILE), lines)
-    out["exit_code"] = step(errors, EXIT_CODE_FILE, timeout, read_exit_code, os.path.join(run_dir, EXIT_CODE_FILE))
-    pid = status_pid(out["status_text"]) if out["status_text"] else None
-    pid = pid or spec.get("pid_hint")
-    if pid and int(pid) > 0:  # kill(0 or -N, 0) would address a process group
-        out["process"] = step(errors, "process %%s" %% pid, timeout, process_state, int(pid))
-    return out
-
-
-def main():
-    started = time.time()
-    result = {"probe": %(version)d, "errors": [], "runs": []}
-    try:
-        result["hostname"] = socket.gethostname()
-        result["python"] = "%%d.%%d.%%d" %% sys.version_info[:3]
-        args = json.loads(sys.argv[1]) if len(sys.argv) > 1 else []
-        if isinstance(args, list):
-            args = {"runs": args}
-        runs = args.get("runs") or []
-        # Host-level steps (nvidia-smi) get the most patient of the runs' limits.
-        timeout = float(args.get("step_timeout") or max([r.get("step_timeout") or 5.0 for r in runs] or [5.0]))
-        want_smi = args.get("nvidia_smi")
-        if want_smi is None:
-            want_smi = any(r.get("nvidia_smi", True) for r in runs)
-        if want_smi:
-            result["smi"] = step(result["errors"], "nvidia-smi", timeout, nvidia_smi, timeout)
-        for spec in runs:
-            try:
-                result["runs"].append(probe_run(spec, timeout))
-            except Exception as e:
-                result["runs"].append({"run_dir": str(spec.get("run_dir")), "session": spec.get("session"),
-                                       "errors": ["probe: %%s: %%s" %% (type(e).__name__, e)]})
-    except Exception as e:
-        result["errors"].append("probe: %%s: %%s" %% (type(e).__name__, e))
-    result["host_time"] = time.time()
-    result["elapsed"] = result["host_time"] - started
-    sys.stdout.write(json.dumps(result) + "\n")
-    sys.stdout.flush()
-    os._exit(0)  # do not wait on a step thread stuck in the kernel
-
-
-main()
-''' % {
-    "status_file": contract.STATUS_FILE,
-    "metrics_file": contract.METRICS_FILE,
-    "log_file": contract.LOG_FILE,
-    "exit_code_file": contract.EXIT_CODE_FILE,
-    "gpu_query": "--query-gpu=" + ",".join(GPU_QUERY_FIELDS),
-    "apps_query": "--query-compute-apps=" + ",".join(COMPUTE_APPS_FIELDS),
-    "version": PROBE_VERSION,
-}
+# The host-side script (dflashctl/remote/probe.py), shipped as its text.
+PROBE_SOURCE = remote.source("probe")
 
 # --------------------------------------------------------------------------- controller side
 
@@ -307,7 +63,16 @@ class ProcessState:
 
 @dataclass
 class ProbeResult:
-    """One run as the probe saw it. Times are the host's clock."""
+    """One run as the probe saw it. Times are the host's clock.
+
+    Every field is checked: one the host sent with the wrong type or out of range
+    is None here (``status.step`` and ``status.phase`` too, see
+    ``contract.read_status``) and a line in ``errors``. ``errors`` holds, in order:
+    what went wrong on the host, one line per failed step
+    (``"status.json: ValueError: not JSON ..."``, ``"exit_code: timed out after 5s"``);
+    what this side refused (``"probe answer: exit_code is not an integer ('x')"``,
+    ``"status.json: step is not an integer ('3')"``); then the host-level errors
+    (nvidia-smi) shared by every run of the host."""
 
     run_dir: str
     session: str | None
@@ -384,31 +149,14 @@ def estimate_skew(host_time: float, sent: float, received: float) -> float:
 
 
 def parse_probe_host(stdout: str) -> HostProbe | ProbeError:
-    """The probe's stdout -> HostProbe; unreadable output -> ProbeError (a value)."""
-    raw = _last_json_object(stdout)
-    if raw is None:
-        return ProbeError("the probe printed no result", (stdout or "")[-500:])
-    if raw.get("probe") != PROBE_VERSION or not isinstance(raw.get("runs"), list):
-        return ProbeError(f"unexpected probe output (version {raw.get('probe')!r})", (stdout or "")[-500:])
+    """The probe's stdout -> HostProbe; output that is not the probe's answer ->
+    ProbeError (a value). Never raises, whatever the text."""
+    if not isinstance(stdout, str):
+        return ProbeError(f"the probe's output is {_kind(stdout)}, not text")
     try:
-        host_time = float(raw["host_time"])
-        errors = [str(e) for e in raw.get("errors") or []]
-        smi = raw.get("smi") or {}
-        gpus = parse_gpu_query(smi["gpus"]) if isinstance(smi.get("gpus"), str) else None
-        apps = parse_compute_apps(smi["apps"]) if isinstance(smi.get("apps"), str) else None
-        runs = [_run_result(r, host_time, raw.get("hostname"), gpus, apps, errors) for r in raw["runs"]]
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        return ProbeError(f"malformed probe output: {type(e).__name__}: {e}", (stdout or "")[-500:])
-    return HostProbe(
-        host_time=host_time,
-        hostname=raw.get("hostname"),
-        python=raw.get("python"),
-        elapsed=raw.get("elapsed"),
-        gpus=gpus,
-        compute_apps=apps,
-        errors=errors,
-        runs=runs,
-    )
+        return _parse_host(stdout)
+    except Exception as e:  # a backstop: the checks below leave nothing for it, and a host must never crash its caller
+        return ProbeError(f"malformed probe output: {type(e).__name__}: {str(e)[:200]}", stdout[-500:])
 
 
 def parse_probe_output(stdout: str) -> list[ProbeResult] | ProbeError:
@@ -418,14 +166,63 @@ def parse_probe_output(stdout: str) -> list[ProbeResult] | ProbeError:
     return host if isinstance(host, ProbeError) else host.runs
 
 
+# --------------------------------------------------------------------------- checking the answer
+
+MAX_ERROR_LINES = 100  # per run or host: a flood of errors is cut, and says so
+MAX_ERROR_CHARS = 1000
+MAX_PID = 2**31 - 1
+MAX_CLOCK = 1e11  # unix seconds (the year 5138): a later "time" is not a clock reading
+MAX_TAIL_CHARS = 1 << 20  # a pane or log tail (the probe sends at most 64 KiB)
+MAX_CHUNK_CHARS = 1 << 27  # a metrics chunk (the probe sends at most 64 MiB)
+
+
+def _parse_host(stdout: str) -> HostProbe | ProbeError:
+    tail = stdout[-500:]
+    raw = _last_json_object(stdout)
+    if raw is None:
+        return ProbeError("the probe printed no result", tail)
+    try:
+        contract.check_int(raw.get("probe"), "version", PROBE_VERSION, PROBE_VERSION)
+        if not isinstance(raw.get("runs"), list):
+            raise contract.ContractError("runs is not a list")
+        host_time = contract.check_float(raw.get("host_time"), "host_time", 0.0, MAX_CLOCK)
+    except contract.ContractError as e:
+        return ProbeError(f"unexpected probe output: {e.reason}", tail)
+    errors = _error_lines(raw.get("errors"))
+    check = _Checked(raw, errors)
+    hostname, python = check.text("hostname"), check.text("python")
+    elapsed = check.number("elapsed", -MAX_CLOCK, MAX_CLOCK)  # below 0 when the host's clock was stepped back
+    gpus, apps = _smi(raw.get("smi"), errors)
+    runs = []
+    for i, run in enumerate(raw["runs"]):
+        run_dir = run.get("run_dir") if isinstance(run, dict) else None
+        try:
+            contract.check_text(run_dir, f"run {i}: run_dir")
+        except contract.ContractError as e:
+            # Results pair with the runs asked for by position: one without its
+            # run_dir cannot be paired, so the whole answer is unusable.
+            return ProbeError(f"malformed probe output: {e.reason}", tail)
+        runs.append(_run_result(run, host_time, hostname, gpus, apps, errors))
+    return HostProbe(
+        host_time=host_time,
+        hostname=hostname,
+        python=python,
+        elapsed=elapsed,
+        gpus=gpus,
+        compute_apps=apps,
+        errors=errors,
+        runs=runs,
+    )
+
+
 def _last_json_object(stdout: str) -> dict | None:
     # A login banner or a wrapper's chatter may precede the probe's one line.
-    for line in reversed((stdout or "").splitlines()):
+    for line in reversed(stdout.splitlines()):
         line = line.strip()
         if line.startswith("{"):
             try:
                 raw = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested too deeply to be the probe's
                 continue
             if isinstance(raw, dict):
                 return raw
@@ -433,37 +230,180 @@ def _last_json_object(stdout: str) -> dict | None:
 
 
 def _run_result(raw: dict, host_time: float, hostname, gpus, apps, host_errors: list[str]) -> ProbeResult:
-    pane = raw.get("pane") or {}
-    metrics = raw.get("metrics")
-    read_metrics = isinstance(metrics, dict)
-    metrics = metrics if read_metrics else {}
-    process = raw.get("process")
-    status_text = raw.get("status_text")
-    errors = [str(e) for e in raw.get("errors") or []] + host_errors
-    status = contract.parse_status(status_text) if status_text else None
-    if status_text and status is None:
-        errors.append(f"{contract.STATUS_FILE}: not a valid status object")
-    if metrics.get("skipped"):
-        errors.append(f"{contract.METRICS_FILE}: skipped a {metrics['skipped']}-byte line with no newline")
+    errors = _error_lines(raw.get("errors"))
+    check = _Checked(raw, errors)
+    pane = _Checked(check.object("pane"), errors, "pane.")
+    status_text = check.text("status_text", contract.MAX_LINE_CHARS)
+    status = _status(status_text, errors) if status_text else None
+    chunk, offset, inode, reset, more = _metrics(check.object("metrics"), errors) or ("", None, None, False, False)
     return ProbeResult(
-        run_dir=str(raw["run_dir"]),
-        session=raw.get("session"),
+        run_dir=raw["run_dir"],
+        session=check.text("session"),
         host_time=host_time,
         hostname=hostname,
-        session_alive=raw.get("session_alive"),
-        pane_tail=pane.get("tail"),
-        pane_dead=pane.get("dead"),
-        pane_dead_status=pane.get("dead_status"),
+        session_alive=check.flag("session_alive"),
+        pane_tail=pane.text("tail", MAX_TAIL_CHARS),
+        pane_dead=pane.flag("dead"),
+        pane_dead_status=pane.int("dead_status", -(2**31), 2**31 - 1),
         status=status,
-        log_tail=raw.get("log_tail"),
-        metrics_chunk=metrics.get("chunk") or "",
-        metrics_offset=int(metrics.get("offset") or 0) if read_metrics else None,
-        metrics_inode=metrics.get("inode"),
-        metrics_reset=bool(metrics.get("reset")),
-        metrics_more=bool(metrics.get("more")),
-        process=ProcessState(**process) if isinstance(process, dict) else None,
-        exit_code=raw.get("exit_code"),
+        log_tail=check.text("log_tail", MAX_TAIL_CHARS),
+        metrics_chunk=chunk,
+        metrics_offset=offset,
+        metrics_inode=inode,
+        metrics_reset=reset,
+        metrics_more=more,
+        process=_process(check.object("process"), errors),
+        exit_code=check.int("exit_code", -(2**31), 2**31 - 1),
         gpus=gpus,
         compute_apps=apps,
-        errors=errors,
+        errors=errors + host_errors,
     )
+
+
+def _metrics(raw: dict | None, errors: list[str]) -> tuple[str, int, int | None, bool, bool] | None:
+    """(chunk, offset, inode, reset, more); None: not read this time, so the offset
+    stays where it was (an offset without its chunk would skip data)."""
+    if raw is None:
+        return None
+    check = _Checked(raw, errors, "metrics.")
+    chunk = check.text("chunk", MAX_CHUNK_CHARS, required=True)
+    offset = check.int("offset", 0, contract.INT64_MAX, required=True)
+    inode = check.int("inode", 0, 2**64 - 1)
+    reset, more, skipped = check.flag("reset"), check.flag("more"), check.int("skipped", 0, contract.INT64_MAX)
+    if chunk is None or offset is None:
+        return None
+    if skipped:
+        errors.append(f"{contract.METRICS_FILE}: skipped a {skipped}-byte line with no newline")
+    return chunk, offset, inode, bool(reset), bool(more)
+
+
+def _process(raw: dict | None, errors: list[str]) -> ProcessState | None:
+    if raw is None:
+        return None
+    check = _Checked(raw, errors, "process.")
+    pid, alive = check.int("pid", 1, MAX_PID, required=True), check.flag("alive", required=True)
+    state, cmdline = check.text("state"), check.text("cmdline")
+    if pid is None or alive is None:
+        return None
+    return ProcessState(pid=pid, alive=alive, state=state, cmdline=cmdline)
+
+
+def _status(text: str, errors: list[str]) -> contract.Status | None:
+    """status.json's text -> Status (``contract.read_status``: a bad field is None);
+    each of its problems, or why it is unusable as a whole, is an error line."""
+    try:
+        status = contract.read_status(text)
+    except contract.ContractError as e:
+        errors.append(f"{contract.STATUS_FILE}: {e.reason}")
+        return None
+    errors.extend(f"{contract.STATUS_FILE}: {problem}" for problem in _capped(status.problems))
+    return status
+
+
+def _smi(raw: Any, errors: list[str]) -> tuple[list[GpuReading] | None, list[ComputeApp] | None]:
+    """nvidia-smi's CSV -> readings (None: not asked for, or no answer); each row
+    the parsers refuse is an error line."""
+    if raw is None:
+        return None, None
+    if not isinstance(raw, dict):
+        errors.append(f"probe answer: smi is not an object ({_kind(raw)})")
+        return None, None
+    check = _Checked(raw, errors, "smi.")
+    gpus_text, apps_text = check.text("gpus", MAX_TAIL_CHARS), check.text("apps", MAX_TAIL_CHARS)
+    gpus = apps = None
+    if gpus_text is not None:
+        parsed_gpus = read_gpu_query(gpus_text)
+        gpus = parsed_gpus.rows
+        errors.extend(f"nvidia-smi --query-gpu: {r}" for r in parsed_gpus.rejected)
+    if apps_text is not None:
+        parsed_apps = read_compute_apps(apps_text)
+        apps = parsed_apps.rows
+        errors.extend(f"nvidia-smi --query-compute-apps: {r}" for r in parsed_apps.rejected)
+    return gpus, apps
+
+
+class _Checked:
+    """Typed reads from one object of the probe's answer (``contract.check_*``). A
+    value of the wrong type or out of range reads as None and adds an error line
+    saying why; an absent one (or null) reads as None quietly, unless ``required``."""
+
+    def __init__(self, raw: dict | None, errors: list[str], prefix: str = "") -> None:
+        self.raw = raw if raw is not None else {}
+        self.errors = errors
+        self.prefix = prefix
+
+    def _read(self, key: str, check: Callable[[Any, str], Any], required: bool) -> Any:
+        value = self.raw.get(key)
+        if value is None:
+            if required:
+                self.errors.append(f"probe answer: {self.prefix}{key} missing")
+            return None
+        try:
+            return check(value, self.prefix + key)
+        except contract.ContractError as e:
+            self.errors.append(f"probe answer: {e.reason}")
+            return None
+
+    def int(self, key: str, low: int, high: int, required: bool = False) -> int | None:
+        return self._read(key, lambda v, name: contract.check_int(v, name, low, high), required)
+
+    def number(self, key: str, low: float, high: float) -> float | None:
+        return self._read(key, lambda v, name: contract.check_float(v, name, low, high), False)
+
+    def text(self, key: str, max_chars: int = contract.MAX_TEXT_CHARS, required: bool = False) -> str | None:
+        return self._read(key, lambda v, name: contract.check_text(v, name, max_chars), required)
+
+    def flag(self, key: str, required: bool = False) -> bool | None:
+        return self._read(key, _check_bool, required)
+
+    def object(self, key: str) -> dict | None:
+        return self._read(key, _check_object, False)
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise contract.ContractError(f"{name} is not true or false ({_kind(value)})")
+    return value
+
+
+def _check_object(value: Any, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise contract.ContractError(f"{name} is not an object ({_kind(value)})")
+    return value
+
+
+def _error_lines(value: Any) -> list[str]:
+    """The answer's error list as lines of UTF-8 text, bounded in number and length."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        return [f"probe answer: errors is not a list ({_kind(value)})"]
+    return _capped([
+        item[:MAX_ERROR_CHARS].encode("utf-8", "replace").decode("utf-8")
+        if isinstance(item, str)
+        else f"probe answer: an error that is not text ({_kind(item)})"
+        for item in value[: MAX_ERROR_LINES + 1]
+    ], len(value))  # fmt: skip
+
+
+def _capped(lines: list[str], total: int | None = None) -> list[str]:
+    """At most MAX_ERROR_LINES lines of ``total`` (default: all given), then how many were left out."""
+    total = len(lines) if total is None else total
+    if total <= MAX_ERROR_LINES:
+        return lines
+    return lines[:MAX_ERROR_LINES] + [f"... and {total - MAX_ERROR_LINES} more"]
+
+
+def _kind(value: Any) -> str:
+    """A short description of an untrusted value for an error line (never its whole text)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value[:40]) + ("..." if len(value) > 40 else "")
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+    if isinstance(value, float):
+        return repr(value)
+    return f"a {type(value).__name__}"

@@ -10,24 +10,56 @@ mentions an ImportError must not decide how a later crash is handled.
 
 A playbook's own signatures are checked before the built-in table; a playbook's
 ``restart.actions`` overrides an action by signature name (applied in
-``policy.decide``).
+``policy.decide``). A playbook's signature as written in YAML is a
+``PlaybookSignature`` (validated with the rest of the playbook by
+``dflashctl.config``, which imports it from here); ``from_config`` compiles it
+into a ``Signature``.
+
+This module is pure: it never touches a host, the store or the playbook files,
+and never imports ``dflashctl.config`` (config depends on it, not the reverse).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dflashctl import contract
 from dflashctl.parsers import last_error_start
 
-if TYPE_CHECKING:
-    from dflashctl.config import Signature as ConfigSignature
-
 RESTART = "restart"
 RESTART_SERIALIZED = "restart_serialized"
 STOP = "stop"
+
+# The words a playbook may use (signatures, restart.actions, alerts.min_severity).
+Severity = Literal["info", "warning", "error", "critical"]
+Action = Literal["restart", "restart_serialized", "stop"]
+
+
+class PlaybookSignature(BaseModel):
+    """A crash signature of this playbook, matched against the error text before the built-in table."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    pattern: str
+    """Python regular expression, searched in the traceback / pane tail."""
+    action: Action = "restart"
+    severity: Severity = "error"
+    hint: Optional[str] = None
+    """Shown to the operator with the alert."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"invalid regular expression '{pattern}': {e}") from None
+        return pattern
 
 
 @dataclass(frozen=True)
@@ -180,7 +212,7 @@ UNKNOWN = Classification(
 )
 
 
-def from_config(sig: "ConfigSignature") -> Signature:
+def from_config(sig: PlaybookSignature) -> Signature:
     """A playbook signature (already validated: its pattern compiles)."""
     return Signature(sig.name, _re(sig.pattern), sig.action, sig.severity, sig.hint)
 
@@ -189,7 +221,7 @@ def classify(
     text: str | None,
     status_error: str | None = None,
     exit_code: int | None = None,
-    extra_signatures: Iterable["ConfigSignature | Signature"] = (),
+    extra_signatures: Iterable["PlaybookSignature | Signature"] = (),
 ) -> Classification:
     """Name a crash from its output, the status error line and the exit code.
 
@@ -208,6 +240,6 @@ def classify(
     return UNKNOWN
 
 
-def signature_names(extra_signatures: Iterable["ConfigSignature | Signature"] = ()) -> list[str]:
+def signature_names(extra_signatures: Iterable["PlaybookSignature | Signature"] = ()) -> list[str]:
     """Every name ``classify`` can return (for validating ``restart.actions`` keys)."""
     return [s.name for s in extra_signatures] + [s.name for s in BUILTIN_SIGNATURES] + [UNKNOWN.name]

@@ -20,6 +20,7 @@ validated and written together with an event in the same transaction.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -35,7 +36,7 @@ from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
 from dflashctl.contract import PHASE_TRAINING, Metrics, did_you_mean
-from dflashctl.errors import ConfigError, DflashError
+from dflashctl.errors import ConfigError, DflashError, StoreError
 
 # --------------------------------------------------------------------------- states
 
@@ -75,7 +76,7 @@ _STATE_SEVERITY = {STALLED: "warning", RESTARTING: "warning", LOST: "warning", F
 EVENT_STATE = "state"
 EVENT_REGRESSION = "regression"  # a throughput regression: the run is not a healthy baseline
 
-_JSON_COLUMNS = {"config", "supervisor", "detail", "gpu", "data"}
+_JSON_COLUMNS = {"config", "supervisor", "detail", "gpu", "data", "runs", "hosts"}
 
 _RUN_FIELDS_SETTABLE = {
     "config", "bundle_hash", "run_dir", "tmux_session", "tmux_socket", "supervisor", "host", "exit_code", "exit_reason",
@@ -168,6 +169,7 @@ class Sample:
     phase: str | None = None
     gpu: Any = None
     mfu: float | None = None
+    observed: float | None = None  # local time the supervisor received it (None: stored before this was kept)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,6 +188,13 @@ class Restart:
     time_to_first_step_s: float | None = None
     step_before: int | None = None
     step_after: int | None = None
+    outcome: str | None = None  # issuing | issued | not issued: why | cancelled: why
+
+    @property
+    def counts(self) -> bool:
+        """Whether a process was (or may have been) started by it: the restart
+        policy counts it. A restart never issued started nothing."""
+        return not (self.outcome or "").startswith(("not issued", "cancelled"))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -302,9 +311,61 @@ def _m0003(db: Database) -> None:
     db["samples"].add_column("mfu", float)
 
 
+@migrations(name="0004_restart_outcome_numeric_samples")
+def _m0004(db: Database) -> None:
+    # A restart row is written before the restart is issued ("issuing"), then says
+    # "issued" or why not: a supervisor killed in between still leaves the row.
+    db["restarts"].add_column("outcome", str)
+    db.execute("UPDATE restarts SET outcome = 'issued'")
+    # Stores from before samples were validated may hold text in numeric columns.
+    for column in _SAMPLE_NUMBERS:
+        db.execute(f"UPDATE samples SET {column} = NULL WHERE typeof({column}) NOT IN ('integer', 'real', 'null')")
+
+
+@migrations(name="0005_supervisor_heartbeats")
+def _m0005(db: Database) -> None:
+    # Freshness is data: each supervisor's last tick and each host's last answer, and
+    # when each sample was received (its own time is the trainer's, on the host clock).
+    db["supervisors"].create(
+        {"id": str, "pid": int, "host": str, "started": float, "interval": float, "last_tick": float,
+         "runs": str, "hosts": str, "stopped": float},
+        pk="id",
+    )
+    db["samples"].add_column("observed", float)
+
+
+_SAMPLE_NUMBERS = ("tok_s", "loss", "acc", "accept_len", "eta_s", "mfu")
+SCHEMA_VERSION = 5  # the number of migrations above; recorded as PRAGMA user_version
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, or None: a sample's numeric column never holds anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _int64(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**63) <= value < 2**63:
+        return None
+    return value
+
+
 # --------------------------------------------------------------------------- ids
 
 _SLUG = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def _free_mib(directory: str) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize // (1024 * 1024)
 
 
 def new_run_id(playbook: str, now: float) -> str:
@@ -326,10 +387,60 @@ class Store:
         self.write_transactions = 0  # opened by this object (all threads): one per supervisor tick
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._local = threading.local()
-        db = self.db
-        if migrations.pending(db):
-            with self._write():
-                migrations.apply(db)
+        try:
+            db = self.db
+            self._check_version(db)
+            if migrations.pending(db):
+                with self._write():
+                    migrations.apply(db)
+                    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as e:
+            raise self.error(e) from None
+
+    def _check_version(self, db: Database) -> None:
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        known = {m.name for m in migrations._migrations}
+        if "_sqlite_migrations" in db.table_names():
+            applied = {r[0] for r in db.execute(
+                "SELECT name FROM _sqlite_migrations WHERE migration_set = ?", [migrations.name]).fetchall()}
+            version = max(version, SCHEMA_VERSION + len(applied - known))  # names this version does not know
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"run store {self.path} has schema version {version}; this dflashctl knows up to {SCHEMA_VERSION}",
+                hint="a newer dflashctl wrote it: upgrade this one (pip install -U dflashctl), or use another store "
+                "for this version (DFLASHCTL_STORE=/path/other.db)",
+            )
+
+    def error(self, e: BaseException) -> StoreError:
+        """A clean StoreError for an sqlite3 error on this file, saying what to do."""
+        text = str(e)
+        if isinstance(e, StoreError):
+            return e
+        if "disk is full" in text or "disk I/O error" in text:
+            free = _free_mib(os.path.dirname(self.path))
+            return StoreError(f"run store {self.path}: cannot write: {text}"
+                              + (f" ({free} MiB free on its file system)" if free is not None else ""),
+                              hint=f"free space on the file system of {os.path.dirname(self.path)}")
+        if isinstance(e, sqlite3.DatabaseError) and ("malformed" in text or "not a database" in text):
+            return StoreError(f"run store {self.path} is corrupted: {text}",
+                              hint=f"move it aside (mv {self.path} {self.path}.corrupt) and start a new one; "
+                              f"`sqlite3 {self.path}.corrupt .recover` may save its rows")
+        if isinstance(e, sqlite3.OperationalError) and "no such column" in text:
+            return StoreError(f"run store {self.path} does not have the schema this dflashctl expects: {text}",
+                              hint="it was changed outside dflashctl or by another version; use another store "
+                              "(DFLASHCTL_STORE=/path/other.db)")
+        return StoreError(f"run store {self.path}: {type(e).__name__}: {text}")
+
+    def quick_check(self) -> None:
+        """``PRAGMA quick_check``; raises StoreError naming the first problems."""
+        try:
+            rows = [r[0] for r in self.db.execute("PRAGMA quick_check").fetchall()]
+        except sqlite3.DatabaseError as e:
+            raise self.error(e) from None
+        if rows != ["ok"]:
+            raise StoreError(f"run store {self.path} is corrupted: integrity check: {'; '.join(rows[:3])}",
+                             hint=f"move it aside (mv {self.path} {self.path}.corrupt) and start a new one; "
+                             f"`sqlite3 {self.path}.corrupt .recover` may save its rows")
 
     # ----------------------------------------------------------------- connections
 
@@ -455,7 +566,10 @@ class Store:
         self.update_run(run_id, supervisor=info)
 
     def get_run(self, ref: str) -> Run:
-        """A run by id or by an unambiguous prefix of its id."""
+        """A run by id or by an unambiguous prefix of its id (never the empty one)."""
+        if not isinstance(ref, str) or not ref.strip():
+            raise ConfigError("no run given: an empty run reference matches nothing",
+                              hint="give a run id or its first characters; `dflashctl runs` lists them")
         rows = self._query("SELECT * FROM runs WHERE id = ?", [ref])
         if not rows:
             escaped = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
@@ -632,6 +746,7 @@ class Store:
         gpu: Any = None,
         metrics_offset: int | None = None,
         metrics_inode: int | None = None,
+        observed: float | None = None,
     ) -> int:
         """Store metrics lines as samples; with ``metrics_offset`` (and the file's
         inode), advance the run's read position in the same transaction, so a crash
@@ -639,16 +754,18 @@ class Store:
         rows = []
         for s in samples:
             d = asdict(s) if isinstance(s, Metrics) else dict(s)
-            mfu = d.get("mfu", (d.get("extra") or {}).get("mfu"))
-            rows.append(
-                [run_id, float(d["time"]), int(d["step"]), d.get("tok_s"), d.get("loss"), d.get("acc"),
-                 d.get("accept_len"), d.get("eta_s"), d.get("phase"), _json(d.get("gpu", gpu)),
-                 float(mfu) if isinstance(mfu, (int, float)) else None]
-            )
+            extra = d.get("extra") if isinstance(d.get("extra"), dict) else {}
+            d["mfu"] = d.get("mfu", extra.get("mfu"))
+            time_, step = _number(d.get("time")), _int64(d.get("step"))
+            if time_ is None or step is None:
+                continue  # no time or step: not a sample (the contract rejects such lines first)
+            phase = d.get("phase") if isinstance(d.get("phase"), str) else None
+            rows.append([run_id, time_, step, *(_number(d.get(c)) for c in _SAMPLE_NUMBERS[:5]), phase,
+                         _json(d.get("gpu", gpu)), _number(d.get("mfu")), _number(observed)])
         with self._write() as db:
             db.conn.executemany(
-                "INSERT INTO samples (run_id, time, step, tok_s, loss, acc, accept_len, eta_s, phase, gpu, mfu) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO samples (run_id, time, step, tok_s, loss, acc, accept_len, eta_s, phase, gpu, mfu, "
+                "observed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             if metrics_offset is not None:
@@ -720,6 +837,26 @@ class Store:
         history = self.healthy_tok_s_history(playbook, exclude_run=exclude_run)
         return float(statistics.median(history)) if history else None
 
+    # ----------------------------------------------------------------- supervisors
+
+    def heartbeat(self, supervisor_id: str, *, pid: int, host: str, started: float, interval: float, now: float,
+                  runs: list[str], hosts: dict[str, Any], stopped: bool = False) -> None:
+        """A supervisor's tick: which runs it watches and what each host last answered
+        (``{host: {"last_ok": t, "error": text, "down_since": t}}``)."""
+        with self._write():
+            self.db["supervisors"].upsert(
+                {"id": supervisor_id, "pid": pid, "host": host, "started": started, "interval": interval,
+                 "last_tick": now, "runs": _json(runs), "hosts": _json(hosts), "stopped": now if stopped else None},
+                pk="id")
+
+    def supervisors(self, since: float | None = None) -> list[dict[str, Any]]:
+        """Supervisor heartbeats, newest tick first (those ticking after ``since``)."""
+        sql, params = "SELECT * FROM supervisors", []
+        if since is not None:
+            sql += " WHERE last_tick > ?"
+            params.append(since)
+        return [_decode(r) for r in self._query(sql + " ORDER BY last_tick DESC", params)]
+
     # ----------------------------------------------------------------- restarts
 
     def add_restart(
@@ -732,18 +869,20 @@ class Store:
         detect_delay_s: float | None = None,
         downtime_s: float | None = None,
         step_before: int | None = None,
+        outcome: str = "issued",
     ) -> int:
+        """A restart row; a supervisor writes it "issuing" before it issues the restart."""
         with self._write() as db:
             cur = db.execute(
-                "INSERT INTO restarts (run_id, time, reason, signature, action, detect_delay_s, downtime_s, step_before)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [run_id, now, reason, signature, action, detect_delay_s, downtime_s, step_before],
+                "INSERT INTO restarts (run_id, time, reason, signature, action, detect_delay_s, downtime_s, step_before,"
+                " outcome) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [run_id, now, reason, signature, action, detect_delay_s, downtime_s, step_before, outcome],
             )
             return cur.lastrowid
 
     def update_restart(self, restart_id: int, **values: Any) -> None:
         """Fill in what is known only later: time_to_first_step_s, step_after, downtime_s."""
-        allowed = {"downtime_s", "time_to_first_step_s", "step_after", "detect_delay_s"}
+        allowed = {"downtime_s", "time_to_first_step_s", "step_after", "detect_delay_s", "outcome", "time"}
         if set(values) - allowed:
             raise ValueError(f"update_restart: cannot set {', '.join(sorted(set(values) - allowed))}")
         with self._write() as db:
@@ -782,3 +921,27 @@ class Store:
             [host, kind, limit],
         )
         return [_decode(r) for r in rows]
+
+    def env_snapshot_at(self, host: str, time: float, kind: str = "packages") -> dict[str, Any] | None:
+        """The newest snapshot of a host taken at or before ``time`` (``data`` decoded), or None."""
+        rows = self._query(
+            "SELECT * FROM env_snapshots WHERE host = ? AND kind = ? AND time <= ? ORDER BY time DESC, id DESC LIMIT 1",
+            [host, kind, time],
+        )
+        return _decode(rows[0]) if rows else None
+
+    def longest_training_stretch(self, run_id: str) -> float | None:
+        """Seconds from the first to the last ``training`` sample of the run's
+        longest-lived trainer process (samples between two restarts); None without
+        training samples. A run whose stretch reached the playbook's
+        ``restart.healthy_after`` counts as a good run for drift checks."""
+        rows = self._query(
+            """
+            SELECT max(stretch) AS stretch FROM (
+              SELECT max(s.time) - min(s.time) AS stretch FROM samples s
+              WHERE s.run_id = ? AND s.phase = ?
+              GROUP BY (SELECT count(*) FROM restarts r WHERE r.run_id = s.run_id AND r.time <= s.time))
+            """,
+            [run_id, PHASE_TRAINING],
+        )
+        return rows[0]["stretch"] if rows else None

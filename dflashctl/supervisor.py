@@ -30,6 +30,7 @@ import os
 import queue
 import random
 import socket
+import sqlite3
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,11 +41,11 @@ from dflashctl import alerts as alerts_mod
 from dflashctl import contract, detectors, policy
 from dflashctl import supervisor_core as core
 from dflashctl.detectors import Finding, Sample
-from dflashctl.errors import DflashError, first_line
-from dflashctl.parsers import parse_metrics_chunk
-from dflashctl.probe import ProbeArgs, ProbeError, ProbeResult, estimate_skew, parse_probe_host, probe_command
+from dflashctl.errors import DflashError, StoreError, first_line
+from dflashctl.parsers import read_metrics_chunk
+from dflashctl.probe import ProbeArgs, ProbeError, estimate_skew, parse_probe_host, probe_command
 from dflashctl.store import FINAL_STATES, RESTARTING, InvalidTransition, Run, Store
-from dflashctl.supervisor_core import RESTART_MARKER, WINDOW, RunPolicy  # noqa: F401  (the supervisor's API)
+from dflashctl.supervisor_core import RESTART_MARKER, WINDOW, RunPolicy  # noqa: F401  (part of this module's API)
 
 if TYPE_CHECKING:
     from dflashctl.config import Alerts, Inventory
@@ -60,6 +61,7 @@ _PREPARE_RESTART = 'cd "$1" || exit 1; rm -f "$2"; printf "%s\\n" "$4" >> "$5"' 
 # (runhost.restart_run), then removes it before the new process starts.
 
 Emit = Callable[[str, Any], None]  # ('event', store.Event) | ('metrics', (run_id, Metrics)) | ('info', str)
+# | ('observation', dict): with claim=False, what one tick saw of each run
 
 
 class SupervisorConflict(DflashError):
@@ -120,6 +122,12 @@ class _HostState:
     polls: int = 0
     severity: str | None = None  # of the last unreachable event written
     skew: float = 0.0
+    last_ok: float | None = None  # local: the last probe answer
+    error: str | None = None  # why the last probe failed
+
+    def heartbeat(self) -> dict[str, Any]:
+        return {"last_ok": self.last_ok, "error": self.error, "down_since": self.down_since,
+                "skew_s": round(self.skew, 3)}
 
 
 @dataclass
@@ -192,7 +200,9 @@ class Supervisor:
         self._hook_failures: "queue.SimpleQueue[dict]" = queue.SimpleQueue()
         self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflashctl-act")
         self._cursor: dict[str, tuple[int, float]] = {}  # run -> (last event id, its time) emitted
-        self._carry: list[tuple[str, Any]] = []  # writes that arose after a tick's transaction
+        self._carry: list[tuple[str, Any]] = []  # writes still to store (after a tick's transaction, or failed)
+        self._store_down: float | None = None  # since when the store refuses writes
+        self._store_alerted: float | None = None
         self._hurry = False
         self.ticks = 0
         self.last_report: TickReport | None = None
@@ -230,7 +240,7 @@ class Supervisor:
                            socket=run.tmux_socket or _tmux_socket(), metrics_offset=offset, metrics_inode=inode,
                            pane_lines=PANE_LINES, nvidia_smi=bool(run.gpus)),
         )
-        rows = self.store.restarts(run.id)
+        rows = [r for r in self.store.restarts(run.id) if r.counts]
         state.history = tuple(policy.Restart(r.time, r.step_before, r.step_after) for r in rows)
         if rows:
             last = rows[-1]
@@ -242,6 +252,8 @@ class Supervisor:
         # operator's restart that never confirmed: watch it as a starting process too;
         # if nothing runs, that is a crash and this supervisor decides again.
         state.restart_issued = run.state == RESTARTING
+        last = self.store.samples(run.id, limit=1)
+        state.last_line = (last[0].time, last[0].step) if last else None
         samples = []
         for s in self.store.samples(run.id, since=state.attempt_started, limit=WINDOW):
             samples.append(Sample(s.time, s.step, s.tok_s, s.phase or contract.PHASE_TRAINING, s.eta_s))
@@ -254,9 +266,12 @@ class Supervisor:
         self._cursor[run.id] = (last_event[0].id, last_event[0].time) if last_event else (0, 0.0)
         w = Watched(state=state, policy=run_policy, alerter=self._alerter(run_policy.alerts))
         self.runs[run.id] = w
+        if not self.claim:  # looking once (`watch --once`) is not watching: nothing to record on the run
+            if warning:
+                self.emit("info", f"{run.id}: {warning}")
+            return w
         with self.store.batch():
-            if self.claim:
-                self._claim(w)
+            self._claim(w)
             if warning:
                 self.store.add_event(run.id, "supervisor", warning, self.clock(), "warning")
             how = "re-attached to" if (offset or rows) else "watching"
@@ -356,6 +371,10 @@ class Supervisor:
                         self.store.set_supervisor(w.id, None)
                 except DflashError:
                     pass
+            try:
+                self._heartbeat(self.clock(), stopped=True)
+            except (sqlite3.Error, DflashError):
+                pass  # the store refuses writes: its last tick's age says the same
         self._emit_new_events()
 
     def tick(self) -> TickReport:
@@ -389,6 +408,9 @@ class Supervisor:
         for run_id, m in t.metrics:
             self.emit("metrics", (run_id, m))
         self._emit_new_events()
+        if not self.claim:
+            for w in [w for ws in by_host.values() for w in ws]:
+                self.emit("observation", self._observation(w, report))
         report.findings = {run_id: [Finding(e.kind, e.severity, e.message, e.detail or {})
                                     for rid, e in t.writes if rid == run_id and isinstance(e, core.Event)
                                     and e.kind in (detectors.CRASH, detectors.STALL, detectors.REGRESSION,
@@ -397,6 +419,22 @@ class Supervisor:
         report.seconds = time.monotonic() - t0
         self.last_report = report
         return report
+
+    def _observation(self, w: Watched, report: TickReport) -> dict:
+        """What one look at a run found (``watch --once``): nothing of it is stored as
+        an event on a run this process does not watch."""
+        st = w.state
+        last = st.samples[-1] if st.samples else None
+        answer = report.hosts.get(w.run.host)
+        return {
+            "kind": "observation", "run_id": w.id, "host": w.run.host, "state": w.run.state, "phase": st.phase,
+            "step": st.step_max, "total_steps": last.total_steps if last else None,
+            "tok_s": last.tok_s if last else None, "sample_time": last.time if last else None,
+            "host_answer_s": answer if isinstance(answer, float) else None,
+            "host_error": answer if isinstance(answer, str) else None,
+            "findings": [{"kind": f.kind, "severity": f.severity, "message": f.message}
+                         for f in report.findings.get(w.id, [])],
+        }
 
     def _step(self, w: Watched, obs: Any, now: float, t: _Tick) -> None:
         w.state, writes, actions = core.step(w.state, obs, now, self._policy(w))
@@ -427,13 +465,15 @@ class Supervisor:
         report.hosts[host] = received - sent
         hs = self.hosts.setdefault(host, _HostState())
         hs.skew = estimate_skew(parsed.host_time, sent, received)
+        hs.last_ok, hs.error = received, None
         back = (hs.down_since, hs.polls) if hs.down_since is not None else None
         hs.down_since, hs.polls, hs.severity = None, 0, None
         now = self.clock()
         for w, pr in zip(watched, parsed.runs):
             report.findings[w.id] = []
-            lines, malformed = parse_metrics_chunk(pr.metrics_chunk)
-            obs = core.Probed(pr, hs.skew, tuple(lines), malformed, back)
+            chunk = read_metrics_chunk(pr.metrics_chunk)
+            lines = chunk.rows
+            obs = core.Probed(pr, hs.skew, tuple(lines), tuple(chunk.rejected), back)
             try:
                 self._step(w, obs, now, t)
             except Exception as e:  # noqa: BLE001  (one run's trouble must not stop the watch of the others)
@@ -452,6 +492,7 @@ class Supervisor:
         if hs.down_since is None:
             hs.down_since, hs.polls, hs.severity = now, 0, None
         hs.polls += 1
+        hs.error = error
         finding = detectors.detect_unreachable(host, hs.down_since, hs.polls, now, error=error,
                                                escalate_after=self.escalate_after)
         worse = hs.severity is None or _rank(finding.severity) > _rank(hs.severity)
@@ -475,20 +516,52 @@ class Supervisor:
     # ----------------------------------------------------------------- store, then act
 
     def _store_tick(self, t: _Tick) -> None:
-        """Every write of the tick in one transaction."""
-        if not (t.writes or t.claims):
-            return
+        """Every write of the tick in one transaction. When the store cannot take it
+        (disk full, locked for too long), the writes wait in memory for the next tick,
+        in order, and the operator is alerted: supervision never waits for the store."""
         now = self.clock()
-        with self.store.batch():
-            for run in t.claims:
-                if run.id in self.runs:
-                    self._claim(self.runs[run.id])
-            for run_id, x in t.writes:
-                self._write(run_id, x, now)
+        try:
+            with self.store.batch():
+                if self.claim:
+                    self._heartbeat(now)
+                for run in t.claims:
+                    if run.id in self.runs:
+                        self._claim(self.runs[run.id])
+                for run_id, x in t.writes:
+                    self._write(run_id, x, now)
+        except (sqlite3.Error, StoreError) as e:
+            self._store_failed(self.store.error(e), t)
+            return
+        if self._store_down is not None:
+            self.emit("info", f"the run store takes writes again after {detectors.fmt_duration(now - self._store_down)}")
+            self._store_down = self._store_alerted = None
         for run_id in {run_id for run_id, x in t.writes if isinstance(x, core.Transition)}:
             w = self.runs.get(run_id)
             if w is not None:
                 w.state.run = self.store.get_run(run_id)  # what was stored: the state, ended, exit code
+
+    def _heartbeat(self, now: float, stopped: bool = False) -> None:
+        """This supervisor's tick in the store: what `status` tells "supervised" and
+        "data N s old" from."""
+        self.store.heartbeat(
+            f"{self.identity['host']}:{self.identity['pid']}:{self.identity['started']:.3f}",
+            pid=self.identity["pid"], host=self.identity["host"], started=self.identity["started"],
+            interval=self.interval, now=now, runs=sorted(w.id for w in self.active()),
+            hosts={name: hs.heartbeat() for name, hs in self.hosts.items()}, stopped=stopped)
+
+    def _store_failed(self, error: StoreError, t: _Tick) -> None:
+        now = self.clock()
+        self._store_down = self._store_down or now
+        kept = _bounded_carry(t.writes)
+        self._carry = kept + self._carry
+        message = f"{error} (since {detectors.fmt_clock(self._store_down)}; {len(kept)} writes kept in memory " \
+                  "and retried each tick)"
+        self.emit("info", f"supervisor: {message}" + (f"; {error.hint}" if error.hint else ""))
+        if self._store_alerted is None or now - self._store_alerted >= core.REPEAT_FINDING_S:
+            self._store_alerted = now
+            for w in self.active():
+                w.alerter.send(alerts_mod.make_event("store", "critical", message, run_id=w.id, host=w.run.host,
+                                                     detail={"hint": error.hint}, now=now))
 
     def _write(self, run_id: str, x: Any, now: float) -> None:
         if isinstance(x, core.Event):
@@ -500,10 +573,11 @@ class Supervisor:
             except InvalidTransition:
                 pass  # changed meanwhile (an operator's stop): the next tick reads the run again
         elif isinstance(x, core.Samples):
-            self.store.add_samples(run_id, x.lines, gpu=x.gpu, metrics_offset=x.offset, metrics_inode=x.inode)
+            self.store.add_samples(run_id, x.lines, gpu=x.gpu, metrics_offset=x.offset, metrics_inode=x.inode,
+                                   observed=x.observed)
         elif isinstance(x, core.RestartRow):
             self.store.add_restart(run_id, x.time, x.reason, signature=x.signature, action=x.action,
-                                   step_before=x.step_before, detect_delay_s=x.detect_delay_s)
+                                   step_before=x.step_before, detect_delay_s=x.detect_delay_s, outcome=x.outcome)
         elif isinstance(x, core.RestartUpdate):
             self.store.update_latest_restart(run_id, **x.changes)
         else:
@@ -512,11 +586,9 @@ class Supervisor:
     def _act(self, t: _Tick) -> None:
         for w, a in t.actions:
             if isinstance(a, core.Alert):
-                event = alerts_mod.make_event(a.kind, a.severity, a.message, run_id=w.id, host=w.run.host,
-                                              detail=a.detail, now=self.clock())
-                if w.alerter.send(event) == alerts_mod.DROPPED:
-                    self._carry.append((w.id, core.Event("alert", "warning",
-                                                         f"alert queue full: the '{a.kind}' alert was dropped")))
+                # A hook that fails, times out or drops the alert reports it (on_hook_failure).
+                w.alerter.send(alerts_mod.make_event(a.kind, a.severity, a.message, run_id=w.id, host=w.run.host,
+                                                     detail=a.detail, now=self.clock()))
             elif isinstance(a, core.IssueRestart):
                 w.job = self._workers.submit(self._restart, w.run, a.serialized, a.marker, a.hung)
             elif isinstance(a, core.KillSession):
@@ -525,7 +597,7 @@ class Supervisor:
     # ----------------------------------------------------------------- restarts and kills, on a worker
 
     def _restart(self, run: Run, serialized: bool, marker: str, hung: bool = False) -> float:
-        from dflashctl.launch import restart_run, signal_trainer_argv
+        from dflashctl.runhost import restart_run, signal_trainer_argv
         from dflashctl.transport import connect
 
         current = self.store.get_run(run.id)
@@ -597,7 +669,8 @@ class Supervisor:
 
 
 def live_supervisor(info: dict | None) -> dict | None:
-    """``info`` when it names a live `watch` process of this machine other than this one."""
+    """``info`` when it names a live supervisor process of this machine other than
+    this one: a `watch`, or a `launch --foreground` (it supervises its run itself)."""
     if not info or not info.get("pid") or info.get("host") != socket.gethostname():
         return None
     pid = int(info["pid"])
@@ -612,10 +685,23 @@ def live_supervisor(info: dict | None) -> dict | None:
         return None
     if stat[stat.rindex(")") + 2 :].split()[0] in ("Z", "X"):
         return None
-    return info if b"watch" in argv else None  # the pid may have been reused by another program
+    supervises = b"watch" in argv or (b"launch" in argv and b"--foreground" in argv)
+    return info if supervises else None  # the pid may have been reused by another program
 
 
 _attempt_output = core.attempt_output
+
+
+MAX_CARRIED_SAMPLES = 2000  # sample batches kept in memory while the store refuses writes
+
+
+def _bounded_carry(writes: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The writes to keep while the store refuses them: all events, transitions and
+    restart rows; of the sample batches the newest (each carries the metrics offset
+    after its lines, so a dropped older batch loses its lines, never the position)."""
+    samples = [i for i, (_, x) in enumerate(writes) if isinstance(x, core.Samples)]
+    dropped = set(samples[:-MAX_CARRIED_SAMPLES]) if len(samples) > MAX_CARRIED_SAMPLES else set()
+    return [w for i, w in enumerate(writes) if i not in dropped]
 
 
 def _rank(severity: str) -> int:
@@ -629,34 +715,6 @@ def _tmux_socket() -> str:
 
 
 # --------------------------------------------------------------------------- the watch command's library side
-
-
-def format_line(kind: str, payload: Any) -> str:
-    """One line per event (clock time, run, severity, kind, message) or metrics line."""
-    if kind == "event":
-        e = payload
-        return f"{detectors.fmt_clock(e.time)}  {e.run_id}  {e.severity:<8} {e.kind:<11} {e.message}"
-    if kind == "metrics":
-        from dflashctl.launch import format_metrics
-
-        run_id, m = payload
-        return f"{detectors.fmt_clock(m.time)}  {run_id}  {format_metrics(m)}"
-    return str(payload)
-
-
-def follow(run_id: str, store: Store, inventory: "Inventory", emit_line: Callable[[str], None], *,
-           interval: float | None = None, playbooks_dir: str | None = None) -> str:
-    """Supervise one run in the foreground until it ends (``launch --foreground``),
-    printing its events and metrics lines; returns its final state."""
-    sup = Supervisor(store, inventory, interval=interval, playbooks_dir=playbooks_dir, metrics=True,
-                     emit=lambda kind, payload: emit_line(format_line(kind, payload)))
-    try:
-        sup.attach(run_id)
-    except BaseException:
-        sup.close()
-        raise
-    sup.run()
-    return store.get_run(run_id).state
 
 
 def resolve_targets(sup: Supervisor, targets: Sequence[str]) -> None:
@@ -700,6 +758,7 @@ def watch(
 ) -> Supervisor:
     """The `watch` command: attach to the targets and tick until ``stop`` is set or
     nothing is left to watch. ``once``: one observing tick (no restarts, no claim)."""
+    store.quick_check()  # a supervisor never writes days of runs into a file that is already damaged
     sup = Supervisor(store, inventory, interval=interval, playbooks_dir=playbooks_dir, emit=emit, metrics=metrics,
                      act=not once, claim=not once)
     try:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from dflashctl import contract, detectors, policy, signatures
 from dflashctl.detectors import Finding, Sample, fmt_duration
+from dflashctl.parsers import Rejected
 from dflashctl.probe import ProbeArgs, ProbeResult
 from dflashctl.store import (
     DONE, FAILED, FINAL_STATES, LAUNCHING, LOST, RESTARTING, RUNNING, STALLED, STOPPED, TRANSITIONS, Run,
@@ -53,6 +54,11 @@ LOST_AFTER_POLLS = 2  # one failed poll can be a blip; two in a row mark the hos
 RESTART_TRIES = 3  # restarts that could not be issued (host gone) before the run is failed
 SETTLE_S = 3.0  # a process found gone: wait this long for run.sh to write its exit code
 REPEAT_FINDING_S = 600.0  # a lasting finding is written (and alerted) again this often
+# A host timestamp (metrics line, status.json) is believed when, on the local clock
+# (host time - measured skew), it lies after the run was created (less this margin)
+# and before the answer arrived (plus this margin and two poll intervals).
+CLOCK_PAST_MARGIN_S = 600.0
+CLOCK_FUTURE_MARGIN_S = 120.0
 RESTART_MARKER = "--- dflashctl:"  # the trainer.log line written before each restart
 
 KILL = "kill"
@@ -153,6 +159,12 @@ class RunState:
     latest: Latest | None = None
     restart_issued: bool = False  # a restart we issued whose process was not yet seen running
     crash_seen: float | None = None
+    conflict_seen: float | None = None  # local: since when the evidence disagrees (reported after SETTLE_S)
+    metrics_line: int | None = None  # lines of metrics.jsonl read so far (None: attached mid-file)
+    last_line: tuple[float, int] | None = None  # (time, step) of the newest line stored
+    probe_errors: tuple[str, ...] = ()  # the per-run problems the probe reported last (each written once)
+    bad_times: int = 0  # metrics lines ignored for a timestamp that cannot be true
+    bad_times_written: float | None = None  # local: when that was last written as an event
     findings: dict[str, Open] = field(default_factory=dict)
     state_before_lost: str | None = None
 
@@ -174,7 +186,7 @@ class Probed:
     result: ProbeResult
     skew: float = 0.0  # host clock - local clock
     lines: tuple[contract.Metrics, ...] = ()
-    malformed: int = 0
+    rejected: tuple[Rejected, ...] = ()  # bad lines of the chunk (line numbers within it), skipped
     host_back: tuple[float, int] | None = None  # (down since, failed polls) when the host was unreachable until now
 
 
@@ -240,16 +252,21 @@ class Samples:
     gpu: list | None
     offset: int
     inode: int | None
+    observed: float | None = None  # local time the lines were received
 
 
 @dataclass(frozen=True)
 class RestartRow:
+    """Written before the restart is issued (outcome "issuing"), so a supervisor that
+    dies while issuing it still leaves the row the crash-loop guard counts."""
+
     time: float
     reason: str
     signature: str | None
     action: str
     step_before: int | None
     detect_delay_s: float | None
+    outcome: str = "issuing"
 
 
 @dataclass(frozen=True)
@@ -325,9 +342,16 @@ def step(state: RunState, obs: Observation, now: float, pol: Policy) -> tuple[Ru
 
 
 def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> None:
-    pr, skew = obs.result, obs.skew
+    skew = obs.skew
     now = local + skew  # the host's clock
-    _ingest_metrics(s, obs, out)
+    errors = tuple(obs.result.errors or ())
+    new = [e for e in errors if e not in s.probe_errors]
+    if new:
+        out.event("probe", "warning", f"the probe could not read everything of this run: {'; '.join(new[:3])}"
+                  + (f"; and {len(new) - 3} more" if len(new) > 3 else ""), {"errors": new[:20]})
+    s.probe_errors = errors
+    _ingest_metrics(s, obs, local, pol, out)
+    pr = _believed_status(s, obs.result, skew, local, pol)
     status = pr.status
     if status is not None and status.step and status.step > (s.step_max or 0):
         s.step_max = status.step
@@ -348,23 +372,101 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
     )
     if not {f.kind for f in findings} & {detectors.CRASH, detectors.STALL, detectors.FINISHED}:
         s.last_ok, s.crash_seen = local, None
+    if not any(f.kind == detectors.CONFLICT for f in findings):
+        s.conflict_seen = None
+    else:
+        # run.sh needs a moment between the trainer's end and its own: a disagreement
+        # that lasts is news, one that settles is not.
+        s.conflict_seen = s.conflict_seen or local
+        if local - s.conflict_seen < SETTLE_S:
+            findings = [f for f in findings if f.kind != detectors.CONFLICT]
     _act(s, pr, findings, local, skew, pol, out)
 
 
-def _ingest_metrics(s: RunState, obs: Probed, out: _Out) -> None:
+def _ingest_metrics(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> None:
     pr = obs.result
     if pr.metrics_offset is None:
         return  # metrics.jsonl could not be read this time; the offset stays
     if pr.metrics_reset and s.args.metrics_offset:
         out.event("metrics", "warning", f"{contract.METRICS_FILE} was truncated or replaced; read again from the start")
-    if obs.malformed:
-        out.event("metrics", "warning", f"{obs.malformed} malformed line(s) of {contract.METRICS_FILE} skipped")
+    if pr.metrics_reset or (s.metrics_line is None and not s.args.metrics_offset):
+        s.metrics_line = 0
+    if obs.rejected:
+        out.event("metrics", "warning", _rejected_message(obs.rejected, s.metrics_line, s.args.metrics_offset),
+                  {"lines": [r.line + (s.metrics_line or 0) for r in obs.rejected][:20],
+                   "reasons": [r.reason for r in obs.rejected][:20]})
+    if s.metrics_line is not None:
+        s.metrics_line += pr.metrics_chunk.count("\n")
+    lines = tuple(m for m in obs.lines if _believable(m.time, s, obs.skew, local, pol))
+    if len(lines) < len(obs.lines):
+        _bad_times(s, [m for m in obs.lines if m not in lines], obs.skew, local, out)
+    lines = _new_lines(s, lines, out)
     if obs.lines or (pr.metrics_offset, pr.metrics_inode) != (s.args.metrics_offset, s.args.metrics_inode):
         gpu = [g.__dict__ for g in pr.gpus or [] if g.index in s.run.gpus] or None
-        out.writes.append(Samples(tuple(obs.lines), gpu, pr.metrics_offset, pr.metrics_inode))
+        out.writes.append(Samples(lines, gpu, pr.metrics_offset, pr.metrics_inode, local))
     s.args = pr.next_args(s.args)
-    s.samples = (s.samples + tuple(Sample.from_metrics(m) for m in obs.lines))[-WINDOW:]
-    _progress(s, obs.lines, obs.skew, out)
+    s.samples = (s.samples + tuple(Sample.from_metrics(m) for m in lines))[-WINDOW:]
+    _progress(s, lines, obs.skew, out)
+
+
+def _new_lines(s: RunState, lines: tuple, out: _Out) -> tuple:
+    """Lines not stored yet. A metrics.jsonl rewritten in place (same inode, longer)
+    reads as appended data: its lines that are not newer than the newest stored one,
+    in time AND step, are copies of what is stored (a resumed process steps back but
+    its clock goes on)."""
+    fresh = []
+    for m in lines:
+        if s.last_line is not None and m.time <= s.last_line[0] and m.step <= s.last_line[1]:
+            continue
+        fresh.append(m)
+        s.last_line = (m.time, m.step)
+    if len(fresh) < len(lines):
+        out.event("metrics", "warning", f"{len(lines) - len(fresh)} line(s) of {contract.METRICS_FILE} repeat what is "
+                  "stored (the file was rewritten in place?): skipped")
+    return tuple(fresh)
+
+
+def _rejected_message(rejected: tuple[Rejected, ...], lines_before: int | None, offset: int) -> str:
+    """"2 bad lines of metrics.jsonl skipped: line 17: step is not an integer ('x'); ..."."""
+    where = (lambda r: f"line {lines_before + r.line}") if lines_before is not None else (
+        lambda r: f"line {r.line} after byte {offset}")
+    shown = "; ".join(f"{where(r)}: {r.reason}" for r in rejected[:3])
+    more = f"; and {len(rejected) - 3} more" if len(rejected) > 3 else ""
+    return f"{len(rejected)} bad line(s) of {contract.METRICS_FILE} skipped: {shown}{more}"
+
+
+def _believable(host_time: float | None, s: RunState, skew: float, local: float, pol: Policy) -> bool:
+    """Whether a host timestamp can be true (see CLOCK_PAST_MARGIN_S)."""
+    if host_time is None:
+        return False
+    t = host_time - skew
+    return s.run.created - CLOCK_PAST_MARGIN_S <= t <= local + CLOCK_FUTURE_MARGIN_S + 2 * pol.interval
+
+
+def _bad_times(s: RunState, ignored: list, skew: float, local: float, out: _Out) -> None:
+    """Lines whose timestamps cannot be true steer no detector and are not stored;
+    said once, and again after REPEAT_FINDING_S while they keep coming."""
+    s.bad_times += len(ignored)
+    if s.bad_times_written is not None and local - s.bad_times_written < REPEAT_FINDING_S:
+        return
+    s.bad_times_written = local
+    m = ignored[0]
+    off = m.time - skew - local
+    when = f"{fmt_duration(off)} ahead of" if off > 0 else f"{fmt_duration(-off)} before"
+    out.event("metrics", "warning",
+              f"{len(ignored)} line(s) of {contract.METRICS_FILE} ignored: step {m.step} is stamped {when} the "
+              f"time it was read (host clock skew {skew:+.1f} s measured); {s.bad_times} ignored so far",
+              {"ignored": s.bad_times, "step": m.step, "offset_s": round(off, 1)})
+
+
+def _believed_status(s: RunState, pr: ProbeResult, skew: float, local: float, pol: Policy) -> ProbeResult:
+    """The probe answer with status.json's timestamps dropped when they cannot be true."""
+    st = pr.status
+    if st is None:
+        return pr
+    changes = {k: None for k in ("updated", "started")
+               if getattr(st, k) is not None and not _believable(getattr(st, k), s, skew, local, pol)}
+    return replace(pr, status=replace(st, **changes)) if changes else pr
 
 
 def _progress(s: RunState, lines, skew: float, out: _Out) -> None:
@@ -532,6 +634,10 @@ def _finished(s: RunState, pr: ProbeResult, finding: Finding, pol: Policy, out: 
 
 def _issue_restart(s: RunState, now: float, out: _Out) -> None:
     p = s.pending
+    if p.tries == 0:
+        delay = p.detected_at - p.failed_at if p.failed_at is not None else None
+        out.writes.append(RestartRow(now, p.reason, p.signature, p.action, p.step_before,
+                                     round(max(0.0, delay), 3) if delay is not None else None))
     serialized = p.action == signatures.RESTART_SERIALIZED
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
     marker = (f"{RESTART_MARKER} restart {len(s.history) + 1} at {stamp} "
@@ -547,12 +653,14 @@ def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -
     if done.cancelled:
         s.pending = None
         out.event("restart", "info", done.error or "restart not issued: the run ended meanwhile")
+        out.writes.append(RestartUpdate({"outcome": f"cancelled: {done.error or 'the run ended meanwhile'}"}))
         return
     if done.error is not None:
         tries = p.tries + 1
         if tries >= RESTART_TRIES or not done.retry:  # e.g. a bug: no retry
             s.pending = None
             message = f"restart failed ({tries} tries): {done.error}"
+            out.writes.append(RestartUpdate({"outcome": f"not issued: {done.error}"[:300]}))
             _transition(s, out, FAILED, message, severity="critical", exit_reason="restart failed")
             out.alert("restart_failed", "critical", message, {"signature": p.signature})
         else:
@@ -562,9 +670,7 @@ def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -
         return
     s.pending = None
     issued = done.issued if done.issued is not None else now
-    delay = p.detected_at - p.failed_at if p.failed_at is not None else None
-    out.writes.append(RestartRow(issued, p.reason, p.signature, p.action, p.step_before,
-                                 round(max(0.0, delay), 3) if delay is not None else None))
+    out.writes.append(RestartUpdate({"outcome": "issued", "time": issued}))
     s.history = s.history + (policy.Restart(issued, p.step_before, None),)
     s.latest = Latest(issued, p.failed_at)
     # A new process: it resumes from a checkpoint, so the old one's steps are not its progress.

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 import dflashctl
-from dflashctl.cli import _load_commands, app
+from dflashctl.cli import _load_commands
+from dflashctl.commands._app import app
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _load_commands()
@@ -31,8 +32,12 @@ def test_every_command_has_help(command):
 
 
 def test_the_controller_never_imports_torch():
+    """Every controller module, commands and run-host modules included, imported in
+    a fresh interpreter, leaves no torch, triton or transformers in sys.modules."""
     modules = [m.name for m in pkgutil.walk_packages(dflashctl.__path__, "dflashctl.") if not m.name.endswith("__main__")]
     assert len(modules) > 20
+    assert {"dflashctl.cli", "dflashctl.commands._app", "dflashctl.commands.runs", "dflashctl.launch",
+            "dflashctl.runhost", "dflashctl.console", "dflashctl.supervisor", "dflashctl.signatures"} <= set(modules)
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"

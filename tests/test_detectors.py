@@ -152,7 +152,62 @@ CASES = [
         obs(gpus=[gpu(0, 100.0, 0), gpu(0, 0.0, 1), gpu(81000, 90.0, 2)]),
         "running",
         {"assigned_gpus": [0, 1]},
-        [("crash", "error", "GPU 0,1 at 0 MiB while the run should hold memory")],
+        # One reading against a live process: reported, never a crash.
+        [("conflict", "warning", "GPU 0,1 at 0 MiB while trainer process 4242 is alive and training: the GPU "
+          "readings and the process disagree")],
+    ),
+    (
+        "gpus-at-zero-back-up-a-crash",
+        HEALTHY,
+        obs(session_alive=False, alive=False, state=None, gpus=[gpu(0, 0.0, 0)]),
+        "running",
+        {"assigned_gpus": [0]},
+        [("crash", "error", "trainer process 4242 is gone")],
+    ),
+    (
+        "done-claimed-while-alive",
+        HEALTHY,
+        obs(contract.PHASE_DONE, step=100),
+        "running",
+        {},
+        [("conflict", "warning", "status.json says done but trainer process 4242 is alive: not taken as the end "
+          "of the run; still watching it")],
+    ),
+    (
+        "exit-code-0-written-while-alive",
+        HEALTHY,
+        obs(exit_code=0),
+        "running",
+        {},
+        [("conflict", "warning", "exit_code says 0 but trainer process 4242 is alive: not taken as the end of the "
+          "run; still watching it")],
+    ),
+    (
+        "exit-code-1-written-while-alive",
+        HEALTHY,
+        obs(exit_code=1),
+        "running",
+        {},
+        [("conflict", "warning", "exit_code says 1 but trainer process 4242 is alive: not taken as the end of the "
+          "run; still watching it")],
+    ),
+    (
+        "pid-not-visible-while-the-pane-lives",
+        HEALTHY,
+        obs(alive=False, state=None),
+        "running",
+        {},
+        [("conflict", "warning", "trainer pid 4242 is not visible to the probe, but its tmux pane is alive: the "
+          "probe and the trainer see different pid namespaces (a container wrapper whose commands land in another "
+          "one?); not taken as a crash")],
+    ),
+    (
+        "session-gone-while-alive",
+        HEALTHY,
+        obs(session_alive=False),
+        "running",
+        {},
+        [("conflict", "warning", "tmux session 'r' is gone but trainer process 4242 is alive: watching it by its pid")],
     ),
     ("gpus-at-zero-while-starting", [], obs(contract.PHASE_STARTING, gpus=[gpu(0)], started=NOW - 60), "launching", {"assigned_gpus": [0]}, []),
     ("one-gpu-in-use", HEALTHY, obs(gpus=[gpu(0), gpu(500, index=1)]), "running", {"assigned_gpus": [0, 1]}, []),

@@ -21,24 +21,16 @@ import yaml
 from dflashctl import contract
 from dflashctl.bundle import build_bundle
 from dflashctl.config import load_inventory, load_playbook
-from dflashctl.launch import (
-    LaunchError,
-    busy_gpus,
-    launch_run,
-    logs,
-    probe_run,
-    render_run_script,
-    renumber_placement,
-    run_environment,
-    start_supervisor,
-    stop,
-    wanted_gpus,
-)
+from dflashctl.launch import busy_gpus, launch_run, start_supervisor, wanted_gpus
 from dflashctl.parsers import parse_compute_apps, parse_gpu_query
 from dflashctl.probe import HostProbe
+from dflashctl.runhost import (
+    LaunchError, logs, probe_run, render_run_script, renumber_placement, restart_run, run_environment, stop,
+)
 from dflashctl.store import GpuConflict, Store
 from dflashctl.tmux import SOCKET_ENV, Tmux
 from tests.harness import environ
+from tests.harness.fake_trainer import start_fake_run
 from dflashctl.transport import connect
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
@@ -369,3 +361,41 @@ def test_a_changed_package_set_since_the_last_good_run_is_reported(tmp_path):
         assert not [e for e in store.events(first.run_id) if e.kind == "drift"]
     finally:
         stop(second.run_id, store, inventory)
+
+
+def test_a_restart_the_store_cannot_record_still_counts_as_issued(tmp_path):
+    """The new trainer is started; then the store refuses the restart's event (a full
+    disk): restart_run still returns, saying so, so the supervisor never issues the
+    same restart twice."""
+    inventory = load_inventory(None)
+    _uses_tmux("local", inventory)
+    store = Store(str(tmp_path / "runs.db"))
+    pb = _playbook(tmp_path, inventory, "local", name="unrecorded")
+    run_id = start_fake_run(store, inventory, "local", pb.trainer.to_dict(), playbook=pb.name, socket=SOCKET)
+    run = store.get_run(run_id)
+    status_path = Path(run.run_dir) / contract.STATUS_FILE
+
+    def trainer_pid(other_than=None):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = contract.parse_status(status_path.read_text()) if status_path.exists() else None
+            if status and status.pid and status.pid != other_than:
+                return status.pid
+            time.sleep(0.1)
+        raise AssertionError("no trainer pid in status.json")
+
+    first = trainer_pid()
+    # A real SQLite error on exactly that write, as a full disk gives it.
+    store.db.execute("CREATE TRIGGER refuse_restart_event BEFORE INSERT ON events WHEN NEW.kind = 'process' "
+                     "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
+    store.db.conn.commit()
+    said: list[str] = []
+    try:
+        result = restart_run(run_id, False, store, inventory, progress=lambda step, message: said.append(message))
+        assert result.session == run_id and result.bundle_hash == run.bundle_hash
+        assert any("not recorded in the run store: database or disk is full" in m for m in said), said
+        assert trainer_pid(other_than=first) != first  # the new trainer runs
+        assert Tmux(inventory.get("local"), inventory, SOCKET).has_session(run_id)
+        assert not store.events(run_id, kind="process")
+    finally:
+        Tmux(inventory.get("local"), inventory, SOCKET).kill(run_id)

@@ -301,6 +301,25 @@ def test_a_hung_read_costs_one_step_not_the_probe(tmp_path) -> None:
     assert r.status is None and r.metrics_chunk.count("\n") == 3 and r.log_tail
 
 
+def test_a_garbage_status_json_still_reports_how_the_run_ended(tmp_path, procs) -> None:
+    """status.json nested far too deep (or binary): the run's other readings stand."""
+    trainer = subprocess.Popen(["sleep", "600"])
+    procs.append(trainer)
+    run_dir = tmp_path / "run"
+    write_run(run_dir, pid=trainer.pid)
+    (run_dir / contract.EXIT_CODE_FILE).write_text("1\n")
+    (run_dir / contract.STATUS_FILE).write_text('{"phase": "training", "detail": ' + '{"a": ' * 5000 + "1" + "}" * 5001)
+    r = probe_one(ProbeArgs(run_dir=str(run_dir), nvidia_smi=False, pid_hint=trainer.pid))
+    assert r.errors == ["status.json: ValueError: nested deeper than 32 levels: not parsed"]
+    assert r.status is None and r.exit_code == 1 and r.metrics_chunk.count("\n") == 3
+    assert r.process.pid == trainer.pid and r.process.alive  # from the launcher's pid hint
+
+    (run_dir / contract.STATUS_FILE).write_bytes(b"\x00\xff" * 100)
+    r = probe_one(ProbeArgs(run_dir=str(run_dir), nvidia_smi=False))
+    assert len(r.errors) == 1 and r.errors[0].startswith("status.json: ValueError: not JSON")
+    assert r.exit_code == 1 and r.process is None
+
+
 @pytest.mark.parametrize(
     "stdout",
     ["", "bash: python3: command not found\n", '{"probe": 99, "runs": []}\n', '{"probe": 1, "runs": [{"x": 1}], "host_time": 1}\n',

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl import contract
-from dflashctl.config import Signature as ConfigSignature
-from dflashctl.signatures import BUILTIN_SIGNATURES, classify, signature_names
+from dflashctl.signatures import BUILTIN_SIGNATURES, PlaybookSignature, classify, signature_names
 
 FX_RACE = """\
   File "/usr/lib/python3/dist-packages/torch/_dynamo/eval_frame.py", line 838, in _fn
@@ -125,8 +124,8 @@ def test_only_the_last_error_report_decides() -> None:
 
 def test_playbook_signatures_come_first() -> None:
     extra = [
-        ConfigSignature(name="flaky_fs", pattern=r"Stale file handle", action="restart", severity="warning", hint="NFS"),
-        ConfigSignature(name="our_oom", pattern=r"CUDA out of memory", action="restart_serialized"),
+        PlaybookSignature(name="flaky_fs", pattern=r"Stale file handle", action="restart", severity="warning", hint="NFS"),
+        PlaybookSignature(name="our_oom", pattern=r"CUDA out of memory", action="restart_serialized"),
     ]
     c = classify(CUDA_OOM, None, 1, extra)
     assert (c.name, c.action, c.severity) == ("our_oom", "restart_serialized", "error")

@@ -56,7 +56,8 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     applied = [r[0] for r in conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id")]
     assert applied == [m.name for m in migrations._migrations] == [
-        "0001_core_tables", "0002_env_snapshots", "0003_sample_mfu"]
+        "0001_core_tables", "0002_env_snapshots", "0003_sample_mfu", "0004_restart_outcome_numeric_samples",
+        "0005_supervisor_heartbeats"]
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"runs", "events", "samples", "restarts", "env_snapshots"} <= tables
     conn.close()
@@ -65,7 +66,7 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     run = _run(s)
     s.close()
     assert Store(path).get_run(run.id).playbook == "demo"
-    assert sqlite3.connect(path).execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 3
+    assert sqlite3.connect(path).execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 5
 
 
 def test_a_store_from_before_the_mfu_column_upgrades_and_keeps_its_samples(tmp_path):
@@ -241,8 +242,9 @@ def test_samples_and_metrics_position_move_together(store):
     assert [s.step for s in store.samples(run.id, limit=2)] == [30, 90]
     assert store.metrics_position(run.id) == (300, 77) and store.metrics_offset(run.id) == 300
     # A failing batch stores nothing and leaves the offset alone (one transaction).
-    with pytest.raises(KeyError):
-        store.add_samples(run.id, [{"time": T0, "step": 1}, {"step": 2}], metrics_offset=999)
+    with pytest.raises(TypeError):  # its second line cannot be stored
+        store.add_samples(run.id, [{"time": T0, "step": 1}, {"time": T0, "step": 2, "gpu": object()}],
+                          metrics_offset=999)
     assert len(store.samples(run.id)) == 4 and store.metrics_offset(run.id) == 300
     store.set_metrics_offset(run.id, 0, None)
     assert store.metrics_position(run.id) == (0, None)
@@ -349,5 +351,5 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path):
         assert [s.step for s in store.samples(f"race-{tag}")] == list(range(300))
         assert store.metrics_offset(f"race-{tag}") == 299
         assert store.get_run(f"race-{tag}").state == "running"
-    assert store.db.execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 3
+    assert store.db.execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 5
     assert os.path.exists(path + "-wal") or store.db.journal_mode == "wal"

@@ -55,6 +55,11 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition", every: f
         time.sleep(every)
 
 
+def issued(store: Store, run_id: str) -> list:
+    """Restart rows whose restart was issued (a row is written before, as "issuing")."""
+    return [r for r in store.restarts(run_id) if r.outcome == "issued"]
+
+
 def kinds(store: Store, run_id: str, kind: str | None = None) -> list:
     return store.events(run_id, kind=kind)
 
@@ -314,7 +319,7 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_the_cost_recorded
         checkpoint = int(Path(local_env.run_dir(run_id), "checkpoints", "fake-step").read_text())
         killed_at = time.time()
         os.kill(first_pid, signal.SIGKILL)
-        wait_for(lambda: store.restarts(run_id), 20, "a restart row", tick=sup.tick)
+        wait_for(lambda: issued(store, run_id), 20, "a restart row", tick=sup.tick)
         crash = next(e for e in kinds(store, run_id, "crash"))
         assert crash.time - killed_at < 3 * 0.2 + 2  # within a tick (plus the probe and settling)
         assert crash.detail["signature"] == "killed_by_signal"
@@ -350,7 +355,7 @@ def test_an_injected_fx_race_is_classified_and_restarted_with_serialized_warmup(
     sup = local_env.supervisor()
     sup.attach(run_id)
     try:
-        wait_for(lambda: store.restarts(run_id), 20, "a restart", tick=sup.tick)
+        wait_for(lambda: issued(store, run_id), 20, "a restart", tick=sup.tick)
         restart = store.restarts(run_id)[0]
         assert (restart.signature, restart.action) == ("fx_race", "restart_serialized")
         crash = kinds(store, run_id, "crash")[0]
@@ -437,7 +442,7 @@ def test_a_hung_trainer_is_restarted_after_the_stall_window_and_reaped_first(loc
     sup = local_env.supervisor()
     sup.attach(run_id)
     try:
-        wait_for(lambda: store.restarts(run_id), 20, "a restart of the hung trainer", tick=sup.tick)
+        wait_for(lambda: issued(store, run_id), 20, "a restart of the hung trainer", tick=sup.tick)
         stall = kinds(store, run_id, "stall")[0]
         assert "no new step for" in stall.message and "stall window 2 s" in stall.message
         restart = store.restarts(run_id)[0]
@@ -468,7 +473,7 @@ def test_a_run_left_restarting_or_lost_by_a_dead_supervisor_is_watched_again(loc
             wait_for(lambda: store.get_run(run_id).state == "running", 20, f"running again after {state}",
                      tick=second.tick)
             local_env.tmux.kill(run_id)  # and it is watched: the crash is seen and acted on
-            wait_for(lambda: store.restarts(run_id), 20, f"a restart after {state}", tick=second.tick)
+            wait_for(lambda: issued(store, run_id), 20, f"a restart after {state}", tick=second.tick)
         finally:
             local_env.tmux.kill(run_id)
             first.close()
@@ -628,13 +633,15 @@ def test_watch_once_prints_json_events_and_records_samples(local_env):
                     "--json"], env)
         assert out.returncode == 0, out.stderr
         events = [json.loads(line) for line in out.stdout.splitlines()]
-        assert "supervisor" in {e["kind"] for e in events}
+        [seen] = [e for e in events if e["kind"] == "observation"]
+        assert seen["run_id"] == run_id and seen["state"] == "launching" and seen["step"] >= 1
         assert all(e["run_id"] == run_id for e in events)
         assert store.samples(run_id)  # recorded
+        assert not store.events(run_id, kind="supervisor")  # looking is not watching: nothing written on the run
         assert store.get_run(run_id).state == "launching"  # --once observes: no state changes
         assert store.get_run(run_id).supervisor is None  # and claims nothing
         plain = _cli(["-i", str(local_env.inventory_path), "watch", run_id[:-1], "--once", "--interval", "1s"], env)
-        assert plain.returncode == 0 and f"  {run_id}  info     supervisor" in plain.stdout
+        assert plain.returncode == 0 and plain.stdout.startswith(f"{run_id}  launching (training)  step "), plain.stdout
         missing = _cli(["-i", str(local_env.inventory_path), "watch", "no-such-thing", "--once"], env)
         assert missing.returncode != 0 and "no run or playbook named 'no-such-thing'" in missing.stderr
         assert "Traceback" not in missing.stderr

@@ -113,11 +113,14 @@ def test_a_crash_is_classified_and_restarted_and_the_restart_row_follows_its_suc
     state, seen = run_table(rows)
     assert seen[1] == (["restarting"], ["crash"], ["IssueRestart", "Alert:crash"])
     assert state.job == core.RESTART and state.pending.step_before == 10
-    # The worker reports the restart issued: the restart row is written, a new attempt begins.
+    # The restart row is written in the same tick, before the restart is issued.
+    _, writes, _ = core.step(run_table(rows[:1])[0], rows[1][1], T0 + 10, make_policy())
+    [row] = [w for w in writes if isinstance(w, core.RestartRow)]
+    assert (row.step_before, row.time, row.outcome) == (10, T0 + 10, "issuing")
+    assert row.detect_delay_s == 10.0  # detected at T0+10, last healthy poll at T0
+    # The worker reports the restart issued: the row says so, a new attempt begins.
     state, writes, actions = core.step(state, core.JobDone(core.RESTART, issued=T0 + 11), T0 + 11, make_policy())
-    rows_written = [w for w in writes if isinstance(w, core.RestartRow)]
-    assert len(rows_written) == 1 and rows_written[0].step_before == 10 and rows_written[0].time == T0 + 11
-    assert rows_written[0].detect_delay_s == 10.0  # detected at T0+10, last healthy poll at T0
+    assert [w.changes for w in writes if isinstance(w, core.RestartUpdate)] == [{"outcome": "issued", "time": T0 + 11}]
     assert state.pending is None and state.restart_issued and state.samples == () and state.step_max is None
     # Its first step fills in the cost.
     state, writes, _ = core.step(state, healthy(T0 + 15, 11), T0 + 15, make_policy())
@@ -127,11 +130,16 @@ def test_a_crash_is_classified_and_restarted_and_the_restart_row_follows_its_suc
     assert update.changes == {"step_after": 11, "time_to_first_step_s": 4.0, "downtime_s": 15.0}
 
 
-def test_a_process_gone_without_an_exit_code_waits_for_run_sh_to_write_it():
+def test_a_pid_gone_while_its_pane_lives_is_not_a_crash_until_the_pane_agrees():
+    """run.sh writes the exit code after the trainer ends, then its pane closes: until
+    then the evidence disagrees, and a disagreement that settles is not news."""
     gone = core.Probed(probe(T0 + 1, alive=False, session=True))
-    state, seen = run_table([(T0, healthy(T0, 1)), (T0 + 1, gone), (T0 + 2, gone), (T0 + 1 + core.SETTLE_S, gone)])
+    ended = core.Probed(probe(T0 + 5, alive=False, session=False, exit_code=137))
+    state, seen = run_table([(T0, healthy(T0, 1)), (T0 + 1, gone), (T0 + 2, gone),
+                             (T0 + 1 + core.SETTLE_S, gone), (T0 + 5, ended)])
     assert seen[1] == ([], [], []) and seen[2] == ([], [], [])  # settling
-    assert seen[3][0] == ["restarting"]
+    assert seen[3][1] == ["conflict"] and not seen[3][0]  # it lasted: said, not acted on
+    assert seen[4][0] == ["restarting"] and "IssueRestart" in seen[4][2]
 
 
 def test_a_restart_that_cannot_be_issued_is_tried_again_then_the_run_fails():
@@ -156,7 +164,9 @@ def test_a_restart_cancelled_by_an_operators_stop_is_dropped():
     state, _ = run_table([(T0, healthy(T0, 1)), (T0 + 1, crash)])
     state, writes, actions = core.step(state, core.JobDone(core.RESTART, error="the run is stopped meanwhile",
                                                            cancelled=True), T0 + 2, make_policy())
-    assert state.pending is None and actions == [] and [w.kind for w in writes] == ["restart"]
+    assert state.pending is None and actions == [] and [w.kind for w in writes if isinstance(w, core.Event)] == ["restart"]
+    assert [w.changes for w in writes if isinstance(w, core.RestartUpdate)] == [
+        {"outcome": "cancelled: the run is stopped meanwhile"}]
 
 
 # --------------------------------------------------------------------------- backoff and crash loop
@@ -197,7 +207,9 @@ def test_a_crash_loop_stops_after_k_restarts_without_progress():
 
 def test_the_stop_action_kills_a_live_session_and_fails_the_run():
     pol = make_policy(max_restarts=0)
-    crash = core.Probed(probe(T0, session=True, alive=True, phase="failed", error="RuntimeError: x"))
+    # remain-on-exit: the session outlives the trainer, its pane dead
+    crash = core.Probed(replace(probe(T0, session=True, alive=False, phase="failed", error="RuntimeError: x",
+                                      exit_code=1), pane_dead=True))
     state, writes, actions = core.step(make_state(), crash, T0, pol)
     transition = [w for w in writes if isinstance(w, core.Transition)][-1]
     assert transition.to == "failed" and transition.exit_reason
@@ -292,3 +304,112 @@ def test_a_finished_trainer_ends_the_run(phase, code, final):
     t = [w for w in writes if isinstance(w, core.Transition)]
     assert [x.to for x in t] == [final] and t[0].exit_code == code
     assert [a.kind for a in actions] == ["finished"]
+
+
+# --------------------------------------------------------------------------- evidence, not claims
+
+
+def test_a_pid_the_probe_cannot_see_while_the_pane_lives_and_metrics_advance_is_never_killed():
+    """Probe and trainer in different pid namespaces: 'pid not found' every poll, the
+    session alive, the steps advancing. Reported once, never a restart or a kill."""
+    state, pol, seen = make_state(), make_policy(), []
+    for i in range(40):
+        t = T0 + i
+        obs = core.Probed(replace(probe(t, step=i), process=ProcessState(PID, False, None)),
+                          lines=(metrics(t, i),))
+        state, writes, actions = core.step(state, obs, t, pol)
+        seen.append((writes, actions))
+    assert not any(isinstance(a, (core.IssueRestart, core.KillSession)) for _, actions in seen for a in actions)
+    assert not any(isinstance(w, core.Transition) for writes, _ in seen for w in writes)
+    conflicts = [w for writes, _ in seen for w in writes if isinstance(w, core.Event) and w.kind == "conflict"]
+    assert len(conflicts) == 1 and "different pid namespaces" in conflicts[0].message
+    assert state.run.state == "running" and state.step_max == 39
+
+
+@pytest.mark.parametrize("claim", [{"phase": "done"}, {"exit_code": 0}, {"exit_code": 1}])
+def test_an_end_claimed_while_the_trainer_lives_is_a_finding_and_supervision_goes_on(claim):
+    state, pol = make_state(), make_policy()
+    phase = claim.get("phase", "training")
+    for i in range(5):
+        t = T0 + i
+        state, writes, actions = core.step(state, core.Probed(probe(t, phase, step=i, exit_code=claim.get("exit_code")),
+                                                              lines=(metrics(t, i),)), t, pol)
+        assert not any(isinstance(w, core.Transition) for w in writes)
+        assert not any(isinstance(a, (core.IssueRestart, core.KillSession)) for a in actions)
+    assert state.run.state == "running" and "conflict" in state.findings
+    # When the process really is gone, the claim is the end.
+    gone = core.Probed(probe(T0 + 6, phase, step=5, alive=False, session=False, exit_code=claim.get("exit_code")))
+    state, writes, _ = core.step(state, gone, T0 + 6, pol)
+    assert [w.to for w in writes if isinstance(w, core.Transition)] == [
+        {"done": "done", 0: "done", 1: "restarting"}[claim.get("phase") if "phase" in claim else claim["exit_code"]]]
+
+
+@pytest.mark.parametrize("line_time,what", [(T0 + 10 * 365 * 86400, "ahead of"), (1000.0, "before")])
+def test_a_metrics_line_with_an_impossible_time_steers_no_detector(line_time, what):
+    """A line stamped 10 years ahead with step 999999 would switch stall detection off;
+    one stamped in 1970 would look like days without progress. Both are ignored,
+    not stored, said once; the read position still advances."""
+    pol = make_policy()
+    state, _, _ = core.step(make_state(), healthy(T0, 10), T0, pol)
+    bad = core.Probed(replace(probe(T0 + 5, step=10), metrics_offset=500), lines=(metrics(line_time, 999999),))
+    state, writes, actions = core.step(state, bad, T0 + 5, pol)
+    samples = next(w for w in writes if isinstance(w, core.Samples))
+    assert samples.lines == () and samples.offset == 500
+    [event] = [w for w in writes if isinstance(w, core.Event)]
+    assert event.kind == "metrics" and what in event.message and "step 999999" in event.message
+    assert state.step_max == 10 and not actions
+    # A hung trainer is still a stall after the window, the bogus step notwithstanding.
+    hung = core.Probed(probe(T0 + 70, step=10))
+    hung = replace(hung, result=replace(hung.result, status=replace(hung.result.status, updated=T0)))
+    state, writes, actions = core.step(state, hung, T0 + 70, pol)
+    assert any(isinstance(a, core.IssueRestart) for a in actions)
+
+
+def test_a_metrics_file_rewritten_in_place_stores_nothing_twice():
+    """Same inode, longer: read as appended data. What repeats the stored lines is skipped."""
+    pol = make_policy()
+    first = tuple(metrics(T0 + i, i) for i in range(1, 6))
+    state, writes, _ = core.step(make_state(), core.Probed(probe(T0 + 5, step=5), lines=first), T0 + 5, pol)
+    rewritten = first + tuple(metrics(T0 + 5 + i, 5 + i) for i in range(1, 3))
+    state, writes, _ = core.step(state, core.Probed(probe(T0 + 8, step=7), lines=rewritten), T0 + 8, pol)
+    [stored] = [w for w in writes if isinstance(w, core.Samples)]
+    assert [m.step for m in stored.lines] == [6, 7]
+    assert any(isinstance(w, core.Event) and "repeat what is stored" in w.message for w in writes)
+    # A process resumed from a checkpoint steps back, its clock does not: stored.
+    resumed = (metrics(T0 + 20, 4),)
+    state, writes, _ = core.step(state, core.Probed(probe(T0 + 20, step=4), lines=resumed), T0 + 20, pol)
+    assert [m.step for w in writes if isinstance(w, core.Samples) for m in w.lines] == [4]
+
+
+def test_bad_metrics_lines_are_reported_once_with_their_line_numbers_and_the_position_moves_on():
+    from dflashctl.parsers import read_metrics_chunk
+
+    pol = make_policy()
+    good = metrics(T0, 1).to_line()
+    chunk = "\n".join([good, "[" * 50000, '{"v":1,"time":%r,"step":9223372036854775808}' % T0,
+                       '{"v":1,"time":%r,"step":2,"total_steps":Infinity}' % T0, '{"v":1,"time":%r,"step":"x"}' % T0]) + "\n"
+    parsed = read_metrics_chunk(chunk)
+    assert [m.step for m in parsed.rows] == [1] and [r.line for r in parsed.rejected] == [2, 3, 4, 5]
+    result = replace(probe(T0, step=1), metrics_chunk=chunk, metrics_offset=len(chunk.encode()))
+    state, writes, _ = core.step(make_state(), core.Probed(result, lines=tuple(parsed.rows),
+                                                           rejected=tuple(parsed.rejected)), T0, pol)
+    [event] = [w for w in writes if isinstance(w, core.Event) and w.kind == "metrics"]
+    assert event.message.startswith("4 bad line(s) of metrics.jsonl skipped: line 2: ")
+    assert event.detail["lines"] == [2, 3, 4, 5]
+    [stored] = [w for w in writes if isinstance(w, core.Samples)]
+    assert stored.offset == len(chunk.encode()) and [m.step for m in stored.lines] == [1]
+    # The next read starts after them: line numbers go on counting in the file.
+    more = '{"v":1,"time":%r,"step":"y"}\n' % (T0 + 1)
+    result = replace(probe(T0 + 1, step=1), metrics_chunk=more, metrics_offset=len(chunk.encode()) + len(more))
+    parsed = read_metrics_chunk(more)
+    state, writes, _ = core.step(state, core.Probed(result, rejected=tuple(parsed.rejected)), T0 + 1, pol)
+    assert [w.detail["lines"] for w in writes if isinstance(w, core.Event)] == [[6]]
+
+
+def test_per_run_probe_errors_are_written_once():
+    pol = make_policy()
+    result = replace(probe(T0, step=1), errors=["status.json: ValueError: nested deeper than 32 levels"])
+    state, writes, _ = core.step(make_state(), core.Probed(result), T0, pol)
+    assert [w.kind for w in writes if isinstance(w, core.Event)] == ["probe"]
+    state, writes, _ = core.step(state, core.Probed(replace(result, host_time=T0 + 1)), T0 + 1, pol)
+    assert not [w for w in writes if isinstance(w, core.Event)]

@@ -1,4 +1,11 @@
-"""python -m trainer --config FILE [--run-dir DIR] [--resume auto|never] [--steps N] [--print-config]"""
+"""python -m trainer --config FILE [--run-dir DIR] [--resume auto|never] [--steps N] [--print-config]
+
+and, on a checkpoint (or a run directory: its newest checkpoint):
+
+    python -m trainer info CKPT [--json]              what it holds and what serving needs
+    python -m trainer export CKPT OUT [--format ...]   a directory an inference engine loads
+    python -m trainer eval CKPT [--data SHARDS] ...    measured acceptance and speed-up
+"""
 
 from __future__ import annotations
 
@@ -43,7 +50,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m trainer", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a DFlash drafter (threaded: target threads feed drafter replica threads).",
-        epilog=config_keys_help() + "\n\nexit codes: " + ", ".join(f"{c} {m}" for c, m in contract.EXIT_MEANINGS.items()),
+        epilog=config_keys_help() + "\n\nexit codes: " + ", ".join(f"{c} {m}" for c, m in contract.EXIT_MEANINGS.items())
+        + "\n\non a checkpoint: python -m trainer {info,export,eval} --help",
     )
     p.add_argument("--config", help="trainer config, JSON or YAML (default: RUN_DIR/config.json)")
     p.add_argument("--run-dir", help="run directory for status.json, metrics.jsonl, checkpoints/ (default: the config's run_dir)")
@@ -54,7 +62,121 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+# ---------------------------------------------------------------------------- checkpoint commands
+
+
+def subcommand_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="Commands on a trained checkpoint.")
+    sub = p.add_subparsers(dest="command", required=True)
+    ckpt_help = "a checkpoint directory (RUN_DIR/checkpoints/step-N) or a run directory (its newest checkpoint)"
+
+    info = sub.add_parser("info", help="what a checkpoint holds and what an inference engine needs to serve it")
+    info.add_argument("checkpoint", help=ckpt_help)
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+
+    ex = sub.add_parser("export", help="write the drafter as an engine-loadable directory (config.json + model.safetensors)")
+    ex.add_argument("checkpoint", help=ckpt_help)
+    ex.add_argument("out", help="output directory (created; refused when it exists and is not empty, unless --force)")
+    ex.add_argument("--format", choices=["dflash", "speculators"], default="dflash",
+                    help="dflash: z-lab's DFlash layout (SGLang, vLLM); speculators: vLLM speculators' layout (default dflash)")
+    ex.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                    help="tensor dtype; auto: the training compute dtype (bfloat16 on GPU runs, float32 on CPU runs)")
+    ex.add_argument("--sliding-attention", choices=["causal", "bidirectional"], default="causal",
+                    help="how the engine must run sliding layers; only 'causal' (as trained) is exported, "
+                         "'bidirectional' is refused with the reason")
+    ex.add_argument("--target", metavar="PATH", help="the target model directory on this machine, when it moved since "
+                                                      "training (speculators copies its embeddings and lm_head)")
+    ex.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    ex.add_argument("--json", action="store_true", help="machine-readable output")
+
+    ev = sub.add_parser("eval", help="speculative decoding with the frozen target: measured tau, tokens per target "
+                                     "forward, speed-up over greedy, agreement with training")
+    ev.add_argument("checkpoint", help=ckpt_help)
+    ev.add_argument("--data", metavar="SHARDS", help="shards (directory or glob, trainer/data.py format); prompts are the "
+                                                     "tokens before each sample's first loss token (default: the run's own data)")
+    ev.add_argument("--prompts", type=int, default=20, help="number of prompts (default 20)")
+    ev.add_argument("--max-new-tokens", type=int, default=256,
+                    help="tokens generated per prompt, at most the sample's response length (default 256)")
+    ev.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy verification (output identical to greedy decoding); > 0: sampling with the "
+                         "speculative rejection rule (default 0)")
+    ev.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    ev.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    ev.add_argument("--target", metavar="PATH", help="the target model directory on this machine, when it moved since training")
+    ev.add_argument("--no-greedy", action="store_true", help="skip plain greedy decoding (no speed-up, no identity check)")
+    ev.add_argument("--no-reference", action="store_true", help="skip the drafter-against-data figures")
+    ev.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE")
+    ev.add_argument("--json", action="store_true", help="print the JSON report instead of text")
+    return p
+
+
+def run_subcommand(argv: list[str]) -> int:
+    args = subcommand_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    from trainer.config import ConfigError
+
+    hf_logging.disable_progress_bar()  # loading bars would bury the report
+
+    try:
+        if args.command == "info":
+            from trainer import info
+
+            result = info.describe(args.checkpoint)
+            print(json.dumps(result, indent=2, sort_keys=True) if args.json else info.format_text(result))
+        elif args.command == "export":
+            from trainer import export
+
+            result = export.export(args.checkpoint, args.out, args.format, args.dtype, args.sliding_attention,
+                                   args.target, args.force)
+            if args.json:
+                print(json.dumps(result, indent=2, sort_keys=True))
+            else:
+                print(f"exported {result['checkpoint']} as {result['format']} ({result['dtype']}, "
+                      f"{result['tensors']} tensors) to {result['out']}")
+                for line in result["warnings"]:
+                    print(f"warning: {line}", file=sys.stderr)
+        else:
+            from trainer import eval as eval_mod
+
+            device = args.device
+            if device == "auto":
+                import torch
+
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: None)
+            report = eval_mod.run_eval(args.checkpoint, args.data, args.prompts, args.max_new_tokens, args.temperature,
+                                       args.seed, device, args.target, greedy=not args.no_greedy,
+                                       reference=not args.no_reference, log=log)
+            if args.out:
+                contract.atomic_write_text(args.out, eval_mod.report_json(report) + "\n")
+            print(eval_mod.report_json(report) if args.json else eval_mod.format_text(report))
+    except ConfigError as e:
+        print("error: " + "\nerror: ".join(e.problems), file=sys.stderr)
+        return contract.EXIT_CONFIG_ERROR
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return contract.EXIT_CONFIG_ERROR
+    except Exception as e:  # noqa: BLE001 - a message, not a traceback, unless asked for
+        from trainer.data import DataError
+
+        if os.environ.get("DFLASHCTL_DEBUG"):
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return contract.EXIT_DATA_ERROR if isinstance(e, DataError) else contract.EXIT_CRASH
+    return contract.EXIT_DONE
+
+
+SUBCOMMANDS = ("info", "export", "eval")
+
+
+# ---------------------------------------------------------------------------- training
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        return run_subcommand(argv)
     args = parse_args(argv)
     path = args.config or (os.path.join(args.run_dir, contract.CONFIG_FILE) if args.run_dir else None)
     try:

@@ -5,8 +5,10 @@ Layout (``RUN_DIR/checkpoints/step-NNNNNNNN/``, NNNNNNNN = optimiser steps done)
     model.pt     trainable drafter parameters {name: tensor} (fp32 master copy)
     optim.pt     {"optimizer": ..., "scheduler": ...}
     rng.pt       torch CPU generator state and one state per CUDA device
-    meta.json    step, data position, python RNG state, config, versions, files;
-                 written last, so a directory with meta.json is complete
+    meta.json    step, data position, python RNG state, config, versions, files,
+                 and (for a drafter) ``serving``: what an inference engine needs
+                 (trainer/serving.py); written last, so a directory with meta.json
+                 is complete
 
 A checkpoint is written into ``.tmp-step-NNNNNNNN-PID`` and renamed into place, so a
 crash mid-save leaves a temp directory (removed at the next save), never a half
@@ -26,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from dflashctl.contract import CHECKPOINT_DIR
+from trainer import serving
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 META = "meta.json"
@@ -118,6 +121,9 @@ def save(run_dir: str, step: int, model, optimizer, scheduler, data_state: dict,
         "files": ["model.pt", "optim.pt", "rng.pt"],
         **(extra or {}),
     }
+    serving_meta = serving.checkpoint_metadata(model, meta.get("config"))
+    if serving_meta is not None:
+        meta["serving"] = serving_meta
     with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
         f.flush()
@@ -133,9 +139,13 @@ def save(run_dir: str, step: int, model, optimizer, scheduler, data_state: dict,
 
 
 def load(path: str, model, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
-    """Restore a checkpoint into ``model`` (and optimiser/scheduler); returns its metadata."""
+    """Restore a checkpoint into ``model`` (and optimiser/scheduler); returns its metadata.
+
+    A drafter whose mask token id differs from the one the checkpoint was trained
+    with is refused (ConfigError) before anything is restored."""
     with open(os.path.join(path, META), encoding="utf-8") as f:
         meta = json.load(f)
+    serving.check_resume(meta, model, path)
     state = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
     params = dict(model.named_parameters())
     missing = [n for n, p in params.items() if p.requires_grad and n not in state]

@@ -40,8 +40,9 @@ class ModelConfig:
     layer_types: Optional[list[str]] = None
     """Per drafter layer 'full' or 'sliding'; default all 'full'."""
     sliding_window: int = 2048
+    """Window W of 'sliding' layers: the query at position p sees keys at p-W+1..p over context and block, so causal inside the block (as z-lab's drafters; an engine must run them so)."""
     mask_token_id: Optional[int] = None
-    """Token id used for MASK; default: a reserved id past the target's special tokens (vocab_size - 1)."""
+    """Token id used for MASK; default: the first id past the target tokenizer's special tokens (151669 for Qwen3, as the public drafters) when model.path holds a tokenizer, else vocab_size - 1. Recorded in every checkpoint; resuming with another id is refused."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """'auto': bf16 compute with fp32 master weights on GPU, fp32 on CPU."""
 
@@ -132,6 +133,14 @@ class CompileConfig:
     """On the compiled GPU path, compile each drafter layer whole (norms, projections,
     rotary, attention, MLP) instead of only its flex_attention call: fewer, fused
     kernels. Compiled in the same serialized warm-up."""
+    target: bool = True
+    """On the compiled GPU path, compile the target's decoder layers (each layer's
+    forward, up to the last captured one; one graph shared by all of them), in the
+    same serialized warm-up, before the drafters'."""
+    artifacts: bool = True
+    """Compile artifacts that travel: load ``compile_cache/`` from the run directory
+    before the warm-up when its key (torch, triton, CUDA, GPU, bundle, shape config)
+    matches, and save this start's compiled artifacts there after it."""
     mask_builder: Literal["direct", "compiled", "eager"] = "direct"
     """How BlockMasks are built on GPU: 'direct' computes the tile tables from the anchors (a few tensor ops on int32 [B,Q,KV/128] temporaries; nothing to compile, no [B,Q,KV] mask), 'compiled' runs torch.compile(create_block_mask) (fast per step once compiled, but its cold compile takes minutes at 3072-token buckets, per bucket and layer type) or 'eager' runs create_block_mask (about 0.2 s per call; materialises a boolean [B,Q,KV] mask, 1.5 GB at B=16, Q=8192, KV=11264)."""
     recompile_margin: int = 4

@@ -37,14 +37,19 @@ def slot_weights(label_mask_BQ: torch.Tensor, block_size: int, gamma: float) -> 
     return label_mask_BQ.float() * decay_Q
 
 
-def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_C: torch.Tensor, need_grad: bool):
+def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_C: torch.Tensor, need_grad: bool,
+                        in_place: bool = True):
     """One chunk: (sum of weight x CE, top-1 == label, d(sum)/d logits in the logits'
     dtype or None). ``labels_C`` must be valid indices (callers clamp -100 to 0 and
     give those rows weight 0).
 
-    Compiled, the ops fuse into a few passes over the chunk's logits; eager, each is a
-    pass of its own over an fp32 [C, V] tensor (done in place where possible), which at
-    a 152K vocabulary costs more than the projections themselves."""
+    Eager (``in_place``), each op is a pass of its own over an fp32 [C, V] tensor, done
+    in place where possible: at a 152K vocabulary that costs more than the projections
+    themselves. For the compiler (``in_place=False``) the gradient is one pointwise
+    expression, the label's -1 a comparison with the column index rather than an
+    indexed write into the probabilities: inductor then reads the chunk's logits in
+    one reduction pass and one pointwise pass and never stores fp32 probabilities.
+    Both give the same values."""
     logits = logits_CV.float()
     max_C = logits.amax(dim=-1)
     lse_C = max_C + torch.log(torch.exp(logits - max_C[:, None]).sum(dim=-1))
@@ -55,21 +60,30 @@ def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_
     total = ((lse_C - target_C) * weight_C).sum()
     if not need_grad:
         return total, correct_C, None
-    # d(weight * CE)/d logits = weight * (softmax - onehot), in place of the logits.
+    # d(weight * CE)/d logits = weight * (softmax - onehot).
+    if not in_place:
+        onehot_CV = torch.arange(logits.shape[1], device=logits.device)[None, :] == labels_C[:, None]
+        grad_CV = (torch.exp(logits - lse_C[:, None]) - onehot_CV.to(logits.dtype)) * weight_C[:, None]
+        return total, correct_C, grad_CV.to(logits_CV.dtype)
     probs_CV = logits.sub_(lse_C[:, None]).exp_()
     probs_CV[torch.arange(probs_CV.shape[0], device=probs_CV.device), labels_C] -= 1
     return total, correct_C, probs_CV.mul_(weight_C[:, None]).to(logits_CV.dtype)
+
+
+def _fusable_chunk_cross_entropy(logits_CV, labels_C, weight_C, need_grad):
+    return chunk_cross_entropy(logits_CV, labels_C, weight_C, need_grad, in_place=False)
 
 
 _compiled_chunk_cross_entropy = None
 
 
 def compiled_chunk_cross_entropy():
-    """torch.compile(chunk_cross_entropy), created once (static shapes: one entry per
-    chunk shape and device, compiled in the trainer's warm-up like the attention)."""
+    """torch.compile(chunk_cross_entropy without in-place updates), created once (static
+    shapes: one entry per chunk shape and device, compiled in the trainer's warm-up like
+    the attention)."""
     global _compiled_chunk_cross_entropy
     if _compiled_chunk_cross_entropy is None:
-        _compiled_chunk_cross_entropy = torch.compile(chunk_cross_entropy, dynamic=False)
+        _compiled_chunk_cross_entropy = torch.compile(_fusable_chunk_cross_entropy, dynamic=False)
     return _compiled_chunk_cross_entropy
 
 

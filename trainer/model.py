@@ -24,6 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from trainer.attention import AttentionPath, LayerMasks, attend, record_attention
 from trainer.config import ConfigError, ModelConfig
+from trainer.serving import resolve_mask_token_id
 
 FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
 
@@ -132,7 +133,10 @@ class Drafter(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.num_target_layers = cfg.num_target_layers
         self.hidden_size = hidden
-        self.mask_token_id = vocab - 1 if cfg.mask_token_id is None else cfg.mask_token_id
+        # What a checkpoint records for serving (trainer/serving.py): the target's
+        # config, this drafter's settings and where the mask id came from.
+        self.model_cfg, self.target_config = cfg, target_config
+        self.mask_token_id, self.mask_token_source = resolve_mask_token_id(cfg, vocab)
         if not 0 <= self.mask_token_id < vocab:
             raise ConfigError([f"model.mask_token_id: {self.mask_token_id} is outside the target vocabulary [0, {vocab})"])
         if len(self.layer_types) != cfg.drafter_layers:

@@ -6,7 +6,9 @@ real Qwen3 shapes ('qwen3-0.6b', 'qwen3-1.7b', 'qwen3-4b', 'qwen3-8b') to measur
 throughput on GPUs without downloading weights.
 
 ``features`` returns the hidden states of K decoder layers spread evenly over the
-depth (``target_layer_ids``), concatenated per position: the drafter's context.
+depth (``target_layer_ids``), concatenated per position: the drafter's context. On the
+compiled GPU path each decoder layer's forward is compiled (``compile_layers``, in the
+trainer's serialized warm-up). The target is frozen: nothing here may keep a gradient.
 """
 
 from __future__ import annotations
@@ -116,6 +118,16 @@ class Target:
                     raise _FeaturesCaptured  # the layers after it (and the final norm) need not run
 
         return hook
+
+    def compile_layers(self, **options) -> None:
+        """Compile the forward of each decoder layer the features run through (static
+        shapes; norms, rotary, projections, attention and MLP fused per layer). The
+        layers share one compiled graph (their weights are inputs, not constants), one
+        entry per device and length bucket. Only ``forward`` is compiled: the capture
+        hooks stay outside, in the module's call, so the forward still ends at the
+        last captured layer."""
+        for layer in self._base.layers[: max(self.layer_ids) + 1]:
+            layer.forward = torch.compile(layer.forward, dynamic=False, **options)
 
     def features(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
         """[B, S, K*H]: the captured layers' outputs, concatenated in layer order.

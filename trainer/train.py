@@ -97,6 +97,41 @@ def log(line: str) -> None:
     print(line, flush=True)
 
 
+def process_start_time() -> Optional[float]:
+    """Unix time this process was started (Linux /proc), or None where that is not
+    known or not believable (clock steps in a container)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return started if 0 <= time.time() - started < 3600 else None
+
+
+class Startup:
+    """Where the time from process start to the first training step goes: seconds per
+    phase, in order (``process``: interpreter start and the trainer's argument and
+    config handling, up to ``train``). The restart downtime the controller sees is
+    the sum, plus its own detection and relaunch."""
+
+    def __init__(self):
+        now = time.time()
+        self.start = process_start_time() or now
+        self.last = now
+        self.phases: dict[str, float] = {"process": round(now - self.start, 2)}
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.phases[phase] = round(now - self.last, 2)
+        self.last = now
+
+    def total(self) -> float:
+        return round(self.last - self.start, 2)
+
+
 def resolve_devices(cfg: TrainerConfig):
     import torch
 
@@ -166,9 +201,10 @@ def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals:
 
 def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, stop: StopRequest) -> int:
     # ---------------------------------------------------------------- torch, devices, seeds
+    startup = Startup()
     import torch
 
-    from trainer import checkpoint, compile as compile_mod, pipeline as pl
+    from trainer import checkpoint, compile as compile_mod, compile_cache, pipeline as pl
     from trainer.anchors import sample_anchors
     from trainer.attention import FLEX_COMPILED, paths_ran, select_attention_path
     from trainer.data import build_source
@@ -177,6 +213,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     from trainer.step import compute_loss
     from trainer.target import default_dtype
 
+    startup.mark("import")
     kind, target_devs, drafter_devs = resolve_devices(cfg)
     main_dev = drafter_devs[0]
     cache = compile_mod.setup_cache(cfg.compile.cache_dir, main_dev)
@@ -187,20 +224,26 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                                  cfg.compile.mask_builder)
     log(f"devices: target {[str(d) for d in target_devs]}, drafter {[str(d) for d in drafter_devs]}; "
         f"compute {compute_dtype}; attention {path.name}; compile cache {cache}")
+    startup.mark("devices")
 
     # ---------------------------------------------------------------- target(s) and drafter replicas
     targets, replicas = pl.build_models(cfg, target_devs, drafter_devs, compute_dtype)
     if path.name == FLEX_COMPILED and cfg.compile.drafter_layers:
         for replica in replicas:
             replica.compile_layers()
+    if path.name == FLEX_COMPILED and cfg.compile.target:
+        for target in {id(t): t for t in targets}.values():  # threads on one device share a target
+            target.compile_layers()
     first, master = targets[0], replicas[0]
     optimizer = build_optimizer(master.trainable_parameters(), cfg, main_dev)
     scheduler = build_scheduler(optimizer, cfg)
+    startup.mark("models")
 
     # ---------------------------------------------------------------- data
     source = build_source(cfg, first.vocab_size, master.mask_token_id)
     log(f"data: {len(source.dataset)} samples, {source.order.per_epoch} batches per epoch, buckets "
         f"{source.buckets_used()}, {source.dataset.errors.count} bad records skipped, {source.dataset.short} too short")
+    startup.mark("data")
 
     # ---------------------------------------------------------------- resume
     start_step, tokens_total, first_batch = 0, 0, 0
@@ -214,6 +257,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             f"position {meta['data']['position']}")
     total_steps = cfg.train.steps
     status.set(step=start_step)
+    startup.mark("checkpoint")
     if start_step >= total_steps:
         status.set(contract.PHASE_DONE, step=start_step)
         log(f"nothing to do: checkpoint step {start_step} >= train.steps {total_steps}")
@@ -234,15 +278,41 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                         extra={"tokens": tokens_total, "config": cfg.to_dict(), "data_fingerprint": source.fingerprint()},
                         keep=cfg.train.keep_checkpoints)
 
-    # ---------------------------------------------------------------- compile: warm-up before threads run free
+    # ---------------------------------------------------------------- compile: artifacts, then warm-up before threads run free
     discipline.enter_thread()
-    status.set(contract.PHASE_COMPILING, detail={"mode": discipline.mode})
-    discipline.warmup(pl.warmup_jobs(pipe), lambda progress: status.set(detail={"mode": discipline.mode, **progress}),
-                      should_stop=stop.is_set)
+    artifacts = compile_cache.Outcome()
+    cache_fields: dict = {}
+    if path.name == FLEX_COMPILED and cfg.compile.artifacts:
+        status.set(contract.PHASE_COMPILING, detail={"mode": discipline.mode, "compile_cache": "loading"})
+        cache_fields = compile_cache.key_fields(cfg, target_devs + drafter_devs)
+        artifacts = compile_cache.load(run_dir, cache_fields)
+        log(f"compile_cache: {artifacts.status}"
+            + (f" (loaded {artifacts.bytes / 2**20:.1f} MiB in {artifacts.load_s:.1f}s)" if artifacts.loaded else "")
+            + (f" ({artifacts.note})" if artifacts.note else "")
+            + ("" if artifacts.status == "hit" else f"; key {artifacts.key}, {cache_fields}"))
+    startup.mark("compile_cache")
+    status.set(contract.PHASE_COMPILING, detail={"mode": discipline.mode, "compile_cache": artifacts.status})
+    discipline.warmup(pl.warmup_jobs(pipe), lambda progress: status.set(
+        detail={"mode": discipline.mode, "compile_cache": artifacts.status, **progress}), should_stop=stop.is_set)
     log(f"compile: {discipline.mode} warm-up {discipline.warmup_s:.1f}s, {compile_mod.dynamo_counters()}")
+    startup.mark("warmup")
+    save_pending = artifacts.status != "off"
+
+    def save_artifacts_once_locked() -> None:
+        """After the warm-up locked recompiles (in this thread or, without serialized
+        warm-up, in the step that compiled the last shape): save what was compiled."""
+        nonlocal save_pending
+        if not save_pending or discipline.frames_ok_after_warmup is None:
+            return
+        save_pending = False
+        if compile_cache.should_save(artifacts, compile_mod.dynamo_counters()["fxgraph_cache_miss"]):
+            compile_cache.save_in_background(run_dir, cache_fields, cfg, artifacts, log)
+
+    save_artifacts_once_locked()
 
     # ---------------------------------------------------------------- training
-    status.set(contract.PHASE_TRAINING, detail={"warmup_s": round(discipline.warmup_s, 2), "compile_mode": discipline.mode})
+    status.set(contract.PHASE_TRAINING, detail={"warmup_s": round(discipline.warmup_s, 2), "compile_mode": discipline.mode,
+                                                "compile_cache": artifacts.status})
     metrics_path = os.path.join(run_dir, contract.METRICS_FILE)
     flops = pl.flop_model(cfg, first, master)
     peak, peak_name = pl.peak_flops(main_dev)
@@ -294,6 +364,11 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         tokens_total += sum(r.query_tokens for r in reports)
         window.add(reports, allreduce_s, optim_s, step_s, grad_norm, end=now)
         profiler.after(steps_done)
+        if step == start_step:
+            startup.mark("first_step")
+            log(f"startup: first step {startup.total():.1f}s after process start: {startup.phases}")
+            status.set(detail={**status.status.detail, "startup_s": startup.phases})
+        save_artifacts_once_locked()
 
         # ---- metrics
         if steps_done % cfg.train.log_every == 0 or steps_done == total_steps:
@@ -308,11 +383,12 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                 "gpu_mem": pl.gpu_memory(target_devs + drafter_devs), "data_errors": source.dataset.errors.count,
                 "epoch": source.order.state(replicas_ran(steps_done))["epoch"], "mfu_peak_flops": peak,
                 "mfu_peak": peak_name, "warmup_s": round(discipline.warmup_s, 2), "elapsed_s": round(now - train_start, 2),
+                "compile_cache": artifacts.status, "compile_cache_detail": artifacts.summary(),
+                "startup_s": startup.phases,
             }
             m = Metrics(time=time.time(), step=steps_done, total_steps=total_steps, tokens=tokens_total,
                         tok_s=f["tok_s"], loss=f["loss"], acc=f["acc"], accept_len=f["accept_len"], eta_s=eta_s, extra=extra)
-            with open(metrics_path, "a", encoding="utf-8") as out:
-                out.write(m.to_line() + "\n")
+            contract.append_line(metrics_path, m.to_line())
             log(f"step {steps_done}/{total_steps} loss {f['loss']:.4f} acc {f['acc'] or 0:.3f} accept_len "
                 f"{f['accept_len'] or 0:.2f} tok/s {f['tok_s']:.0f} eta {eta_s:.0f}s")
             status.set(contract.PHASE_TRAINING, step=steps_done)

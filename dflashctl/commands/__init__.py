@@ -1,3 +1,5 @@
-"""Command modules; importing this package registers every command on the app."""
+"""Command modules, one per group of commands; each registers on the shared app
+(``dflashctl.commands._app``) when imported, and ``dflashctl.cli`` imports them.
 
-from dflashctl.commands import audit, hosts, runs, status, supervise  # noqa: F401
+Importing this package registers nothing, and nothing here imports ``dflashctl.cli``.
+"""

@@ -1,4 +1,11 @@
-"""Command: `env-audit` (what the trainer's Python on a host loads, and what is wrong with it)."""
+"""Command: `env-audit` (what the trainer's Python on a host loads, and what is wrong with it).
+
+The audit itself is ``dflashctl.envaudit``; this module parses options, records
+the snapshot and prints: the text form (each finding, its fix and its exact
+commands, then the whole plan) or the JSON document, which is printed even when
+the audit could not run (its ``error`` says why; exit code 3). It never imports
+``dflashctl.cli`` (it registers on ``dflashctl.commands._app``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import time
 import typer
 from rich.markup import escape
 
-from dflashctl.cli import G, app, err, out
+from dflashctl.commands._app import G, app, err, fail, out
 from dflashctl.errors import DflashError
 
 _STYLE = {"critical": "bold red", "error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -19,21 +26,37 @@ _STYLE = {"critical": "bold red", "error": "bold red", "warning": "yellow", "inf
 def env_audit_command(
     target: str = typer.Argument(..., metavar="PLAYBOOK|HOST",
                                  help="A playbook (audits its host with its env) or a host of the inventory."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text (always a document)."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds the audit may take on the host."),
+    deep: bool = typer.Option(False, "--deep", help="Also `import torch` on the host, in a subprocess with a "
+                                                    "timeout: its real version, CUDA and the libraries it maps."),
 ) -> None:
-    """Find packages in a host's trainer environment that would break a run.
+    """Find what in a host's trainer environment would break a run, and how to fix it.
 
-    One round trip. Reports stray stacks (sglang, vllm, flashinfer, xformers...),
-    wheels built for another CUDA major than torch's, libraries installed twice
-    (wheel and system), user site-packages or PYTHONPATH shadowing the environment,
-    missing torch requirements, a triton torch does not accept. Exit code 0 clean,
-    1 warnings, 2 errors. Suggested fixes never remove a package torch requires."""
+    One round trip; the host's own import system is asked which torch, triton and
+    transformers it imports and from where. Reports a torch that cannot be imported
+    or whose CUDA libraries the loader cannot find, modules shadowed by another copy,
+    missing torch requirements and unmet requirements of every package (pip check),
+    files missing from torch's wheels or listed by two packages, wheels built for
+    another CUDA major than torch's, libraries installed twice at other versions,
+    stray inference stacks. Fixes are exact commands for the host's python, checked
+    never to delete a file torch needs. Exit code 0 clean, 1 warnings, 2 errors,
+    3 the audit could not run."""
     from dflashctl.config import load_inventory
-    from dflashctl.envaudit import audit_target
+    from dflashctl.envaudit import EXIT_NOT_RUN, audit_target, failed_document
 
-    report = audit_target(target, load_inventory(G.inventory), G.playbooks, timeout=timeout)
-    _record(report)
+    store = _store()
+    try:
+        report = audit_target(target, load_inventory(G.inventory), G.playbooks, timeout=timeout, deep=deep,
+                              store=store)
+    except DflashError as e:
+        if as_json:
+            print(json.dumps(failed_document(target, str(e), getattr(e, "hint", None)), indent=2))
+            raise typer.Exit(EXIT_NOT_RUN) from None
+        fail(e)
+        raise typer.Exit(EXIT_NOT_RUN) from None
+    if store is not None:
+        _record(store, report)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -41,14 +64,24 @@ def env_audit_command(
     raise typer.Exit(report.exit_code)
 
 
-def _record(report) -> None:
-    """Keep the package set for drift checks; a store problem must not hide the audit."""
-    from dflashctl.envaudit import record_snapshot
+def _store():
+    """The run store (for drift and to record the snapshot); a store problem must not hide the audit."""
     from dflashctl.paths import store_path
     from dflashctl.store import Store
 
     try:
-        with Store(store_path()) as store:
+        return Store(store_path())
+    except (DflashError, sqlite3.Error, OSError) as e:
+        err.print(f"[yellow]warning:[/] run store not available: {escape(str(e))}", highlight=False)
+        return None
+
+
+def _record(store, report) -> None:
+    """Keep the package set for drift checks."""
+    from dflashctl.envaudit import record_snapshot
+
+    try:
+        with store:
             record_snapshot(store, report, time.time())
     except (DflashError, sqlite3.Error, OSError) as e:
         err.print(f"[yellow]warning:[/] env snapshot not recorded: {escape(str(e))}", highlight=False)
@@ -69,6 +102,15 @@ def _print(report) -> None:
                   highlight=False, soft_wrap=True)
         if f.fix:
             out.print(f"         [green]fix:[/] {escape(f.fix)}", highlight=False, soft_wrap=True)
+        for command in f.commands:
+            out.print(f"           {escape(command)}", highlight=False, soft_wrap=True)
+    if report.drift is not None:
+        out.print(f"[yellow]DRIFT[/]    {escape(report.drift.message)}", highlight=False, soft_wrap=True)
+    steps = report.plan()
+    if len(steps) > 1:
+        out.print(f"[bold]to apply every fix, in this order[/] (on {escape(report.host)}):", highlight=False)
+        for _, line in steps:
+            out.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
     counts = report.counts()
     verdict = {0: "[green]clean[/]", 1: "[yellow]warnings[/]", 2: "[bold red]errors[/]"}[report.exit_code]
     out.print(f"{verdict}: {counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info "

@@ -1,4 +1,8 @@
-"""Commands: `hosts` (what the inventory says) and `check` (what the hosts say)."""
+"""Commands: `hosts` (what the inventory says) and `check` (what the hosts say).
+
+The facts come from ``dflashctl.facts``; this module parses options and prints.
+It never imports ``dflashctl.cli`` (it registers on ``dflashctl.commands._app``).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +11,9 @@ import shlex
 from typing import List, Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
-from dflashctl.cli import G, app, err, out
+from dflashctl.commands._app import G, app, err, escape, out
 
 
 def _inventory():
@@ -46,7 +49,7 @@ def hosts_command(
     if as_json:
         print(json.dumps({"source": inventory.source, "hosts": rows}, indent=2))
         return
-    table = Table(title=f"hosts in {inventory.source}", title_justify="left")
+    table = Table(title=f"hosts in {escape(inventory.source)}", title_justify="left")
     for column in ("host", "transport", "address", "route", "wrapper", "gpus"):
         table.add_column(column, overflow="fold")
     for r in rows:

@@ -1,16 +1,25 @@
-"""Commands: `launch`, `stop`, `restart`, `logs`, `runs`, `events` (runs and their history)."""
+"""Commands: `launch`, `stop`, `restart`, `logs`, `runs`, `events` (runs and their history).
+
+The work is done by ``dflashctl.launch`` (the launch flow) and
+``dflashctl.runhost`` (stop, restart, logs on the run host); this module parses
+options and prints. It never imports ``dflashctl.cli`` (it registers on
+``dflashctl.commands._app``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import shlex
 import sys
 from typing import Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
-from dflashctl.cli import G, app, err, out
+from dflashctl.commands._app import G, app, err, out, printable
 
 
 def _inventory():
@@ -32,6 +41,15 @@ def _when(t: float | None, short: bool = False) -> str:
     return datetime.datetime.fromtimestamp(t).strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S")
 
 
+def _say(console, text: str, **options) -> None:
+    """Print one line of user data as given; a terminal that is gone (the ssh
+    connection closed under ``launch --foreground``) silences it, never the command."""
+    try:
+        console.print(printable(text), highlight=False, markup=False, **options)
+    except OSError:
+        pass
+
+
 def _progress(as_json: bool):
     """Step-by-step progress lines on stderr (stdout stays clean for --json)."""
 
@@ -39,9 +57,13 @@ def _progress(as_json: bool):
         if as_json:
             return
         first, *rest = message.split("\n")
-        err.print(f"[bold cyan]{step:>10}[/]  {first}", highlight=False, markup=True, soft_wrap=True)
+        try:
+            err.print(Text.assemble((f"{step:>10}", "bold cyan"), "  ", printable(first)), highlight=False,
+                      soft_wrap=True)
+        except OSError:
+            return
         for line in rest:
-            err.print(f"            {line}", highlight=False, markup=False, soft_wrap=True)
+            _say(err, f"            {line}", soft_wrap=True)
 
     return show
 
@@ -49,7 +71,7 @@ def _progress(as_json: bool):
 @app.command("launch")
 def launch_command(
     playbook: str = typer.Argument(..., help="Playbook name (see playbooks/) or path to a playbook YAML."),
-    foreground: bool = typer.Option(False, "--foreground", help="Supervise here, printing events and metrics until the run ends (Ctrl-C hands it to a background supervisor)."),
+    foreground: bool = typer.Option(False, "--foreground", help="Supervise here, printing events and metrics until the run ends; exit code 1 if it fails. Ctrl-C, SIGTERM and SIGHUP (terminal closed) hand it to a background supervisor."),
     no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
     force: bool = typer.Option(False, "--force", help="Launch despite env-audit errors or busy / claimed GPUs."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print every step and remote command; change nothing."),
@@ -59,7 +81,8 @@ def launch_command(
 
     The supervisor runs in a local tmux session; --foreground stays attached instead."""
     from dflashctl.config import load_playbook
-    from dflashctl.launch import launch_run, start_supervisor
+    from dflashctl.launch import HandOverSignals, launch_run, start_supervisor, supervise_here
+    from dflashctl.store import FAILED, FINAL_STATES
 
     if foreground and no_watch:
         raise typer.BadParameter("--foreground and --no-watch exclude each other")
@@ -67,29 +90,29 @@ def launch_command(
     pb = load_playbook(playbook, G.playbooks, inventory)
     store = None if dry_run else _store()
     show = _progress(as_json)
-    result = launch_run(pb, inventory, store, force=force, dry_run=dry_run, progress=show)
-    supervisor = None
-    if not dry_run and not no_watch and result.state not in ("failed", "done", "stopped"):
-        if foreground:
-            err.print(f"following {result.run_id} (Ctrl-C detaches; the run keeps going)")
-            try:
-                supervisor = start_supervisor(result.run_id, True, store, inventory, show,
-                                              emit=lambda line: out.print(line, highlight=False, markup=False))
-            except KeyboardInterrupt:
-                # Detach, not abandon: the run keeps its supervisor, now in a tmux session.
-                session = start_supervisor(result.run_id, False, store, inventory, show,
-                                           inventory_path=G.inventory, playbooks_dir=G.playbooks)
-                err.print(f"detached; the run goes on, supervised in local tmux session {session}: "
-                          f"dflashctl status, dflashctl logs {result.run_id} -f")
-                raise typer.Exit(0)
-        else:
-            supervisor = start_supervisor(result.run_id, False, store, inventory, show,
-                                          inventory_path=G.inventory, playbooks_dir=G.playbooks)
+    # From the start: a terminal closed while the run is being started still leaves it supervised.
+    with HandOverSignals() if foreground and not dry_run else contextlib.nullcontext() as signals:
+        result = launch_run(pb, inventory, store, force=force, dry_run=dry_run, progress=show)
+        supervisor, final = None, result.state
+        if not dry_run and not no_watch and result.state not in FINAL_STATES:
+            if foreground:
+                _say(err, f"following {result.run_id} (Ctrl-C detaches; the run keeps going)")
+                supervised = supervise_here(result.run_id, store, inventory, signals, show,
+                                            emit=lambda line: _say(out, line), inventory_path=G.inventory,
+                                            playbooks_dir=G.playbooks)
+                supervisor, final = supervised.session or supervised.state, supervised.state
+                if supervised.session:
+                    run = shlex.quote(result.run_id)
+                    _say(err, f"detached ({supervised.signal}); the run goes on, supervised in local tmux session "
+                              f"{supervised.session}: dflashctl status {run}, dflashctl logs {run} -f")
+            else:
+                supervisor = start_supervisor(result.run_id, False, store, inventory, show,
+                                              inventory_path=G.inventory, playbooks_dir=G.playbooks)
     if as_json:
         print(json.dumps({**result.__dict__, "supervisor": supervisor}, indent=2, default=str))
     elif not dry_run:
-        out.print(result.run_id, highlight=False)
-    if result.state == "failed":
+        _say(out, result.run_id)
+    if FAILED in (result.state, final):  # failed to start, or (followed to its end) failed
         raise typer.Exit(1)
 
 
@@ -99,10 +122,10 @@ def stop_command(
     timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for the checkpoint before killing."),
 ) -> None:
     """Stop a run gracefully: the trainer checkpoints and exits; then its session is closed."""
-    from dflashctl.launch import stop
+    from dflashctl.runhost import stop
 
     result = stop(run, _store(), _inventory(), timeout=timeout, progress=_progress(False))
-    out.print(f"{result.id} {result.state}", highlight=False)
+    _say(out, f"{result.id} {result.state}")
 
 
 @app.command("restart")
@@ -115,14 +138,15 @@ def restart_command(
 
     The trainer starts in the same run directory (compile cache kept); then a local
     tmux session supervises it, as after `launch`."""
-    from dflashctl.launch import restart, start_supervisor
+    from dflashctl.launch import start_supervisor
+    from dflashctl.runhost import restart
 
     store, inventory, show = _store(), _inventory(), _progress(False)
     state = restart(run, store, inventory, serialized_warmup=serialized_warmup, progress=show)
     if state == "running" and not no_watch:
         start_supervisor(store.get_run(run).id, False, store, inventory, show,
                          inventory_path=G.inventory, playbooks_dir=G.playbooks)
-    out.print(state, highlight=False)
+    _say(out, state)
     if state == "failed":
         raise typer.Exit(1)
 
@@ -133,12 +157,15 @@ def logs_command(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new output until the trainer ends."),
     n: int = typer.Option(50, "-n", "--lines", min=0, help="Lines of the log to show first."),
 ) -> None:
-    """Print the run's trainer log (stdout and stderr of every process of the run)."""
-    from dflashctl.launch import logs
+    """Print the run's trainer log (stdout and stderr of every process of the run).
+
+    Control characters in it (ANSI colours, carriage returns) are shown as escapes
+    (\\x1b), never sent to the terminal as they are."""
+    from dflashctl.runhost import logs
 
     try:
         for chunk in logs(run, _store(), _inventory(), follow=follow, n=n):
-            sys.stdout.write(chunk)
+            sys.stdout.write(printable(chunk))
             sys.stdout.flush()
     except KeyboardInterrupt:
         pass
@@ -162,15 +189,18 @@ def runs_command(
     colors = {"running": "green", "failed": "red", "lost": "yellow", "stalled": "yellow", "restarting": "yellow"}
     for r in runs:
         color = colors.get(r.state)
-        table.add_row(
+        cells = [Text(printable(cell)) for cell in (
             r.id,
-            f"[{color}]{r.state}[/]" if color else r.state,
+            r.state,
             r.host,
             _when(r.created, short=True),
             _when(r.ended, short=True),
             r.exit_reason or ("-" if r.exit_code is None else str(r.exit_code)),
             ",".join(map(str, r.gpus)) or "-",
-        )
+        )]
+        if color:
+            cells[1].stylize(color)
+        table.add_row(*cells)
     out.print(table if runs else "no runs yet: dflashctl launch demo")
 
 
@@ -189,6 +219,6 @@ def events_command(
     colors = {"warning": "yellow", "error": "red", "critical": "bold red"}
     for e in events:
         color = colors.get(e.severity, "default")
-        out.print(f"{_when(e.time)}  [{color}]{e.severity:<8}[/] {e.kind:<14} ", end="", highlight=False)
-        out.print(e.message, highlight=False, markup=False)
+        out.print(Text.assemble(f"{_when(e.time)}  ", (printable(f"{e.severity:<8}"), color),
+                                printable(f" {e.kind:<14} {e.message}")), highlight=False)
 

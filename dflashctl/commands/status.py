@@ -1,4 +1,8 @@
-"""Command: `status` (every run, from the store: a live screen, a table, or JSON)."""
+"""Command: `status` (every run, from the store: a live screen, a table, or JSON).
+
+It reads the store only and never waits on a host; it never imports
+``dflashctl.cli`` (it registers on ``dflashctl.commands._app``).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from dflashctl.cli import app, out
+from dflashctl.commands._app import app, out, printable
 
 
 @app.command("status")
@@ -47,11 +51,11 @@ def status_command(
 
 def _table(title: str, columns, rows, style=None) -> Table:
     """A rich table of view rows; ``style(row)`` colours the second cell (state or severity)."""
-    table = Table(title=title, title_justify="left")
+    table = Table(title=Text(printable(title)), title_justify="left")
     for column in columns:
         table.add_column(column, no_wrap=column == "run", overflow="fold")
     for row in rows:
-        cells = [Text(c) for c in row.cells()]
+        cells = [Text(printable(c)) for c in row.cells()]
         if style is not None:
             cells[1].stylize(style(row))
         table.add_row(*cells)
@@ -62,7 +66,7 @@ def print_status(view) -> None:
     from dflashctl.tui.model import EVENT_COLUMNS, GPU_COLUMNS, RUN_COLUMNS, SEVERITY_STYLE, STATE_STYLE
 
     if not view.runs:
-        out.print(view.summary(), highlight=False)
+        out.print(printable(view.summary()), highlight=False, markup=False)
         return
     out.print(_table(view.summary(), RUN_COLUMNS, view.runs, lambda r: STATE_STYLE.get(r.state, "")))
     if view.events:

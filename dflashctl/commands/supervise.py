@@ -1,4 +1,9 @@
-"""Command: `watch` (the supervisor loop in the foreground)."""
+"""Command: `watch` (the supervisor loop in the foreground).
+
+The loop is ``dflashctl.supervisor``, its lines ``dflashctl.console``; this
+module parses options and prints. It never imports ``dflashctl.cli`` (it
+registers on ``dflashctl.commands._app``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from dflashctl.cli import G, app, err
+from dflashctl.commands._app import G, app, err, printable
 from dflashctl.detectors import SEVERITIES
 
 
@@ -35,7 +40,8 @@ def watch_command(
     from dflashctl.errors import ConfigError
     from dflashctl.paths import store_path
     from dflashctl.store import DONE, STOPPED, Store
-    from dflashctl.supervisor import format_line, watch
+    from dflashctl.console import format_line, format_observation
+    from dflashctl.supervisor import watch
 
     seconds = None
     if interval is not None:
@@ -54,14 +60,16 @@ def watch_command(
 
     def show(kind: str, payload) -> None:
         if kind == "info":
-            err.print(payload, highlight=False, markup=False)
+            err.print(printable(payload), highlight=False, markup=False)
+        elif kind == "observation":
+            print(json.dumps(payload) if as_json else printable(format_observation(payload)), flush=True)
         elif as_json and kind == "event":
             print(json.dumps(payload.to_dict(), default=str), flush=True)
         elif as_json:
             run_id, m = payload
             print(json.dumps({"kind": "metrics", "run_id": run_id, "metrics": json.loads(m.to_line())}), flush=True)
         else:
-            print(format_line(kind, payload), flush=True)
+            print(printable(format_line(kind, payload)), flush=True)
 
     stop = threading.Event()
     _stop_on_signals(stop)

@@ -128,7 +128,7 @@ def start_fake_run(store, inventory, host: str, trainer: dict, *, playbook: str 
     run.sh in a session named after the run). Returns the run id (state launching)."""
     from dflashctl import deploy
     from dflashctl.bundle import build_bundle
-    from dflashctl.launch import run_files, start_command
+    from dflashctl.runhost import run_files, start_command
     from dflashctl.store import new_run_id
     from dflashctl.tmux import Tmux, socket_name
     from dflashctl.transport import connect

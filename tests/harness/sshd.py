@@ -14,6 +14,16 @@ Hosts (``BASE_HOSTS``):
     target2   through jump -> jump2 (a chain of two)
     direct    no jump, no wrapper
     stranger  direct, but its host key is deliberately NOT in known_hosts
+    lxc       direct; wrapper `lxc-attach -n ct300 --` (tests/harness/bin/lxc-attach)
+              enters a long-lived pid+mount+UTS namespace that the harness holds
+              (a reaping init started with `unshare --pid --fork --mount-proc`),
+              so processes started through it outlive the call, as in a real
+              LXC container
+    fresh     direct; wrapper `docker run --rm ct-fresh` (tests/harness/bin/docker)
+              runs each call in a NEW pid namespace: everything it started dies
+              when the call returns (the wrapper `check` must refuse)
+    aliased   NOT in the inventory: reached through a ~/.ssh/config alias with
+              ProxyJump through jump (``write_ssh_home``)
     local     transport: local (this process's machine)
 
 Each host is its own little machine: a directory ``hosts/<name>/`` holding its
@@ -24,6 +34,11 @@ servers of different hosts never meet). Only jumps allow TCP forwarding.
 
 Sessions run as the current user (root in CI) with the inventory's ``python`` set to
 the interpreter running the tests, so host-side scripts find the same packages.
+
+A wedged connection (the server's session process stops answering, TCP still up)
+is ``freeze_connection``: SIGSTOP to the per-connection sshd processes that hold
+one client's TCP connection (found by its port, through /proc), SIGCONT to thaw.
+Everything is started on 127.0.0.x and stopped by pid.
 """
 
 from __future__ import annotations
@@ -32,8 +47,10 @@ import atexit
 import getpass
 import os
 import shlex
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -58,7 +75,14 @@ class HostSpec:
     forwarding: bool = False
     fake_gpu: bool = False
     trusted: bool = True  # its host key is in known_hosts
+    container: str | None = None  # 'lxc': a long-lived namespace the wrapper enters
+    in_inventory: bool = True  # False: reached only through ~/.ssh/config (write_ssh_home)
 
+
+CONTAINER = "ct300"  # the name `lxc-attach -n` takes on the lxc host
+FRESH_IMAGE = "ct-fresh"  # the image (and hostname) of the fresh host's `docker run --rm`
+ALIAS = "gpu-alias"  # the ~/.ssh/config alias of the aliased host
+ALIAS_JUMP = "gw"  # the ~/.ssh/config alias of jump
 
 BASE_HOSTS = (
     HostSpec("jump", "127.0.0.2", forwarding=True),
@@ -67,6 +91,9 @@ BASE_HOSTS = (
     HostSpec("target2", "127.0.0.5", jump="jump2"),
     HostSpec("direct", "127.0.0.6"),
     HostSpec("stranger", "127.0.0.7", trusted=False),
+    HostSpec("aliased", "127.0.0.9", in_inventory=False),
+    HostSpec("lxc", "127.0.0.10", wrapper=f"lxc-attach -n {CONTAINER} --", container="lxc"),
+    HostSpec("fresh", "127.0.0.11", wrapper=f"docker run --rm {FRESH_IMAGE}"),
 )
 EXTRA_HOST_BASE = 20  # extra hosts live at 127.0.0.20, .21, ...
 
@@ -106,6 +133,101 @@ def _comm(pid: int) -> str:
         return ""
 
 
+# Per-connection server processes: `sshd` up to OpenSSH 9.7, `sshd-session` after.
+SSHD_COMMS = ("sshd", "sshd-session")
+
+
+def _socket_inodes(address: str, port: int, peer_port: int | None) -> set[int]:
+    """Inodes of the TCP sockets at address:port (from /proc/net/tcp), only those
+    connected from ``peer_port`` when given."""
+    found = set()
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], int(fields[9])
+            l_ip, l_port = local.split(":")
+            r_port = int(remote.split(":")[1], 16)
+            if (socket.inet_ntoa(struct.pack("<I", int(l_ip, 16))), int(l_port, 16)) != (address, port):
+                continue
+            if r_port == 0 or (peer_port is not None and r_port != peer_port):
+                continue  # the listening socket, or another client's connection
+            found.add(inode)
+    return found
+
+
+def _holds_socket(pid: int, inodes: set[int]) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and int(target[8:-1]) in inodes:
+            return True
+    return False
+
+
+# The init of a test container: pid 1 of its namespace, reaping every orphan that
+# the namespace's processes leave (as a real container's init does).
+_CONTAINER_INIT = """\
+import os, time
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        time.sleep(0.5)
+"""
+
+
+class Container:
+    """A long-lived pid + mount + UTS namespace (hostname ``name``) held by a reaping
+    init; ``pid`` is that init's pid here, which `nsenter -t PID` enters."""
+
+    def __init__(self, name: str, pid_file: Path):
+        self.name = name
+        self.pid_file = pid_file
+        self.proc = subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", "--uts",
+             "sh", "-c", 'hostname "$0" && exec "$1" -c "$2"', name, sys.executable, _CONTAINER_INIT],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        self.pid = self._init_pid()
+        pid_file.write_text(f"{self.pid}\n")
+
+    def _init_pid(self) -> int:
+        mine = os.readlink("/proc/self/ns/pid")
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"container {self.name} did not start: {self.proc.stderr.read().decode()[-2000:]}")
+            for pid in descendants(self.proc.pid):
+                try:
+                    if os.readlink(f"/proc/{pid}/ns/pid") != mine and _comm(pid).startswith("python"):
+                        return pid
+                except OSError:
+                    pass
+            time.sleep(0.02)
+        raise RuntimeError(f"container {self.name}: no init within {START_TIMEOUT}s")
+
+    def stop(self) -> None:
+        """End the namespace: killing its init kills every process in it."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.pid_file.unlink(missing_ok=True)
+
+
 class Server:
     """One sshd for one test host."""
 
@@ -121,14 +243,19 @@ class Server:
         self.config_path = self.dir / "sshd_config"
         self.host_key = self.dir / "host_ed25519"
         self.proc: subprocess.Popen | None = None
+        self.container: Container | None = None
         for d in (self.bin, self.home, self.dir / "tmux"):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir / "tmux", 0o700)  # tmux refuses a socket dir others can enter
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", spec.name, "-f", str(self.host_key)], check=True)
         if spec.wrapper:
-            (self.bin / "pct").symlink_to(HARNESS_DIR / "bin" / "pct")
+            tool = shlex.split(spec.wrapper)[0]
+            (self.bin / tool).symlink_to(HARNESS_DIR / "bin" / tool)
         if spec.fake_gpu:
             self._install_fake_nvidia_smi()
+        if spec.container == "lxc":
+            # Outlives sshd restarts (stop/start), as a container outlives its host's sshd.
+            self.container = Container(CONTAINER, self.dir / f"{CONTAINER}.pid")
         self.config_path.write_text(self._sshd_config(authorized_keys))
 
     def _install_fake_nvidia_smi(self) -> None:
@@ -147,6 +274,7 @@ class Server:
             "HOME": str(self.home),
             "TMUX_TMPDIR": str(self.dir / "tmux"),
             "LANG": "C.UTF-8",
+            "FAKE_CT_DIR": str(self.dir),  # where the fake lxc-attach finds a container's init pid
         }
         return "\n".join(
             [
@@ -201,6 +329,17 @@ class Server:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
+    def connection_pids(self, client_port: int | None = None) -> list[int]:
+        """The per-connection sshd processes serving the TCP connection from
+        ``client_port`` (every connection's when None)."""
+        if self.pid is None:
+            return []
+        sessions = [pid for pid in descendants(self.pid) if _comm(pid) in SSHD_COMMS]
+        if client_port is None:
+            return sessions
+        inodes = _socket_inodes(self.address, self.port, client_port)
+        return [pid for pid in sessions if _holds_socket(pid, inodes)]
+
     def kill_connections(self) -> list[int]:
         """Cut every open connection to this host (SIGKILL its per-connection sshd
         processes, like a dropped link); the listener keeps accepting new ones."""
@@ -208,7 +347,7 @@ class Server:
             return []
         killed = []
         for pid in descendants(self.pid):
-            if _comm(pid) == "sshd":
+            if _comm(pid) in SSHD_COMMS:
                 try:
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
@@ -259,8 +398,9 @@ class SshEnv:
         self.servers: dict[str, Server] = {}
         self._next_octet = EXTRA_HOST_BASE
         self.inventory = None
-        self.hosts = [s.name for s in specs if s.trusted]
+        self.hosts = [s.name for s in specs if s.trusted and s.in_inventory]
         self.unknown_host = next((s.name for s in specs if not s.trusted), None)
+        self.aliased_host = next((s.name for s in specs if not s.in_inventory), None)
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "dflashctl-tests", "-f", str(self.client_key)], check=True)
         self.authorized_keys.write_text((self.root / "client_ed25519.pub").read_text())
         self.known_hosts.write_text("")
@@ -309,6 +449,8 @@ class SshEnv:
     def _write_client_files(self) -> None:
         hosts: dict[str, dict] = {"local": {"transport": "local", "workdir": str(self.local_workdir)}}
         for s in self.servers.values():
+            if not s.spec.in_inventory:
+                continue
             h: dict = {"address": s.address, "port": s.port}
             if s.spec.jump:
                 h["jump"] = s.spec.jump
@@ -380,6 +522,64 @@ class SshEnv:
         jump's); returns the pids killed. New connections are accepted."""
         return self.servers[name].kill_connections()
 
+    def freeze_connection(self, name: str, client_port: int | None = None) -> list[int]:
+        """Wedge an open connection: SIGSTOP the sshd processes serving the one from
+        ``client_port`` (all of the host's when None). TCP stays up, the kernel still
+        ACKs, the server answers nothing; new connections are served. Returns the
+        pids, for ``thaw``."""
+        pids = self.servers[name].connection_pids(client_port)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    @staticmethod
+    def thaw(pids: list[int]) -> None:
+        """SIGCONT what ``freeze_connection`` stopped."""
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def container_pid(self, name: str) -> int:
+        """The host pid of the init of ``name``'s container (the lxc host's)."""
+        return self.servers[name].container.pid
+
+    def write_ssh_home(self, home: str | os.PathLike) -> Path:
+        """A $HOME whose ~/.ssh holds what a user who reaches the aliased host with
+        `ssh gpu-alias` has: a config with ``Host gw`` (jump) and ``Host gpu-alias``
+        (HostName, User, Port, IdentityFile, ProxyJump gw, ServerAliveInterval 7,
+        ConnectTimeout 4), their keys in ~/.ssh/known_hosts and the client key as
+        ~/.ssh/id_ed25519. Returns ``home``."""
+        home = Path(home)
+        ssh = home / ".ssh"
+        ssh.mkdir(parents=True, exist_ok=True, mode=0o700)
+        key = ssh / "id_ed25519"
+        shutil.copyfile(self.client_key, key)
+        key.chmod(0o600)
+        jump, aliased = self.servers["jump"], self.servers[self.aliased_host]
+        (ssh / "config").write_text(
+            f"Host {ALIAS_JUMP}\n"
+            f"  HostName {jump.address}\n"
+            f"  Port {jump.port}\n"
+            f"  User {_user()}\n"
+            "  IdentityFile ~/.ssh/id_ed25519\n"
+            f"Host {ALIAS}\n"
+            f"  HostName {aliased.address}\n"
+            f"  Port {aliased.port}\n"
+            f"  User {_user()}\n"
+            "  IdentityFile ~/.ssh/id_ed25519\n"
+            f"  ProxyJump {ALIAS_JUMP}\n"
+            "  ServerAliveInterval 7\n"
+            "  ConnectTimeout 4\n"
+        )
+        lines = []
+        for server in (jump, aliased):
+            key_type, blob = (server.dir / "host_ed25519.pub").read_text().split()[:2]
+            lines.append(f"[{server.address}]:{server.port} {key_type} {blob}\n")
+        (ssh / "known_hosts").write_text("".join(lines))
+        return home
+
     def log(self, name: str) -> str:
         """The host's sshd log (jumps log each direct-tcpip forward)."""
         return self.servers[name].log()
@@ -407,9 +607,11 @@ class SshEnv:
         return ["ssh", "-F", str(self.ssh_config), name]
 
     def close(self) -> None:
-        """Stop every server this object started (by pid)."""
+        """Stop every server and container this object started (by pid)."""
         for server in reversed(list(self.servers.values())):
             server.stop()
+            if server.container is not None:
+                server.container.stop()
 
     def __enter__(self) -> "SshEnv":
         return self

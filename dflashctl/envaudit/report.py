@@ -1,0 +1,84 @@
+"""An env-audit's result for one host: the snapshot, its findings and torch's build,
+with the exit code, the counts, the plan (every fix command in a safe order) and
+the JSON form ``dflashctl env-audit --json`` prints (``SCHEMA``, documented in
+README.md); ``failed_document`` is that JSON when the audit could not run.
+
+Data only: no I/O, no drawing (the command draws the text form).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dflashctl.envaudit.rules import EXIT_NOT_RUN, Finding, exit_code
+from dflashctl.envaudit.snapshot import Snapshot
+from dflashctl.envaudit.stack import TorchBuild
+
+SCHEMA = 2  # the "schema" of the JSON document
+
+
+def plan(findings: list[Finding]) -> list[tuple[list[str], str]]:
+    """Every finding's commands as one list, each once, in a safe order: the
+    uninstalls, then the installs, then the force-reinstalls (which put back any
+    file an uninstall or an install took from a protected wheel). (argv, shell line)."""
+    buckets: dict[int, dict[str, tuple[list[str], str]]] = {0: {}, 1: {}, 2: {}}
+    for f in findings:
+        for argv, line in zip(f.argv, f.commands):
+            stage = 0 if "uninstall" in argv else 2 if "--force-reinstall" in argv else 1
+            if argv[:1] == ["rm"]:
+                stage = 0
+            buckets[stage].setdefault(line, (argv, line))
+    return [entry for stage in (0, 1, 2) for entry in buckets[stage].values()]
+
+
+@dataclass
+class AuditReport:
+    target: str  # what was asked for: a playbook or a host name
+    host: str
+    playbook: str | None
+    snapshot: Snapshot
+    findings: list[Finding]
+    torch: TorchBuild | None
+    seconds: float = 0.0
+    drift: Any = None  # a detectors.Finding: packages changed since the playbook's last good run
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.findings)
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(f.severity == s for f in self.findings) for s in ("error", "warning", "info")}
+
+    def plan(self) -> list[tuple[list[str], str]]:
+        return plan(self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.snapshot
+        return {
+            "schema": SCHEMA,
+            "target": self.target,
+            "host": self.host,
+            "playbook": self.playbook,
+            "error": None,
+            "hostname": s.hostname,
+            "python": {"executable": s.python, "version": s.python_version, "prefix": s.prefix,
+                       "user_site": s.user_site, "user_site_enabled": s.user_site_enabled, "wrapper": s.wrapper},
+            "torch": asdict(self.torch) if self.torch else None,
+            "exit_code": self.exit_code,
+            "counts": self.counts(),
+            "findings": [f.to_dict() for f in self.findings],
+            "plan": [line for _, line in self.plan()],
+            "drift": {"message": self.drift.message, **self.drift.detail} if self.drift else None,
+            "packages": s.packages(),
+            "libraries": [asdict(e) for e in s.ldconfig],
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def failed_document(target: str, error: str, hint: str | None = None, host: str | None = None,
+                    playbook: str | None = None) -> dict[str, Any]:
+    """The JSON document of an audit that could not run (exit code 3)."""
+    return {"schema": SCHEMA, "target": target, "host": host, "playbook": playbook, "error": error, "hint": hint,
+            "exit_code": EXIT_NOT_RUN, "counts": {"error": 0, "warning": 0, "info": 0}, "findings": [], "plan": [],
+            "drift": None, "torch": None, "packages": {}}

@@ -1,0 +1,644 @@
+"""Env-audit collector: what the trainer's python on a host will actually load,
+asked of that python's own import system.
+
+Runs on the host, with the python that runs the trainer and the run's environment,
+and prints one JSON snapshot:
+
+- every installed distribution, in ``importlib.metadata`` order (sys.path order):
+  name, version, location, requirements, top-level modules, the shared libraries
+  it ships, and its RECORD checked against the disk (files missing, files whose
+  size is not the recorded one);
+- files listed by more than one distribution (an uninstall of one deletes them
+  for the others), grouped by their owners;
+- ``importlib.util.find_spec`` for torch, triton, transformers, the modules named
+  in the argument and every top-level module of every distribution: where each
+  is imported from, which distribution owns that file, and the sys.path entry it
+  was found under (never guessed from dist-info order);
+- the imported torch's ``version.py`` text, its CUDA library's RPATH / RUNPATH /
+  NEEDED and, for each followed library it needs, the file the dynamic loader
+  would pick and why; with ``"deep": true`` also ``import torch`` in a
+  subprocess (with a timeout): its version, CUDA, the error if it fails, and the
+  followed libraries the process really mapped;
+- ``sys.prefix`` / ``sys.path`` / the user site, the ``.pth`` files of the site
+  directories, the environment markers, the ``ldconfig -p`` entries of the
+  followed libraries (with the files they resolve to), LD_LIBRARY_PATH and
+  PYTHONPATH with what each entry holds.
+
+``sys.path[0]`` is this script's own entry ('' under ``-c``: the current
+directory of whoever started it, never the trainer's): it is left out before
+anything is asked, so a dist-info lying in that directory is not taken for an
+installed distribution.
+
+Stdlib only, Python 3.8+, nothing from dflashctl (the host has none of it): the
+controller ships this file's text (``python -c <text> <json>``) and reads the
+answer with ``dflashctl.envaudit.parse_snapshot``. Run without ``-I``: a user
+site-packages directory or a PYTHONPATH is exactly what is being audited.
+
+It never imports torch or any package it reports on in its own process (only the
+``deep`` subprocess does), never changes anything on the host, and once its
+argument is understood it always prints exactly one JSON object: what cannot be
+read is a line in ``errors``.
+
+Argument, one JSON object::
+
+    {"lib_prefixes": ["libcudnn", ...],   the shared libraries to follow (required;
+                                          ``libcuda`` also matches ``libcudart``)
+     "modules": ["torch", ...],           modules to look up besides every
+                                          distribution's top-level modules
+     "deep": false, "deep_timeout": 60}   import torch in a subprocess
+"""
+
+import json
+import os
+import platform
+import re
+import shutil
+import site
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+SNAPSHOT_VERSION = 2
+USAGE = 'usage: audit.py \'{"lib_prefixes": ["libcudnn", "libnccl", ...], "modules": [...], "deep": false}\'\n'
+DEFAULT_MODULES = ("torch", "triton", "transformers")
+# First path components that are never an importable top-level name.
+SKIP_TOP = re.compile(r"(\.dist-info|\.egg-info|\.data|\.pth|__pycache__|\.\.)$")
+ENV_VARIABLES = ("PYTHONPATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONNOUSERSITE", "PYTHONUSERBASE")
+TORCH_LIBRARIES = ("libtorch_cuda.so", "libtorch_global_deps.so")  # the first present is read
+LISTED = 20  # paths listed per problem; counts are always whole
+DEFAULT_LIBRARY_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64")
+# ``import torch`` in a child: the answer is its last stdout line. Its own
+# sys.path[0] ('' under -c) is dropped first, as this script drops its own.
+DEEP_CODE = r"""
+import json, sys
+del sys.path[0]
+prefixes = tuple(json.loads(sys.argv[1]))
+answer = {}
+try:
+    import torch
+    answer["version"] = str(torch.__version__)
+    answer["cuda"] = torch.version.cuda
+    answer["file"] = torch.__file__
+except BaseException as e:
+    answer["error"] = "%s: %s" % (type(e).__name__, e)
+loaded = set()
+try:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            if len(parts) == 6:
+                path = parts[5].strip()
+                if path.rsplit("/", 1)[-1].startswith(prefixes):
+                    loaded.add(path)
+except OSError:
+    pass
+answer["loaded"] = sorted(loaded)
+sys.stdout.write("\n" + json.dumps(answer) + "\n")
+"""
+
+
+def canon(name):
+    """A distribution name the way pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def library_matcher(prefixes):
+    """A test on file names: a shared library (``.so`` with or without a version)
+    whose name starts with one of ``prefixes``."""
+    pattern = re.compile(
+        "^(?:" + "|".join(re.escape(p) for p in prefixes) + r")[A-Za-z0-9_+-]*\.so(?:\.[0-9]+)*$")
+    return lambda base: pattern.match(base) is not None
+
+
+def full_version(info):
+    """``sys.implementation.version`` as PEP 508's implementation_version writes it."""
+    version = "%d.%d.%d" % (info.major, info.minor, info.micro)
+    return version + info.releaselevel[0] + str(info.serial) if info.releaselevel != "final" else version
+
+
+def markers():
+    """The PEP 508 environment markers of this python, to evaluate requirements with."""
+    return {
+        "implementation_name": sys.implementation.name,
+        "implementation_version": full_version(sys.implementation.version),
+        "os_name": os.name,
+        "platform_machine": platform.machine(),
+        "platform_release": platform.release(),
+        "platform_system": platform.system(),
+        "platform_version": platform.version(),
+        "python_full_version": platform.python_version(),
+        "platform_python_implementation": platform.python_implementation(),
+        "python_version": ".".join(platform.python_version_tuple()[:2]),
+        "sys_platform": sys.platform,
+    }
+
+
+def own_path_entry():
+    """Take this script's own first sys.path entry out (see the module docstring);
+    what was taken, or None when Python did not add one (-P)."""
+    if getattr(sys.flags, "safe_path", False) or not sys.path:
+        return None
+    return sys.path.pop(0)
+
+
+def python_info(dropped):
+    try:
+        site_dirs = list(site.getsitepackages())
+    except AttributeError:  # an old virtualenv's site.py
+        site_dirs = []
+    return {
+        "executable": sys.executable,
+        "version": platform.python_version(),
+        "prefix": sys.prefix,
+        "base_prefix": getattr(sys, "base_prefix", sys.prefix),
+        "path": list(sys.path),
+        "dropped_path": dropped,
+        "site_packages": site_dirs,
+        "user_site": site.getusersitepackages(),
+        "user_site_enabled": bool(site.ENABLE_USER_SITE),
+    }
+
+
+def module_name(entry):
+    """The importable top-level name a path's first component provides, or None."""
+    if SKIP_TOP.search(entry) or entry.startswith("."):
+        return None
+    if entry.endswith(".py"):
+        return entry[:-3]
+    if ".so" in entry or entry.endswith(".pyd"):
+        return entry.split(".", 1)[0]
+    return None if "." in entry else entry
+
+
+def read_text(dist, name):
+    try:
+        return dist.read_text(name)
+    except Exception:
+        return None
+
+
+class Owners:
+    """Which distribution lists each file: an index per normalized absolute path,
+    and the list of indexes for the paths listed by more than one."""
+
+    def __init__(self):
+        self.first = {}
+        self.more = {}
+
+    def add(self, path, index):
+        first = self.first.setdefault(path, index)
+        if first != index:
+            owners = self.more.get(path)
+            if owners is None:
+                self.more[path] = [first, index]
+            elif index not in owners:
+                owners.append(index)
+
+    def of(self, path):
+        if path in self.more:
+            return list(self.more[path])
+        return [self.first[path]] if path in self.first else []
+
+    def shared(self):
+        """Files listed by several distributions, grouped by their owners."""
+        groups = {}
+        for path, owners in self.more.items():
+            groups.setdefault(tuple(sorted(owners)), []).append(path)
+        return [{"owners": list(owners), "count": len(paths), "paths": sorted(paths)[:LISTED]}
+                for owners, paths in sorted(groups.items())]
+
+
+def read_distribution(dist, index, is_library, owners):
+    """One distribution: its metadata, and its RECORD checked file by file."""
+    path = getattr(dist, "_path", None)  # its .dist-info / .egg-info directory (no public name for it)
+    entry = {"name": None, "version": None, "location": None, "metadata": str(path) if path is not None else None,
+             "requires": [], "modules": [], "libs": None, "files": None, "missing": [], "missing_count": 0,
+             "changed": [], "changed_count": 0, "installer": None, "editable": False}
+    requires = None
+    try:
+        meta = dist.metadata  # parsed on every access: read once
+        if meta is not None:
+            entry["name"] = meta["Name"] or None
+            entry["version"] = meta["Version"] or None
+            requires = meta.get_all("Requires-Dist")
+    except Exception as e:
+        entry["error"] = "metadata: %s: %s" % (type(e).__name__, e)
+    try:
+        # An egg-info keeps its requirements in requires.txt, which only dist.requires reads.
+        if requires is None and str(path).endswith(".egg-info"):
+            requires = dist.requires
+        entry["requires"] = list(requires or [])
+    except Exception as e:
+        entry["error"] = "requires: %s: %s" % (type(e).__name__, e)
+    location = str(dist.locate_file(""))
+    entry["location"] = location
+    entry["installer"] = (read_text(dist, "INSTALLER") or "").strip() or None
+    try:
+        direct = json.loads(read_text(dist, "direct_url.json") or "{}")
+        entry["editable"] = bool((direct.get("dir_info") or {}).get("editable"))
+    except (ValueError, AttributeError):
+        pass
+    try:
+        files = dist.files
+    except Exception as e:
+        entry["error"] = "RECORD: %s: %s" % (type(e).__name__, e)
+        files = None
+    if files is None:
+        top = read_text(dist, "top_level.txt") or ""
+        entry["modules"] = sorted(t.strip() for t in top.split() if t.strip())
+        return entry
+    modules, libs, missing, changed = set(), [], [], []
+    for f in files:
+        rel = str(f)
+        first, sep, _ = rel.partition("/")
+        name = module_name(first) if sep or first.endswith(".py") or ".so" in first else None
+        if name:
+            modules.add(name)
+        if is_library(rel.rsplit("/", 1)[-1]):
+            libs.append(rel)
+        full = os.path.normpath(os.path.join(location, rel))
+        owners.add(full, index)
+        try:
+            st = os.stat(full)
+        except OSError:
+            if not rel.endswith(".pyc"):  # compiled again on the next import
+                missing.append(rel)
+            continue
+        if f.size is not None and st.st_size != f.size:
+            changed.append(rel)
+    entry.update(modules=sorted(modules), libs=sorted(libs), files=len(files), missing=missing[:LISTED],
+                 missing_count=len(missing), changed=changed[:LISTED], changed_count=len(changed))
+    return entry
+
+
+def distributions(is_library, owners, errors):
+    """Every installed distribution, in the order importlib.metadata finds them (sys.path order)."""
+    import importlib.metadata as md
+
+    found = []
+    for dist in md.distributions():
+        try:
+            found.append(read_distribution(dist, len(found), is_library, owners))
+        except Exception as e:
+            errors.append("distribution %r: %s: %s" % (str(getattr(dist, "_path", "?")), type(e).__name__, e))
+            found.append({"name": None, "version": None, "error": "%s: %s" % (type(e).__name__, e)})
+    return found
+
+
+def path_entries_longest_first():
+    return sorted({os.path.normpath(os.path.abspath(p)) for p in sys.path if p}, key=len, reverse=True)
+
+
+def find_specs(names, owners, errors):
+    """name -> where the import system finds it: its origin file, the owners of
+    that file, the sys.path entry it is under; None when it is not importable."""
+    import importlib.util
+
+    entries = path_entries_longest_first()
+    answers = {}
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except Exception as e:
+            answers[name] = {"error": "%s: %s" % (type(e).__name__, e)}
+            continue
+        if spec is None:
+            answers[name] = None
+            continue
+        origin = spec.origin if getattr(spec, "has_location", False) else None
+        search = [str(p) for p in (spec.submodule_search_locations or [])]
+        answer = {"origin": origin, "namespace": origin is None and bool(search), "owners": [], "entry": None}
+        if origin is None and search:
+            origin_dir = os.path.normpath(os.path.abspath(search[0]))
+            answer["entry"] = next((e for e in entries if origin_dir.startswith(e + os.sep)), None)
+        if origin:
+            full = os.path.normpath(os.path.abspath(origin))
+            answer["owners"] = owners.of(full)
+            answer["entry"] = next((e for e in entries if full.startswith(e + os.sep)), None)
+        answers[name] = answer
+    return answers
+
+
+def elf_info(path):
+    """DT_RPATH, DT_RUNPATH and DT_NEEDED of an ELF64 little-endian file, read
+    without running or loading anything."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            return None
+        shoff, = struct.unpack_from("<Q", head, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+        f.seek(shoff)
+        table = f.read(shentsize * shnum)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize) for i in range(shnum)]
+        for s in sections:
+            if s[1] != 6:  # SHT_DYNAMIC
+                continue
+            f.seek(s[4])
+            dynamic = f.read(s[5])
+            strtab = sections[s[6]]
+            f.seek(strtab[4])
+            strings = f.read(strtab[5])
+
+            def string(at):
+                return strings[at:strings.index(b"\0", at)].decode("utf-8", "replace")
+
+            found = {"needed": []}
+            for i in range(0, len(dynamic) - 15, 16):
+                tag, value = struct.unpack_from("<qQ", dynamic, i)
+                if tag == 0:
+                    break
+                if tag == 1:  # DT_NEEDED
+                    found["needed"].append(string(value))
+                elif tag in (15, 29):  # DT_RPATH, DT_RUNPATH
+                    found["rpath" if tag == 15 else "runpath"] = string(value)
+            return found
+    return None
+
+
+def loader_pick(soname, origin_dir, elf, ld_dirs, cache):
+    """The file the dynamic loader maps for ``soname`` asked for by a library in
+    ``origin_dir`` with these RPATH / RUNPATH, and why: (path, via), or (None,
+    None). glibc's order: RPATH (only without RUNPATH), LD_LIBRARY_PATH, RUNPATH,
+    the ldconfig cache, the default directories; then where torch's own
+    ``_preload_cuda_deps`` looks when that fails (nvidia/*/lib on sys.path)."""
+
+    def expand(directories):
+        return [d.replace("${ORIGIN}", origin_dir).replace("$ORIGIN", origin_dir)
+                for d in (directories or "").split(":") if d]
+
+    order = []
+    if elf.get("rpath") and not elf.get("runpath"):
+        order += [(d, "RPATH") for d in expand(elf["rpath"])]
+    order += [(d, "LD_LIBRARY_PATH") for d in ld_dirs]
+    order += [(d, "RUNPATH") for d in expand(elf.get("runpath"))]
+    for directory, via in order:
+        candidate = os.path.join(directory, soname)
+        if os.path.exists(candidate):
+            return os.path.normpath(candidate), via
+    if cache.get(soname):
+        return cache[soname][0], "ldconfig cache"
+    for directory in DEFAULT_LIBRARY_DIRS:
+        candidate = os.path.join(directory, soname)
+        if os.path.exists(candidate):
+            return candidate, "default directories"
+    for entry in sys.path:
+        nvidia = os.path.join(entry or ".", "nvidia")
+        try:
+            subdirs = sorted(os.listdir(nvidia))
+        except OSError:
+            continue
+        for sub in subdirs:
+            candidate = os.path.join(nvidia, sub, "lib", soname)
+            if os.path.exists(candidate):
+                return os.path.normpath(candidate), "torch's preload from sys.path"
+    return None, None
+
+
+def torch_files(spec, is_library, cache, errors):
+    """The imported torch's version.py text, its CUDA library's ELF paths and, for
+    each followed library it needs, the file the loader would pick. None when
+    torch is not importable as a package with files."""
+    if not spec or not spec.get("origin"):
+        return None
+    root = os.path.dirname(spec["origin"])
+    info = {"dir": root, "version_py": None, "elf": None, "libs": {}}
+    try:
+        with open(os.path.join(root, "version.py"), encoding="utf-8") as f:
+            info["version_py"] = f.read(8192)
+    except OSError as e:
+        errors.append("torch/version.py: %s" % e)
+    ld_dirs = path_entries("LD_LIBRARY_PATH")
+    for lib in TORCH_LIBRARIES:
+        path = os.path.join(root, "lib", lib)
+        if not os.path.exists(path):
+            continue
+        try:
+            elf = elf_info(path) or {}
+        except (OSError, ValueError, struct.error) as e:
+            errors.append("%s: %s" % (path, e))
+            break
+        info["elf"] = dict(elf, file="torch/lib/" + lib)
+        for soname in elf.get("needed", []):
+            if is_library(soname):
+                picked, via = loader_pick(soname, os.path.dirname(path), elf, ld_dirs, cache)
+                info["libs"][soname] = {"path": picked, "via": via}
+        break
+    return info
+
+
+def deep_import(prefixes, timeout):
+    """``import torch`` in a child python with this environment."""
+    try:
+        p = subprocess.run([sys.executable, "-c", DEEP_CODE, json.dumps(list(prefixes))], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": "import torch did not finish within %gs" % timeout, "timeout": True}
+    except OSError as e:
+        return {"error": "cannot start %s: %s" % (sys.executable, e)}
+    lines = p.stdout.decode("utf-8", "replace").strip().splitlines()
+    try:
+        answer = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        tail = p.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
+        return {"error": "import torch: exit %s: %s" % (p.returncode, " | ".join(tail))}
+    answer["exit_code"] = p.returncode
+    return answer
+
+
+def ldconfig(prefixes):
+    """The dynamic loader's cache: the lines of the followed libraries, the files
+    they resolve to, and (for this script only) soname -> paths of every library."""
+    found = [p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)]  # often off a user's PATH
+    exe = shutil.which("ldconfig") or (found[0] if found else None)
+    if exe is None:
+        return {"error": "ldconfig not found"}, {}
+    try:
+        p = subprocess.run([exe, "-p"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=20,
+                           universal_newlines=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"error": "%s -p: %s" % (exe, e)}, {}
+    wide = sys.maxsize > 2 ** 32
+    cache, lines, real = {}, [], {}
+    for line in p.stdout.splitlines():
+        m = re.match(r"^\s*(\S+)\s+\(([^)]*)\)\s+=>\s+(\S+)\s*$", line)
+        if not m:
+            continue
+        if not wide or "64" in m.group(2):
+            cache.setdefault(m.group(1), []).append(m.group(3))
+        if m.group(1).startswith(prefixes):
+            lines.append(line)
+            real[m.group(3)] = os.path.realpath(m.group(3))
+    answer = {"text": "\n".join(lines), "real": real}
+    if p.returncode != 0:
+        answer["error"] = "%s -p exited %s: %s" % (exe, p.returncode, p.stderr.strip()[-300:])
+    return answer, cache
+
+
+def names_in(directory):
+    """Importable top-level names in a directory (a file without a suffix is not one)."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return set()
+    names = set()
+    for entry in entries:
+        name = module_name(entry)
+        if name and (entry != name or os.path.isdir(os.path.join(directory, entry))):
+            names.add(name)
+    return names
+
+
+def path_entries(variable):
+    return [p for p in os.environ.get(variable, "").split(os.pathsep) if p]
+
+
+def pythonpath():
+    """Each PYTHONPATH entry: whether it exists, what it holds, and which of those
+    names it shadows (found elsewhere on sys.path, or built in)."""
+    entries = path_entries("PYTHONPATH")
+    mine = {os.path.abspath(p) for p in entries}
+    others = set()
+    for p in sys.path:
+        if p and os.path.abspath(p) not in mine:
+            others |= names_in(p)
+    others |= set(sys.builtin_module_names)
+    answer = []
+    for p in entries:
+        names = names_in(p)
+        answer.append({"path": p, "exists": os.path.isdir(p), "names": sorted(names)[:200],
+                       "shadows": sorted(names & others)})
+    return answer
+
+
+def pth_files(site_dirs):
+    """The .pth files of the site directories: the directories each adds to
+    sys.path, and whether it runs code (an ``import`` line)."""
+    answer = []
+    for directory in site_dirs:
+        try:
+            names = sorted(n for n in os.listdir(directory) if n.endswith(".pth"))
+        except OSError:
+            continue
+        for name in names[:200]:
+            path = os.path.join(directory, name)
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    lines = f.read(65536).splitlines()
+            except OSError:
+                continue
+            adds, code = [], False
+            for line in lines:
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                if line.startswith(("import ", "import\t")):
+                    code = True
+                    continue
+                added = os.path.normpath(os.path.join(directory, line))
+                if os.path.exists(added):
+                    adds.append(added)
+            answer.append({"file": path, "adds": adds, "code": code, "text": "\n".join(lines)[:2000]})
+    return answer
+
+
+def ld_library_path(is_library):
+    """Each LD_LIBRARY_PATH entry and the followed libraries in it (None: unreadable)."""
+    answer = []
+    for p in path_entries("LD_LIBRARY_PATH"):
+        try:
+            libs = sorted(e for e in os.listdir(p) if is_library(e))
+        except OSError:
+            libs = None
+        answer.append({"path": p, "libs": libs})
+    return answer
+
+
+def snapshot(args):
+    """The whole answer. Each part is read on its own: one that fails is a line in
+    ``errors`` and the others are still there."""
+    started = time.monotonic()
+    prefixes = tuple(args["lib_prefixes"])
+    dropped = own_path_entry()
+    errors = []
+    is_library = library_matcher(prefixes)
+    owners = Owners()
+    answer = {"v": SNAPSHOT_VERSION, "errors": errors}
+    cache = {}
+
+    def read_ldconfig():
+        text, found = ldconfig(prefixes)
+        cache.update(found)
+        return text
+
+    for key, read in (
+        ("hostname", socket.gethostname),
+        ("python", lambda: python_info(dropped)),
+        ("markers", markers),
+        ("distributions", lambda: distributions(is_library, owners, errors)),
+        ("ldconfig", read_ldconfig),
+        ("pythonpath", pythonpath),
+        ("ld_library_path", lambda: ld_library_path(is_library)),
+        ("env", lambda: {k: os.environ[k] for k in ENV_VARIABLES if k in os.environ}),
+    ):
+        try:
+            answer[key] = read()
+        except Exception as e:
+            errors.append("%s: %s: %s" % (key, type(e).__name__, e))
+    dists = answer.get("distributions") or []
+    answer["shared_files"] = owners.shared()
+    names = list(DEFAULT_MODULES) + [m for m in args.get("modules") or [] if m not in DEFAULT_MODULES]
+    for d in dists:
+        names += [m for m in d.get("modules") or [] if m.isidentifier()]
+    try:
+        answer["modules"] = find_specs(list(dict.fromkeys(names)), owners, errors)
+    except Exception as e:
+        errors.append("modules: %s: %s" % (type(e).__name__, e))
+    try:
+        site_dirs = list((answer.get("python") or {}).get("site_packages") or [])
+        user = (answer.get("python") or {}).get("user_site")
+        answer["pth"] = pth_files(site_dirs + ([user] if user and site.ENABLE_USER_SITE else []))
+    except Exception as e:
+        errors.append("pth: %s: %s" % (type(e).__name__, e))
+    try:
+        answer["torch"] = torch_files((answer.get("modules") or {}).get("torch"), is_library, cache, errors)
+    except Exception as e:
+        errors.append("torch: %s: %s" % (type(e).__name__, e))
+    if args.get("deep"):
+        answer["deep"] = deep_import(prefixes, float(args.get("deep_timeout") or 60))
+    answer["seconds"] = round(time.monotonic() - started, 4)
+    return answer
+
+
+def parse_argument(argv):
+    """The argument, checked; None when it is not one this script understands."""
+    try:
+        args = json.loads(argv[1])
+        prefixes = args["lib_prefixes"]
+        modules = args.get("modules", [])
+        timeout = args.get("deep_timeout", 60)
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    if not isinstance(prefixes, list) or not prefixes or not all(isinstance(p, str) and p for p in prefixes):
+        return None
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        return None
+    if not isinstance(args.get("deep", False), bool) or isinstance(timeout, bool) \
+            or not isinstance(timeout, (int, float)) or not timeout > 0:
+        return None
+    return args
+
+
+def main(argv):
+    args = parse_argument(argv)
+    if args is None:
+        sys.stderr.write(USAGE)
+        return 2
+    print(json.dumps(snapshot(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

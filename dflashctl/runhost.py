@@ -1,0 +1,489 @@
+"""What happens to a run on its host: start, signal, stop, restart, reap, logs.
+
+A run on its host is a directory (``<workdir>/runs/<run_id>/``: config.json,
+run.sh, status.json, metrics.jsonl, trainer.log, exit_code) and a tmux session
+named after the run running ``run.sh``. This module writes the run files, starts
+the session, waits for the trainer's first status, signals the trainer, stops it,
+restarts it in place, reaps a trainer that outlived its session, and reads its
+log. ``dflashctl.launch`` (the first start) and ``dflashctl.supervisor`` (restarts)
+both use it.
+
+``run.sh`` is the whole process contract on the host: it exports the environment
+(PYTHONPATH = the bundle, TORCHINDUCTOR_CACHE_DIR = the persistent compile cache,
+UTF-8 locale, unbuffered output, CUDA_VISIBLE_DEVICES when the run owns GPUs, the
+host's and the playbook's env), removes the previous process's status.json and
+exit_code, runs ``python -m trainer --config config.json --run-dir DIR --resume
+auto`` with its output appended to trainer.log, and writes the exit status to
+``exit_code`` when the trainer ends, whatever way it ends. A restart runs the
+same script again in the same run directory: the trainer resumes from its last
+checkpoint and the compile cache is still warm.
+
+When the run owns GPUs, CUDA_VISIBLE_DEVICES is set to exactly those (physical
+indices, as nvidia-smi numbers them) and the placement written to config.json is
+renumbered to match, so the trainer cannot touch (or create a stray CUDA context
+on) another run's GPU. The store records the physical indices (``config["gpus"]``).
+
+The trainer is only ever signalled by the pid in its status.json, and only while
+that pid's command line names this run's directory (pids are reused).
+
+This module never decides anything (whether to restart is the policy's, through
+the supervisor) and never imports ``dflashctl.launch``, ``dflashctl.supervisor``
+or ``dflashctl.console``: they import it.
+"""
+
+from __future__ import annotations
+
+import copy
+import shlex
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from dflashctl import contract, deploy
+from dflashctl.bundle import build_bundle
+from dflashctl.errors import DflashError, StoreError, TransportError, first_line
+from dflashctl.store import (
+    DONE, FAILED, FINAL_STATES, RESTARTING, RUNNING, STOPPED, TRANSITIONS, Run, Store,
+)
+from dflashctl.tmux import Tmux, socket_name
+
+if TYPE_CHECKING:
+    from dflashctl.config import Host, Inventory
+    from dflashctl.probe import ProbeResult
+    from dflashctl.transport import Transport
+
+RUN_SCRIPT = "run.sh"
+START_TIMEOUT = 120.0  # launch and restart wait this long (at most) for the trainer's first status
+STOP_TIMEOUT = 120.0  # a graceful stop waits this long for the checkpoint before killing
+POLL_SECONDS = 1.0
+
+Progress = Callable[[str, str], None]
+
+
+def quiet(step: str, message: str) -> None:
+    """The default ``Progress``: says nothing."""
+
+
+class LaunchError(DflashError):
+    """The run could not be started (nothing was left running)."""
+
+
+# --------------------------------------------------------------------------- run files
+
+
+def renumber_placement(trainer: dict[str, Any], gpus: list[int]) -> dict[str, Any]:
+    """The trainer config as seen under CUDA_VISIBLE_DEVICES=gpus (indices become positions)."""
+    out = copy.deepcopy(trainer)
+    position = {g: i for i, g in enumerate(gpus)}
+    for role in ("target", "drafter"):
+        out["placement"][role] = [position[int(g)] for g in out["placement"][role]]
+    return out
+
+
+def _remote_path_expr(path: str) -> str:
+    """A shell word for a host path: '~/x' expands to the host's $HOME, the rest is literal."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+def run_environment(host: "Host", playbook_env: dict[str, str], bundle_dir: str,
+                    gpus: list[int]) -> dict[str, str]:
+    """The trainer's environment besides the compile cache (host env, then playbook env, win)."""
+    env = {"LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
+    env.update(host.env or {})
+    env.update(playbook_env or {})
+    extra_path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = bundle_dir + (f":{extra_path}" if extra_path else "")
+    if gpus and "CUDA_VISIBLE_DEVICES" not in (playbook_env or {}):
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return env
+
+
+def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str],
+                      compile_cache: str | None, session: str, socket: str) -> str:
+    """run.sh: see the module docstring."""
+    lines = [
+        "#!/bin/sh",
+        f"# dflashctl run {run_id}: runs in tmux session {session} (tmux -L {socket}).",
+        "# Rewritten on every (re)start by dflashctl; edits here are lost.",
+        f"cd {shlex.quote(run_dir)} || exit 1",
+    ]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    if compile_cache:
+        # Persistent and never cleared: a restart must find the compiled kernels.
+        lines += [f"export TORCHINDUCTOR_CACHE_DIR={_remote_path_expr(compile_cache)}",
+                  'mkdir -p "$TORCHINDUCTOR_CACHE_DIR"']
+    trainer = shlex.join([*shlex.split(python), "-m", "trainer", "--config", contract.CONFIG_FILE,
+                          "--run-dir", run_dir, "--resume", "auto"])
+    ec, tmp = contract.EXIT_CODE_FILE, contract.EXIT_CODE_FILE + ".tmp"
+    lines += [
+        # The previous process's answers must not be read as this one's.
+        f"rm -f {ec} {contract.STATUS_FILE}",
+        "{",
+        # Caught here (so the exit code is still written), reset to default for the
+        # trainer, which handles SIGINT/SIGTERM itself (checkpoint, exit 4).
+        "  trap : INT TERM HUP",
+        f"  {trainer} 2>&1",
+        f"  echo $? > {tmp} && mv -f {tmp} {ec}",
+        # tee -i: a Ctrl-C for the trainer must not kill the log writer first.
+        f"}} | tee -i -a {contract.LOG_FILE}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
+              serialized_warmup: bool | None = None) -> dict[str, str]:
+    """config.json and run.sh for a run, from its stored config."""
+    trainer = copy.deepcopy(config["trainer"])
+    if serialized_warmup is not None:
+        trainer["compile"]["serialized_warmup"] = serialized_warmup
+    gpus = config.get("gpus") or []
+    if gpus and "CUDA_VISIBLE_DEVICES" in config.get("env", {}) and \
+            config["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, gpus)):
+        trainer = renumber_placement(trainer, gpus)
+    script = render_run_script(run_id, run_dir, config["python"], config.get("env", {}),
+                               config.get("compile_cache"), run_id, socket)
+    return {contract.CONFIG_FILE: deploy.config_json(trainer), RUN_SCRIPT: script}
+
+
+def start_command(run_dir: str) -> str:
+    return shlex.join(["sh", posixpath_join(run_dir, RUN_SCRIPT)])
+
+
+def posixpath_join(*parts: str) -> str:
+    import posixpath
+
+    return posixpath.join(*parts)
+
+
+def final_state_for(exit_code: int | None) -> str:
+    if exit_code == contract.EXIT_DONE:
+        return DONE
+    if exit_code == contract.EXIT_STOPPED:
+        return STOPPED
+    return FAILED
+
+
+# --------------------------------------------------------------------------- host access
+
+
+def host_transport(host_name: str, inventory: "Inventory") -> "Transport":
+    """The run host's transport (jump hosts, container wrapper), connected."""
+    from dflashctl.transport import connect
+
+    return connect(host_name, inventory)
+
+
+def local_host() -> "Host":
+    """This machine, where supervisor sessions run."""
+    from dflashctl.config import Host
+
+    return Host(name="local", transport="local")
+
+
+def probe_run(transport: "Transport", run: Run, *, offset: int = 0, inode: int | None = None,
+              timeout: float | None = None) -> "ProbeResult":
+    """One probe round trip for one run (no nvidia-smi)."""
+    from dflashctl.probe import ProbeArgs, ProbeError, parse_probe_host, probe_command
+
+    args = ProbeArgs(run_dir=run.run_dir, session=run.tmux_session, socket=run.tmux_socket or socket_name(),
+                     metrics_offset=offset, metrics_inode=inode, nvidia_smi=False, pane_lines=40)
+    result = transport.run(probe_command(transport.host.python, [args]), timeout=timeout or 30)
+    host = parse_probe_host(result.stdout)
+    if isinstance(host, ProbeError):
+        raise TransportError(transport.host.name, "probe", host.message, stderr_tail=host.output_tail)
+    return host.runs[0]
+
+
+def _started(probe: "ProbeResult") -> bool:
+    return probe.status is not None and probe.status.phase in contract.PHASES
+
+
+def _ended(probe: "ProbeResult") -> bool:
+    return probe.exit_code is not None or probe.session_alive is False
+
+
+# --------------------------------------------------------------------------- start
+
+
+def wait_started(store: Store, run: Run, transport: "Transport", timeout: float,
+                 clock: Callable[[], float] = time.time, progress: Progress | None = None) -> str:
+    """Wait until status.json shows the trainer started (-> ``running``), or it ended
+    (-> ``failed`` / ``done`` / ``stopped``), at most ``timeout`` seconds. Still
+    nothing: the run stays in its state and the supervisor takes over."""
+    say = progress or quiet
+    deadline = time.monotonic() + timeout
+    while True:
+        probe = probe_run(transport, run)
+        if _started(probe) and probe.exit_code is None:
+            store.transition(run.id, RUNNING, f"trainer started (pid {probe.status.pid}, phase {probe.status.phase})",
+                             clock(), detail={"pid": probe.status.pid, "phase": probe.status.phase})
+            say("wait", f"trainer running (phase {probe.status.phase}, pid {probe.status.pid})")
+            return RUNNING
+        if _ended(probe):
+            return _record_end(store, run, probe, clock, say, "the trainer ended during start-up")
+        if time.monotonic() >= deadline:
+            store.add_event(run.id, "startup", f"no trainer status after {timeout:g}s; still waiting",
+                            clock(), severity="warning")
+            say("wait", f"no status after {timeout:g}s; the supervisor will keep watching")
+            return store.get_run(run.id).state
+        time.sleep(POLL_SECONDS)
+
+
+def _record_end(store: Store, run: Run, probe: "ProbeResult", clock, say, why: str) -> str:
+    code = probe.exit_code
+    state = final_state_for(code)
+    tail = (probe.log_tail or probe.pane_tail or "").strip().splitlines()[-15:]
+    reason = contract.describe_exit(code) if code is not None else "tmux session gone without an exit code"
+    store.transition(run.id, state, f"{why}: {reason}", clock(), detail={"log_tail": tail},
+                     exit_code=code, exit_reason=reason)
+    say("wait", f"{why}: {reason}" + ("\n  " + "\n  ".join(tail) if tail and state == FAILED else ""))
+    return state
+
+
+# --------------------------------------------------------------------------- signal and reap
+
+
+# The trainer named in status.json, but only while that pid really is this run's
+# trainer (pids are reused): `ours` is true while it lives.
+_TRAINER_PID = r"""
+d=$1
+pid=$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' "$d/status.json" 2>/dev/null | head -n 1)
+ours() { [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -qF -- "$d"; }
+"""
+
+# Send a signal to the run's trainer. Prints 'signalled PID' or 'no-process'.
+_SIGNAL_TRAINER = _TRAINER_PID + r"""
+if ours; then kill -s "$2" "$pid" && { echo "signalled $pid"; exit 0; }; fi
+echo no-process
+"""
+
+# Before a restart: the previous trainer must be gone. A hung process can outlive its
+# tmux session; it would hold its GPUs, and run.sh would write its exit code after
+# the new process started. Prints 'gone', 'killed PID' or 'still-alive PID' (exit 1).
+_REAP_TRAINER = _TRAINER_PID + r"""
+ours || { echo gone; exit 0; }
+kill -KILL "$pid" 2>/dev/null
+i=0; while ours && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+ours && { echo "still-alive $pid"; exit 1; }
+sleep 0.5  # run.sh writes the exit code of the process it ran
+echo "killed $pid"
+"""
+
+
+def signal_trainer_argv(run_dir: str, signal_name: str = "TERM") -> list[str]:
+    """The host command sending ``signal_name`` to the run's trainer (see _SIGNAL_TRAINER)."""
+    return ["sh", "-c", _SIGNAL_TRAINER, "dflashctl-signal", run_dir, signal_name]
+
+
+def reap_trainer_argv(run_dir: str) -> list[str]:
+    """The host command killing a trainer that outlived its session (see _REAP_TRAINER)."""
+    return ["sh", "-c", _REAP_TRAINER, "dflashctl-reap", run_dir]
+
+
+# --------------------------------------------------------------------------- stop
+
+
+def stop_supervisor(run: Run, inventory: "Inventory") -> None:
+    """End the run's supervisor session (so it does not restart what is being stopped)."""
+    info = run.supervisor or {}
+    if info.get("kind") != "tmux" or not info.get("session"):
+        return
+    try:
+        Tmux(local_host(), inventory, info.get("socket")).kill(info["session"])
+    except DflashError:
+        pass  # already gone
+
+
+def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STOP_TIMEOUT,
+         progress: Progress | None = None, *, clock: Callable[[], float] = time.time) -> Run:
+    """Graceful stop: SIGTERM to the trainer (it checkpoints and exits 4), or Ctrl-C
+    in its tmux pane when its pid cannot be signalled; wait up to ``timeout`` for it
+    to exit; then kill the session. The run ends in ``stopped`` (``done`` if it
+    finished meanwhile; ``failed`` if it had crashed before the stop, unseen)."""
+    say = progress or quiet
+    run = store.get_run(run_id)
+    host = inventory.get(run.host)
+    transport = host_transport(host.name, inventory)
+    tmux = Tmux(host, inventory, run.tmux_socket or socket_name())
+    stop_supervisor(run, inventory)
+    if run.state not in FINAL_STATES:
+        store.add_event(run.id, "stop_requested", "stop requested by the operator", clock())
+    probe = probe_run(transport, run)
+    ended_before = _ended(probe)
+    if ended_before:
+        say("stop", "the trainer is not running")
+    else:
+        answer = transport.run(signal_trainer_argv(run.run_dir), check=False)
+        if answer.stdout.startswith("signalled"):
+            say("stop", f"sent SIGTERM to the trainer ({answer.stdout.split()[-1]}); waiting for its checkpoint")
+        else:
+            tmux.send_keys(run.tmux_session, "C-c")
+            say("stop", "sent Ctrl-C to the trainer's tmux pane; waiting for its checkpoint")
+        deadline = time.monotonic() + timeout
+        while not _ended(probe) and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+            probe = probe_run(transport, run)
+    killed = False
+    if probe.session_alive:
+        killed = tmux.kill(run.tmux_session)
+    run = store.get_run(run.id)
+    if run.state in FINAL_STATES:
+        say("stop", f"run {run.id} was already {run.state}")
+        return run
+    code = probe.exit_code
+    if code is None and killed:
+        reason = f"did not stop within {timeout:g}s; tmux session killed"
+    else:
+        reason = contract.describe_exit(code) if code is not None else "stopped"
+    state = DONE if code == contract.EXIT_DONE else STOPPED
+    if ended_before and code is not None:
+        state = final_state_for(code)  # it had ended by itself: say how (a crash stays a failure)
+    if state not in TRANSITIONS[run.state]:
+        state = STOPPED
+    why = "had already ended" if ended_before else "stopped by the operator"
+    store.transition(run.id, state, f"{why}: {reason}", clock(), exit_code=code, exit_reason=reason)
+    say("stop", f"run {run.id} {state} ({reason})")
+    return store.get_run(run.id)
+
+
+# --------------------------------------------------------------------------- restart
+
+
+@dataclass
+class RestartResult:
+    run_id: str
+    session: str
+    bundle_hash: str
+    serialized_warmup: bool
+    killed_previous: bool
+    redeployed: bool
+
+
+def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "Inventory",
+                progress: Progress | None = None, *, clock: Callable[[], float] = time.time) -> RestartResult:
+    """Start a new trainer process in the run's directory (for the supervisor).
+
+    The previous session is killed if it is still there (a hung trainer). The
+    trainer resumes from its last checkpoint (``--resume auto``) with the same
+    compile cache. ``serialized_warmup`` sets compile.serialized_warmup in
+    config.json. The run's state is the caller's business (it does not change here)."""
+    say = progress or quiet
+    run = store.get_run(run_id)
+    host = inventory.get(run.host)
+    transport = host_transport(host.name, inventory)
+    socket = run.tmux_socket or socket_name()
+    tmux = Tmux(host, inventory, socket)
+    killed = tmux.kill(run.tmux_session)
+    if killed:
+        say("restart", f"killed the previous tmux session {run.tmux_session}")
+    reaped = transport.run(reap_trainer_argv(run.run_dir), timeout=30, check=False)
+    if not reaped.ok:
+        raise LaunchError(f"the previous trainer of {run.id} on {host.name} does not die "
+                          f"({reaped.stdout.strip() or reaped.stderr.strip()}); not starting a second one",
+                          hint="look at the process on the host (uninterruptible I/O? a stuck GPU driver?)")
+    if reaped.stdout.startswith("killed"):
+        say("restart", f"the previous trainer outlived its session: {reaped.stdout.strip()}")
+    state = deploy.check(transport, run.config.get("workdir") or host.workdir, run.bundle_hash or "")
+    redeployed = False
+    config, bundle_hash = run.config, run.bundle_hash
+    if state["bundle"] != "present":
+        # The bundle directory was removed on the host: the current bundle replaces it.
+        bundle = build_bundle()
+        result = deploy.deploy_bundle(transport, bundle, state["workdir"])
+        config = copy.deepcopy(run.config)
+        bundle_dir = result.bundle_dir
+        config["env"]["PYTHONPATH"] = ":".join([bundle_dir, *config["env"]["PYTHONPATH"].split(":")[1:]])
+        store.update_run(run.id, bundle_hash=bundle.hash, config=config)
+        bundle_hash = bundle.hash
+        store.add_event(run.id, "deploy", f"bundle {run.bundle_hash and run.bundle_hash[:12]} missing on the host; "
+                        f"deployed {bundle.short}", clock(), severity="warning", detail=result.to_dict())
+        redeployed = True
+    wanted = bool(serialized_warmup) or config["trainer"]["compile"].get("serialized_warmup", True)
+    files = run_files(run.id, run.run_dir, config, socket, serialized_warmup=wanted)
+    # The previous process's exit code and status go before the new session starts,
+    # so nobody reads them as the new process's (run.sh removes them too).
+    deploy.write_run_files(transport, run.run_dir, files, remove=[contract.EXIT_CODE_FILE, contract.STATUS_FILE])
+    tmux.start(run.tmux_session, start_command(run.run_dir))
+    # The restart is issued from here on: a store that cannot take its record (disk
+    # full) must not make the caller believe it was not, and issue a second one.
+    message = "trainer started again (resume from the last checkpoint" + (
+        ", serialized warm-up)" if serialized_warmup else ")")
+    try:
+        store.add_event(run.id, "process", message, clock(),
+                        detail={"serialized_warmup": bool(serialized_warmup), "killed_previous": killed})
+    except (sqlite3.Error, StoreError) as e:
+        say("restart", f"{message}; not recorded in the run store: {first_line(e)}")
+    say("restart", f"tmux session {run.tmux_session} started again")
+    return RestartResult(run.id, run.tmux_session, bundle_hash, bool(serialized_warmup), killed, redeployed)
+
+
+def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup: bool = False,
+            progress: Progress | None = None, *, clock: Callable[[], float] = time.time,
+            start_timeout: float = START_TIMEOUT) -> str:
+    """Operator restart (``dflashctl restart``): a run still going is first stopped
+    gracefully (SIGTERM: it checkpoints), then restarting -> new process -> running."""
+    run = store.get_run(run_id)
+    if run.state == DONE:
+        raise LaunchError(f"run {run.id} is done: it finished all its steps and is not restarted",
+                          hint=f"start a new run: dflashctl launch {shlex.quote(run.playbook)}")
+    if run.state not in FINAL_STATES:
+        (progress or quiet)("restart", f"run {run.id} is {run.state}: stopping it first (checkpoint)")
+        run = stop(run.id, store, inventory, progress=progress, clock=clock)
+        if run.state == DONE:
+            return run.state
+    store.transition(run.id, RESTARTING, "restart requested by the operator", clock())
+    try:
+        restart_run(run.id, serialized_warmup, store, inventory, progress, clock=clock)
+    except BaseException as e:
+        store.transition(run.id, FAILED, f"restart failed: {first_line(e)}", clock(), exit_reason="restart failed")
+        raise
+    transport = host_transport(run.host, inventory)
+    return wait_started(store, store.get_run(run.id), transport, start_timeout, clock, progress)
+
+
+# --------------------------------------------------------------------------- logs
+
+
+_READ_LOG = r"""
+f=$1; off=$2; n=$3; ec=$4
+size=$(wc -c < "$f" 2>/dev/null || echo 0); size=$(echo $size)
+ended=0; [ -f "$ec" ] && ended=1
+if [ "$off" -lt 0 ]; then
+  echo "$size $ended"; [ "$size" -gt 0 ] && tail -n "$n" "$f"; exit 0
+fi
+[ "$size" -lt "$off" ] && off=0
+echo "$size $ended"
+[ "$size" -gt "$off" ] && tail -c +"$((off + 1))" "$f" | head -c "$((size - off))"
+exit 0
+"""
+
+
+def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False, n: int = 50,
+         poll: float = POLL_SECONDS) -> Iterator[str]:
+    """The last ``n`` lines of the run's trainer.log; with ``follow``, then what is
+    appended, until the trainer has ended (or the caller stops iterating)."""
+    run = store.get_run(run_id)
+    transport = host_transport(run.host, inventory)
+    log_path = posixpath_join(run.run_dir, contract.LOG_FILE)
+    ec_path = posixpath_join(run.run_dir, contract.EXIT_CODE_FILE)
+    offset = -1
+    while True:
+        answer = transport.run(["sh", "-c", _READ_LOG, "dflashctl-logs", log_path, str(offset), str(int(n)),
+                                ec_path])
+        head, _, text = answer.stdout.partition("\n")
+        size, ended = (int(x) for x in head.split())
+        if text:
+            yield text
+        if not follow:
+            return
+        # Nothing more will come once the exit code is written and the log has been read.
+        if ended and offset == size:
+            return
+        offset = size
+        time.sleep(poll)

@@ -1,0 +1,466 @@
+"""env-audit against real environments built here, audited by the collector run
+by the environment's own python through the local transport.
+
+Each environment is a real venv whose site-packages hold distributions written as
+an installer writes them: files, and a dist-info with METADATA, INSTALLER and a
+RECORD (hashes and sizes). On top of a healthy torch + cuDNN wheel pair, each test
+adds one of the pollutions seen on hosts: a second cuDNN wheel for another CUDA
+owning the same files, a package whose pins torch does not meet, a wheel's files or
+dist-info deleted, a .pth that puts a second torch in front of or behind the
+environment's, an empty METADATA, a user site beside system site-packages, a
+dist-info in the current directory, PYTHONPATH entries.
+
+The helpers (``write_dist``, ``write_wheel``, ``torch_files``, ``cudnn_files``)
+are also used by the incident replay (tests/test_envaudit_replay.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from dflashctl import envaudit as ea
+from dflashctl.config import load_inventory
+from dflashctl.signatures import classify
+
+PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
+TORCH_VERSION = "2.7.0+cu126"
+CUDNN12 = ("nvidia-cudnn-cu12", "9.1.0.70")
+CUDNN13 = ("nvidia-cudnn-cu13", "9.13.0.50")
+TORCH_REQUIRES = [f"{CUDNN12[0]}=={CUDNN12[1]}; platform_system == \"Linux\"", "sympy>=1.13.3"]
+
+# The fake torch loads "its" cuDNN the way torch's libraries do (found next to it
+# through nvidia/cudnn/lib), and refuses a cuDNN built for another CUDA, as the real
+# one fails on a mismatched libcudnn.
+TORCH_INIT = '''import os
+from torch import version
+__version__ = version.__version__
+_lib = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nvidia", "cudnn", "lib", "libcudnn.so.9")
+if not os.path.exists(_lib):
+    raise OSError("libcudnn.so.9: cannot open shared object file: No such file or directory")
+with open(_lib, "rb") as _f:
+    _build = _f.read(64)
+if not _build.startswith(b"cudnn-cu12"):
+    raise RuntimeError("cuDNN version incompatibility: libcudnn.so.9 is %r, torch was built with cudnn-cu12" % _build)
+'''
+
+
+# --------------------------------------------------------------------------- building distributions
+
+
+def elf_library(runpath: str, needed: list[str]) -> bytes:
+    """The smallest ELF64 little-endian shared object with DT_NEEDED entries and a
+    DT_RUNPATH: a header and three section headers (null, .dynstr, .dynamic),
+    which is all the collector reads."""
+    strings = b"\0"
+    offsets = []
+    for text in [runpath, *needed]:
+        offsets.append(len(strings))
+        strings += text.encode() + b"\0"
+    dynamic = b"".join(struct.pack("<qQ", 1, at) for at in offsets[1:])  # DT_NEEDED
+    dynamic += struct.pack("<qQ", 29, offsets[0]) + struct.pack("<qQ", 0, 0)  # DT_RUNPATH, DT_NULL
+    strings_at, dynamic_at = 64, 64 + len(strings)
+    sections_at = dynamic_at + len(dynamic)
+    header = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9) + struct.pack(
+        "<HHIQQQIHHHHHH", 3, 62, 1, 0, 0, sections_at, 0, 64, 0, 0, 64, 3, 0)
+
+    def section(kind: int, offset: int, size: int, link: int) -> bytes:
+        return struct.pack("<IIQQQQIIQQ", 0, kind, 0, 0, offset, size, link, 0, 0, 0)
+
+    return header + strings + dynamic + section(0, 0, 0, 0) + section(3, strings_at, len(strings), 0) + \
+        section(6, dynamic_at, len(dynamic), 1)
+
+
+def torch_files(version: str = TORCH_VERSION, cuda: str | None = "12.6", needed=("libcudnn.so.9",)) -> dict:
+    files = {
+        "torch/__init__.py": TORCH_INIT,
+        "torch/version.py": f"from typing import Optional\n__version__ = {version!r}\ncuda: Optional[str] = {cuda!r}\n",
+    }
+    if needed:
+        files["torch/lib/libtorch_cuda.so"] = elf_library("$ORIGIN/../../nvidia/cudnn/lib", list(needed))
+    return files
+
+
+def cudnn_files(build: str) -> dict:
+    """A cuDNN wheel's files; the cu12 and cu13 builds own the same paths, with other bytes."""
+    return {"nvidia/__init__.py": "", "nvidia/cudnn/__init__.py": "",
+            "nvidia/cudnn/lib/libcudnn.so.9": f"{build} library bytes".encode() + bytes(64 if "13" in build else 16)}
+
+
+def _data(content) -> bytes:
+    return content if isinstance(content, bytes) else content.encode()
+
+
+def _record_row(path: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{path},sha256={digest},{len(data)}\n"
+
+
+def _metadata(name: str, version: str, requires) -> str:
+    return f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + \
+        "".join(f"Requires-Dist: {r}\n" for r in requires)
+
+
+def dist_info_name(name: str, version: str) -> str:
+    return f"{name.replace('-', '_')}-{version}.dist-info"
+
+
+def write_dist(site: Path, name: str, version: str, files: dict, requires=(), *, metadata: str | None = None) -> Path:
+    """A distribution as pip leaves it in ``site``: its files (overwriting what is
+    there, as an install does) and its dist-info; the dist-info directory."""
+    info = site / dist_info_name(name, version)
+    info.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for rel, content in files.items():
+        path = site / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(_data(content))
+        rows.append(_record_row(rel, _data(content)))
+    meta = _metadata(name, version, requires) if metadata is None else metadata
+    for file, text in (("METADATA", meta), ("INSTALLER", "pip\n"), ("WHEEL", "Wheel-Version: 1.0\n")):
+        (info / file).write_text(text)
+        rows.append(_record_row(f"{info.name}/{file}", text.encode()))
+    (info / "RECORD").write_text("".join(rows) + f"{info.name}/RECORD,,\n")
+    return info
+
+
+def write_wheel(directory: Path, name: str, version: str, files: dict, requires=()) -> Path:
+    """A wheel (zip) of a tiny project, as `pip wheel` would build it."""
+    info = dist_info_name(name, version)
+    path = directory / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    entries = {rel: _data(c) for rel, c in files.items()}
+    entries[f"{info}/METADATA"] = _metadata(name, version, requires).encode()
+    entries[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    record = "".join(_record_row(rel, data) for rel, data in entries.items()) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for rel, data in entries.items():
+            z.writestr(rel, data)
+        z.writestr(f"{info}/RECORD", record)
+    return path
+
+
+class Venv:
+    """A real virtual environment (no pip in it) to fill with distributions."""
+
+    def __init__(self, root: Path, system_site: bool = False, with_pip: bool = False, create: bool = True):
+        flags = ([] if with_pip else ["--without-pip"]) + (["--system-site-packages"] if system_site else [])
+        if create:
+            subprocess.run([sys.executable, "-m", "venv", *flags, str(root)], check=True, capture_output=True,
+                           timeout=120)
+        self.root = root
+        self.python = str(root / "bin" / "python")
+        self.site = root / "lib" / PY / "site-packages"
+
+    @classmethod
+    def existing(cls, root: Path) -> "Venv":
+        """A venv made before (or a copy of one: ``python -m`` runs from wherever it lies)."""
+        return cls(root, create=False)
+
+    def inventory(self, tmp: Path, env: dict | None = None, name: str = "box", extra: str = ""):
+        path = tmp / f"inventory-{name}.yaml"
+        lines = [f"hosts:\n  {name}:\n    transport: local\n    python: {self.python}\n"]
+        if env:
+            lines.append("    env:\n" + "".join(f"      {k}: {json.dumps(v)}\n" for k, v in env.items()))
+        path.write_text("".join(lines) + extra)
+        return load_inventory(str(path))
+
+    def audit(self, tmp: Path, env: dict | None = None, **kwargs) -> ea.AuditReport:
+        return ea.audit_host("box", self.inventory(tmp, env), **kwargs)
+
+    def imports(self, module: str = "torch") -> subprocess.CompletedProcess:
+        return subprocess.run([self.python, "-c", f"import {module}"], capture_output=True, text=True, timeout=60,
+                              cwd=self.root)
+
+
+def healthy(root: Path, **kwargs) -> Venv:
+    """torch (CUDA 12.6) with the cuDNN wheel it pins and the sympy it requires."""
+    env = Venv(root, **kwargs)
+    write_dist(env.site, "torch", TORCH_VERSION, torch_files(), TORCH_REQUIRES)
+    write_dist(env.site, *CUDNN12, cudnn_files("cudnn-cu12"))
+    write_dist(env.site, "sympy", "1.14.0", {"sympy/__init__.py": "__version__ = '1.14.0'\n"})
+    return env
+
+
+def by_code(report: ea.AuditReport) -> dict[str, list[ea.Finding]]:
+    found: dict[str, list[ea.Finding]] = {}
+    for f in report.findings:
+        found.setdefault(f.code, []).append(f)
+    return found
+
+
+def assert_removals_are_safe(report: ea.AuditReport) -> int:
+    """Every uninstall among a finding's commands, simulated on the host's RECORDs:
+    each protected distribution it deletes files of is reinstalled later in the
+    same finding's commands. Returns the number of uninstalls checked."""
+    s = report.snapshot
+    keep = ea.protected(s)
+    checked = 0
+    for f in report.findings:
+        for i, argv in enumerate(f.argv):
+            if "uninstall" not in argv:
+                continue
+            checked += 1
+            names = argv[argv.index("-y") + 1:]
+            assert not {n for n in names if n in keep}, f
+            gone = {d.index for n in names for d in s.copies(n)[:1]}
+            later = [" ".join(a) for a in f.argv[i + 1:]]
+            for group in s.shared:
+                if not gone & set(group.owners):
+                    continue
+                for owner in group.owners:
+                    d = s.dist(owner)
+                    if owner not in gone and d.key in keep:
+                        assert any("--force-reinstall" in a and d.spec() in a for a in later), (f, d.spec())
+    return checked
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_a_healthy_environment_is_clean(tmp_path):
+    env = healthy(tmp_path / "venv")
+    report = env.audit(tmp_path)
+    assert env.imports().returncode == 0
+    assert report.torch == ea.TorchBuild(TORCH_VERSION, "12.6", "torch/version.py", str(env.site / "torch"))
+    s = report.snapshot
+    assert s.owner("torch").label() == f"torch {TORCH_VERSION}" and s.dropped_path == ""  # `python -c`: the cwd
+    cudnn = s.torch_libs["libcudnn.so.9"]
+    assert (cudnn.path, cudnn.via) == (str(env.site / "nvidia/cudnn/lib/libcudnn.so.9"), "RUNPATH")
+    assert report.findings == [] and report.exit_code == 0
+
+
+def test_two_cuda_builds_of_cudnn_owning_the_same_files(tmp_path):
+    """The incident's environment: SGLang's CUDA 13 cuDNN installed over torch's CUDA 12 one."""
+    env = healthy(tmp_path / "venv")
+    write_dist(env.site, *CUDNN13, cudnn_files("cudnn-cu13"))
+    write_dist(env.site, "sglang", "0.5.3", {"sglang/__init__.py": ""}, ["torch==2.8.0", f"{CUDNN13[0]}>=9.10"])
+    assert "cuDNN version incompatibility" in env.imports().stderr
+    report = env.audit(tmp_path)
+    found = by_code(report)
+    python = env.python
+    reinstall = [python, "-m", "pip", "install", "--force-reinstall", "--no-deps", f"{CUDNN12[0]}=={CUDNN12[1]}"]
+
+    # The files both wheels list: an uninstall of either deletes them for the other.
+    (shared,) = [f for f in found["shared-files"] if f.severity == "warning"]
+    assert shared.packages == [CUDNN12[0], CUDNN13[0]]
+    assert "nvidia/cudnn/lib/libcudnn.so.9" in shared.message and "uninstalling one deletes them" in shared.message
+
+    # The stray's removal is simulated: uninstall, then put torch's cuDNN back, in that order.
+    (conflict,) = found["cuda-major"]
+    assert conflict.severity == "error" and conflict.remove == [CUDNN13[0]]
+    assert conflict.argv == [[python, "-m", "pip", "uninstall", "-y", CUDNN13[0]], reinstall]
+    assert conflict.commands == [f"{python} -m pip uninstall -y {CUDNN13[0]}", " ".join(reinstall)]
+    assert f"deletes 3 file(s) that {CUDNN12[0]} {CUDNN12[1]} also lists" in conflict.fix
+    assert "nvidia/cudnn/lib/libcudnn.so.9" in conflict.fix and "reinstalled right after" in conflict.fix
+
+    # torch's cuDNN was overwritten: its RECORD says so, and what that does to `import torch`.
+    (damaged,) = found["missing-files"]
+    assert damaged.severity == "error" and damaged.argv == [reinstall]
+    assert "1 have another size than recorded (nvidia/cudnn/lib/libcudnn.so.9)" in damaged.message
+    assert f"{CUDNN13[0]} {CUDNN13[1]} also lists them" in damaged.message
+
+    # What `pip check` says, and what it means for the trainer.
+    (unmet,) = found["unmet-requirement"]
+    assert unmet.severity == "warning" and unmet.packages == ["sglang"]
+    assert "sglang 0.5.3 requires torch==2.8.0 (torch 2.7.0+cu126 is installed)" in unmet.message
+    assert "would replace the trainer's torch" in unmet.message
+    assert unmet.argv == [[python, "-m", "pip", "uninstall", "-y", "sglang"]]
+
+    assert found["stray-stack"][0].argv == [[python, "-m", "pip", "uninstall", "-y", "sglang"]]
+    assert report.exit_code == 2
+    assert assert_removals_are_safe(report) >= 3
+
+
+def test_a_wheel_torch_needs_removed_says_import_torch_fails(tmp_path):
+    env = healthy(tmp_path / "venv")
+    info = env.site / dist_info_name(*CUDNN12)
+    for rel in cudnn_files("cudnn-cu12"):
+        (env.site / rel).unlink()
+    for file in info.iterdir():
+        file.unlink()
+    info.rmdir()
+    assert "libcudnn.so.9: cannot open shared object file" in env.imports().stderr
+    report = env.audit(tmp_path)
+    (missing,) = by_code(report)["missing-requirement"]
+    text = "OSError: libcudnn.so.9: cannot open shared object file: No such file or directory"
+    assert missing.message == (f"torch requires {CUDNN12[0]}=={CUDNN12[1]}, which is not installed: `import torch` "
+                               f"fails with '{text}' (crash signature missing_shared_library)")
+    assert classify(text).name == "missing_shared_library"  # the supervisor files the crash the same way
+    assert missing.argv == [[env.python, "-m", "pip", "install", f"{CUDNN12[0]}=={CUDNN12[1]}"]]
+    assert "torch-import" not in by_code(report)  # one finding for one cause
+
+    # Only the dist-info gone (the files still there): pip calls it missing, torch still loads it.
+    env2 = healthy(tmp_path / "venv2")
+    info = env2.site / dist_info_name(*CUDNN12)
+    for file in info.iterdir():
+        file.unlink()
+    info.rmdir()
+    (missing,) = by_code(env2.audit(tmp_path))["missing-requirement"]
+    assert missing.message.endswith(f"; torch still finds libcudnn.so.9 at {env2.site}/nvidia/cudnn/lib/libcudnn.so.9 "
+                                    "(RUNPATH)")
+
+    # Only the library gone (its RECORD still lists it): the loader finds it nowhere.
+    env3 = healthy(tmp_path / "venv3")
+    (env3.site / "nvidia/cudnn/lib/libcudnn.so.9").unlink()
+    found = by_code(env3.audit(tmp_path))
+    (damaged,) = found["missing-files"]
+    assert damaged.severity == "error" and "`import torch` fails with 'OSError: libcudnn.so.9" in damaged.message
+    (broken,) = found["torch-import"]
+    assert broken.libraries == ["libcudnn.so.9"] and "crash signature missing_shared_library" in broken.message
+    assert broken.argv == damaged.argv == [[env3.python, "-m", "pip", "install", "--force-reinstall", "--no-deps",
+                                            f"{CUDNN12[0]}=={CUDNN12[1]}"]]
+
+
+def test_a_pth_that_puts_a_second_torch_in_front(tmp_path):
+    env = healthy(tmp_path / "venv")
+    other = tmp_path / "other"
+    for rel, content in torch_files("2.5.1+cu118", "11.8", needed=()).items():
+        (other / rel).parent.mkdir(parents=True, exist_ok=True)
+        (other / rel).write_text(content)
+    pth = env.site / "zz_front.pth"
+    pth.write_text(f"import sys; sys.path.insert(0, {str(other)!r})\n")
+    report = env.audit(tmp_path)
+    # The torch Python imports, not the one dist-info order names first.
+    assert report.torch == ea.TorchBuild("2.5.1+cu118", "11.8", "torch/version.py", str(other / "torch"))
+    (shadowed,) = by_code(report)["shadowed"]
+    assert shadowed.severity == "error" and shadowed.paths == [str(other)]
+    assert shadowed.message.startswith(f"torch is imported from {other}/torch/__init__.py (files no installed "
+                                       f"distribution lists, under {other}, put on sys.path by {pth}), not from "
+                                       f"torch {TORCH_VERSION} in {env.site}")
+    (cuda,) = by_code(report)["cuda-major"]  # the imported torch's CUDA, against the wheels
+    assert "torch's CUDA 11.8" in cuda.message and CUDNN12[0] in cuda.message
+    assert cuda.remove == [] and cuda.argv == []  # torch's own requirement is never removed
+    assert report.exit_code == 2
+
+
+def test_a_pth_that_adds_a_second_torch_behind(tmp_path):
+    env = healthy(tmp_path / "venv")
+    other = tmp_path / "other"
+    write_dist(other, "torch", "2.5.1", torch_files("2.5.1", None, needed=()))
+    pth = env.site / "other.pth"
+    pth.write_text(f"{other}\n")
+    report = env.audit(tmp_path)
+    assert report.torch.version == TORCH_VERSION  # the environment's comes first
+    (twice,) = by_code(report)["duplicate-package"]
+    assert twice.severity == "warning" and twice.paths == [str(other)]
+    assert twice.message.startswith(f"torch is installed 2 times: torch {TORCH_VERSION} at {env.site} (imported); "
+                                    f"torch 2.5.1 at {other}, put on sys.path by {pth}")
+    assert "shadowed" not in by_code(report)
+
+
+def test_an_empty_metadata_of_the_imported_torch(tmp_path):
+    env = healthy(tmp_path / "venv")
+    info = env.site / dist_info_name("torch", TORCH_VERSION)
+    (info / "METADATA").write_text("")
+    # A stale torch dist-info from an older install, without files: first in dist-info order.
+    stale = env.site / "torch-2.5.0.dist-info"
+    stale.mkdir()
+    (stale / "METADATA").write_text(_metadata("torch", "2.5.0", []))
+    report = env.audit(tmp_path)
+    assert report.torch.version == TORCH_VERSION and report.torch.cuda == "12.6"  # from the imported files
+    (broken,) = by_code(report)["broken-metadata"]
+    assert broken.severity == "error" and broken.paths == [str(info)]
+    assert "METADATA has no name; it owns torch, which the trainer imports from it" in broken.message
+    assert broken.argv == [["rm", "-r", "--", str(info)],
+                           [env.python, "-m", "pip", "install", "--force-reinstall", "--no-deps", "--index-url",
+                            "https://download.pytorch.org/whl/cu126", f"torch=={TORCH_VERSION}"]]
+    assert report.exit_code == 2
+
+
+def test_user_site_beside_system_site_packages(tmp_path):
+    """A venv with system site-packages puts the user site after its own site-packages
+    and before the system's: the venv's copy is the one imported, and nothing blocks
+    a launch. (The system site-packages are this machine's: only what the user site
+    shadows there, if anything, is asserted on.)"""
+    env = healthy(tmp_path / "venv", system_site=True)
+    base = tmp_path / "userbase"
+    user_site = base / "lib" / PY / "site-packages"
+    write_dist(user_site, "sympy", "1.12", {"sympy/__init__.py": "__version__ = '1.12'\n"})
+    write_dist(user_site, "tqdm-lite", "0.1", {"tqdm_lite.py": ""})
+    report = env.audit(tmp_path, env={"PYTHONUSERBASE": str(base)})
+    s = report.snapshot
+    assert s.user_site == str(user_site) and s.user_site_enabled
+    assert s.sys_path.index(str(env.site)) < s.sys_path.index(str(user_site))
+    assert s.owner("sympy").location == str(env.site) and s.installed()["sympy"].version == "1.14.0"
+    found = by_code(report)
+    assert ("info", ["tqdm-lite"]) in [(f.severity, f.packages) for f in found["user-site"]]
+    assert not [f for f in found.get("user-site", []) + found.get("shadowed", [])
+                if f.severity != "info" and "sympy" in f.packages]
+    (twice,) = [f for f in found["duplicate-package"] if f.packages == ["sympy"]]
+    assert f"sympy 1.14.0 at {env.site} (imported); sympy 1.12 at {user_site}" in twice.message
+    assert report.exit_code < 2, [f for f in report.findings if f.severity == "error"]
+
+    # What the user site does shadow (a copy in the system site-packages) is said, by the import system.
+    system = [d for d in s.dists if d.location not in (str(env.site), str(user_site)) and d.modules]
+    if system:
+        victim = system[0]
+        write_dist(user_site, victim.name, "0.0.1", {f"{victim.modules[0]}/__init__.py": ""})
+        report = env.audit(tmp_path, env={"PYTHONUSERBASE": str(base)})
+        assert report.snapshot.owner(victim.modules[0]).location == str(user_site)
+        (shadows,) = [f for f in by_code(report)["user-site"] if f.packages == [victim.name]]
+        assert shadows.message.startswith(f"user site-packages {user_site} shadows {victim.label()}: Python imports "
+                                          f"the user copy ({victim.name} 0.0.1) first")
+
+
+def test_a_dist_info_in_the_current_directory_is_not_installed(tmp_path):
+    env = healthy(tmp_path / "venv")
+    cwd = tmp_path / "somewhere"
+    write_dist(cwd, "torch", "99.0.0", torch_files("99.0.0", None, needed=()))
+    inventory = env.inventory(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "dflashctl", "--inventory", inventory.source, "env-audit", "box",
+                           "--json"], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DFLASHCTL_STORE": str(tmp_path / "runs.db")})
+    payload = json.loads(done.stdout)
+    assert payload["torch"]["version"] == TORCH_VERSION and payload["packages"]["torch"] == TORCH_VERSION
+    assert done.returncode == payload["exit_code"] == 0, payload["findings"]
+
+
+def test_pythonpath_only_when_an_entry_shadows_something(tmp_path):
+    env = healthy(tmp_path / "venv")
+    tools, shadow = tmp_path / "tools", tmp_path / "shadow"
+    (tools / "my_tools").mkdir(parents=True)
+    (tools / "my_tools" / "__init__.py").write_text("")
+    (shadow / "sympy").mkdir(parents=True)
+    (shadow / "sympy" / "__init__.py").write_text("")
+    report = env.audit(tmp_path, env={"PYTHONPATH": f"{tools}:{tmp_path / 'missing'}"})
+    assert "pythonpath" not in by_code(report) and report.exit_code == 0
+    report = env.audit(tmp_path, env={"PYTHONPATH": f"{tools}:{shadow}"})
+    (entry,) = by_code(report)["pythonpath"]
+    assert entry.severity == "error" and entry.paths == [str(shadow)] and entry.packages == ["sympy"]
+
+
+def test_deep_imports_torch_in_a_subprocess(tmp_path):
+    env = healthy(tmp_path / "venv")
+    report = env.audit(tmp_path, deep=True)
+    assert report.torch.source == "import torch (--deep)" and report.torch.version == TORCH_VERSION
+    assert report.snapshot.deep["exit_code"] == 0 and report.exit_code == 0
+    write_dist(env.site, *CUDNN13, cudnn_files("cudnn-cu13"))
+    report = env.audit(tmp_path, deep=True)
+    (failed,) = by_code(report)["torch-import"]
+    assert failed.severity == "error" and "`import torch` fails on the host: RuntimeError: cuDNN version " \
+        "incompatibility" in failed.message
+    assert failed.detail["crash_signature"] == "cudnn_version_mismatch"
+
+
+def test_the_collector_answers_in_time_and_from_its_own_python(tmp_path):
+    env = healthy(tmp_path / "venv")
+    s = env.audit(tmp_path).snapshot
+    assert s.python == env.python and s.prefix == str(env.root)
+    assert s.seconds is not None and s.seconds < 10
+    torch = s.dist(s.modules["torch"].owners[0])
+    assert torch.installer == "pip" and torch.files == 7 and torch.missing_count == torch.changed_count == 0
+    assert torch.libs == [] and torch.modules == ["torch"]  # libtorch_cuda.so is not a followed library
+    cudnn = s.installed()["nvidia-cudnn-cu12"]
+    assert cudnn.libs == ["nvidia/cudnn/lib/libcudnn.so.9"] and cudnn.modules == ["nvidia"]
+    assert s.modules["nvidia"].namespace is False  # it has an __init__.py in these wheels
+    assert s.torch_elf == {"file": "torch/lib/libtorch_cuda.so", "needed": ["libcudnn.so.9"],
+                           "runpath": "$ORIGIN/../../nvidia/cudnn/lib"}

@@ -1,0 +1,470 @@
+"""What a checkpoint records for serving, the mask-token policy, and the export formats.
+
+Checkpoints come from the real trainer (``trainer.train.run`` in this process, tiny
+preset, CPU). The public formats are checked with loaders written here from the
+formats' documented structure (z-lab's DFlash drafter; vLLM speculators' DFlash
+config), not with the trainer's own model code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dflashctl import contract
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RUN = {
+    # One sliding layer with a window shorter than the block, so the window binds inside it.
+    "model": {"preset": "tiny", "drafter_layers": 2, "block_size": 8, "layer_types": ["sliding", "full"],
+              "sliding_window": 5},
+    "data": {"buckets": [128], "max_anchors": 8, "batch_size": 1, "synthetic_samples": 16},
+    # A large step so every weight (norms included) moves away from its initial value.
+    "optim": {"lr": 0.05, "warmup_frac": 0.0},
+    "train": {"steps": 4, "log_every": 2, "checkpoint_every": 0},
+    "placement": {"device": "cpu", "target": [0], "drafter": [0]},
+}
+
+
+def run_config(**sections) -> dict:
+    cfg = copy.deepcopy(RUN)
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def train(run_dir, raw: dict) -> int:
+    """The real training loop, in this process (a subprocess would add seconds of imports)."""
+    from trainer import config as config_mod
+    from trainer.train import run
+
+    os.makedirs(run_dir, exist_ok=True)
+    return run(config_mod.from_dict(raw), str(run_dir), install_signals=False)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m trainer ARGS`` run in this process (its main(), its output); a real
+    process costs seconds of imports on every call. test_the_commands_run_as_a_process
+    runs the module itself."""
+    from trainer.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["python", "-m", "trainer", *args], code, out.getvalue(), err.getvalue())
+
+
+def latest(run_dir) -> str:
+    from trainer import checkpoint
+
+    return checkpoint.latest(str(run_dir))
+
+
+def meta_of(ckpt: str) -> dict:
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        return json.load(f)
+
+
+def write_model_dir(path, tokenizer_size: int | None = None) -> str:
+    """A local target directory (tiny Qwen3, seeded weights), with a word-level tokenizer
+    of ``tokenizer_size`` tokens plus three special tokens when asked."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.target import preset_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(preset_config("tiny")).save_pretrained(path)
+    if tokenizer_size is not None:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(tokenizer_size)}, unk_token="w0"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="<|eos|>", pad_token="<|pad|>",
+                                additional_special_tokens=["<|im_start|>"]).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    assert train(run_dir, run_config()) == contract.EXIT_DONE
+    return latest(run_dir)
+
+
+@pytest.fixture(scope="module")
+def loaded(trained):
+    from trainer import serving
+
+    return serving.load(trained)
+
+
+def block_logits(drafter, target, ids_1S: torch.Tensor, anchors: list[int]) -> torch.Tensor:
+    """[N, B, V] logits of the drafter's training forward at ``anchors``."""
+    from trainer.anchors import build_block_inputs
+    from trainer.attention import SDPA, AttentionPath, build_layer_masks
+
+    anchors_1N = torch.tensor([anchors])
+    valid_1N = torch.ones_like(anchors_1N, dtype=torch.bool)
+    block = drafter.block_size
+    block_ids, positions, _, _ = build_block_inputs(ids_1S, anchors_1N, valid_1N, block, drafter.mask_token_id)
+    masks = build_layer_masks(AttentionPath(SDPA, "cpu"), anchors_1N, valid_1N, ids_1S.shape[1], block,
+                              drafter.layer_types, drafter.sliding_window)
+    with torch.no_grad():
+        hidden = drafter(target.features(ids_1S), block_ids, positions, masks)
+        return drafter.lm_head(hidden).view(len(anchors), block, -1).float()
+
+
+def sequence(target, length=40, seed=3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, target.vocab_size - 1, (1, length), generator=g)
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+def test_every_checkpoint_records_what_serving_needs(trained):
+    from trainer import serving
+    from trainer.config import ModelConfig
+    from trainer.target import preset_config
+
+    s = meta_of(trained)["serving"]
+    assert s["format"] == serving.SERVING_FORMAT
+    assert s["target"]["preset"] == "tiny" and s["target"]["path"] is None
+    assert s["target"]["config_hash"] == serving.target_config_hash(preset_config("tiny"))
+    assert s["target"]["num_hidden_layers"] == 8 and s["target"]["vocab_size"] == 512
+    assert s["target_layer_ids"] == [1, 2, 3, 4, 5] and "hidden_states[id + 1]" in s["layer_id_convention"]
+    assert (s["mask_token_id"], s["mask_token_source"]) == (511, "vocab_size-1")
+    assert s["block_size"] == 8
+    assert s["drafter"]["layer_types"] == ["sliding", "full"] and s["drafter"]["num_target_features"] == 5
+    assert s["drafter"]["num_key_value_heads"] == 2 and s["drafter"]["head_dim"] == 16
+    assert s["sliding_window"] == 5 and s["sliding_semantics"] == "causal-in-block"
+    assert s["rope"]["rope_theta"] == 10000.0 and s["rope"]["max_position_embeddings"] == 4096
+    assert s["dtype"] == {"weights": "float32", "compute": "float32"}
+    assert s["tokenizer"] is None
+    # Round trip: the same section from the same inputs.
+    cfg = ModelConfig(**run_config()["model"])
+    assert s == json.loads(json.dumps(serving.metadata(cfg, preset_config("tiny"), 511, "vocab_size-1", "float32")))
+
+
+def test_info_shows_the_metadata_as_text_and_json(trained, tmp_path):
+    done = cli("info", os.path.dirname(os.path.dirname(trained)))  # a run directory: its newest checkpoint
+    assert done.returncode == 0, done.stderr
+    for line in ("mask token id   511 (vocab_size-1)", "target layers   [1, 2, 3, 4, 5]", "block size      8",
+                 "sliding window  5 (causal-in-block)", "rope            theta 10000.0"):
+        assert line in done.stdout
+    as_json = json.loads(cli("info", trained, "--json").stdout)
+    assert as_json["serving"] == meta_of(trained)["serving"] and as_json["step"] == 4
+
+    # A checkpoint written before the serving section: rebuilt from its configuration, and said so.
+    old = tmp_path / "step-00000004"
+    shutil.copytree(trained, old)
+    meta = meta_of(str(old))
+    del meta["serving"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    rebuilt = json.loads(cli("info", str(old), "--json").stdout)["serving"]
+    assert rebuilt.pop("derived") is True
+    assert rebuilt == meta_of(trained)["serving"]
+    assert "predates this metadata" in cli("info", str(old)).stdout
+
+
+def test_info_names_a_missing_checkpoint(tmp_path):
+    done = cli("info", str(tmp_path))
+    assert done.returncode == contract.EXIT_CONFIG_ERROR and "not a checkpoint" in done.stderr
+
+
+def test_the_commands_run_as_a_process(trained):
+    done = subprocess.run([sys.executable, "-m", "trainer", "info", trained, "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["serving"]["mask_token_id"] == 511
+    helped = subprocess.run([sys.executable, "-m", "trainer", "export", "--help"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    for option in ("--format", "--dtype", "--sliding-attention", "--target", "--force", "--json"):
+        assert option in helped.stdout
+
+
+# ---------------------------------------------------------------------------- mask token
+
+
+def test_mask_token_default_is_the_first_id_past_the_tokenizer(tmp_path):
+    from trainer.config import ModelConfig
+    from trainer.model import Drafter
+    from trainer.target import build_target
+
+    with_tok = write_model_dir(tmp_path / "with", tokenizer_size=300)  # 300 words + 3 special tokens
+    without = write_model_dir(tmp_path / "without")
+    target = build_target(ModelConfig(path=with_tok), "cpu", torch.float32)
+
+    def mask_of(**model):
+        d = Drafter(ModelConfig(**model), target.config, target.embed_tokens, target.lm_head)
+        return d.mask_token_id, d.mask_token_source
+
+    assert mask_of(path=with_tok) == (303, "tokenizer")
+    assert mask_of(path=without) == (511, "vocab_size-1")
+    assert mask_of(preset="tiny") == (511, "vocab_size-1")
+    assert mask_of(path=with_tok, mask_token_id=7) == (7, "config")
+    full = write_model_dir(tmp_path / "full", tokenizer_size=520)  # no id left past the tokenizer
+    assert mask_of(path=full) == (511, "vocab_size-1")
+
+
+def test_resume_with_another_mask_token_id_is_refused(tmp_path, capsys):
+    model_dir = write_model_dir(tmp_path / "target", tokenizer_size=300)
+    raw = run_config(model={"path": model_dir, "preset": None}, train={"steps": 2})
+    run_dir = tmp_path / "run"
+    assert train(run_dir, raw) == contract.EXIT_DONE
+    assert meta_of(latest(run_dir))["serving"]["mask_token_id"] == 303
+    assert meta_of(latest(run_dir))["serving"]["tokenizer"]["size"] == 303
+
+    capsys.readouterr()
+    other = run_config(model={"path": model_dir, "preset": None, "mask_token_id": 7}, train={"steps": 3})
+    assert train(run_dir, other) == contract.EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "trained with mask token id 303 (tokenizer)" in err and "gives 7 (config)" in err
+    assert "Set model.mask_token_id: 303" in err
+    assert json.loads((run_dir / contract.STATUS_FILE).read_text())["phase"] == contract.PHASE_FAILED
+    assert train(run_dir, run_config(model={"path": model_dir, "preset": None, "mask_token_id": 303},
+                                     train={"steps": 3})) == contract.EXIT_DONE
+
+    # A checkpoint from before the mask id was recorded used vocab_size - 1 whatever the
+    # tokenizer: continuing it under the tokenizer default would change the id.
+    ckpt = latest(run_dir)
+    meta = meta_of(ckpt)
+    del meta["serving"]
+    meta["config"]["model"]["mask_token_id"] = None
+    (tmp_path / "run" / "checkpoints" / os.path.basename(ckpt) / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert train(run_dir, run_config(model={"path": model_dir, "preset": None}, train={"steps": 4})) \
+        == contract.EXIT_CONFIG_ERROR
+    assert "trained with mask token id 511 (vocab_size-1)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- export: round trip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_then_import_gives_identical_logits(trained, loaded, tmp_path, dtype):
+    from trainer.export import import_dflash
+
+    out = tmp_path / "out"
+    done = cli("export", trained, str(out), "--dtype", dtype)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(out)) == ["config.json", "dflashctl_export.json", "model.safetensors"]
+    fresh = import_dflash(str(out), loaded.target)
+    original = copy.deepcopy(loaded.drafter).to(getattr(torch, dtype))
+    ids = sequence(loaded.target)
+    assert torch.equal(block_logits(fresh, loaded.target, ids, [3, 11, 20, 31]),
+                       block_logits(original, loaded.target, ids, [3, 11, 20, 31]))
+    # Another drafter's weights would not pass: the comparison sees the weights.
+    other = copy.deepcopy(original)
+    with torch.no_grad():
+        other.layers[1].post_norm.weight.mul_(1.5)
+    assert not torch.equal(block_logits(other, loaded.target, ids, [3]), block_logits(fresh, loaded.target, ids, [3]))
+
+
+def test_tensor_names_map_one_to_one(loaded):
+    from trainer.export import dflash_name, trainer_name
+
+    names = list(loaded.drafter.trainable_state_dict())
+    public = [dflash_name(n) for n in names]
+    assert len(set(public)) == len(names) and [trainer_name(p) for p in public] == names
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight",
+            "layers.0.post_attention_layernorm.weight", "layers.0.mlp.gate_proj.weight"} <= set(public)
+
+
+# ---------------------------------------------------------------------------- the public formats
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PublicLayer(nn.Module):
+    """One DFlash draft layer as the format documents it: Qwen3 pre-norm attention whose
+    keys/values are [context ; block], then a SwiGLU MLP."""
+
+    def __init__(self, config, index: int):
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
+
+        super().__init__()
+        h, heads, kv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv, self.d = heads, kv, d
+        self.sliding = config.layer_types[index] == "sliding_attention"
+        self.window = config.sliding_window
+        self.input_layernorm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.self_attn = nn.Module()
+        for name, fan_out in (("q_proj", heads * d), ("k_proj", kv * d), ("v_proj", kv * d)):
+            setattr(self.self_attn, name, nn.Linear(h, fan_out, bias=config.attention_bias))
+        self.self_attn.o_proj = nn.Linear(heads * d, h, bias=config.attention_bias)
+        self.self_attn.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.self_attn.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, x, ctx, cos, sin, positions):
+        a, n_ctx, n_blk = self.self_attn, ctx.shape[1], x.shape[1]
+        h = self.input_layernorm(x)
+        q = a.q_norm(a.q_proj(h).view(1, n_blk, self.heads, self.d)).transpose(1, 2)
+        k = a.k_norm(torch.cat([a.k_proj(ctx), a.k_proj(h)], 1).view(1, n_ctx + n_blk, self.kv, self.d)).transpose(1, 2)
+        v = torch.cat([a.v_proj(ctx), a.v_proj(h)], 1).view(1, n_ctx + n_blk, self.kv, self.d).transpose(1, 2)
+        q = q * cos[:, None, -n_blk:] + rotate_half(q) * sin[:, None, -n_blk:]
+        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        k, v = (t.repeat_interleave(self.heads // self.kv, dim=1) for t in (k, v))
+        scores = q @ k.transpose(-1, -2) / self.d ** 0.5
+        if self.sliding:  # causal with a window over the joint positions
+            qp, kp = positions[-n_blk:, None], positions[None, :]
+            scores = scores.masked_fill(~((kp <= qp) & (kp > qp - self.window)), float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, n_blk, self.heads * self.d)
+        x = x + a.o_proj(out)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class PublicDFlash(nn.Module):
+    """z-lab's DFlash drafter rebuilt from its config.json: ``fc`` and ``hidden_norm``
+    fuse the target features, Qwen3 layers, final ``norm``; no embedding or lm_head."""
+
+    def __init__(self, config, num_features: int):
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+        super().__init__()
+        h = config.hidden_size
+        self.fc = nn.Linear(num_features * h, h, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(PublicLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    def forward(self, target_hidden, noise_embedding, positions):
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rotary_emb(noise_embedding, positions[None])
+        x = noise_embedding
+        for layer in self.layers:
+            x = layer(x, ctx, cos, sin, positions)
+        return self.norm(x)
+
+
+def public_logits(model, target_model, feature_ids: list[int], mask_id: int, block: int, ids_1S, anchor: int,
+                  embed=None, lm_head=None):
+    """Slots 1..B-1 logits of the block at ``anchor``, computed as the format prescribes:
+    target features = hidden_states[i] for the listed i, context = positions < anchor."""
+    with torch.no_grad():
+        hidden = target_model(ids_1S, output_hidden_states=True).hidden_states
+        target_hidden = torch.cat([hidden[i] for i in feature_ids], dim=-1)[:, :anchor]
+        block_ids = torch.full((1, block), mask_id)
+        block_ids[0, 0] = ids_1S[0, anchor]
+        embed = embed or target_model.get_input_embeddings()
+        lm_head = lm_head or target_model.get_output_embeddings()
+        positions = torch.arange(anchor + block)
+        return lm_head(model(target_hidden, embed(block_ids), positions))[0, 1:]
+
+
+def test_public_dflash_loader_reads_the_export(trained, loaded, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+
+    out = tmp_path / "dflash"
+    assert cli("export", trained, str(out)).returncode == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["model_type"] == "qwen3"
+    assert raw["block_size"] == 8 and raw["num_target_layers"] == 8 and raw["num_hidden_layers"] == 2
+    assert raw["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [1, 2, 3, 4, 5], "block_size": 8}
+    assert raw["layer_types"] == ["sliding_attention", "full_attention"] and raw["sliding_window"] == 5
+    assert "is_causal" not in raw and "causal" not in raw["dflash_config"]  # per layer type: sliding causal, full not
+
+    config = Qwen3Config.from_pretrained(out)
+    model = PublicDFlash(config, len(raw["dflash_config"]["target_layer_ids"]))
+    model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # every name and shape, nothing extra
+    ids = sequence(loaded.target)
+    ours = block_logits(loaded.drafter, loaded.target, ids, [4, 17, 30])
+    for n, anchor in enumerate([4, 17, 30]):
+        theirs = public_logits(model, loaded.target.model, [i + 1 for i in raw["dflash_config"]["target_layer_ids"]],
+                               raw["dflash_config"]["mask_token_id"], raw["block_size"], ids, anchor)
+        assert torch.allclose(theirs, ours[n, 1:], atol=1e-4, rtol=1e-4), (theirs - ours[n, 1:]).abs().max()
+        assert torch.equal(theirs.argmax(-1), ours[n, 1:].argmax(-1))
+
+
+def test_public_speculators_loader_reads_the_export(trained, loaded, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+
+    out = tmp_path / "spec"
+    done = cli("export", trained, str(out), "--format", "speculators")
+    assert done.returncode == 0, done.stderr
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["speculators_model_type"] == "dflash"
+    assert raw["aux_hidden_state_layer_ids"] == [2, 3, 4, 5, 6]  # z-lab ids + 1: hidden-state indices
+    assert raw["mask_token_id"] == 511 and raw["block_size"] == 8 and raw["draft_vocab_size"] == 512
+    assert raw["sliding_window_non_causal"] is False and raw["sample_from_anchor"] is False
+    sc = raw["speculators_config"]
+    assert sc["algorithm"] == "dflash" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 7, "verifier_accept_k": 1,
+                                       "accept_tolerance": 0.0}]
+    tensors = load_file(out / "model.safetensors")
+    assert tensors["embed_tokens.weight"].shape == (512, 64) and tensors["lm_head.weight"].shape == (512, 64)
+    assert torch.equal(tensors["lm_head.weight"], loaded.target.lm_head.weight)
+
+    config = Qwen3Config(**raw["transformer_layer_config"])
+    model = PublicDFlash(config, len(raw["aux_hidden_state_layer_ids"]))
+    body = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    model.load_state_dict(body, strict=True)
+    embed = nn.Embedding.from_pretrained(tensors["embed_tokens.weight"])
+    head = nn.Linear(64, 512, bias=False)
+    head.weight = nn.Parameter(tensors["lm_head.weight"])
+    ids = sequence(loaded.target, seed=5)
+    ours = block_logits(loaded.drafter, loaded.target, ids, [9])
+    theirs = public_logits(model, loaded.target.model, raw["aux_hidden_state_layer_ids"], raw["mask_token_id"],
+                           raw["block_size"], ids, 9, embed=embed, lm_head=head)
+    assert torch.allclose(theirs, ours[0, 1:], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def test_export_refuses_bidirectional_sliding_layers_and_says_why(trained, tmp_path):
+    out = tmp_path / "out"
+    done = cli("export", trained, str(out), "--sliding-attention", "bidirectional")
+    assert done.returncode == contract.EXIT_CONFIG_ERROR
+    assert "layers [0] were trained causal inside the block" in done.stderr and "acceptance would drop" in done.stderr
+    assert not out.exists()
+
+    # A checkpoint whose sliding layers were trained some other way cannot be stated in either format.
+    odd = tmp_path / "step-00000004"
+    shutil.copytree(trained, odd)
+    meta = meta_of(str(odd))
+    meta["serving"]["sliding_semantics"] = "bidirectional-in-block"
+    (odd / "meta.json").write_text(json.dumps(meta))
+    for fmt in ("dflash", "speculators"):
+        done = cli("export", str(odd), str(out), "--format", fmt)
+        assert done.returncode == contract.EXIT_CONFIG_ERROR and "cannot express" in done.stderr
+
+
+def test_bidirectional_is_stated_only_for_drafters_without_sliding_layers(tmp_path):
+    run_dir = tmp_path / "run"
+    assert train(run_dir, run_config(model={"layer_types": ["full", "full"]}, train={"steps": 1})) == contract.EXIT_DONE
+    out = tmp_path / "out"
+    assert cli("export", latest(run_dir), str(out), "--sliding-attention", "bidirectional").returncode == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["dflash_config"]["causal"] is False and raw["is_causal"] is False  # full layers: as trained
+
+
+def test_export_keeps_an_existing_directory_unless_forced(trained, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    done = cli("export", trained, str(out))
+    assert done.returncode == contract.EXIT_CONFIG_ERROR and "--force" in done.stderr
+    assert (out / "keep.txt").exists()
+    assert cli("export", trained, str(out), "--force").returncode == 0
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()

@@ -1,0 +1,383 @@
+"""Compile artifacts that travel: what one start compiled, saved in its run directory,
+loaded by a later start on any host with the same key before its warm-up.
+
+A first start on a new host, in a new container or after a cache wipe otherwise
+pays the whole compile again (minutes at the reference size). The artifacts are
+``torch.compiler.save_cache_artifacts()`` bytes ("Mega-Cache": inductor graphs with
+their triton kernels, AOTAutograd entries, autotuning results); loading them fills
+this host's inductor and triton caches, so the warm-up finds its kernels there.
+
+Layout, in the run directory::
+
+    compile_cache/compile_cache.json   the manifest, written last (atomically)
+    compile_cache/<key>.bin            the artifact bytes
+
+Manifest (JSON object)::
+
+    v          MANIFEST_VERSION
+    key        16 hex digits: sha256 over ``fields``
+    fields     {torch, triton, cuda, gpu, python, bundle, config}: what the
+               artifacts are valid for (``key_fields``); ``config`` is the digest of
+               the shape-relevant configuration (``shape_config``)
+    shape      the shape-relevant configuration itself (for people; not compared)
+    file       the artifact's file name, ``<key>.bin``
+    bytes      its size
+    sha256     its sha256 (hex)
+    created    unix time it was written
+    artifacts  {kind: count}: what it holds (inductor, aot_autograd, autotune, ...)
+
+Whoever puts an artifact into a run directory (the controller, when it starts a run
+on a host whose cache lacks it) copies both files; the trainer decides. Outcomes
+(trainer.log, status.json ``detail.compile_cache``, every metrics line):
+``hit`` (key and sha256 match: loaded, or already in this host's cache), ``miss``
+(none present), ``mismatch:<field>`` (the first key field that differs, or
+``mismatch:sha256`` / ``mismatch:manifest`` for bytes or a manifest that do not
+check out), ``off`` (``compile.artifacts: false`` or no compiled path).
+
+This module must never import torch at import time (the controller imports it for
+the key's config digest), never load an artifact whose key or sha256 differs (the
+bytes are pickles and compiled code: a run directory must be as trusted as the
+bundle it runs), and never read or write through a symbolic link.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+CACHE_DIR = "compile_cache"
+MANIFEST_FILE = "compile_cache.json"
+MANIFEST_VERSION = 1
+# In the order they are compared: the first that differs names the mismatch.
+FIELDS = ("torch", "triton", "cuda", "gpu", "python", "bundle", "config")
+BUNDLE_ENV = "DFLASH_BUNDLE_HASH"
+MAX_MANIFEST_BYTES = 1 << 16
+# In this host's inductor cache: one empty file per artifact already loaded or
+# saved here, so a restart on the same host does not load it again.
+_LOCAL_MARKERS = "dflash-artifacts"
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+# ---------------------------------------------------------------------------- the key (torch-free)
+
+
+def shape_config(cfg) -> dict[str, Any]:
+    """The configuration values that change what is compiled (shapes, graphs, devices);
+    the rest (learning rate, steps, data paths, seeds) does not invalidate artifacts."""
+    m, d, c = cfg.model, cfg.data, cfg.compile
+    return {
+        "model": {"preset": None if m.path else m.preset, "path_config": _model_config_digest(m.path),
+                  "num_target_layers": m.num_target_layers, "drafter_layers": m.drafter_layers,
+                  "block_size": m.block_size, "layer_types": m.layer_types, "sliding_window": m.sliding_window,
+                  "dtype": m.dtype},
+        "data": {"buckets": sorted(d.buckets), "max_anchors": d.max_anchors, "batch_size": d.batch_size},
+        "train": {"loss_chunk": cfg.train.loss_chunk},
+        "placement": {"device": cfg.placement.device, "target": list(cfg.placement.target),
+                      "drafter": list(cfg.placement.drafter)},
+        "compile": {"enabled": c.enabled, "drafter_layers": c.drafter_layers, "target": c.target,
+                    "mask_builder": c.mask_builder},
+    }
+
+
+def _model_config_digest(path: Optional[str]) -> Optional[str]:
+    """A local model is identified by its config.json (its shapes), not by where it lies."""
+    if not path:
+        return None
+    try:
+        with open(os.path.join(os.path.expanduser(path), "config.json"), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        return "path:" + hashlib.sha256(path.encode()).hexdigest()[:16]
+
+
+def digest(value: Any) -> str:
+    """16 hex digits of sha256 over canonical JSON."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_digest(cfg) -> str:
+    """The key's ``config`` field for a TrainerConfig (what a controller computes too)."""
+    return digest(shape_config(cfg))
+
+
+def bundle_hash(environ: Optional[dict] = None, package_dir: Optional[str] = None) -> str:
+    """The trainer code the artifacts were compiled by: ``$DFLASH_BUNDLE_HASH`` when the
+    launcher sets it, else the name of the deployed bundle directory
+    (``<workdir>/bundles/<sha256>/trainer``), else ``src-`` + a digest of the trainer's
+    own source files (a checkout)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(BUNDLE_ENV):
+        return environ[BUNDLE_ENV]
+    package_dir = package_dir or os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(package_dir)
+    if _HEX64.fullmatch(os.path.basename(root)) and os.path.basename(os.path.dirname(root)) == "bundles":
+        return os.path.basename(root)
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(package_dir)):
+        if name.endswith(".py"):
+            h.update(name.encode() + b"\0")
+            with open(os.path.join(package_dir, name), "rb") as f:
+                h.update(f.read())
+    return "src-" + h.hexdigest()[:16]
+
+
+def key_of(fields: dict[str, str]) -> str:
+    return digest({k: fields.get(k) for k in FIELDS})
+
+
+def first_mismatch(theirs: dict, mine: dict) -> Optional[str]:
+    """The first key field (in FIELDS order) whose value differs, or None."""
+    for name in FIELDS:
+        if theirs.get(name) != mine.get(name):
+            return name
+    return None
+
+
+# ---------------------------------------------------------------------------- this process's key
+
+
+def key_fields(cfg, devices: list) -> dict[str, str]:
+    """What artifacts compiled by this process are valid for."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    gpus = sorted({torch.cuda.get_device_name(d) for d in devices if d.type == "cuda"}) or ["cpu"]
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": str(torch.version.cuda),
+        "gpu": ",".join(gpus),
+        "python": platform.python_version(),
+        "bundle": bundle_hash(),
+        "config": config_digest(cfg),
+    }
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def _read_no_follow(path: str, limit: Optional[int] = None) -> bytes:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise ValueError(f"{os.path.basename(path)} is larger than {limit} bytes")
+    return data
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    directory = os.path.dirname(path)
+    tmp = os.path.join(directory, f".tmp-{os.getpid()}-{threading.get_ident()}-{os.path.basename(path)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_manifest(run_dir: str) -> Optional[dict]:
+    """The manifest in ``run_dir``, None when there is none; ValueError when it is unusable."""
+    path = os.path.join(run_dir, CACHE_DIR, MANIFEST_FILE)
+    if not os.path.lexists(path):
+        return None
+    try:
+        manifest = json.loads(_read_no_follow(path, MAX_MANIFEST_BYTES))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"unreadable manifest: {e}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("fields"), dict):
+        raise ValueError("manifest is not an object with 'fields'")
+    name = manifest.get("file")
+    if not isinstance(name, str) or os.path.basename(name) != name or name.startswith("."):
+        raise ValueError(f"manifest 'file' {name!r} is not a plain file name")
+    if not isinstance(manifest.get("sha256"), str) or not _HEX64.fullmatch(manifest["sha256"]):
+        raise ValueError("manifest 'sha256' is not 64 hex digits")
+    return manifest
+
+
+def _local_marker(sha256: str) -> Optional[str]:
+    """Path of this host's marker for an artifact, in the inductor cache in use."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        base = cache_dir()
+    except Exception:  # noqa: BLE001 - no marker: the artifact is simply loaded again
+        base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return os.path.join(base, _LOCAL_MARKERS, sha256) if base else None
+
+
+def _mark_local(sha256: str) -> None:
+    path = _local_marker(sha256)
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w"):
+            pass
+
+
+# ---------------------------------------------------------------------------- load and save
+
+
+@dataclass
+class Outcome:
+    """What happened to the run directory's artifact at this start."""
+
+    status: str = "off"  # hit | miss | mismatch:<field> | off
+    loaded: bool = False  # False on a hit means: already in this host's cache
+    load_s: float = 0.0
+    bytes: int = 0
+    key: str = ""
+    sha256: str = ""
+    saved: Optional[dict] = None  # the manifest this start wrote, if any
+    save_s: float = 0.0
+    note: str = ""
+    details: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        out = {"status": self.status, "key": self.key, "loaded": self.loaded, "load_s": round(self.load_s, 2),
+               "bytes": self.bytes}
+        if self.saved:
+            out["saved"] = {"bytes": self.saved["bytes"], "sha256": self.saved["sha256"][:16],
+                            "save_s": round(self.save_s, 2)}
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+def load(run_dir: str, fields: dict[str, str]) -> Outcome:
+    """Load ``run_dir``'s artifact when its key and bytes check out; else say why not."""
+    out = Outcome(status="miss", key=key_of(fields))
+    try:
+        manifest = read_manifest(run_dir)
+    except ValueError as e:
+        out.status, out.note = "mismatch:manifest", str(e)
+        return out
+    if manifest is None:
+        return out
+    theirs = manifest["fields"]
+    wrong = first_mismatch(theirs, fields)
+    if wrong is not None:
+        out.status = f"mismatch:{wrong}"
+        out.note = f"artifact {wrong} {str(theirs.get(wrong))[:80]!r}, this process {str(fields.get(wrong))[:80]!r}"
+        return out
+    if manifest.get("key") != out.key:
+        out.status, out.note = "mismatch:key", f"manifest key {str(manifest.get('key'))[:20]!r} is not {out.key}"
+        return out
+    t0 = time.monotonic()
+    try:
+        data = _read_no_follow(os.path.join(run_dir, CACHE_DIR, manifest["file"]))
+    except OSError as e:
+        out.status, out.note = "mismatch:file", f"cannot read {manifest['file']}: {e}"
+        return out
+    sha = hashlib.sha256(data).hexdigest()
+    if sha != manifest["sha256"]:
+        out.status, out.note = "mismatch:sha256", f"{manifest['file']} has sha256 {sha[:16]}, manifest {manifest['sha256'][:16]}"
+        return out
+    out.status, out.bytes, out.sha256 = "hit", len(data), sha
+    marker = _local_marker(sha)
+    if marker and os.path.exists(marker):
+        out.note = "already in this host's compile cache"
+        out.load_s = time.monotonic() - t0
+        return out
+    import torch
+
+    info = torch.compiler.load_cache_artifacts(data)
+    out.loaded = True
+    out.load_s = time.monotonic() - t0
+    out.details = _artifact_counts(info)
+    _mark_local(sha)
+    return out
+
+
+def _artifact_counts(info) -> dict:
+    artifacts = getattr(info, "artifacts", None) or {}
+    return {str(kind): len(keys) for kind, keys in artifacts.items()}
+
+
+def serialize() -> Optional[tuple[bytes, dict]]:
+    """Every artifact this process compiled or loaded from a cache so far (None: none).
+    Call only while nothing compiles (after the warm-up locked recompiles)."""
+    import torch
+
+    result = torch.compiler.save_cache_artifacts()
+    if result is None:
+        return None
+    data, info = result
+    return data, _artifact_counts(info)
+
+
+def write(run_dir: str, fields: dict[str, str], cfg, data: bytes, counts: dict) -> dict:
+    """Write ``data`` and its manifest into ``run_dir/compile_cache`` (bytes first, the
+    manifest last, each atomically); older artifact files there are removed."""
+    directory = os.path.join(run_dir, CACHE_DIR)
+    os.makedirs(directory, exist_ok=True)
+    key = key_of(fields)
+    name = f"{key}.bin"
+    manifest = {
+        "v": MANIFEST_VERSION, "key": key, "fields": dict(fields), "shape": shape_config(cfg), "file": name,
+        "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "created": time.time(),
+        "artifacts": counts,
+    }
+    _write_atomic(os.path.join(directory, name), data)
+    _write_atomic(os.path.join(directory, MANIFEST_FILE), json.dumps(manifest, indent=1, sort_keys=True).encode())
+    for other in os.listdir(directory):
+        if other.endswith(".bin") and other != name:
+            try:
+                os.unlink(os.path.join(directory, other))
+            except OSError:
+                pass
+    _mark_local(manifest["sha256"])
+    return manifest
+
+
+def should_save(outcome: Outcome, fxgraph_misses: int) -> bool:
+    """After the warm-up: save unless the artifact that was there covered everything."""
+    if outcome.status == "off":
+        return False
+    return not (outcome.status == "hit" and fxgraph_misses == 0)
+
+
+def save_in_background(run_dir: str, fields: dict[str, str], cfg, outcome: Outcome,
+                       log: Callable[[str], None]) -> Optional[threading.Thread]:
+    """Serialize now (nothing compiles any more), hash and write in a daemon thread, off
+    the way to the first step. Records the manifest in ``outcome.saved``."""
+    t0 = time.monotonic()
+    result = serialize()
+    if result is None:
+        log("compile_cache: nothing to save (no artifacts recorded)")
+        return None
+    data, counts = result
+
+    def work():
+        try:
+            manifest = write(run_dir, fields, cfg, data, counts)
+            outcome.save_s = time.monotonic() - t0
+            outcome.saved = manifest
+            log(f"compile_cache: saved {manifest['bytes'] / 2**20:.1f} MiB ({counts}) as {CACHE_DIR}/{manifest['file']} "
+                f"in {outcome.save_s:.1f}s")
+        except OSError as e:  # a full disk must not stop training; the next start compiles
+            log(f"compile_cache: could not save: {e}")
+
+    thread = threading.Thread(target=work, name="compile-cache-save", daemon=True)
+    thread.start()
+    return thread

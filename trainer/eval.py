@@ -1,0 +1,292 @@
+"""``python -m trainer eval CKPT``: measured acceptance of a trained drafter.
+
+For each prompt of the data (the tokens before a sample's first loss token), the
+frozen target and the drafter decode with real speculative decoding
+(trainer/speculative.py), and the target alone decodes greedily as the reference
+and the speed baseline. The report (``run_eval``, a JSON-able dict) holds:
+
+- ``tau``: accepted draft tokens + 1 per verification step, pooled over prompts
+  (``tau_mean``: the mean of the per-prompt taus), and ``accept_len_hist``, the
+  distribution of accepted draft tokens per step (index k = k accepted, tau k + 1);
+- ``tokens_per_target_forward``: new tokens / target forwards (prefill included);
+- ``speed``: wall-clock tokens/s of both decoders on this hardware and the speed-up;
+- ``greedy_identical``: at temperature 0, whether every prompt's output equals
+  plain greedy decoding token for token (it must);
+- ``training``: the trainer's own figure at the checkpoint's step (metrics.jsonl),
+  accept_len and accept_len + 1;
+- ``reference``: the drafter verified against the data instead of the target
+  (teacher forced): ``anchor_tau`` (mean over every response anchor of run + 1:
+  the training estimator), ``harmonic_tau`` (1 / mean of 1 / (run + 1): what
+  decoding that lands on anchors in proportion to 1 / tau measures),
+  ``chain_tau`` (following the data as decoding follows the target), and
+  ``target_agreement`` (how often the target's greedy choice is the data's next
+  token). They tell why tau and accept_len + 1 differ (trainer/SERVING_EXPORT.md).
+
+``target_data`` writes synthetic shards whose responses the target itself wrote
+(greedy), the data on which measured and training figures must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from typing import Callable, Optional
+
+from trainer.config import ConfigError
+
+EVAL_FORMAT = 1
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def split_prompt(ids: list[int], loss_mask: list[int]) -> Optional[int]:
+    """Index of the first response (loss) token, or None when there is no prompt
+    before it or no response."""
+    first = next((i for i, m in enumerate(loss_mask) if m), None)
+    return first if first else None
+
+
+def load_samples(cfg, data: Optional[str], vocab_size: int, mask_token_id: int, count: int,
+                 log: Callable[[str], None] = print) -> list[tuple[list[int], list[int]]]:
+    """The first ``count`` usable samples of ``data`` (shards), or of the checkpoint's own
+    data (its shards, or its synthetic task) when ``data`` is None."""
+    import copy
+
+    from trainer.data import build_source
+
+    cfg = copy.deepcopy(cfg)
+    if data:
+        cfg.data.shards = data
+    source = build_source(cfg, vocab_size, mask_token_id, log)
+    out = []
+    for i in range(len(source.dataset)):
+        ids, mask = source.dataset.get(i)
+        if split_prompt(ids, mask):
+            out.append((list(ids), list(mask)))
+        if len(out) == count:
+            break
+    if not out:
+        raise ConfigError([f"--data: no sample with a prompt and a response in {data or 'the run data'}"])
+    return out
+
+
+def target_data(target, out_dir: str, samples: int, prompt_len: int, new_tokens: int, warmup_tokens: int = 0,
+                seed: int = 0, reserved: tuple[int, ...] = (), batch: int = 32) -> str:
+    """Write shard-00000.jsonl: random prompts of ``prompt_len`` tokens, each followed
+    by the target's greedy continuation of ``warmup_tokens + new_tokens`` tokens; the
+    first ``warmup_tokens`` of it stay in the prompt (loss mask 0), the rest is the
+    response. Responses written by the target itself are what the drafter must
+    learn in the real recipe. Returns ``out_dir``."""
+    import torch
+
+    from dflashctl.contract import atomic_write_text
+
+    rng = random.Random(f"target-data-{seed}")
+    skip = set(reserved) | {0}
+    usable = [t for t in range(target.vocab_size) if t not in skip]
+    lines = []
+    for begin in range(0, samples, batch):
+        n = min(batch, samples - begin)
+        prompts = torch.tensor([[rng.choice(usable) for _ in range(prompt_len)] for _ in range(n)], dtype=torch.long)
+        full = target.greedy_generate(prompts, warmup_tokens + new_tokens).cpu().tolist()
+        for ids in full:
+            head = prompt_len + warmup_tokens
+            lines.append(json.dumps({"input_ids": ids, "loss_mask": [0] * head + [1] * (len(ids) - head)},
+                                    separators=(",", ":")) + "\n")
+    os.makedirs(out_dir, exist_ok=True)
+    atomic_write_text(os.path.join(out_dir, "shard-00000.jsonl"), "".join(lines))
+    return out_dir
+
+
+# ---------------------------------------------------------------------------- training figure
+
+
+def training_figure(ckpt: str, step: int) -> Optional[dict]:
+    """accept_len the trainer logged at ``step`` (or the last line before it), from the
+    run directory that holds the checkpoint."""
+    from dflashctl import contract
+
+    run_dir = os.path.dirname(os.path.dirname(ckpt))
+    path = os.path.join(run_dir, contract.METRICS_FILE)
+    best = None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    m = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(m, dict) and m.get("accept_len") is not None and m.get("step", math.inf) <= step:
+                    best = m
+    except OSError:
+        return None
+    if best is None:
+        return None
+    return {"step": best["step"], "accept_len": best["accept_len"], "tau_estimate": best["accept_len"] + 1}
+
+
+# ---------------------------------------------------------------------------- the evaluation
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def reference_figures(target, drafter, ids: list[int], mask: list[int], start: int) -> dict:
+    """The drafter against the data itself (module docstring: ``reference``)."""
+    import torch
+
+    from trainer.speculative import anchor_runs, chain_tau
+
+    runs = anchor_runs(target, drafter, ids, mask)
+    taus = [r + 1 for r in runs.values()]
+    choice = target.greedy_next(torch.tensor([ids]))[0].tolist()
+    scored = [j for j in range(start, len(ids)) if mask[j]]
+    agree = sum(choice[j - 1] == ids[j] for j in scored)
+    return {
+        "anchors": len(runs),
+        "anchor_tau": _mean(taus),
+        "harmonic_tau": len(taus) / sum(1 / t for t in taus) if taus else None,
+        "chain_tau": chain_tau(runs, start),
+        "target_agreement": agree / len(scored) if scored else None,
+    }
+
+
+def run_eval(path: str, data: Optional[str] = None, prompts: int = 20, max_new_tokens: int = 256,
+             temperature: float = 0.0, seed: int = 0, device: str = "cpu", target_path: Optional[str] = None,
+             greedy: bool = True, reference: bool = True, log: Callable[[str], None] = lambda line: None) -> dict:
+    """Evaluate checkpoint (or run directory) ``path``; returns the report (module docstring)."""
+    import torch
+
+    from trainer import serving
+    from trainer.speculative import greedy_generate, speculative_generate
+
+    loaded = serving.load(path, device, target_path=target_path)
+    target, drafter = loaded.target, loaded.drafter
+    if target.device.type == "cuda":
+        drafter.to(target.dtype)  # an engine runs the drafter in the target's precision
+    block = drafter.block_size
+    samples = load_samples(loaded.cfg, data, target.vocab_size, drafter.mask_token_id, prompts, log)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    log(f"eval {loaded.path}: {len(samples)} prompts, block {block}, temperature {temperature}, {target.device}")
+
+    # ---- warm-up (first calls pay for lazy initialisation and kernel selection), not timed
+    ids0, mask0 = samples[0]
+    p0 = split_prompt(ids0, mask0)
+    speculative_generate(target, drafter, ids0[:p0], min(2 * block, 16), temperature, generator)
+    greedy_generate(target, ids0[:p0], 4)
+
+    per_prompt, hist = [], [0] * block
+    spec_s = greedy_s = 0.0
+    new_total = forwards_total = 0
+    mismatched = []
+    for index, (ids, mask) in enumerate(samples):
+        start = split_prompt(ids, mask)
+        prompt, n_new = ids[:start], min(max_new_tokens, len(ids) - start)
+        spec = speculative_generate(target, drafter, prompt, n_new, temperature, generator)
+        row = {"index": index, "prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
+               "accepted": spec.accepted, "target_forwards": spec.target_forwards,
+               "tokens_per_forward": spec.tokens_per_forward, "seconds": spec.seconds}
+        for a in spec.accepted:
+            hist[a] += 1
+        spec_s += spec.seconds
+        new_total += len(spec.tokens)
+        forwards_total += spec.target_forwards
+        if greedy:
+            base = greedy_generate(target, prompt, n_new)
+            greedy_s += base.seconds
+            row["greedy_seconds"] = base.seconds
+            if temperature == 0:
+                row["identical"] = base.tokens == spec.tokens
+                if not row["identical"]:
+                    mismatched.append(index)
+        if reference:
+            row["reference"] = reference_figures(target, drafter, ids, mask, start)
+        per_prompt.append(row)
+        log(f"prompt {index}: tau {spec.tau or 0:.2f}, {len(spec.tokens)} tokens in {spec.target_forwards} target forwards")
+
+    steps = sum(hist)
+    meta = loaded.meta
+    report = {
+        "format": EVAL_FORMAT,
+        "checkpoint": loaded.path,
+        "step": meta.get("step"),
+        "device": str(target.device),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "data": data or (loaded.cfg.data.shards or "synthetic"),
+        "temperature": temperature,
+        "seed": seed,
+        "block_size": block,
+        "mask_token_id": drafter.mask_token_id,
+        "prompts": len(per_prompt),
+        "new_tokens": new_total,
+        "steps": steps,
+        "tau": sum((k + 1) * c for k, c in enumerate(hist)) / steps if steps else None,
+        "tau_mean": _mean([r["tau"] for r in per_prompt]),
+        "tau_per_prompt": [r["tau"] for r in per_prompt],
+        "accept_len_hist": hist,
+        "tokens_per_target_forward": new_total / forwards_total if forwards_total else None,
+        "greedy_identical": (not mismatched) if greedy and temperature == 0 else None,
+        "mismatched_prompts": mismatched,
+        "speed": {
+            "speculative_s": spec_s,
+            "speculative_tok_s": new_total / spec_s if spec_s else None,
+            "greedy_s": greedy_s if greedy else None,
+            "greedy_tok_s": new_total / greedy_s if greedy and greedy_s else None,
+            "speedup": greedy_s / spec_s if greedy and spec_s else None,
+        },
+        "training": training_figure(loaded.path, int(meta.get("step") or 0)),
+        "reference": None,
+        "per_prompt": per_prompt,
+    }
+    if reference:
+        refs = [r["reference"] for r in per_prompt]
+        report["reference"] = {key: _mean([r[key] for r in refs]) for key in
+                               ("anchor_tau", "harmonic_tau", "chain_tau", "target_agreement")}
+        report["reference"]["anchors"] = sum(r["anchors"] for r in refs)
+    return report
+
+
+# ---------------------------------------------------------------------------- text
+
+
+def _fmt(value, spec=".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def format_text(report: dict) -> str:
+    """The report for people: the figures, then what explains a gap."""
+    sp, tr, ref = report["speed"], report.get("training"), report.get("reference")
+    lines = [
+        f"checkpoint  {report['checkpoint']} (step {report['step']})",
+        f"decoding    {report['prompts']} prompts, {report['new_tokens']} new tokens, block {report['block_size']}, "
+        f"temperature {report['temperature']}, {report['device']} {report['dtype']}",
+        f"tau         {_fmt(report['tau'])} per verification step (mean over prompts {_fmt(report['tau_mean'])}); "
+        f"{_fmt(report['tokens_per_target_forward'])} tokens per target forward",
+        "accepted    " + "  ".join(f"{k}:{c}" for k, c in enumerate(report["accept_len_hist"]) if c)
+        + "   (draft tokens accepted per step: count)",
+        f"speed       speculative {_fmt(sp['speculative_tok_s'], '.1f')} tok/s, greedy {_fmt(sp['greedy_tok_s'], '.1f')} "
+        f"tok/s, speed-up {_fmt(sp['speedup'])}x",
+    ]
+    if report["greedy_identical"] is not None:
+        lines.append("greedy      " + ("identical to plain greedy decoding on every prompt" if report["greedy_identical"]
+                                       else f"DIFFERS from plain greedy decoding on prompts {report['mismatched_prompts']}"))
+    if tr:
+        lines.append(f"training    accept_len {_fmt(tr['accept_len'])} at step {tr['step']}: "
+                     f"accept_len + 1 = {_fmt(tr['tau_estimate'])}")
+    if ref:
+        lines.append(f"reference   drafter against the data: anchor tau {_fmt(ref['anchor_tau'])}, harmonic "
+                     f"{_fmt(ref['harmonic_tau'])}, chain {_fmt(ref['chain_tau'])}; the target's greedy choice is the "
+                     f"data's next token {_fmt(100 * ref['target_agreement'] if ref['target_agreement'] is not None else None, '.0f')}% of the time")
+        if ref["target_agreement"] is not None and ref["target_agreement"] < 0.9:
+            lines.append("            the data was not written by this target: the drafter learned the data, the "
+                         "target decodes otherwise, so tau stays low whatever accept_len says")
+    return "\n".join(lines)
+
+
+def report_json(report: dict) -> str:
+    return json.dumps(report, indent=2, sort_keys=True)
