@@ -1,15 +1,28 @@
 """Benchmark the bundled trainer on one GPU: tok/s, MFU, and start-to-first-step with a
-cold and then a warm compile cache.
+cold and then a warm compile cache (or any sequence of start kinds, ``--runs``).
 
     python bench/bench_trainer.py                       # qwen3-0.6b-shaped target, H200-sized defaults
     python bench/bench_trainer.py --preset qwen3-1.7b --batch-size 8
     python bench/bench_trainer.py --config my.json      # any trainer config (placement, model, ...)
     python bench/bench_trainer.py --cpu-smoke           # tiny, on CPU: checks the bench itself works
+    python bench/bench_trainer.py --runs cold,warm,artifact,resume
 
 Each run is a real ``python -m trainer`` process on full-length sequences written to a
-shard file (every sequence fills the bucket, so every anchor slot is used). Run 1
-uses a fresh compile cache directory, run 2 the same directory again. Prints one JSON
-line per run and a summary line; exit 0 when every run finished.
+shard file (every sequence fills the bucket, so every anchor slot is used). Kinds of
+start (``--runs``, in order; default ``cold,warm``):
+
+- ``cold``: a fresh compile cache directory (wiped first) and a new run directory;
+- ``warm``: the same cache directory again, a new run directory;
+- ``artifact``: a fresh, empty cache directory, and a new run directory holding the
+  ``compile_cache/`` artifact the newest earlier run saved: a new host whose cache
+  was wiped, given the artifact a controller holds;
+- ``resume``: the previous run's directory and cache, resumed from its last
+  checkpoint (``--resume auto``) for ``--steps`` more steps: a restart with
+  everything warm.
+
+Prints one JSON line per run (with the trainer's own start-up breakdown,
+``startup_s``, and its ``compile_cache`` outcome) and a summary line; exit 0 when
+every run finished.
 
 Defaults (DFLASH.md reference recipe, shrunk to one GPU): target preset qwen3-0.6b
 with random weights, 5-layer drafter, block 16, B=16 sequences of 2048 tokens, 512
@@ -60,6 +73,8 @@ def reference_config(args) -> dict:
     cfg["train"].update({"steps": args.steps or (6 if args.cpu_smoke else 20), "log_every": 1, "checkpoint_every": 0})
     if args.eager_layers:
         cfg.setdefault("compile", {})["drafter_layers"] = False
+    if getattr(args, "target_compile", None):
+        cfg.setdefault("compile", {})["target"] = args.target_compile == "on"
     if args.loss_chunk:
         cfg["train"]["loss_chunk"] = args.loss_chunk
     if args.profile:
@@ -80,8 +95,15 @@ def write_shard(directory: str, cfg: dict, samples: int) -> str:
     return directory
 
 
-def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) -> dict:
-    run_dir = os.path.join(work, name)
+def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float, *, run_dir: str | None = None,
+             resume: bool = False, artifact_from: str | None = None) -> dict:
+    """One trainer process. ``run_dir`` (default ``work/name``) is resumed when
+    ``resume``; ``artifact_from`` names an earlier run directory whose compile_cache/
+    is copied into this one before the start."""
+    run_dir = run_dir or os.path.join(work, name)
+    if artifact_from:
+        shutil.rmtree(os.path.join(run_dir, "compile_cache"), ignore_errors=True)
+        shutil.copytree(os.path.join(artifact_from, "compile_cache"), os.path.join(run_dir, "compile_cache"))
     cfg = json.loads(json.dumps(cfg))
     cfg.setdefault("compile", {})["cache_dir"] = cache_dir
     config_path = os.path.join(work, f"{name}.json")
@@ -93,7 +115,8 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) ->
     start = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "trainer", "--config", config_path, "--run-dir", run_dir,
-                                 "--resume", "never"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 "--resume", "auto" if resume else "never"], cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -105,6 +128,7 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) ->
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             metrics = [json.loads(line) for line in f if line.strip()]
+    metrics = [m for m in metrics if m["time"] >= start]  # a resumed run's directory holds the earlier lines too
     status = {}
     if os.path.exists(os.path.join(run_dir, "status.json")):
         with open(os.path.join(run_dir, "status.json")) as f:
@@ -142,6 +166,13 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float) ->
         "tok_s_per_drafter": med_each("tok_s_per_drafter"),
         "queue_depth": med_each("queue_depth"),
         "replica_checksums": metrics[-1].get("replica_checksums") if metrics else None,
+        "first_step_ms": metrics[0].get("step_ms") if metrics else None,
+        "recompiles": (metrics[-1].get("dynamo") or {}).get("recompiles") if metrics else None,
+        "compile_cache": metrics[-1].get("compile_cache") if metrics else None,
+        "compile_cache_detail": metrics[-1].get("compile_cache_detail") if metrics else None,
+        "startup_s": metrics[-1].get("startup_s") if metrics else None,
+        "last_step": metrics[-1]["step"] if metrics else None,
+        "run_dir": run_dir,
         "status": status.get("phase"),
         "error": status.get("error"),
     }
@@ -176,6 +207,8 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager-layers", action="store_true",
                    help="compile only flex_attention and the loss, not whole drafter layers (compile.drafter_layers: false)")
     p.add_argument("--loss-chunk", type=int, help="query positions per loss chunk (default: the trainer's)")
+    p.add_argument("--target-compile", choices=["on", "off"],
+                   help="compile the target's decoder layers (compile.target; default: the trainer's default)")
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per run before it is killed")
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU run of the whole bench")
@@ -186,7 +219,8 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_arguments(p)
-    p.add_argument("--runs", default="cold,warm", help="comma list of cold/warm runs, in order (default cold,warm)")
+    p.add_argument("--runs", default="cold,warm",
+                   help="comma list of cold/warm/artifact/resume starts, in order (default cold,warm)")
     p.add_argument("--cache-dir", help="compile cache to use (default: a fresh temporary directory)")
     p.add_argument("--work-dir", help="where run directories and logs go (default: a temporary directory, removed)")
     args = p.parse_args(argv)
@@ -198,20 +232,42 @@ def main(argv=None) -> int:
     cfg["data"]["shards"] = write_shard(os.path.join(work, "shards"), cfg, samples=max(32, 4 * batch))
     print(json.dumps({"bench": "trainer", "config": cfg, "work_dir": work, "cache_dir": cache_dir}), flush=True)
     results = []
-    for i, kind in enumerate(k.strip() for k in args.runs.split(",") if k.strip()):
-        if kind == "cold" and os.path.isdir(cache_dir) and i == 0 and not args.cache_dir:
+    kinds = [k.strip() for k in args.runs.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - {"cold", "warm", "artifact", "resume"})
+    if unknown:
+        p.error(f"--runs: unknown kind(s) {unknown}; use cold, warm, artifact, resume")
+    for i, kind in enumerate(kinds):
+        run_cfg, cache, options = cfg, cache_dir, {}
+        if kind == "cold" and os.path.isdir(cache_dir) and not args.cache_dir:
             shutil.rmtree(cache_dir)
-        result = run_once(f"{i}-{kind}", cfg, work, cache_dir, args.timeout)
+        if kind == "artifact":
+            saved = [r for r in results if os.path.exists(os.path.join(r["run_dir"], "compile_cache", "compile_cache.json"))]
+            if not saved:
+                p.error("--runs: an 'artifact' start needs an earlier run that saved compile_cache/")
+            cache = os.path.join(work, f"compile-cache-artifact{i}")  # this host's cache: wiped
+            shutil.rmtree(cache, ignore_errors=True)
+            options["artifact_from"] = saved[-1]["run_dir"]
+        if kind == "resume":
+            if not results:
+                p.error("--runs: a 'resume' start needs an earlier run")
+            prev = results[-1]
+            run_cfg = json.loads(json.dumps(cfg))
+            run_cfg["train"]["steps"] = (prev["last_step"] or 0) + cfg["train"]["steps"]
+            cache = prev["cache_dir"]
+            options.update(run_dir=prev["run_dir"], resume=True)
+        result = run_once(f"{i}-{kind}", run_cfg, work, cache, args.timeout, **options)
+        result.update(kind=kind, cache_dir=cache)
         results.append(result)
         print(json.dumps(result), flush=True)
-        table = os.path.join(work, result["run"], "profile.txt")
-        if os.path.exists(table):
+        table = os.path.join(result["run_dir"], "profile.txt")
+        if os.path.exists(table) and kind != "resume":
             with open(table) as f:
                 print(f.read(), flush=True)
     ok = all(r["exit_code"] == 0 for r in results)
     summary = {"summary": True, "ok": ok}
     for r in results:
-        summary[r["run"]] = {k: r[k] for k in ("start_to_first_step_s", "warmup_s", "tok_s", "mfu", "step_ms")}
+        summary[r["run"]] = {k: r[k] for k in ("start_to_first_step_s", "warmup_s", "tok_s", "mfu", "mfu_drafter",
+                                               "step_ms", "compile_cache", "recompiles", "startup_s")}
     print(json.dumps(summary), flush=True)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)

@@ -9,12 +9,29 @@
 #   bash bench/gpu_session.sh 4   # 2+ GPUs: topology 1+1, 3 cold starts + 1 warm, 200 steps each
 #   bash bench/gpu_session.sh 5   # 4+ GPUs: topology 2+2, the same (scaling against part 4's 1+1 figure)
 #   (8 GPUs: python3 bench/bench_multigpu.py --topology 5+3 --steps 200 --batch-size 8, split the same way)
+#   bash bench/gpu_session.sh 6   # 2 GPUs, two jobs at once, each pinned to half the CPUs: GPU 0: the loss
+#                                 # chunk's two compiled forms, reference size with the target compiled off/on
+#                                 # (profile); GPU 1: compile artifacts (cold, warm, artifact on a wiped
+#                                 # cache) and restart downtime (small preset); then 1+1 with the target on/off
+#   bash bench/gpu_session.sh 7   # 2 GPUs at once: 5 fresh-cache threaded cold starts with the discipline
+#                                 # (GPU 0) and 3 without it (GPU 1)
+# Parts 6-7 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3|4|5" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6|7" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
+
+pin() {  # pin CPUS CMD...: run CMD on those CPUs only (the inductor's compile workers follow)
+  local cpus=$1; shift
+  if command -v taskset >/dev/null; then taskset -c "$cpus" "$@"; else "$@"; fi
+}
+
+pack() {  # the logs of parts 6-7, small enough to come back
+  tar czf "$out/logs.tgz" --exclude='*.bin' --exclude='profile.json' --exclude='shards*' --exclude='checkpoints' \
+    --exclude='compile-cache*' --exclude='cache-*' -C "$1" . 2>/dev/null
+}
 
 capture() {  # nvidia-smi under load, for tests/fixtures/nvidia-smi; $1: seconds to wait, $2: name
   sleep "$1"
@@ -48,5 +65,60 @@ case "${1:-}" in
     timeout 570 python3 bench/bench_multigpu.py --topology "$topo" --steps 200 --batch-size 8 --timeout 130 2>&1 \
       | tee "$out/multigpu-$topo.log"
     wait
+    ;;
+  6)
+    work=$(mktemp -d)
+    ( export CUDA_VISIBLE_DEVICES=0
+      pin 0-15 python3 - <<'PY' 2>&1 | tee "$work/loss-ab.log"
+import json, torch, triton
+from trainer.loss import chunk_cross_entropy
+C, V = 4096, 151936  # one loss chunk of the reference shape
+torch.manual_seed(0)
+logits = (torch.randn(C, V, device="cuda") * 3).bfloat16()
+labels = torch.randint(0, V, (C,), device="cuda")
+weight = torch.rand(C, device="cuda")
+def in_place(l, y, w): return chunk_cross_entropy(l, y, w, True, in_place=True)
+def fusable(l, y, w): return chunk_cross_entropy(l, y, w, True, in_place=False)
+out, ms = {}, {}
+for fn in (in_place, fusable):
+    c = torch.compile(fn, dynamic=False)
+    out[fn.__name__] = c(logits, labels, weight)
+    ms[fn.__name__] = triton.testing.do_bench(lambda: c(logits, labels, weight), warmup=50, rep=300, return_mode="median")
+a, b = out["in_place"], out["fusable"]
+print(json.dumps({"chunk_ce_ms": ms, "floor_ms": round(3 * C * V * 2 / 4.8e12 * 1e3, 3),
+                  "loss_diff": float((a[0] - b[0]).abs()), "grad_max_diff": float((a[2].float() - b[2].float()).abs().max()),
+                  "top1_equal": bool(torch.equal(a[1], b[1]))}))
+PY
+      pin 0-15 timeout 60 python3 bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 \
+        --vocab 151936 --chunk 4096 --compiled 2>&1 | tee "$work/loss.log"
+      pin 0-15 timeout 170 python3 bench/bench_trainer.py --target-compile off --runs cold --steps 30 --timeout 150 \
+        --work-dir "$work/ref-target-off" --cache-dir "$work/cache-ref" 2>&1 | tee "$work/ref-target-off.log"
+      pin 0-15 timeout 150 python3 bench/bench_trainer.py --target-compile on --runs warm --steps 30 --profile 3 \
+        --timeout 130 --work-dir "$work/ref-target-on" --cache-dir "$work/cache-ref" 2>&1 | tee "$work/ref-target-on.log"
+    ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      pin 16-31 timeout 240 python3 bench/bench_trainer.py --runs cold,warm,artifact --steps 8 --timeout 110 \
+        --work-dir "$work/artifacts" 2>&1 | tee "$work/artifacts.log"
+      pin 16-31 timeout 150 python3 bench/bench_trainer.py --preset small --bucket 1024 --anchors 64 --batch-size 2 \
+        --drafter-layers 2 --layer-types full,sliding --runs cold,resume,resume --steps 10 --timeout 60 \
+        --work-dir "$work/restart" 2>&1 | tee "$work/restart.log"
+    ) &
+    wait
+    timeout 200 python3 bench/bench_multigpu.py --topology 1+1 --cold 1 --warm 0 --steps 30 --target-compile on \
+      --timeout 150 --work-dir "$work/1+1-target-on" 2>&1 | tee "$work/1+1-target-on.log"
+    timeout 120 python3 bench/bench_multigpu.py --topology 1+1 --cold 1 --warm 0 --steps 30 --target-compile off \
+      --timeout 100 --work-dir "$work/1+1-target-off" 2>&1 | tee "$work/1+1-target-off.log"
+    pack "$work"
+    ;;
+  7)
+    work=$(mktemp -d)
+    ( export CUDA_VISIBLE_DEVICES=0
+      pin 0-15 timeout 500 python3 bench/bench_coldstart.py --cold 5 --warm 0 --steps 30 --timeout 95 \
+        --work-dir "$work/safe" 2>&1 | tee "$work/coldstart.log" ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      pin 16-31 timeout 500 python3 bench/bench_coldstart.py --unsafe --cold 3 --warm 0 --steps 30 --timeout 120 \
+        --work-dir "$work/unsafe" 2>&1 | tee "$work/coldstart-unsafe.log" ) &
+    wait
+    pack "$work"
     ;;
 esac

@@ -32,7 +32,7 @@ def format_metrics(m: contract.Metrics) -> str:
     if m.tok_s is not None:
         parts.append(fmt_tok_s(m.tok_s))
     if m.loss is not None:
-        parts.append(f"loss {m.loss:.4f}")
+        parts.append(f"loss {m.loss:.4f}" if m.loss == 0 or abs(m.loss) >= 1e-3 else f"loss {m.loss:.2e}")  # 4e-7 is not 0
     if m.acc is not None:
         parts.append(f"acc {m.acc:.3f}")
     if m.accept_len is not None:

@@ -4,6 +4,10 @@ expectations, now) -> findings said in the operator's terms.
 The clock is always an argument. Sample times, ``now`` and the probe's readings
 must be on one clock: the host's (the trainer stamps metrics with it), so the
 caller passes ``now`` as local time plus ``probe.estimate_skew``.
+
+Evidence, not claims: a finding that ends or kills a run (crash, finished) needs
+agreeing evidence (``trainer_gone``); a lone signal that disagrees with the rest is
+a ``conflict`` finding, said and never acted on. Never here: I/O, or a clock read.
 """
 
 from __future__ import annotations

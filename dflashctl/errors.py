@@ -1,4 +1,8 @@
-"""Errors users see as messages (not tracebacks; DFLASHCTL_DEBUG=1 shows those)."""
+"""Errors users see as messages (not tracebacks; DFLASHCTL_DEBUG=1 shows those).
+
+Each carries what the operator needs (host, command, exit code, stderr tail, a
+hint that says what to do). Never here: printing, or anything but plain data.
+"""
 
 from __future__ import annotations
 

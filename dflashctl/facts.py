@@ -1,27 +1,58 @@
-"""Host facts for `dflashctl check`: what a run host is, gathered in ONE round trip.
+"""Host facts for `dflashctl check`: what a run host is, and whether it can hold a run.
 
 A small stdlib-only Python script (``dflashctl/remote/facts.py``) runs on the host
 (inside its container wrapper) and prints one JSON object; everything is parsed
 here, on this side, with pure functions. That answer is untrusted: a value of the
 wrong type is a ValueError naming the field (``contract.check_*``), never a crash
-of `check`. Hosts are checked concurrently; an unreachable host is a failed
-``HostCheck`` with its message, never an exception that hides the others. Nothing
-in this module runs on the host.
+of `check`.
+
+For a run host, `check` proves what `launch` needs, in two round trips: the first
+gathers the facts, writes and removes a file in the workdir, reads the installed
+torch / triton / transformers and starts a detached process and a tmux session;
+the second (after the first call has returned) looks whether both are still there,
+and in which pid namespace, then stops them. ``launch_problems`` turns that into
+``Problem``s, each naming the cause and the fix (a wrapper that runs every call in
+a new pid namespace kills the trainer's tmux session when the launch returns).
+A host that only serves as a jump is reached and described, nothing started on it.
+
+Hosts are checked concurrently; an unreachable host is a failed ``HostCheck`` with
+its message, never an exception that hides the others. Nothing in this module
+runs on the host.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
+import secrets
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from packaging.markers import InvalidMarker, Marker
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.version import InvalidVersion, Version
 
 from dflashctl import contract, parsers, remote
 from dflashctl.errors import DflashError
 from dflashctl.transport import Transport, describe_route, fanout
 
+if TYPE_CHECKING:
+    from dflashctl.config import Host, Inventory
+
 GPU_FIELDS = ("index", "name", "memory.total", "memory.used")
 DEFAULT_TIMEOUT = 30.0
+# What the bundled trainer needs of the run host's python: pyproject.toml's
+# `trainer` extra (a test holds them equal). triton is needed where torch itself
+# requires it (CUDA builds), at the version torch pins.
+TRAINER_REQUIREMENTS = (
+    "torch>=2.6",
+    "triton>=3.0; sys_platform == 'linux'",
+    "transformers>=4.51",
+)
+LAUNCH_PACKAGES = ("torch", "triton", "transformers")
+CONTAINER_WRAPPERS = "`pct exec VMID --`, `lxc-attach -n NAME --` or `docker exec NAME`"
 
 # The host-side script (dflashctl/remote/facts.py), shipped as its text.
 FACTS_SCRIPT = remote.source("facts")
@@ -33,6 +64,32 @@ class Gpu:
     name: str | None
     memory_total_mib: float | None
     memory_used_mib: float | None
+
+
+@dataclass
+class LaunchFacts:
+    """What the first call found and started for the launch checks."""
+
+    workdir_error: str | None = None  # why a file cannot be written there; None: it can
+    versions: dict[str, str | None] = field(default_factory=dict)  # package -> installed version
+    torch_requires_triton: list[str] = field(default_factory=list)  # torch's requirement lines
+    markers: dict[str, str] = field(default_factory=dict)  # the host python's PEP 508 environment
+    pidns: str | None = None  # 'pid:[4026531836]'
+    detached_pid: int | None = None
+    detached_start: int | None = None
+    detached_error: str | None = None
+    tmux_exit_code: int | None = None  # of `tmux new-session -d`; None: not tried (no tmux)
+    tmux_error: str | None = None
+
+
+@dataclass
+class LookAgain:
+    """What the second call saw of what the first one started."""
+
+    pidns: str | None = None
+    detached_alive: bool | None = None
+    tmux_alive: bool | None = None
+    tmux_error: str | None = None
 
 
 @dataclass
@@ -50,24 +107,90 @@ class HostFacts:
     disk_free: int | None = None  # bytes free in workdir
     disk_total: int | None = None
     disk_error: str | None = None
+    launch: LaunchFacts | None = None
+
+
+@dataclass
+class Problem:
+    """One thing that would stop (``error``) or mislead (``warning``) a launch on a host."""
+
+    code: str
+    severity: str  # 'error' | 'warning'
+    message: str
+    fix: str
 
 
 _TEXT_FACTS = ("hostname", "os", "kernel", "python", "python_path", "workdir")
 _OPTIONAL_TEXT_FACTS = ("tmux", "nvidia_smi", "disk_error")
 _OPTIONAL_INT_FACTS = ("disk_free", "disk_total")
 _MAX_SMI_CHARS = 1 << 20
+_MAX_SHORT = 2000
+
+
+def _json_line(text: str, what: str) -> dict:
+    last = text.strip().splitlines()[-1] if isinstance(text, str) and text.strip() else ""
+    try:
+        raw = json.loads(last) if last.startswith("{") else None
+    except (RecursionError, ValueError):
+        raw = None
+    if not isinstance(raw, dict):
+        raise ValueError(f"expected the {what} JSON object, got {str(text)[:200]!r}")
+    return raw
+
+
+def _opt_text(raw: dict, key: str, name: str, limit: int = _MAX_SHORT) -> str | None:
+    return None if raw.get(key) is None else contract.check_text(raw[key], name, limit)
+
+
+def _opt_int(raw: dict, key: str, name: str, low: int = -(2**63), high: int = 2**63) -> int | None:
+    return None if raw.get(key) is None else contract.check_int(raw[key], name, low, high)
+
+
+def _opt_bool(raw: dict, key: str, name: str) -> bool | None:
+    value = raw.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"{name} is not true or false ({type(value).__name__})")
+
+
+def _object(value: Any, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} is not an object ({type(value).__name__})")
+    return value
+
+
+def _parse_launch(raw: Any) -> LaunchFacts:
+    raw = _object(raw, "'launch'")
+    found = LaunchFacts(workdir_error=_opt_text(raw, "workdir_error", "'launch' workdir_error"),
+                        pidns=_opt_text(raw, "pidns", "'launch' pidns", 200))
+    pkgs = _object(raw.get("packages") or {}, "'launch' packages")
+    versions = _object(pkgs.get("versions") or {}, "'launch' packages versions")
+    for name in LAUNCH_PACKAGES:
+        found.versions[name] = _opt_text(versions, name, f"'launch' version of {name}", 200)
+    requires = pkgs.get("torch_requires_triton") or []
+    if not isinstance(requires, list):
+        raise ValueError("'launch' torch_requires_triton is not a list")
+    found.torch_requires_triton = [contract.check_text(r, "'launch' torch requirement", 300) for r in requires[:20]]
+    markers = _object(pkgs.get("markers") or {}, "'launch' markers")
+    found.markers = {str(k): contract.check_text(v, f"'launch' marker {k}", 300) for k, v in list(markers.items())[:20]}
+    detached = _object(raw.get("detached") or {}, "'launch' detached")
+    found.detached_pid = _opt_int(detached, "pid", "'launch' detached pid", 1, 2**31)
+    found.detached_start = _opt_int(detached, "start", "'launch' detached start", 0)
+    found.detached_error = _opt_text(detached, "error", "'launch' detached error")
+    tmux = raw.get("tmux")
+    if tmux is not None:
+        tmux = _object(tmux, "'launch' tmux")
+        found.tmux_exit_code = _opt_int(tmux, "exit_code", "'launch' tmux exit_code", -(2**31), 2**31)
+        found.tmux_error = _opt_text(tmux, "stderr", "'launch' tmux stderr")
+        if found.tmux_exit_code is None:  # tmux was found but could not be run at all
+            found.tmux_exit_code = -1
+    return found
 
 
 def parse_facts(text: str) -> HostFacts:
     """The facts script's output -> HostFacts. ValueError (only) when it is not its
     JSON, or a fact has the wrong type (the message names it)."""
-    last = text.strip().splitlines()[-1] if isinstance(text, str) and text.strip() else ""
-    try:
-        raw = json.loads(last) if last.startswith("{") else None
-    except RecursionError:
-        raw = None
-    if not isinstance(raw, dict):
-        raise ValueError(f"expected the facts JSON object, got {str(text)[:200]!r}")
+    raw = _json_line(text, "facts")
     values: dict[str, Any] = {}
     for key in _TEXT_FACTS:
         values[key] = contract.check_text(raw.get(key), f"'{key}'")
@@ -78,6 +201,8 @@ def parse_facts(text: str) -> HostFacts:
         if raw.get(key) is not None:
             values[key] = contract.check_int(raw[key], f"'{key}'", 0, 2**64)
     facts = HostFacts(**values)
+    if raw.get("launch") is not None:
+        facts.launch = _parse_launch(raw["launch"])
     query = raw.get("gpu_query")
     if query is None:
         return facts
@@ -98,14 +223,181 @@ def parse_facts(text: str) -> HostFacts:
     return facts
 
 
-def gather_facts(transport: Transport, timeout: float | None = None) -> HostFacts:
-    """One round trip to the host; creates its workdir if missing."""
-    args = json.dumps({"workdir": transport.host.workdir, "gpu_fields": list(GPU_FIELDS)})
-    result = transport.run_script(FACTS_SCRIPT, [args], timeout=timeout or DEFAULT_TIMEOUT)
+def parse_look(text: str) -> LookAgain:
+    """The second call's answer -> LookAgain (ValueError as ``parse_facts``)."""
+    raw = _json_line(text, "look-again")
+    return LookAgain(
+        pidns=_opt_text(raw, "pidns", "'pidns'", 200),
+        detached_alive=_opt_bool(raw, "detached_alive", "'detached_alive'"),
+        tmux_alive=_opt_bool(raw, "tmux_alive", "'tmux_alive'"),
+        tmux_error=_opt_text(raw, "tmux_error", "'tmux_error'"),
+    )
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def gather_facts(transport: Transport, timeout: float | None = None, launch_token: str | None = None) -> HostFacts:
+    """One round trip to the host; creates its workdir if missing. With a
+    ``launch_token``, also the launch checks' first half (``look_again`` is the second)."""
+    args: dict[str, Any] = {"workdir": transport.host.workdir, "gpu_fields": list(GPU_FIELDS)}
+    if launch_token is not None:
+        args["launch"] = {"token": launch_token, "packages": list(LAUNCH_PACKAGES)}
+    result = transport.run_script(FACTS_SCRIPT, [json.dumps(args)], timeout=timeout or DEFAULT_TIMEOUT)
     try:
         return parse_facts(result.stdout)
     except ValueError as e:
         raise DflashError(f"{transport.name}: unexpected answer from the facts script: {e}") from None
+
+
+def look_again(transport: Transport, launch: LaunchFacts, token: str, timeout: float | None = None) -> LookAgain:
+    """The second round trip: are the detached process and the tmux session that the
+    first one started still there? Stops them either way."""
+    args = {"look": {"pid": launch.detached_pid, "start": launch.detached_start, "token": token}}
+    result = transport.run_script(FACTS_SCRIPT, [json.dumps(args)], timeout=timeout or DEFAULT_TIMEOUT)
+    try:
+        return parse_look(result.stdout)
+    except ValueError as e:
+        raise DflashError(f"{transport.name}: unexpected answer from the facts script: {e}") from None
+
+
+# --------------------------------------------------------------------------- what launch needs (pure)
+
+
+def _inside(host: "Host") -> str:
+    return f"inside the container (`{shlex.join(host.wrapper)}`)" if host.wrapper else "on the host"
+
+
+def _pip(facts: HostFacts, spec: str) -> str:
+    return f"`{shlex.join([facts.python_path, '-m', 'pip', 'install', spec])}`"
+
+
+def _package_problems(host: "Host", facts: HostFacts, launch: LaunchFacts) -> list[Problem]:
+    problems = []
+    where = f"{facts.python_path} (python {facts.python}) {_inside(host)}"
+    other_python = f"or set `python:` for host '{host.name}' to the interpreter that has it"
+    wanted = {Requirement(r).name: Requirement(r) for r in TRAINER_REQUIREMENTS}
+    for name in ("torch", "transformers"):
+        requirement, installed = wanted[name], launch.versions.get(name)
+        spec = f"{name}{requirement.specifier}"
+        if installed is None:
+            problems.append(Problem(f"{name}-missing", "error", f"{name} is not installed for {where}: the trainer "
+                                    "imports it", f"install it for that python: {_pip(facts, spec)} "
+                                    f"(a CUDA build of torch on GPU hosts), {other_python}"))
+        elif not _satisfies(requirement, installed):
+            problems.append(Problem(f"{name}-version", "error", f"{name} {installed} is installed for {where}; the "
+                                    f"trainer needs {spec}", f"upgrade it: {_pip(facts, spec)}, {other_python}"))
+    torch_version = launch.versions.get("torch")
+    for line in launch.torch_requires_triton if torch_version else []:
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if requirement.marker is not None and not _marker_holds(requirement.marker, launch.markers):
+            continue
+        installed = launch.versions.get("triton")
+        floor = wanted["triton"]
+        if installed is not None and _satisfies(requirement, installed) and _satisfies(floor, installed):
+            continue
+        spec = f"triton{requirement.specifier}"
+        have = f"triton {installed} is installed" if installed else "triton is not installed"
+        problems.append(Problem(
+            "triton-version", "error",
+            f"torch {torch_version} requires {spec}; {have} for {where}: torch.compile kernels will fail to build "
+            "or fall back to slow paths", f"install the triton torch was built with: {_pip(facts, spec)}"))
+        break
+    return problems
+
+
+def _satisfies(requirement: Requirement, version: str) -> bool:
+    try:
+        return requirement.specifier.contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return False
+
+
+def _marker_holds(marker: Marker, environment: dict[str, str]) -> bool:
+    try:
+        return marker.evaluate({**environment, "extra": ""})
+    except (InvalidMarker, KeyError, ValueError, TypeError):
+        return True  # cannot tell: check the requirement rather than skip it
+
+
+def launch_problems(host: "Host", facts: HostFacts, look: LookAgain | None, user: str | None = None) -> list[Problem]:
+    """What would stop a launch on this host, from the two calls' answers; each
+    problem names the cause and the fix. ``user``: who the host's commands run as."""
+    launch = facts.launch
+    if launch is None:
+        return []
+    problems: list[Problem] = []
+    user = user or host.user or getpass.getuser()
+    through = f"the wrapper `{shlex.join(host.wrapper)}`" if host.wrapper else "an SSH command"
+    new_namespace = look is not None and launch.pidns and look.pidns and launch.pidns != look.pidns
+    if new_namespace:
+        problems.append(Problem(
+            "pid-namespace", "error",
+            f"this wrapper (`{shlex.join(host.wrapper)}`) runs each command in a new pid namespace: processes die "
+            f"when the call returns ({launch.pidns} at one call, {look.pidns} at the next; a detached process and a "
+            "tmux session started by the first were gone), so the trainer's tmux session would die as soon as "
+            "`launch` returns",
+            f"use a wrapper that enters the running container instead of starting a new one: {CONTAINER_WRAPPERS} "
+            f"(`wrapper:` of host '{host.name}' in the inventory)"))
+    lingering_fix = (f"let user {user}'s processes outlive the SSH session on the host: "
+                     f"`loginctl enable-linger {shlex.quote(user)}` (systemd-logind's KillUserProcesses), or a "
+                     "wrapper that does not kill what it started")
+    if launch.detached_error:
+        problems.append(Problem("detached-start", "error", f"cannot start a detached process through {through}: "
+                                f"{launch.detached_error}", lingering_fix))
+    elif look is not None and look.detached_alive is False and not new_namespace:
+        problems.append(Problem(
+            "detached-killed", "error",
+            f"a detached process started through {through} did not outlive the call that started it (same pid "
+            "namespace): something ends a session's processes when it closes, so the trainer would die with "
+            "its launch call", lingering_fix))
+    if facts.tmux is None:
+        problems.append(Problem("tmux-missing", "error", f"tmux is not installed {_inside(host)}: launch starts "
+                                "the trainer in a tmux session there",
+                                f"install it {_inside(host)}: `apt-get install -y tmux` (or the distribution's "
+                                "package)"))
+    elif launch.tmux_exit_code not in (None, 0):
+        problems.append(Problem("tmux-failed", "error", f"tmux cannot start a session {_inside(host)} "
+                                f"(exit {launch.tmux_exit_code}): {launch.tmux_error or 'no message'}",
+                                f"make `tmux new-session -d` work for user {user} there (a writable $TMUX_TMPDIR "
+                                "or /tmp, a UTF-8 locale)"))
+    elif look is not None and look.tmux_alive is False and not new_namespace:
+        problems.append(Problem(
+            "tmux-lost", "error",
+            f"a tmux session started through {through} was gone at the next call: the tmux server does not "
+            "outlive the call, nor would the trainer's session", lingering_fix))
+    if launch.workdir_error:
+        problems.append(Problem(
+            "workdir", "error", f"the work directory {facts.workdir} is not writable {_inside(host)}: "
+            f"{launch.workdir_error}",
+            f"set `workdir:` for host '{host.name}' to a directory that user {user} can write there, or fix its "
+            "owner and permissions"))
+    problems += _package_problems(host, facts, launch)
+    return problems
+
+
+def gpu_count_problem(host: "Host", found: int | None, smi_present: bool = True) -> Problem | None:
+    """A warning when the inventory's ``gpus:`` differs from the GPUs nvidia-smi
+    shows (``found``; None: it gave no answer); None when they agree or nothing is claimed."""
+    if host.gpus is None or found is None and smi_present:
+        return None
+    if not smi_present:
+        if not host.gpus:
+            return None
+        seen = "the host has no nvidia-smi"
+    elif found == host.gpus:
+        return None
+    else:
+        seen = f"nvidia-smi shows {found} GPU{'s' if found != 1 else ''}"
+    return Problem("gpu-count", "warning", f"the inventory says `gpus: {host.gpus}` for host '{host.name}', but {seen}",
+                   f"set `gpus: {found or 0}` for host '{host.name}' in the inventory (playbook GPU placement is "
+                   "checked against it), or find out where the missing GPUs went (`nvidia-smi -L`)")
+
+
+# --------------------------------------------------------------------------- check
 
 
 @dataclass
@@ -119,7 +411,9 @@ class HostCheck:
     wrapper: list[str]
     address: str | None  # address:port as the last jump sees it; None for local
     seconds: float
+    role: str = "run"  # 'run', or 'jump': only a jump host for others (no launch checks)
     facts: HostFacts | None = None
+    problems: list[Problem] = field(default_factory=list)
     error: str | None = None
     hint: str | None = None
 
@@ -127,10 +421,20 @@ class HostCheck:
         return asdict(self)
 
 
-def check_hosts(inventory, names: list[str] | None = None, timeout: float | None = None) -> list[HostCheck]:
+def jump_only(inventory: "Inventory", name: str) -> bool:
+    """Whether the host only carries connections to others: another inventory host
+    goes through it, and it declares no GPUs and no container."""
+    host = inventory.get(name)
+    if host.is_local or host.gpus or host.wrapper:
+        return False
+    return any(h.name == name for other in inventory.hosts if other != name for h in inventory.route(other)[:-1])
+
+
+def check_hosts(inventory: "Inventory", names: list[str] | None = None, timeout: float | None = None) -> list[HostCheck]:
     """Check every named host (default: all) at once. Unknown names: ConfigError."""
     names = list(names or inventory.hosts)
     routes = {name: inventory.route(name) for name in names}
+    jumps = {name: jump_only(inventory, name) for name in names}
 
     def blank(name: str) -> HostCheck:
         route = routes[name]
@@ -143,14 +447,24 @@ def check_hosts(inventory, names: list[str] | None = None, timeout: float | None
             wrapper=list(host.wrapper),
             address=None if host.is_local else f"{host.address}:{host.port}",
             seconds=0.0,
+            role="jump" if jumps[name] else "run",
         )
 
     def check(transport: Transport) -> HostCheck:
         found = blank(transport.name)
+        host = transport.host
         started = time.monotonic()
+        token = None if jumps[transport.name] else secrets.token_hex(6)
         try:
-            found.facts = gather_facts(transport, timeout)
-            found.ok = True
+            found.facts = gather_facts(transport, timeout, launch_token=token)
+            if token is not None and found.facts.launch is not None:
+                look = look_again(transport, found.facts.launch, token, timeout)
+                found.problems = launch_problems(host, found.facts, look, getattr(transport, "user", None))
+            smi = found.facts.nvidia_smi is not None
+            count = gpu_count_problem(host, None if found.facts.gpu_error else len(found.facts.gpus), smi)
+            if count is not None:
+                found.problems.append(count)
+            found.ok = not any(p.severity == "error" for p in found.problems)
         except DflashError as e:
             found.error, found.hint = str(e), e.hint
         found.seconds = time.monotonic() - started

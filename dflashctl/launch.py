@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from dflashctl import deploy
 from dflashctl.bundle import Bundle, build_bundle
 from dflashctl.errors import DflashError, TransportError, first_line
+from dflashctl.facts import gpu_count_problem
 from dflashctl.runhost import (
     RUN_SCRIPT, START_TIMEOUT, LaunchError, Progress, host_transport, local_host, quiet, run_environment, run_files,
     start_command, wait_started,
@@ -213,10 +214,26 @@ class _Launcher:
                 hint=f"see `dflashctl env-audit {shlex.quote(self.playbook.name)}`; fix them, or pass --force "
                      "to launch anyway",
             )
-        self.say("preflight", f"{len(findings)} finding(s)" + (" (forced past errors)" if blocking else ""))
+        forced = " (forced past errors)" if blocking and self.force else ""
+        self.say("preflight", f"{len(findings)} finding(s){forced}")
+
+    def _refuse_second_run(self) -> None:
+        """A playbook has one active run unless forced: two `launch demo` typed at once
+        must not both start (a CPU run claims no GPU that would stop the second)."""
+        if self.force or self.store is None:
+            return
+        active = self.store.list_runs(playbook=self.playbook.name, active_only=True)
+        if active:
+            other = active[0]
+            raise LaunchError(
+                f"playbook {self.playbook.name} already has an active run: {other.id} ({other.state} on {other.host})",
+                hint=f"`dflashctl status {other.id}` shows it, `dflashctl stop {other.id}` stops it; "
+                     "--force launches another run anyway")
 
     def run(self) -> LaunchResult:
         pb, host = self.playbook, self.host
+        if not self.dry_run:
+            self._refuse_second_run()
         if self.dry_run:  # the audit only reads the host: it runs, shows the drift, and never blocks
             from dflashctl.envaudit import preflight as audit_preflight
 
@@ -260,11 +277,13 @@ class _Launcher:
             self._start(run_id, run_dir)
             return LaunchResult(run_id, "dry-run", host.name, run_dir, run_id, dry_run=True, findings=findings)
 
-        run = self.store.create_run(
-            pb.name, host.name, config, now, run_id=run_id, bundle_hash=bundle.hash, run_dir=run_dir,
-            tmux_session=run_id, tmux_socket=self.socket, claim_gpus=not self.force,
-            message=f"launch of playbook {pb.name} on {host.name}" + (" (forced)" if self.force else ""),
-        )
+        with self.store.batch():  # checked again with the record: a launch racing this one cannot also pass
+            self._refuse_second_run()
+            run = self.store.create_run(
+                pb.name, host.name, config, now, run_id=run_id, bundle_hash=bundle.hash, run_dir=run_dir,
+                tmux_session=run_id, tmux_socket=self.socket, claim_gpus=not self.force,
+                message=f"launch of playbook {pb.name} on {host.name}" + (" (forced)" if self.force else ""),
+            )
         self.store.add_event(run_id, "deploy", f"bundle {bundle.short} {result.status}", self.clock(),
                              detail=result.to_dict())
         self.say("record", f"run {run.id} (GPUs {', '.join(map(str, gpus)) or 'none'})")
@@ -321,10 +340,15 @@ class _Launcher:
             self.say("gpus", f"warning: cannot check GPUs ({smi_error}); forced")
             return wanted
         busy = busy_gpus(probe, wanted)
+        count = gpu_count_problem(self.host, len(probe.gpus))  # the inventory's gpus: against nvidia-smi
+        if count is not None:
+            self.say("gpus", f"warning: {count.message}")
+        absent = [g for g, why in busy.items() if why.startswith("not present")]
         if busy and not self.force:
             listed = "; ".join(f"GPU {g}: {why}" for g, why in sorted(busy.items()))
-            raise LaunchError(f"{self.host.name}: GPUs busy: {listed}",
-                              hint="wait for them, change trainer.placement, or pass --force")
+            raise LaunchError(f"{self.host.name}: GPUs {'not present' if len(absent) == len(busy) else 'busy'}: {listed}",
+                              hint=("change trainer.placement to GPUs that nvidia-smi shows, or pass --force" if absent
+                                    else "wait for them, change trainer.placement, or pass --force"))
         self.say("gpus", f"GPUs {wanted} free" if not busy else f"GPUs {sorted(busy)} busy; forced")
         return wanted
 

@@ -2,6 +2,7 @@
 
 Pure: the clock (``now``) and the randomness (``rng``, for backoff jitter) are
 arguments. Every action carries the reason it was taken, in operator terms.
+Never here: I/O, a clock read, or an action taken (the supervisor acts).
 """
 
 from __future__ import annotations

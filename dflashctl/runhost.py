@@ -347,9 +347,39 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     if state not in TRANSITIONS[run.state]:
         state = STOPPED
     why = "had already ended" if ended_before else "stopped by the operator"
-    store.transition(run.id, state, f"{why}: {reason}", clock(), exit_code=code, exit_reason=reason)
-    say("stop", f"run {run.id} {state} ({reason})")
+    step = _record_last_steps(store, run, transport, probe, clock)
+    at = f" at step {step:,}" if step is not None else ""
+    store.transition(run.id, state, f"{why}{at}: {reason}", clock(), {"step": step}, exit_code=code,
+                     exit_reason=reason)
+    say("stop", f"run {run.id} {state}{at} ({reason})")
     return store.get_run(run.id)
+
+
+def _record_last_steps(store: Store, run: Run, transport: "Transport", probe: "ProbeResult",
+                       clock: Callable[[], float]) -> int | None:
+    """Store the metrics lines written since the supervisor last read them (those up
+    to the trainer's final checkpoint: its supervisor is gone by now) and return the
+    step the trainer reached, from them or its status.json."""
+    from dflashctl.parsers import parse_metrics_chunk
+
+    offset, inode = store.metrics_position(run.id)
+    steps = [probe.status.step] if probe.status is not None and probe.status.step else []
+    for _ in range(50):  # one bounded chunk per probe
+        try:
+            answer = probe_run(transport, run, offset=offset, inode=inode)
+        except DflashError:
+            break
+        if answer.metrics_offset is None or answer.metrics_reset:
+            break  # unreadable, or rewritten from the start: what is stored stays as it is
+        lines, _ = parse_metrics_chunk(answer.metrics_chunk)
+        if answer.metrics_offset != offset:
+            store.add_samples(run.id, lines, metrics_offset=answer.metrics_offset, metrics_inode=answer.metrics_inode,
+                              observed=clock())
+        steps += [m.step for m in lines] + ([answer.status.step] if answer.status and answer.status.step else [])
+        offset, inode = answer.metrics_offset, answer.metrics_inode
+        if not answer.metrics_more:
+            break
+    return max(steps) if steps else None
 
 
 # --------------------------------------------------------------------------- restart

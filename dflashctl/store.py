@@ -24,6 +24,7 @@ import math
 import os
 import re
 import secrets
+import shlex
 import sqlite3
 import statistics
 import threading
@@ -422,9 +423,7 @@ class Store:
                               + (f" ({free} MiB free on its file system)" if free is not None else ""),
                               hint=f"free space on the file system of {os.path.dirname(self.path)}")
         if isinstance(e, sqlite3.DatabaseError) and ("malformed" in text or "not a database" in text):
-            return StoreError(f"run store {self.path} is corrupted: {text}",
-                              hint=f"move it aside (mv {self.path} {self.path}.corrupt) and start a new one; "
-                              f"`sqlite3 {self.path}.corrupt .recover` may save its rows")
+            return StoreError(f"run store {self.path} is corrupted: {text}", hint=self._corrupt_hint())
         if isinstance(e, sqlite3.OperationalError) and "no such column" in text:
             return StoreError(f"run store {self.path} does not have the schema this dflashctl expects: {text}",
                               hint="it was changed outside dflashctl or by another version; use another store "
@@ -439,8 +438,12 @@ class Store:
             raise self.error(e) from None
         if rows != ["ok"]:
             raise StoreError(f"run store {self.path} is corrupted: integrity check: {'; '.join(rows[:3])}",
-                             hint=f"move it aside (mv {self.path} {self.path}.corrupt) and start a new one; "
-                             f"`sqlite3 {self.path}.corrupt .recover` may save its rows")
+                             hint=self._corrupt_hint())
+
+    def _corrupt_hint(self) -> str:
+        here, aside = shlex.quote(self.path), shlex.quote(self.path + ".corrupt")
+        return (f"move it aside (mv {here} {aside}) and start a new one; `sqlite3 {aside} .recover` may save "
+                "its rows")
 
     # ----------------------------------------------------------------- connections
 
@@ -786,6 +789,35 @@ class Store:
         if limit:
             sql += f" LIMIT {int(limit)}"
         return [_row_to(Sample, r) for r in reversed(self._query(sql, params))]
+
+    def recent_samples(self, run_id: str, limit: int) -> list[Sample]:
+        """The newest ``limit`` samples in time order, without their GPU readings
+        (``gpu`` is None): what a view of many runs reads on every refresh."""
+        columns = ", ".join(f.name for f in fields(Sample) if f.name != "gpu")
+        rows = self._query(f"SELECT {columns} FROM samples WHERE run_id = ? ORDER BY time DESC, id DESC LIMIT ?",
+                           [run_id, int(limit)])
+        return [_row_to(Sample, r) for r in reversed(rows)]
+
+    def gpu_samples(self, run_id: str, limit: int) -> list[Sample]:
+        """The newest ``limit`` samples that carry GPU readings, in time order."""
+        rows = self._query("SELECT * FROM samples WHERE run_id = ? AND gpu IS NOT NULL AND gpu != 'null' "
+                           "ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
+        return [_row_to(Sample, r) for r in reversed(rows)]
+
+    def sample_series(self, run_id: str, points: int = 240) -> list[dict[str, Any]]:
+        """The run's whole history in at most ``points`` buckets of equal time, oldest
+        first: per bucket its last time and step, the mean tok/s, loss, accuracy and
+        acceptance length, and how many samples it holds. A chart over days of
+        samples reads one row per bucket, never every sample."""
+        span = self._query("SELECT min(time) AS t0, max(time) AS t1 FROM samples WHERE run_id = ?", [run_id])[0]
+        if span["t0"] is None:
+            return []
+        width = max((span["t1"] - span["t0"]) / max(1, int(points)), 1e-9)
+        return self._query(
+            "SELECT min(CAST((time - ?) / ? AS INTEGER), ?) AS bucket, max(time) AS time, max(step) AS step, "
+            "avg(tok_s) AS tok_s, avg(loss) AS loss, avg(acc) AS acc, avg(accept_len) AS accept_len, "
+            "count(*) AS samples FROM samples WHERE run_id = ? GROUP BY bucket ORDER BY bucket",
+            [span["t0"], width, max(1, int(points)) - 1, run_id])
 
     def metrics_position(self, run_id: str) -> tuple[int, int | None]:
         """(byte offset, inode) of metrics.jsonl up to which samples are stored."""

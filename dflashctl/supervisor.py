@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shlex
 import random
 import socket
 import sqlite3
@@ -230,7 +231,8 @@ class Supervisor:
             raise SupervisorConflict(
                 f"run {run.id} is already supervised by pid {other['pid']}"
                 + (f" (tmux session {other['session']})" if other.get("session") else ""),
-                hint=f"stop that supervisor first (kill {other['pid']}); `dflashctl status {run.id}` shows the run",
+                hint=f"stop that supervisor first (kill {other['pid']}); `dflashctl status {shlex.quote(run.id)}` shows "
+                "the run",
             )
         run_policy, warning = policy_for_run(run, self.inventory, self.playbooks_dir)
         offset, inode = self.store.metrics_position(run.id)
@@ -408,14 +410,13 @@ class Supervisor:
         for run_id, m in t.metrics:
             self.emit("metrics", (run_id, m))
         self._emit_new_events()
+        report.findings = {run_id: [Finding(e.kind, e.severity, e.message, e.detail or {})
+                                    for rid, e in t.writes if rid == run_id and isinstance(e, core.Event)
+                                    and e.kind in _FINDING_KINDS]
+                           for run_id in report.findings}
         if not self.claim:
             for w in [w for ws in by_host.values() for w in ws]:
                 self.emit("observation", self._observation(w, report))
-        report.findings = {run_id: [Finding(e.kind, e.severity, e.message, e.detail or {})
-                                    for rid, e in t.writes if rid == run_id and isinstance(e, core.Event)
-                                    and e.kind in (detectors.CRASH, detectors.STALL, detectors.REGRESSION,
-                                                   detectors.FINISHED)]
-                           for run_id in report.findings}
         report.seconds = time.monotonic() - t0
         self.last_report = report
         return report
@@ -692,6 +693,7 @@ def live_supervisor(info: dict | None) -> dict | None:
 _attempt_output = core.attempt_output
 
 
+_FINDING_KINDS = (detectors.CRASH, detectors.STALL, detectors.REGRESSION, detectors.FINISHED, detectors.CONFLICT)
 MAX_CARRIED_SAMPLES = 2000  # sample batches kept in memory while the store refuses writes
 
 

@@ -189,7 +189,7 @@ class Tmux:
         except libtmux.exc.TmuxSessionExists:
             raise TmuxError(
                 f"{self.host.name}: a tmux session named {name} already exists on socket '{self.socket}'",
-                hint=f"stop it first: dflashctl stop {name}",
+                hint=f"stop it first: dflashctl stop {shlex.quote(name)}",
             ) from None
         except libtmux.exc.LibTmuxException as e:
             raise TmuxError(f"{self.host.name}: could not start tmux session {name}: {e}") from None

@@ -462,6 +462,7 @@ class SSHTransport(Transport):
         self.user = host.user or getpass.getuser()
         self.known_hosts = os.path.expanduser(host.known_hosts or "~/.ssh/known_hosts")
         self._connection: Connection | None = None
+        self._notes: list[str] = []  # what connecting took, for the next Result
         self._lock = threading.Lock()
         self._sessions = threading.BoundedSemaphore(MAX_SESSIONS)
 
@@ -499,9 +500,14 @@ class SSHTransport(Transport):
             if current is None or (connection is not None and current is not connection):
                 return False
             self._connection = None
+        _close_quietly(current)  # first: its tunnels then close without a word on the dead link
         for tunnelled in self.pool.riding_on(self.name):
-            tunnelled.drop()
-        _close_quietly(current)
+            # Not under the tunnelled transport's lock: it may hold it right now,
+            # connecting through this very gateway. A closed connection is replaced
+            # at its next use.
+            riding = tunnelled._connection
+            if riding is not None:
+                _close_quietly(riding)
         return True
 
     def _gateway(self) -> "SSHTransport":
@@ -539,6 +545,22 @@ class SSHTransport(Transport):
         return [first, *(f for f in others if f != first and os.path.isfile(f))]
 
     def _connect(self) -> Connection:
+        try:
+            return self._connect_once()
+        except UnreachableError as e:
+            if not getattr(e, "gateway_dropped", False):
+                raise
+            first = _bare(e)
+        # The jump's connection did not answer and was dropped; nothing ran yet:
+        # once more, through a new one.
+        try:
+            connection = self._connect_once()
+        except UnreachableError as e:
+            raise self._unreachable(f"{first}; reconnecting failed: {_bare(e)}", hint=e.hint, cls=type(e)) from None
+        self._notes.append(f"{first.removesuffix(', the next command reconnects')}; reconnected")
+        return connection
+
+    def _connect_once(self) -> Connection:
         timeout = float(self.host.connect_timeout)
         keys = self._identity_files()
         connect_kwargs: dict[str, Any] = {
@@ -621,13 +643,15 @@ class SSHTransport(Transport):
                       and elapsed >= gw.host.connect_timeout)
             if silent:
                 # The jump's connection is up but did not answer the tunnel request:
-                # replace it (and everything riding on it) at the next use.
+                # replace it (and everything riding on it).
                 gw.drop(gw_connection)
-            return self._unreachable(
+            error = self._unreachable(
                 f"no tunnel through '{gw.name}' to {target}: "
                 + (f"no answer on the jump host's open connection for {gw.host.connect_timeout:g}s; dropped it, "
                    "the next command reconnects" if silent else _cause(e))
             )
+            error.gateway_dropped = silent
+            return error
         return self._unreachable(
             f"SSH handshake with {target} failed"
             + (f": no answer within {timeout:g}s (connect_timeout)" if elapsed >= timeout - 0.1 else f": {_cause(e)}")
@@ -734,6 +758,8 @@ class SSHTransport(Transport):
             if silent is not None:
                 notes.append(f"{silent}; reconnected")
                 silent = None
+            while self._notes:
+                notes.append(self._notes.pop(0))
             ssh = connection.transport
             asked = time.monotonic()
             try:

@@ -14,10 +14,19 @@
     ssh_env.ssh_argv(h)         OpenSSH client argv reaching h (ssh -F ssh_config h)
     ssh_env.server(h)           its Server: .address, .port, .dir, .pid, .log_path
     ssh_env.known_hosts, .client_key, .ssh_config, .local_workdir   files on this machine
+    ssh_env.freeze_connection(h, client_port) / thaw(pids)   wedge one connection (SIGSTOP its sshd)
+    ssh_env.aliased_host        'aliased': in no inventory, reached as `gpu-alias` via ~/.ssh/config
+    ssh_env.container_pid('lxc')   the init of the lxc host's long-lived container namespace
 
 Each ssh host has its own $HOME (so workdir '~/dflash' differs per host), $TMUX_TMPDIR
 and bin/ first on PATH; the inventory's python is this interpreter. `target` runs
-commands inside the fake `pct exec 200 --` (hostname ct200, no PID namespace).
+commands inside the fake `pct exec 200 --` (hostname ct200, no PID namespace); `lxc`
+inside `lxc-attach -n ct300 --` (a long-lived pid namespace: processes persist);
+`fresh` inside `docker run --rm ct-fresh` (a new pid namespace per call).
+
+``ssh_home``: this process's $HOME set to a temporary one whose ~/.ssh/config knows
+`gw` (jump) and `gpu-alias` (the aliased host, ProxyJump gw), with their keys in
+~/.ssh/known_hosts and the client key as ~/.ssh/id_ed25519.
 
 A test that stops a host or cuts connections must leave it up again (try/finally).
 """
@@ -40,6 +49,14 @@ def _private_dflashctl_home(tmp_path_factory):
     os.environ["DFLASHCTL_HOME"] = str(tmp_path_factory.mktemp("dflashctl-home"))
     yield
     os.environ.pop("DFLASHCTL_HOME", None)
+
+
+@pytest.fixture
+def ssh_home(ssh_env, tmp_path, monkeypatch):
+    """A temporary $HOME whose ~/.ssh describes the aliased host (see the module docstring)."""
+    home = ssh_env.write_ssh_home(tmp_path / "home")
+    monkeypatch.setenv("HOME", str(home))
+    return home
 
 
 @pytest.fixture(scope="session")

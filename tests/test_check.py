@@ -150,3 +150,179 @@ def test_fake_nvidia_smi_on_target_prints_the_real_captures(ssh_env, mode, args,
 def test_fake_nvidia_smi_refuses_unknown_fields(ssh_env):
     r = connect("target", ssh_env.inventory).run(["nvidia-smi", "--query-gpu=index,bogus", "--format=csv"], check=False)
     assert r.exit_code == 2 and 'Field "bogus" is not a valid field to query.' in r.stderr
+
+
+# --------------------------------------------------------------------------- what launch needs
+
+
+def check_json(ssh_env, *names: str, inventory: str | None = None) -> tuple[int, dict]:
+    proc = dflashctl(ssh_env, "check", *names, "--json", inventory=inventory)
+    return proc.returncode, {h["name"]: h for h in json.loads(proc.stdout)["hosts"]}
+
+
+def changed_inventory(ssh_env, tmp_path, name: str, **changes) -> str:
+    raw = yaml.safe_load(open(ssh_env.inventory_path))
+    raw["hosts"][name].update(changes)
+    path = tmp_path / "inventory.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def lingering_check_processes() -> list[int]:
+    """Processes the facts script starts to look at again (it must stop them)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"import time; time.sleep(300)" in cmdline or b"dflashctl-check-" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def test_a_wrapper_that_starts_a_new_pid_namespace_per_call_fails_check_with_the_fix(ssh_env):
+    proc = dflashctl(ssh_env, "check", "fresh")
+    assert proc.returncode == 1
+    assert "this wrapper (`docker run --rm ct-fresh`) runs each command in a new pid namespace: processes die " \
+           "when the call returns" in proc.stderr
+    assert "fix: use a wrapper that enters the running container" in proc.stderr
+    assert "`docker exec NAME`" in proc.stderr
+    code, hosts = check_json(ssh_env, "fresh")
+    assert code == 1 and hosts["fresh"]["ok"] is False and hosts["fresh"]["facts"]["hostname"] == "ct-fresh"
+    assert [p["code"] for p in hosts["fresh"]["problems"]] == ["pid-namespace"]
+
+
+def test_a_container_whose_processes_persist_passes_check(ssh_env):
+    code, hosts = check_json(ssh_env, "lxc", "target", "local")
+    assert code == 0, hosts
+    for name, hostname in (("lxc", "ct300"), ("target", "ct200")):
+        assert hosts[name]["ok"] and hosts[name]["problems"] == [] and hosts[name]["facts"]["hostname"] == hostname
+    lxc = hosts["lxc"]["facts"]["launch"]
+    assert lxc["pidns"] == os.readlink(f"/proc/{ssh_env.container_pid('lxc')}/ns/pid")  # inside the container
+    assert lxc["versions"]["torch"] and lxc["versions"]["transformers"]
+    assert lingering_check_processes() == []  # what it started to look at again, it stopped
+
+
+def test_a_jump_host_is_only_reached_and_described(ssh_env):
+    code, hosts = check_json(ssh_env, "jump")
+    assert code == 0 and hosts["jump"]["role"] == "jump" and hosts["jump"]["facts"]["launch"] is None
+    assert dflashctl(ssh_env, "check", "jump").stdout.count("(jump host)") == 1
+
+
+def test_an_unwritable_workdir_fails_check(ssh_env, tmp_path):
+    blocker = ssh_env.home("direct") / f"file-{tmp_path.name}"
+    blocker.write_text("not a directory\n")
+    code, hosts = check_json(ssh_env, "direct", inventory=changed_inventory(ssh_env, tmp_path, "direct",
+                                                                          workdir=str(blocker)))
+    assert code == 1
+    (problem,) = hosts["direct"]["problems"]
+    assert problem["code"] == "workdir" and str(blocker) in problem["message"]
+    assert "`workdir:` for host 'direct'" in problem["fix"]
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3") or subprocess.run(
+    ["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0,
+    reason="needs a python without torch at /usr/bin/python3")
+def test_a_python_without_torch_fails_check_naming_it(ssh_env, tmp_path):
+    code, hosts = check_json(ssh_env, "direct", inventory=changed_inventory(ssh_env, tmp_path, "direct",
+                                                                          python="/usr/bin/python3"))
+    assert code == 1
+    codes = {p["code"]: p for p in hosts["direct"]["problems"]}
+    assert "torch-missing" in codes
+    assert "torch is not installed for /usr/bin/python3" in codes["torch-missing"]["message"]
+    assert "/usr/bin/python3 -m pip install 'torch>=2.6'" in codes["torch-missing"]["fix"]
+    assert "`python:` for host 'direct'" in codes["torch-missing"]["fix"]
+
+
+def test_gpus_in_the_inventory_that_nvidia_smi_does_not_show_are_a_warning(ssh_env, tmp_path):
+    inventory = changed_inventory(ssh_env, tmp_path, "target", gpus=8)
+    code, hosts = check_json(ssh_env, "target", inventory=inventory)
+    assert code == 0 and hosts["target"]["ok"]
+    (problem,) = hosts["target"]["problems"]
+    assert problem["severity"] == "warning" and problem["code"] == "gpu-count"
+    assert "`gpus: 8`" in problem["message"] and "nvidia-smi shows 1 GPU" in problem["message"]
+    assert "warning: target: the inventory says `gpus: 8`" in dflashctl(ssh_env, "check", "target",
+                                                                        inventory=inventory).stderr
+
+
+def test_the_trainer_requirements_are_pyprojects_trainer_extra():
+    tomllib = pytest.importorskip("tomllib")
+    from dflashctl.facts import TRAINER_REQUIREMENTS
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["trainer"]
+    assert [r.replace('"', "'") for r in extra] == list(TRAINER_REQUIREMENTS)
+
+
+# --------------------------------------------------------------------------- launch_problems as a table
+
+LINUX = {"platform_system": "Linux", "sys_platform": "linux", "platform_machine": "x86_64", "python_version": "3.11",
+         "python_full_version": "3.11.7", "os_name": "posix", "implementation_name": "cpython",
+         "platform_python_implementation": "CPython", "platform_release": "6", "platform_version": "1",
+         "implementation_version": "3.11.7"}
+GOOD = {"torch": "2.8.0", "triton": "3.4.0", "transformers": "4.56.0"}
+TRITON_PIN = ["triton==3.4.0; platform_system == \"Linux\" and platform_machine == \"x86_64\""]
+
+
+@pytest.mark.parametrize(
+    "launch, look, codes",
+    [
+        ({}, {}, []),
+        ({"pidns": "pid:[1]"}, {"pidns": "pid:[2]", "detached_alive": False, "tmux_alive": False}, ["pid-namespace"]),
+        ({}, {"detached_alive": False}, ["detached-killed"]),
+        ({}, {"tmux_alive": False}, ["tmux-lost"]),
+        ({"tmux_exit_code": 1, "tmux_error": "no server"}, {"tmux_alive": False}, ["tmux-failed"]),
+        ({"workdir_error": "Read-only file system"}, {}, ["workdir"]),
+        ({"versions": {**GOOD, "torch": None}}, {}, ["torch-missing"]),
+        ({"versions": {**GOOD, "transformers": "4.40.0"}}, {}, ["transformers-version"]),
+        ({"versions": {**GOOD, "triton": "3.3.1"}}, {}, ["triton-version"]),
+        ({"versions": {**GOOD, "triton": None}}, {}, ["triton-version"]),
+        ({"versions": {**GOOD, "triton": None}, "torch_requires_triton": []}, {}, []),  # a CPU build
+        ({"versions": {**GOOD, "triton": None}, "markers": {**LINUX, "platform_machine": "aarch64"}}, {}, []),
+    ],
+)
+def test_launch_problems(launch, look, codes):
+    from dflashctl.config import Host
+    from dflashctl.facts import HostFacts, LaunchFacts, LookAgain, launch_problems
+
+    host = Host(name="h", address="h", wrapper="pct exec 1 --")
+    facts = HostFacts("h", "Debian", "6", "3.11.7", "/usr/bin/python3", "/w", tmux="tmux 3.3a")
+    facts.launch = LaunchFacts(**{"versions": GOOD, "torch_requires_triton": TRITON_PIN, "markers": LINUX,
+                                  "pidns": "pid:[1]", "detached_pid": 5, "detached_start": 9, "tmux_exit_code": 0,
+                                  **launch})
+    seen = LookAgain(**{"pidns": "pid:[1]", "detached_alive": True, "tmux_alive": True, **look})
+    problems = launch_problems(host, facts, seen, user="ops")
+    assert [p.code for p in problems] == codes
+    for p in problems:
+        assert p.severity == "error" and p.message and p.fix
+    if "detached-killed" in codes:
+        assert "`loginctl enable-linger ops`" in problems[0].fix
+
+
+def test_launch_problems_without_tmux():
+    from dflashctl.config import Host
+    from dflashctl.facts import HostFacts, LaunchFacts, LookAgain, launch_problems
+
+    facts = HostFacts("h", "Debian", "6", "3.11.7", "/usr/bin/python3", "/w", tmux=None)
+    facts.launch = LaunchFacts(versions=GOOD, pidns="pid:[1]", detached_pid=5, detached_start=9)
+    (problem,) = launch_problems(Host(name="h", address="h"), facts, LookAgain(pidns="pid:[1]", detached_alive=True))
+    assert problem.code == "tmux-missing" and "apt-get install -y tmux" in problem.fix
+
+
+def test_launch_preflight_warns_on_the_gpu_count_and_names_absent_gpus(ssh_env, tmp_path):
+    from dflashctl.config import load_inventory
+    from dflashctl.launch import LaunchError, launch_run
+    from dflashctl.store import Store
+    from tests.test_launch import _playbook
+
+    inventory = load_inventory(changed_inventory(ssh_env, tmp_path, "target", gpus=8))
+    pb = _playbook(tmp_path, inventory, "target", placement={"device": "cuda", "target": [3], "drafter": [3]})
+    said = []
+    with pytest.raises(LaunchError) as caught:
+        launch_run(pb, inventory, Store(str(tmp_path / "runs.db")), progress=lambda step, text: said.append(text))
+    assert "GPUs not present: GPU 3: not present (nvidia-smi shows 1 GPU(s))" in str(caught.value)
+    assert "wait for them" not in caught.value.hint and "trainer.placement" in caught.value.hint
+    assert any("warning: the inventory says `gpus: 8` for host 'target', but nvidia-smi shows 1 GPU" in s
+               for s in said), said

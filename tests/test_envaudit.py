@@ -640,7 +640,7 @@ def test_the_controller_ships_the_collectors_text():
     argv = ea.audit_command(host)
     assert argv[:-2] == [*shlex.split(host.python), "-c"]
     assert argv[-2] == COLLECTOR.read_text() and argv[-2] is ea.audit_command(host)[-2]  # read once
-    assert json.loads(argv[-1]) == {"lib_prefixes": list(ea.LIB_PREFIXES), "modules": list(ea.TRAINER_MODULES)}
+    assert json.loads(argv[-1]) == {"lib_prefixes": list(ea.LIB_PREFIXES), "modules": [*ea.TRAINER_MODULES, "pip"]}
     assert json.loads(ea.audit_command(host, deep=True)[-1])["deep"] is True
     # Shipped as text it answers as it does run as a file, without its own sys.path[0] (the cwd).
     shipped = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout)
@@ -742,11 +742,12 @@ def test_cli_help():
 # --------------------------------------------------------------------------- drift and the launcher
 
 
-def _good_run(store: Store, playbook: str, created: float, trained_for: float, packages: dict) -> str:
-    """A run of ``playbook`` on local whose launch recorded ``packages`` and whose
+def _good_run(store: Store, playbook: str, created: float, trained_for: float, packages: dict,
+              host: str = "local") -> str:
+    """A run of ``playbook`` on ``host`` whose launch recorded ``packages`` and whose
     trainer then trained for ``trained_for`` seconds."""
-    store.add_env_snapshot("local", created - 1, packages)
-    run = store.create_run(playbook, "local", {}, created, claim_gpus=False)
+    store.add_env_snapshot(host, created - 1, packages)
+    run = store.create_run(playbook, host, {}, created, claim_gpus=False)
     store.add_samples(run.id, [{"time": created + 60 + t, "step": i + 1, "phase": "training"}
                                for i, t in enumerate([0.0, trained_for / 2, trained_for])])
     return run.id
@@ -784,28 +785,37 @@ def test_drift_against_the_last_run_that_reached_healthy_after(tmp_path):
 
 def test_launch_dry_run_shows_the_audit_its_fixes_and_the_drift(tmp_path):
     from dflashctl.launch import launch_run
+    from tests.test_envaudit_envs import CUDNN13, cudnn_files, healthy, write_dist
 
-    inventory = load_inventory(None)
-    playbook = load_playbook("demo", None, inventory)
+    env = healthy(tmp_path / "venv")
+    write_dist(env.site, *CUDNN13, cudnn_files("cudnn-cu13"))
+    inventory = env.inventory(tmp_path)
+    (tmp_path / "pb.yaml").write_text("host: box\ntrainer:\n  placement: {device: cpu}\nrestart: {healthy_after: 10m}\n")
+    playbook = load_playbook(str(tmp_path / "pb.yaml"), inventory=inventory)
     store = Store(str(tmp_path / "runs.db"))
-    report = ea.audit_host("local", inventory, playbook)
-    then = {**report.snapshot.packages(), "flashinfer-python": "0.2.5"}
-    good = _good_run(store, "demo", 1000.0, playbook.restart.healthy_after + 1, then)
+    then = {**ea.audit_host("box", inventory).snapshot.packages(), "flashinfer-python": "0.2.5"}
+    good = _good_run(store, "pb", 1000.0, 601.0, then, host="box")
     said: list[str] = []
     # As `dflashctl launch --dry-run` calls it: no store passed; the default one is read when it exists.
     with environ(DFLASHCTL_STORE=str(tmp_path / "runs.db")):
         result = launch_run(playbook, inventory, None, dry_run=True,
                             progress=lambda step, m: said.append(f"{step}: {m}"))
-    assert result.state == "dry-run"
+    assert result.state == "dry-run"  # errors do not stop a dry run: it says a launch would stop
+    assert "preflight: a launch would stop here: 2 error(s) (--force goes past them)" in said
     drift = [f for f in result.findings if f.code == "drift"]
     assert drift and f"removed flashinfer-python 0.2.5 (last good run: {good})" in drift[0].message
     assert any(line.startswith("preflight: warning: environment changed since the last good run") for line in said)
-    assert len(store.env_snapshots("local")) == 1  # a dry run records nothing
+    # Each finding with its fix and its exact commands.
+    at = said.index(next(line for line in said if line.startswith("preflight: error: nvidia-cudnn-cu13")))
+    assert said[at + 1].startswith("preflight:   fix: uninstall nvidia-cudnn-cu13")
+    assert said[at + 2:at + 4] == [
+        f"preflight:     {env.python} -m pip uninstall -y nvidia-cudnn-cu13",
+        f"preflight:     {env.python} -m pip install --force-reinstall --no-deps nvidia-cudnn-cu12==9.1.0.70"]
+    assert len(store.env_snapshots("box")) == 1  # a dry run records nothing
 
 
-def test_launch_preflight_hook_audits_shows_fixes_and_records(tmp_path):
+def test_launch_preflight_hook_audits_and_records(tmp_path):
     from dflashctl import launch
-    from dflashctl.launch import _Launcher
 
     inventory = load_inventory(None)
     store = Store(str(tmp_path / "runs.db"))
@@ -814,14 +824,6 @@ def test_launch_preflight_hook_audits_shows_fixes_and_records(tmp_path):
     (recorded,) = store.env_snapshots("local")
     assert recorded["kind"] == "packages" and "torch" in recorded["data"]
     assert launch.blocking_findings([*findings, ea.Finding("error", "torch-missing", "x")])
-    said: list[str] = []
-    launcher = _Launcher(load_playbook("demo", None, inventory), inventory, store, True, False,
-                         lambda step, m: said.append(m), None, 1.0, None)
-    fix = ea.Finding("error", "cuda-major", "a stray", fix="uninstall it, then reinstall",
-                     commands=["/py -m pip uninstall -y x", "/py -m pip install --force-reinstall --no-deps y==1"])
-    launcher._preflight_verdict([fix])
-    assert said[:4] == ["error: a stray", "  fix: uninstall it, then reinstall", "    /py -m pip uninstall -y x",
-                        "    /py -m pip install --force-reinstall --no-deps y==1"]
 
 
 def test_a_host_python_that_does_not_run(tmp_path):

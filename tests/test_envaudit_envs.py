@@ -26,8 +26,6 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-
 from dflashctl import envaudit as ea
 from dflashctl.config import load_inventory
 from dflashctl.signatures import classify
@@ -182,8 +180,10 @@ class Venv:
 
 
 def healthy(root: Path, **kwargs) -> Venv:
-    """torch (CUDA 12.6) with the cuDNN wheel it pins and the sympy it requires."""
+    """torch (CUDA 12.6) with the cuDNN wheel it pins and the sympy it requires, and a
+    pip (a stand-in: fixes name it, these tests never run it)."""
     env = Venv(root, **kwargs)
+    write_dist(env.site, "pip", "24.0", {"pip/__init__.py": "", "pip/__main__.py": ""})
     write_dist(env.site, "torch", TORCH_VERSION, torch_files(), TORCH_REQUIRES)
     write_dist(env.site, *CUDNN12, cudnn_files("cudnn-cu12"))
     write_dist(env.site, "sympy", "1.14.0", {"sympy/__init__.py": "__version__ = '1.14.0'\n"})
@@ -265,7 +265,8 @@ def test_two_cuda_builds_of_cudnn_owning_the_same_files(tmp_path):
     # torch's cuDNN was overwritten: its RECORD says so, and what that does to `import torch`.
     (damaged,) = found["missing-files"]
     assert damaged.severity == "error" and damaged.argv == [reinstall]
-    assert "1 have another size than recorded (nvidia/cudnn/lib/libcudnn.so.9)" in damaged.message
+    assert "1 file(s) its RECORD lists have another size than recorded (nvidia/cudnn/lib/libcudnn.so.9)" in damaged.message
+    assert "torch loads a libcudnn.so.9 that is not the one this wheel installed" in damaged.message
     assert f"{CUDNN13[0]} {CUDNN13[1]} also lists them" in damaged.message
 
     # What `pip check` says, and what it means for the trainer.
@@ -370,6 +371,7 @@ def test_an_empty_metadata_of_the_imported_torch(tmp_path):
     (broken,) = by_code(report)["broken-metadata"]
     assert broken.severity == "error" and broken.paths == [str(info)]
     assert "METADATA has no name; it owns torch, which the trainer imports from it" in broken.message
+    assert broken.message.endswith(f"(pip lists torch 2.5.0 at {env.site} instead, which is not what is imported)")
     assert broken.argv == [["rm", "-r", "--", str(info)],
                            [env.python, "-m", "pip", "install", "--force-reinstall", "--no-deps", "--index-url",
                             "https://download.pytorch.org/whl/cu126", f"torch=={TORCH_VERSION}"]]
@@ -464,3 +466,17 @@ def test_the_collector_answers_in_time_and_from_its_own_python(tmp_path):
     assert s.modules["nvidia"].namespace is False  # it has an __init__.py in these wheels
     assert s.torch_elf == {"file": "torch/lib/libtorch_cuda.so", "needed": ["libcudnn.so.9"],
                            "runpath": "$ORIGIN/../../nvidia/cudnn/lib"}
+
+
+def test_fixes_install_pip_first_where_it_is_missing(tmp_path):
+    env = healthy(tmp_path / "venv")
+    for path in [env.site / "pip", env.site / dist_info_name("pip", "24.0")]:
+        for file in path.iterdir():
+            file.unlink()
+        path.rmdir()
+    write_dist(env.site, *CUDNN13, cudnn_files("cudnn-cu13"))
+    report = env.audit(tmp_path)
+    (conflict,) = by_code(report)["cuda-major"]
+    assert conflict.argv[0] == [env.python, "-m", "ensurepip"] and conflict.argv[1][-1] == CUDNN13[0]
+    steps = [argv for argv, _ in report.plan()]
+    assert steps[0] == [env.python, "-m", "ensurepip"] and steps.count(steps[0]) == 1

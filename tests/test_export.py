@@ -96,6 +96,16 @@ def write_model_dir(path, tokenizer_size: int | None = None) -> str:
     return str(path)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: these models are tiny, and on a loaded machine torch's
+    thread pool spins against other processes. The results do not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("export") / "run"

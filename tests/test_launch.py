@@ -343,6 +343,10 @@ def test_a_changed_package_set_since_the_last_good_run_is_reported(tmp_path):
     store = Store(str(tmp_path / "runs.db"))
     pb = _playbook(tmp_path, inventory, "local", name="drift", train={"steps": 5000, "log_every": 2})
     first = launch_run(pb, inventory, store)
+    # A good run is one that trained for `healthy_after`: its samples say so.
+    begin = time.time()
+    store.add_samples(first.run_id, [{"time": begin, "step": 1, "phase": "training"},
+                                     {"time": begin + pb.restart.healthy_after, "step": 2, "phase": "training"}])
     stop(first.run_id, store, inventory)
     # The package set the first launch recorded, as if the host had then had one more
     # package and an older torch (what an `apt`/`pip` "clean-up" between runs leaves).

@@ -167,7 +167,7 @@ def _the_run(store: Store):
 # --------------------------------------------------------------------------- hand-over
 
 
-@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT], ids=["SIGHUP", "SIGTERM", "SIGINT"])
 def test_a_signal_to_launch_foreground_hands_the_run_to_a_background_supervisor(local, tmp_path, signum):
     name = local.playbook("handed", {"steps": 100000, "log_every": 2, "checkpoint_every": 4})
     output = tmp_path / "launch.out"

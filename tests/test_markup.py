@@ -28,6 +28,7 @@ from dflashctl import contract
 from dflashctl.commands._app import escape, printable
 from dflashctl.store import Store
 from dflashctl.tmux import SOCKET_ENV, Tmux
+from tests.harness import free_port
 from tests.test_launch_signals import SOCKET, LocalLaunch, end, private_tmux_socket, trainer_pid  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,8 +84,9 @@ def _clean(done: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture
 def env(tmp_path):
+    # PYTHONPATH: the commands run are this checkout's, whatever the working directory.
     values = {**os.environ, "DFLASHCTL_STORE": str(tmp_path / "runs.db"), "DFLASHCTL_HOME": str(tmp_path / "home"),
-              SOCKET_ENV: SOCKET}
+              SOCKET_ENV: SOCKET, "PYTHONPATH": str(REPO)}
     for name in ("DFLASHCTL_INVENTORY", "DFLASHCTL_PLAYBOOKS", "DFLASHCTL_DEBUG"):
         values.pop(name, None)
     return values
@@ -116,8 +118,9 @@ def test_dry_run_shows_wrappers_and_workdirs_as_given(env, tmp_path, wrapper):
     workdir = f"/srv/[/x]/w{ANSI}"
     inventory = tmp_path / "in [/x]" / "inventory.yaml"
     inventory.parent.mkdir(parents=True)
-    inventory.write_text(yaml.safe_dump({"hosts": {"gpu1": {"address": "10.0.0.5", "wrapper": wrapper,
-                                                             "workdir": workdir}}}))
+    # Nothing listens on the port: the dry run's read-only env-audit is refused at once.
+    inventory.write_text(yaml.safe_dump({"hosts": {"gpu1": {"address": "127.0.0.1", "port": free_port("127.0.0.1"),
+                                                             "wrapper": wrapper, "workdir": workdir}}}))
     playbooks = tmp_path / "playbooks"
     playbooks.mkdir()
     (playbooks / "dry.yaml").write_text(yaml.safe_dump({
@@ -139,7 +142,7 @@ def test_dry_run_shows_wrappers_and_workdirs_as_given(env, tmp_path, wrapper):
 
 def test_a_launch_into_a_hostile_workdir_and_everything_shown_of_it(tmp_path, env):
     local = LocalLaunch(tmp_path, workdir=tmp_path / f"w [/x] {ANSI}")
-    env.update(local.env)
+    env.update({**local.env, "PYTHONPATH": env["PYTHONPATH"]})
     name = local.playbook("hostile", {"steps": 100000, "log_every": 2, "checkpoint_every": 4})
     args = ["-i", str(local.inventory_path), "-p", str(local.playbooks)]
     launched = _cli([*args, "launch", name, "--no-watch"], env, tmp_path)

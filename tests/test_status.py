@@ -1,9 +1,11 @@
-"""`status`: view models over a real SQLite store, the Textual app driven headless,
-and `status --once` / `--json` through the CLI."""
+"""`status`: view models over a real SQLite store (freshness, phase, smoothing,
+columns by width), `status --once` / `--json` through the CLI, and the defects
+the status console must never show again (each test names the one it guards).
+The live screen's keys and snapshots are in tests/test_tui.py and
+tests/test_tui_snapshots.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -14,42 +16,50 @@ import pytest
 
 from dflashctl.errors import ConfigError
 from dflashctl.parsers import GpuReading
-from dflashctl.store import Store
-from dflashctl.tui.model import NA, load_status, spark
+from dflashctl.store import Sample, Store
+from dflashctl.tui.model import (
+    JSON_SCHEMA, NA, SCHEMA, StatusReader, current_process, load_status, select_columns, smooth, spark,
+)
+from tests.test_tui_scenes import DEMO, NOW, OLD, PROD, beat, build, training
 
-PROD = "prod-20261129-101500-ab12"
-DEMO = "demo-20261129-101600-cd34"
-SMOKE = "smoke-20261129-102300-ef56"
+RUN_A = "prod-20261129-101500-ab12"
+RUN_B = "demo-20261129-101600-cd34"
+RUN_C = "smoke-20261129-102300-ef56"
 PROD_TOK_S = [12000.0 + 100 * i for i in range(8)]
 
 
 def fill(store: Store, now: float) -> None:
     """Three runs as the supervisor leaves them: one training on two GPUs (with a
-    restart and a regression warning), one failed, one still launching."""
-    store.create_run("prod", "gpu1", {"trainer": {"train": {"steps": 120000}}, "gpus": [0, 1]}, now - 500, run_id=PROD)
-    store.transition(PROD, "running", "trainer started", now - 490)
+    restart and a regression warning), one failed, one still launching; one
+    supervisor ticking for the first."""
+    store.create_run("prod", "gpu1", {"trainer": {"train": {"steps": 120000},
+                                                  "placement": {"target": [0], "drafter": [1]}}, "gpus": [0, 1]},
+                     now - 500, run_id=RUN_A)
+    store.transition(RUN_A, "running", "trainer started (pid 9, phase training)", now - 490)
     samples = [
-        {"time": now - 480 + 10 * i, "step": 1000 + 50 * i, "tok_s": tok_s, "loss": 2.5 - 0.1 * i,
+        {"time": now - 80 + 10 * i, "step": 1000 + 50 * i, "tok_s": tok_s, "loss": 2.5 - 0.1 * i,
          "accept_len": 3.0 + 0.1 * i, "eta_s": 5 * 86400 - 100 * i, "phase": "training", "mfu": 0.41 + 0.001 * i}
         for i, tok_s in enumerate(PROD_TOK_S)
     ]
-    store.add_samples(PROD, samples[:-1])
+    store.add_samples(RUN_A, samples[:-1], observed=now - 10)
     gpus = [
         GpuReading(index=0, uuid="GPU-0", name="NVIDIA H200", memory_used_mib=90112, memory_total_mib=143771,
                    utilization_pct=100, temperature_c=61, power_draw_w=650.5, power_limit_w=700),
         GpuReading(index=1, uuid="GPU-1", name="NVIDIA H200", memory_used_mib=None, memory_total_mib=143771),
     ]
-    store.add_sample(PROD, samples[-1], gpu=[g.__dict__ for g in gpus])  # as the supervisor stores them
-    store.add_restart(PROD, now - 300, "crash: CUDA out of memory", signature="cuda_oom")
-    store.add_event(PROD, "regression", "4.3 Ktok/s = 34% of baseline; ETA 38.2 d > 7 d", now - 100, severity="warning")
+    store.add_samples(RUN_A, [samples[-1]], gpu=[g.__dict__ for g in gpus], observed=now - 5)
+    store.add_restart(RUN_A, now - 300, "crash: CUDA out of memory", signature="cuda_oom")
+    store.add_event(RUN_A, "regression", "4.3 Ktok/s = 34% of baseline; ETA 38.2 d > 7 d", now - 100, severity="warning")
+    store.heartbeat("s1", pid=1, host="elsewhere", started=now - 600, interval=5.0, now=now - 2, runs=[RUN_A],
+                    hosts={"gpu1": {"last_ok": now - 2, "error": None, "down_since": None}})
 
-    store.create_run("demo", "local", {"trainer": {"train": {"steps": 200}}, "gpus": []}, now - 400, run_id=DEMO)
-    store.transition(DEMO, "running", "trainer started", now - 390)
-    store.add_samples(DEMO, [{"time": now - 380 + i, "step": 10 * i, "tok_s": 900.0, "loss": 4.0, "phase": "training"}
-                             for i in range(1, 4)])
-    store.transition(DEMO, "failed", "the trainer ended: crash", now - 50, exit_code=1, exit_reason="crash")
+    store.create_run("demo", "local", {"trainer": {"train": {"steps": 200}}, "gpus": []}, now - 400, run_id=RUN_B)
+    store.transition(RUN_B, "running", "trainer started", now - 390)
+    store.add_samples(RUN_B, [{"time": now - 380 + i, "step": 10 * i, "tok_s": 900.0, "loss": 4.0, "phase": "training"}
+                              for i in range(1, 4)])
+    store.transition(RUN_B, "failed", "the trainer ended: crash", now - 50, exit_code=1, exit_reason="crash")
 
-    store.create_run("smoke", "gpu1", {"trainer": {"train": {"steps": 400}}, "gpus": []}, now - 10, run_id=SMOKE)
+    store.create_run("smoke", "gpu1", {"trainer": {"train": {"steps": 400}}, "gpus": []}, now - 10, run_id=RUN_C)
 
 
 @pytest.fixture
@@ -65,138 +75,288 @@ def store(tmp_path):
 def test_status_view(store):
     now = time.time()
     view = load_status(store, now)
-    assert [r.id for r in view.runs] == [SMOKE, PROD, DEMO]  # active first, newest first
-    assert view.selected == SMOKE and [e.message for e in view.events] == ["launch requested"]
-    smoke, prod, demo = (r.cells() for r in view.runs)
+    # Needs attention first (the launching run nobody watches), then active, then newest.
+    assert [r.id for r in view.runs] == [RUN_C, RUN_A, RUN_B]
+    assert view.selected == RUN_C and [e.message for e in view.events] == ["launch requested"]
+    smoke, prod, demo = view.runs
 
-    assert prod[:5] == (PROD, "running", "gpu1", "1,350/120,000 (1.1%)", "12.7 Ktok/s")
-    assert prod[5] == "▁▂▃▄▅▆▇█" and prod[6:11] == ("42 %", "1.8000", "3.70", "5 d", "1")
-    assert prod[11].endswith("4.3 Ktok/s = 34% of baseline; ETA 38.2 d > 7 d")
-    # Nothing sampled yet: missing readings are values; a CPU run has no MFU.
-    assert smoke == (SMOKE, "launching", "gpu1", NA, NA, NA, NA, NA, NA, NA, "0", smoke[11])
-    assert smoke[11].endswith("launch requested")
-    assert demo[1] == "failed" and demo[6] == NA and demo[9] == "-" and view.runs[2].exit_reason == "crash"
+    cells = {k: prod.cell(k) for k in ("state", "phase", "step", "progress", "tok_s", "loss", "accept", "mfu",
+                                       "restarts", "eta")}
+    assert cells == {"state": "running", "phase": "training", "step": "1,350/120,000", "progress": "1.1%",
+                     "tok_s": "12.3K", "loss": "1.800", "accept": "3.70", "mfu": "42%", "restarts": "1",
+                     "eta": prod.cell("eta")}
+    assert prod.freshness.supervised and prod.freshness.live and prod.freshness.supervisor_pid == 1
+    assert prod.last_event.message.startswith("4.3 Ktok/s = 34% of baseline")
+    # ETA from the step rate over the window (50 steps / 10 s), not the trainer's own estimate.
+    assert prod.eta_s == pytest.approx((120000 - 1350) / 5.0)
+    # Nothing sampled yet, nobody watching: missing readings are values, the run says so.
+    assert smoke.display_state == "unsupervised" and smoke.cell("step") == NA and smoke.cell("tok_s") == NA
+    assert smoke.freshness.fix == f"dflashctl watch {RUN_C}"
+    assert [n.fix for n in view.notices] == [f"dflashctl watch {RUN_C}"]
+    assert demo.display_state == "failed" and demo.cell("mfu") == NA and demo.cell("eta") == "-"
+    assert demo.exit_reason == "crash"
 
-    # GPU readings of the active run's latest sample; an unread field is N/A.
-    assert [g.cells() for g in view.gpus] == [
-        ("gpu1", PROD, "0", "NVIDIA H200", "100 %", "88.0/140 GiB", "61 C", "650 W"),
-        ("gpu1", PROD, "1", "NVIDIA H200", NA, NA, NA, NA),
-    ]
-    assert json.loads(json.dumps(view.to_dict()))["runs"][1]["tok_s_history"] == PROD_TOK_S
+    # GPUs of the host with the active run, one row each, with roles; an unread field is N/A.
+    (host,) = view.hosts
+    assert host.host == "gpu1" and host.supervised and [g.index for g in host.gpus] == [0, 1]
+    g0, g1 = host.gpus
+    assert (g0.role, g0.run_id, g0.memory_text(), g0.power_text()) == ("target", RUN_A, "88/140G", "650/700W")
+    assert (g1.role, g1.utilization_pct, g1.memory_text()) == ("drafter", None, NA)
+    payload = json.loads(json.dumps(view.to_dict()))
+    assert payload["schema"] == SCHEMA and payload["runs"][1]["tok_s_history"] == PROD_TOK_S
 
 
 def test_one_run_by_prefix_and_unknown_runs(store):
     view = load_status(store, time.time(), run="demo-")
-    assert [r.id for r in view.runs] == [DEMO] and view.selected == DEMO
+    assert [r.id for r in view.runs] == [RUN_B] and view.selected == RUN_B
     assert [e.message for e in view.events] == ["launch requested", "trainer started", "the trainer ended: crash"]
-    assert view.gpus == []
+    assert view.hosts == []
     with pytest.raises(ConfigError, match="no run 'prod-2026112-' \\(did you mean 'prod-20261129-101500-ab12'"):
         load_status(store, time.time(), run="prod-2026112-")
     empty = load_status(Store(store.path + ".empty"), time.time())
     assert empty.runs == [] and empty.selected is None and "no runs yet" in empty.summary()
 
 
-def test_spark():
-    assert spark([]) == "" and spark([5.0, 5.0]) == "▅▅"
-    assert spark([1.0, 2.0, 3.0]) == "▁▅█"
-    assert spark(list(range(30)), width=4) == "▁▃▆█"
+def test_spark_is_scaled_from_zero():
+    """Defect: sparklines scaled per run exaggerated noise (12.0 vs 12.7 Ktok/s drawn
+    as an empty and a full bar)."""
+    assert spark([]) == "" and spark([5.0, 5.0]) == "██"
+    assert spark([12000.0, 12700.0]) == "██"
+    assert spark([0.0, 6.0, 12.0]) == "▁▅█"
+    assert spark([12000.0, 12700.0], low=None) == "▁█"  # what per-run scaling drew
+    assert spark([6000.0], high=12000.0) == "▅"  # half the baseline: half a bar
+    assert spark(list(range(30)), width=4) == "▇███"
 
 
-# --------------------------------------------------------------------------- the app
+def _sample(t: float, step: int, tok_s: float = 1000.0, eta: float | None = None) -> Sample:
+    return Sample(id=0, run_id="r", time=t, step=step, tok_s=tok_s, eta_s=eta, phase="training", observed=t)
 
 
-async def _loaded(pilot, app, after: int) -> None:
-    """Wait until the app has shown a store read newer than ``after``."""
-    for _ in range(200):
-        if app.loads > after:
-            return
-        await pilot.pause(0.05)
-    raise AssertionError("the status app never showed the store")
+def test_eta_and_tok_s_are_smoothed():
+    """Defect: the ETA jumped 2.7 m <-> 7.6 m within 5 s (the trainer's per-window
+    estimate); it now comes from the step rate over the newest 5 minutes."""
+    samples = [_sample(NOW - 300 + 5 * i, 100 + 10 * i, 1000.0 + (300 if i % 2 else -300),
+                       eta=162 if i % 2 else 456) for i in range(61)]
+    s = smooth(samples)
+    assert s.steps_per_s == pytest.approx(2.0) and s.tok_s == pytest.approx(1000.0, rel=0.02)
+    assert s.window_s == 300.0
+    # After a restart (the step goes back to a checkpoint) only the new process counts.
+    resumed = samples + [_sample(NOW + 5, 400), _sample(NOW + 10, 420)]
+    assert [x.step for x in current_process(resumed)] == [400, 420]
+    assert smooth(resumed).steps_per_s == pytest.approx(4.0)
 
 
-def test_app_shows_runs_events_throughput_and_gpus(store):
-    from dflashctl.tui.app import StatusApp
-    from textual.widgets import DataTable, Sparkline, Static
+def test_phase_with_its_budget(tmp_path):
+    """Defect: the phase was never shown; a run compiling for 30 minutes read
+    `running` with N/A everywhere."""
+    store = build("compiling", tmp_path)
+    (prod,) = [r for r in StatusReader(store).load(NOW).runs if r.id == PROD]
+    assert prod.phase.name == "compiling" and prod.phase.budget_s == 45 * 60 and prod.phase.elapsed_s == 720
+    assert prod.cell("phase") == "compiling 12m/45m" and prod.phase.text() == "compiling 12 m / 45 m"
+    assert prod.cell("eta") == NA  # no step rate while compiling
+    # Over budget (its supervisor still ticking): said, and a notice.
+    later = NOW + 40 * 60
+    beat(store, [PROD], later - 3, {"gpu1": {"last_ok": later - 3, "error": None, "down_since": None}})
+    view = StatusReader(store).load(later)
+    (prod,) = [r for r in view.runs if r.id == PROD]
+    assert prod.phase.over_budget and any("over budget" in n.text for n in view.notices)
 
-    async def scenario():
-        app = StatusApp(store.path, interval=60)  # refreshes are driven by the test
-        async with app.run_test(size=(120, 40)) as pilot:
-            await _loaded(pilot, app, 0)
-            runs = app.query_one("#runs", DataTable)
-            assert runs.row_count == 3
-            assert [str(c) for c in runs.get_row(PROD)[:5]] == [
-                f"  {PROD}", "running", "gpu1", "1,350/120,000 (1.1%)", "12.7 Ktok/s"]
-            assert str(runs.get_row(SMOKE)[0]) == f"▶ {SMOKE}"  # selected
-            assert "3 run(s), 2 active" in str(app.query_one("#summary", Static).content)
-            gpus = app.query_one("#gpus", DataTable)
-            assert [str(c) for c in gpus.get_row_at(0)] == [
-                "gpu1", PROD, "0", "NVIDIA H200", "100 %", "88.0/140 GiB", "61 C", "650 W"]
-            assert list(app.query_one("#throughput-spark", Sparkline).data) == []
 
-            # Enter on the second row shows that run's events and throughput.
-            loads = app.loads
-            await pilot.press("down", "enter")
-            await _loaded(pilot, app, loads)
-            assert app.selected == PROD
-            assert str(app.query_one("#events-title", Static).content) == f"events of {PROD}"
-            events = app.query_one("#events", DataTable)
-            assert [str(c) for c in events.get_row_at(events.row_count - 1)][1:] == [
-                "warning", "regression", "4.3 Ktok/s = 34% of baseline; ETA 38.2 d > 7 d"]
-            assert list(app.query_one("#throughput-spark", Sparkline).data) == PROD_TOK_S
-            label = str(app.query_one("#throughput-label", Static).content)
-            assert "now 12.7 Ktok/s, min 12.0 Ktok/s, max 12.7 Ktok/s over 8 samples" in label
+def test_a_run_nobody_watches_never_shows_a_live_eta(tmp_path):
+    """Defect: with its `watch` killed, a run kept showing `running 100/4,000 ... ETA
+    2.4 m` for minutes; `launch --no-watch` left rows `running` with no hint."""
+    store = build("unsupervised", tmp_path)
+    view = StatusReader(store).load(NOW)
+    (prod,) = [r for r in view.runs if r.id == PROD]
+    assert (prod.display_state, prod.eta_s, prod.cell("eta")) == ("unsupervised", None, "stale")
+    assert prod.freshness.note.startswith("unsupervised since 5 m ago")
+    assert view.notices[0].fix == f"dflashctl watch {PROD}"
+    # The phase clock stops at the last data: no ticking elapsed time on a dead run.
+    assert StatusReader(store).load(NOW + 3600).runs[0].phase.elapsed_s == prod.phase.elapsed_s
 
-            # The supervisor writes a new sample; a refresh shows it, the cursor stays put.
-            store.add_sample(PROD, {"time": time.time(), "step": 2400, "tok_s": 12800.0, "phase": "training"})
-            loads = app.loads
-            await pilot.press("r")
-            await _loaded(pilot, app, loads)
-            assert str(runs.get_row(PROD)[3]) == "2,400/120,000 (2.0%)" and runs.cursor_row == 1
-            assert list(app.query_one("#throughput-spark", Sparkline).data) == [*PROD_TOK_S, 12800.0]
 
-            await pilot.press("q")
-            await pilot.pause()
-            assert not app.is_running
+def test_a_killed_supervisor_of_this_machine_is_seen_at_once(tmp_path):
+    """A supervisor of this machine that was killed cannot say so; its pid is gone, so
+    its runs read as unsupervised without waiting for its heartbeat to age."""
+    store = build("healthy", tmp_path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    import socket
 
-    asyncio.run(scenario())
+    store.heartbeat("sup-1", pid=gone.pid, host=socket.gethostname(), started=NOW - 3600, interval=15.0,
+                    now=NOW - 1, runs=[PROD, DEMO], hosts={"gpu1": {"last_ok": NOW - 1}})
+    view = StatusReader(store).load(NOW)
+    assert {r.id: r.display_state for r in view.runs if r.active} == {PROD: "unsupervised", DEMO: "unsupervised"}
+    store.heartbeat("sup-1", pid=os.getpid(), host=socket.gethostname(), started=NOW - 3600, interval=15.0,
+                    now=NOW - 1, runs=[PROD, DEMO], hosts={"gpu1": {"last_ok": NOW - 1}})
+    assert StatusReader(store).load(NOW).runs[0].display_state == "running"
+
+
+def test_unreachable_and_stale(tmp_path):
+    view = StatusReader(build("unreachable", tmp_path / "u")).load(NOW)
+    (prod,) = [r for r in view.runs if r.id == PROD]
+    assert prod.display_state == "unreachable" and prod.cell("eta") == "stale"
+    assert view.notices[0].text == "host gpu1 unreachable since 2.7 m ago: connection refused"
+    assert view.hosts[0].status_text(NOW).startswith("unreachable since 2.7 m")
+    view = StatusReader(build("stale", tmp_path / "s")).load(NOW)
+    (prod,) = [r for r in view.runs if r.id == PROD]
+    assert prod.display_state == "stale" and prod.cell("age") == "2m" and prod.eta_s is None
+
+
+def test_a_finished_run_keeps_its_cause_as_last_event(tmp_path):
+    """Defect: `watch --once` on a failed run wrote "supervisor re-attached", which then
+    hid the crash cause as the last event."""
+    store = Store(str(tmp_path / "runs.db"))
+    store.create_run("demo", "local", {}, NOW - 100, run_id=DEMO)
+    store.transition(DEMO, "running", "trainer started", NOW - 90)
+    store.transition(DEMO, "failed", "the trainer ended: crash: CUDA out of memory", NOW - 50, exit_reason="crash")
+    store.add_event(DEMO, "supervisor", "supervisor re-attached", NOW - 10)
+    (run,) = StatusReader(store).load(NOW).runs
+    assert run.cell("last_event").endswith("the trainer ended: crash: CUDA out of memory")
+
+
+def test_columns_are_chosen_by_width():
+    for width in (60, 80, 100, 120, 160, 200, 300):
+        columns = select_columns(width, gap=1)
+        assert sum(c.width + 1 for c in columns) <= width, width
+        assert [c.key for c in columns][:2] == ["run", "state"]
+    keys80 = [c.key for c in select_columns(80, gap=1)]
+    assert {"phase", "progress", "eta", "tok_s"} <= set(keys80)
+    assert "last_event" in [c.key for c in select_columns(200)]
+    assert select_columns(300)[-1].width == 60  # the last event never makes the table 312 columns wide
+
+
+def test_detail_reads_the_whole_history_thresholds_and_env(tmp_path):
+    store = build("restarting", tmp_path)
+    store.add_env_snapshot("gpu1", NOW - 1400, {"torch": "2.13.0", "numpy": "2.1.0"}, run_id=PROD)
+    training(store, PROD, NOW - 90000, NOW - 80000, every=5.0, gpu_every=10**9)  # a day ago: 2000 samples
+    d = StatusReader(store).detail(PROD, NOW)
+    assert len(d.series) <= 240 and sum(p["samples"] for p in d.series) == len(store.samples(PROD))
+    assert d.series[0]["time"] < NOW - 80000 < d.series[-1]["time"]
+    assert dict(d.thresholds.lines())["compile budget"] == "45 m" and d.thresholds.error is None
+    assert (d.env.packages, d.env.torch) == (2, "2.13.0")
+    assert [r["signature"] for r in d.restarts] == ["cuda_oom"]
+    assert any(e.classification == "crash:cuda_oom" for e in d.events)
+    assert d.run.phase.name == "restarting"
 
 
 # --------------------------------------------------------------------------- the CLI
 
 
-def _cli(store: Store, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DFLASHCTL_STORE": store.path, "COLUMNS": "220"}
+def _cli(store_path: str, *args: str, columns: int = 220, tz: str = "UTC") -> subprocess.CompletedProcess:
+    env = {**os.environ, "DFLASHCTL_STORE": store_path, "COLUMNS": str(columns), "TZ": tz}
     return subprocess.run([sys.executable, "-m", "dflashctl", "status", *args], env=env, capture_output=True,
                           text=True, timeout=60)
 
 
 def test_cli_once_and_json(store):
-    once = _cli(store, "--once")
+    once = _cli(store.path, "--once")
     assert once.returncode == 0, once.stderr
     text = once.stdout
-    for needle in (PROD, DEMO, SMOKE, "1,350/120,000 (1.1%)", "12.7 Ktok/s", "▁▂▃▄▅▆▇█", f"events of {SMOKE}",
-                   "GPUs (latest samples)", "NVIDIA H200", "88.0/140 GiB"):
+    for needle in (RUN_A, RUN_B, RUN_C, "1,350/120,000", "12.3K", f"events of {RUN_C}", "GPUs", "88/140G",
+                   "unsupervised", f"dflashctl watch {RUN_C}"):
         assert needle in text, needle
     # Not a terminal: the table, not the live screen.
-    assert _cli(store).stdout.splitlines()[2:6] == text.splitlines()[2:6]
+    assert [line.split()[:3] for line in _cli(store.path).stdout.splitlines()[2:6]] == \
+        [line.split()[:3] for line in text.splitlines()[2:6]]
 
-    payload = json.loads(_cli(store, "--json").stdout)
-    assert [r["id"] for r in payload["runs"]] == [SMOKE, PROD, DEMO]
+    payload = json.loads(_cli(store.path, "--json").stdout)
+    assert [r["id"] for r in payload["runs"]] == [RUN_C, RUN_A, RUN_B]
     prod = payload["runs"][1]
     assert (prod["step"], prod["total_steps"], prod["restarts"], prod["active"]) == (1350, 120000, 1, True)
+    assert prod["freshness"]["supervised"] and prod["phase"]["name"] == "training"
     assert prod["tok_s_history"] == PROD_TOK_S and len(payload["gpus"]) == 2
 
-    one = json.loads(_cli(store, "demo", "--json").stdout)
-    assert [r["id"] for r in one["runs"]] == [DEMO] and one["events"][-1]["message"] == "the trainer ended: crash"
-    missing = _cli(store, "nope", "--json")
+    one = json.loads(_cli(store.path, "demo", "--json").stdout)
+    assert [r["id"] for r in one["runs"]] == [RUN_B] and one["events"][-1]["message"] == "the trainer ended: crash"
+    missing = _cli(store.path, "nope", "--json")
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr and "Traceback" not in missing.stderr
 
 
+def _check(schema: dict, value, where: str = "$") -> None:
+    """The parts of JSON Schema the status schema uses: type, const, required, properties, items."""
+    kinds = {"object": dict, "array": list, "string": str, "number": (int, float), "integer": int,
+             "boolean": bool, "null": type(None)}
+    if "const" in schema:
+        assert value == schema["const"], where
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        assert any(isinstance(value, kinds[t]) and not (t in ("number", "integer") and isinstance(value, bool))
+                   for t in types), f"{where}: {value!r} is not {types}"
+    for key in schema.get("required", []):
+        assert key in value, f"{where}: no {key}"
+    for key, sub in schema.get("properties", {}).items():
+        if isinstance(value, dict) and key in value:
+            _check(sub, value[key], f"{where}.{key}")
+    if "items" in schema and isinstance(value, list):
+        for i, item in enumerate(value):
+            _check(schema["items"], item, f"{where}[{i}]")
+
+
+@pytest.mark.parametrize("scene", ["healthy", "compiling", "restarting", "unreachable", "unsupervised", "empty"])
+def test_json_follows_its_documented_schema(tmp_path, scene):
+    store = build(scene, tmp_path)
+    payload = json.loads(json.dumps(StatusReader(store).load(NOW).to_dict()))
+    _check(JSON_SCHEMA, payload)
+    printed = json.loads(_cli(store.path, "--json-schema").stdout)
+    assert printed == json.loads(json.dumps(JSON_SCHEMA))
+
+
+@pytest.mark.parametrize("columns", [80, 100, 160])
+def test_once_is_readable_at_any_width(tmp_path, columns):
+    """Defect: `status --once` folded every cell into 1-6 characters at 80-160 columns
+    (246 lines for 6 runs at 80 columns); the old test pinned COLUMNS=220."""
+    store = build("healthy", tmp_path)
+    for i in range(3):  # six runs
+        store.create_run("other", "gpu2", {"trainer": {"train": {"steps": 10}}}, NOW - 10 - i,
+                         run_id=f"other-20270115-075959-000{i}")
+    text = _cli(store.path, "--once", columns=columns).stdout
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    header = next(i for i, line in enumerate(lines) if line.startswith("run ") and "state" in line)
+    table = lines[header: lines.index("", header)]
+    assert len(table) == 1 + 6  # the header and one line per run: nothing folded
+    for run_id in (PROD, DEMO, OLD, "other-20270115-075959-0001"):  # ids whole: they are copied into commands
+        assert sum(line.startswith(run_id + " ") for line in table) == 1
+    assert len(lines) < 40
+
+
+def test_help_has_no_type_tags_and_an_example():
+    done = subprocess.run([sys.executable, "-m", "dflashctl", "status", "--help"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "COLUMNS": "120"})
+    assert "--once" in done.stdout and "--json" in done.stdout and "--interval" in done.stdout
+    assert "<bool>" not in done.stdout and "<float" not in done.stdout
+    assert "dflashctl status --once" in done.stdout
+
+
 def test_data_code_imports_no_ui_and_no_torch():
-    code = ("import sys, dflashctl.commands, dflashctl.tui.model, dflashctl.envaudit; "
+    code = ("import sys, dflashctl.commands, dflashctl.tui.model, dflashctl.tui.text, dflashctl.envaudit; "
             "print(sorted({'textual', 'torch'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "[]", done.stderr
-    help_text = subprocess.run([sys.executable, "-m", "dflashctl", "status", "--help"], capture_output=True,
-                               text=True, timeout=60, env={**os.environ, "COLUMNS": "120"}).stdout
-    assert "--once" in help_text and "--json" in help_text and "--interval" in help_text
+
+
+def test_once_imports_no_textual_and_no_config_for_healthy_runs(tmp_path):
+    """`status --once` stays fast: no Textual; pydantic (the playbook models) only
+    when a run needs its playbook's thresholds."""
+    store = build("empty", tmp_path)
+    code = ("import sys; sys.argv = ['dflashctl', 'status', '--once']; from dflashctl.cli import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print(sorted({'textual', 'pydantic', 'torch'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DFLASHCTL_STORE": store.path})
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stderr
+
+
+def test_second_launch_of_a_playbook_is_refused(tmp_path):
+    """Defect: two `launch demo` at once both started, silently."""
+    from dflashctl.config import load_inventory, load_playbook
+    from dflashctl.launch import launch_run
+    from dflashctl.runhost import LaunchError
+
+    store = Store(str(tmp_path / "runs.db"))
+    active = store.create_run("demo", "local", {}, time.time(), run_id=DEMO)
+    inventory = load_inventory(None)
+    with pytest.raises(LaunchError, match=f"playbook demo already has an active run: {DEMO}") as e:
+        launch_run(load_playbook("demo", None, inventory), inventory, store)
+    assert "--force" in e.value.hint and [r.id for r in store.list_runs()] == [active.id]

@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import fabric
 import paramiko
 import pytest
 
@@ -396,3 +397,84 @@ def test_local_transport_runs_here(ssh_env, tmp_path):
     assert isinstance(t, LocalTransport) and t.describe_route() == "local"
     assert t.run(["pwd"], cwd=str(tmp_path)).stdout.strip() == str(tmp_path)
     assert t.run(["sh", "-c", "echo $PPID"]).stdout.strip() != str(os.getpid())  # ran under sh/timeout
+
+
+# --------------------------------------------------------------------------- fabric connections
+
+
+def test_connections_are_fabric_connections_with_the_jump_as_gateway(ssh_env):
+    pool = Pool()
+    try:
+        target, jump = pool.get("target", ssh_env.inventory), pool.get("jump", ssh_env.inventory)
+        target.run(["true"])
+        connection = target.connection()
+        assert isinstance(connection, fabric.Connection) and connection.client.get_transport() is target.ssh_transport()
+        assert connection.gateway is jump.connection()  # the jump's own pooled Connection
+        # Unknown keys are refused on every hop (fabric's default would accept them).
+        for c in (connection, connection.gateway):
+            assert isinstance(c.client._policy, paramiko.MissingHostKeyPolicy)
+            assert type(c.client._policy).__name__ == "_Refuse"
+            assert c.client.get_host_keys().lookup(f"[{c.host}]:{c.port}") is not None
+        assert connection.transport.packetizer._Packetizer__keepalive_interval == 15  # the default keepalive
+    finally:
+        pool.close()
+
+
+def test_keepalive_zero_sends_none(ssh_env):
+    with SSHTransport(variant(ssh_env, "direct", name="no-keepalive", keepalive=0), ssh_env.inventory, pool=Pool()) as t:
+        t.run(["true"])
+        assert t.ssh_transport().packetizer._Packetizer__keepalive_interval == 0
+
+
+# --------------------------------------------------------------------------- messages that say what to do
+
+
+def test_a_missing_identity_file_is_named_with_what_to_do(ssh_env, tmp_path):
+    missing = tmp_path / "no_such_key"
+    host = variant(ssh_env, "direct", name="no-key", identity_file=str(missing))
+    with pytest.raises(UnreachableError) as caught:
+        SSHTransport(host, ssh_env.inventory, pool=Pool()).run(["true"])
+    assert f"identity file {missing} not found" in str(caught.value)
+    assert "identity_file:" in caught.value.hint and "no-key" in caught.value.hint
+
+
+def test_a_missing_wrapper_is_named_and_the_script_is_not_printed(ssh_env):
+    host = variant(ssh_env, "direct", name="no-wrapper", wrapper=["lxc-nowhere", "-n", "ct1", "--"])
+    with SSHTransport(host, ssh_env.inventory, pool=Pool()) as t, pytest.raises(TransportError) as caught:
+        t.run_script("import sys\n" + "# a long script\n" * 50 + "print(sys.argv)", ["one"])
+    e = caught.value
+    assert e.remote_exit_code == 127
+    assert "container wrapper `lxc-nowhere -n ct1 --`" in e.hint and "`wrapper:`" in e.hint
+    assert "a long script" not in str(e) and "-byte argument>" in e.command and "one" in e.command
+
+
+def test_a_missing_python_is_named(ssh_env):
+    host = variant(ssh_env, "target", name="no-python", python="/opt/nowhere/python3")
+    with SSHTransport(host, ssh_env.inventory) as t, pytest.raises(TransportError) as caught:
+        t.run_script("print(1)")
+    assert caught.value.remote_exit_code == 127
+    assert "python `/opt/nowhere/python3` is not found inside host 'no-python''s container" in caught.value.hint
+    assert "`python:`" in caught.value.hint
+
+
+def test_a_handshake_that_stalls_after_the_banner_says_so_without_paramiko_words(ssh_env):
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.8", 0))
+        silent.listen(8)
+        accepted = []
+
+        def banner_only():
+            c, _ = silent.accept()
+            accepted.append(c)
+            c.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+
+        threading.Thread(target=banner_only, daemon=True).start()
+        host = variant(ssh_env, "direct", name="mute", address="127.0.0.8", port=silent.getsockname()[1],
+                       connect_timeout=1.0)
+        with pytest.raises(UnreachableError) as caught:
+            SSHTransport(host, ssh_env.inventory, pool=Pool()).run(["true"])
+        for c in accepted:
+            c.close()
+    first = str(caught.value).splitlines()[0]
+    assert first.endswith("no answer within 1s (connect_timeout)")
+    assert "No existing session" not in str(caught.value)

@@ -103,6 +103,8 @@ def subcommand_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     ev.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
     ev.add_argument("--target", metavar="PATH", help="the target model directory on this machine, when it moved since training")
+    ev.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's); 1 is fastest for small "
+                                                "models on a busy machine")
     ev.add_argument("--no-greedy", action="store_true", help="skip plain greedy decoding (no speed-up, no identity check)")
     ev.add_argument("--no-reference", action="store_true", help="skip the drafter-against-data figures")
     ev.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE")
@@ -139,11 +141,13 @@ def run_subcommand(argv: list[str]) -> int:
         else:
             from trainer import eval as eval_mod
 
+            import torch
+
             device = args.device
             if device == "auto":
-                import torch
-
                 device = "cuda" if torch.cuda.is_available() else "cpu"
+            if args.threads:
+                torch.set_num_threads(args.threads)
             log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: None)
             report = eval_mod.run_eval(args.checkpoint, args.data, args.prompts, args.max_new_tokens, args.temperature,
                                        args.seed, device, args.target, greedy=not args.no_greedy,

@@ -346,7 +346,6 @@ def write(run_dir: str, fields: dict[str, str], cfg, data: bytes, counts: dict) 
                 os.unlink(os.path.join(directory, other))
             except OSError:
                 pass
-    _mark_local(manifest["sha256"])
     return manifest
 
 
@@ -371,6 +370,7 @@ def save_in_background(run_dir: str, fields: dict[str, str], cfg, outcome: Outco
     def work():
         try:
             manifest = write(run_dir, fields, cfg, data, counts)
+            _mark_local(manifest["sha256"])  # this host's cache holds every entry of it
             outcome.save_s = time.monotonic() - t0
             outcome.saved = manifest
             log(f"compile_cache: saved {manifest['bytes'] / 2**20:.1f} MiB ({counts}) as {CACHE_DIR}/{manifest['file']} "

@@ -5,7 +5,8 @@ it), and how user data reaches a terminal: ``escape`` (inside Rich markup) and
 
 Everything a command prints that came from a user, a playbook, the store or a
 host (names, paths, wrappers, run ids, messages, hints, log lines) goes through
-one of the two: it is shown as given, never read as Rich markup (``[/x]`` would
+one of the two (``printable`` text in a ``rich.text.Text``, which is never
+parsed, where a line has no markup of its own): it is shown as given, never read as Rich markup (``[/x]`` would
 crash the print, ``[red]`` would restyle it) and never handed to the terminal as
 control characters (an ANSI escape sequence in a trainer's log must not recolour,
 retitle or rewrite the operator's screen).

@@ -14,9 +14,7 @@ import sqlite3
 import time
 
 import typer
-from rich.markup import escape
-
-from dflashctl.commands._app import G, app, err, fail, out
+from dflashctl.commands._app import G, app, err, escape, fail, out
 from dflashctl.errors import DflashError
 
 _STYLE = {"critical": "bold red", "error": "bold red", "warning": "yellow", "info": "cyan"}

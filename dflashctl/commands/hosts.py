@@ -1,6 +1,8 @@
-"""Commands: `hosts` (what the inventory says) and `check` (what the hosts say).
+"""Commands: `hosts` (what the inventory says), `check` (what the hosts say) and
+`trust` (accept a host's SSH key, fetched through its route).
 
-The facts come from ``dflashctl.facts``; this module parses options and prints.
+The facts come from ``dflashctl.facts``, host keys from ``dflashctl.transport``;
+this module parses options and prints.
 It never imports ``dflashctl.cli`` (it registers on ``dflashctl.commands._app``).
 """
 
@@ -39,6 +41,7 @@ def hosts_command(
                 "transport": host.transport,
                 "address": None if host.is_local else f"{host.address}:{host.port}",
                 "user": host.user,
+                "ssh": host.ssh,
                 "route": [h.name for h in route],
                 "route_text": describe_route(route, wrapper=False),
                 "wrapper": list(host.wrapper),
@@ -64,11 +67,16 @@ def check_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds the facts command may take per host (connecting is bounded by each host's connect_timeout)."),
 ) -> None:
-    """Reach every host and report its route and facts.
+    """Reach every host and report its route and facts, and prove what `launch` needs.
 
     Hosts are reached concurrently; reported: the route taken, OS, kernel, python,
-    tmux, GPUs, free disk in the work directory (created if missing). Exit code 1
-    when any host failed."""
+    tmux, GPUs, free disk in the work directory (created if missing). On a run host
+    (not one that only serves as a jump) it also proves what a launch needs: a
+    detached process and a tmux session started through the wrapper outlive the
+    call (started, then looked at again), the work directory takes a file, python
+    has torch, triton and transformers at the versions the trainer needs; and it
+    warns when the inventory's `gpus:` differs from what nvidia-smi shows. Each
+    problem is printed with its fix. Exit code 1 when any host failed."""
     from dflashctl.facts import check_hosts
 
     checks = check_hosts(_inventory(), names or None, timeout=timeout)
@@ -78,6 +86,54 @@ def check_command(
         _print_checks(checks)
     if not all(c.ok for c in checks):
         raise typer.Exit(1)
+
+
+@app.command("trust")
+def trust_command(
+    name: str = typer.Argument(..., metavar="HOST", help="The host whose SSH host key to trust (its jump hosts' first)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Add unknown keys without asking."),
+) -> None:
+    """Fetch HOST's SSH host key through its route and add it to its known_hosts.
+
+    Each host on the way (jump hosts first, then HOST) is asked for its key through
+    the hosts before it, and its fingerprint is shown; an unknown key is appended to
+    that host's `known_hosts` file once you confirm (or with `--yes`). A key that
+    differs from the one on file is refused. Compare each fingerprint with the
+    host's own (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`, run there)
+    before you confirm."""
+    from dflashctl.errors import DflashError, UnreachableError
+    from dflashctl.transport import host_key
+
+    inventory = _inventory()
+    route = inventory.route(name)
+    if route[-1].is_local:
+        raise DflashError(f"{name} is a local host: it is reached without SSH, so it has no host key to trust")
+    added = 0
+    for hop in route:
+        found = host_key(hop, inventory)
+        shown = f"{found.host} ({found.route}): {found.key_type} {found.fingerprint} at {found.key_name}"
+        if found.status == "trusted":
+            out.print(f"{escape(shown)}: already trusted in {escape(found.known_hosts)}", highlight=False,
+                      soft_wrap=True)
+            continue
+        if found.status == "changed":
+            raise UnreachableError(
+                found.host, f"trust {found.host}",
+                f"host key CHANGED: {found.key_type} {found.fingerprint} at {found.key_name} does not match "
+                f"{found.known_hosts}; this may be an attack, or the host was reinstalled; not trusted",
+                hint=f"if the change is expected: `{shlex.join(['ssh-keygen', '-f', found.known_hosts, '-R', found.key_name])}`, "
+                "then run this command again",
+            )
+        out.print(f"{escape(shown)}: [yellow]not in {escape(found.known_hosts)}[/]", highlight=False, soft_wrap=True)
+        if not yes and not typer.confirm(f"Trust this key for {found.host} and add it to {found.known_hosts}?",
+                                         default=False, err=True):
+            raise DflashError(f"{found.host}: key not trusted; nothing written",
+                              hint="compare the fingerprint with the host's own before you trust it")
+        found.trust()
+        added += 1
+        out.print(f"{escape(found.host)}: added to {escape(found.known_hosts)}", highlight=False, soft_wrap=True)
+    out.print(f"{escape(name)}: every host key on the route is trusted" + (f" ({added} added)" if added else ""),
+              highlight=False)
 
 
 def _print_checks(checks) -> None:
@@ -91,8 +147,8 @@ def _print_checks(checks) -> None:
             continue
         tmux = escape(f.tmux.replace("tmux ", "")) if f.tmux else "[yellow]missing[/]"
         table.add_row(
-            f"[green]{escape(c.name)}[/]",
-            escape(c.route_text),
+            f"[{'green' if c.ok else 'red'}]{escape(c.name)}[/]",
+            escape(c.route_text) + ("\n(jump host)" if c.role == "jump" else ""),
             escape(f.hostname),
             f"{escape(f.os)}\nkernel {escape(f.kernel)}\npython {escape(f.python)}, tmux {tmux}",
             _gpus(f),
@@ -101,10 +157,14 @@ def _print_checks(checks) -> None:
         )
     out.print(table)
     for c in checks:
-        if not c.ok:
-            err.print(f"[bold red]error:[/] {escape(c.error or '')}", highlight=False, soft_wrap=True)
+        if c.error:
+            err.print(f"[bold red]error:[/] {escape(c.error)}", highlight=False, soft_wrap=True)
             if c.hint:
                 err.print(f"[yellow]hint:[/] {escape(c.hint)}", highlight=False, soft_wrap=True)
+        for p in c.problems:
+            label = "[bold red]error:[/]" if p.severity == "error" else "[yellow]warning:[/]"
+            err.print(f"{label} {escape(c.name)}: {escape(p.message)}", highlight=False, soft_wrap=True)
+            err.print(f"[yellow]fix:[/] {escape(p.fix)}", highlight=False, soft_wrap=True)
 
 
 def _gpus(f) -> str:

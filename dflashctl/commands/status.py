@@ -1,76 +1,114 @@
 """Command: `status` (every run, from the store: a live screen, a table, or JSON).
 
 It reads the store only and never waits on a host; it never imports
-``dflashctl.cli`` (it registers on ``dflashctl.commands._app``).
+``dflashctl.cli`` (it registers on ``dflashctl.commands._app``). Textual is
+imported only for the live screen, so ``--once`` and ``--json`` start fast.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from typing import Optional
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
-from dflashctl.commands._app import app, out, printable
+from dflashctl.commands._app import G, app, out, printable
 
 
 @app.command("status")
 def status_command(
     run: Optional[str] = typer.Argument(None, metavar="RUN", help="Only this run (id or an unambiguous prefix)."),
     once: bool = typer.Option(False, "--once", help="Print a table and exit (default when stdout is not a terminal)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON and exit."),
-    interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes of the live screen."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (schema: --json-schema) and exit."),
+    json_schema: bool = typer.Option(False, "--json-schema", help="Print the JSON Schema of --json and exit."),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, metavar="SECONDS",
+                                   help="Seconds between refreshes of the live screen."),
 ) -> None:
-    """Live view of every run (a terminal UI; --once or --json to print).
+    """Live console of every run, host and GPU (a terminal UI; `--once` or `--json` to print).
 
-    Per run: state, host, step, tok/s and its history, MFU, loss, acceptance length,
-    ETA, restarts, last event; the selected run's events; GPU readings. Read from the
-    store only (the supervisor writes it), so it never waits on a host."""
+    Per run: state as the operator should read it (`unsupervised` when no supervisor
+    watches it, with the command that fixes it; `unreachable`, `stale`), phase with
+    its time against the playbook's budget (`compiling 12 m / 45 m`), progress, tok/s
+    averaged over 5 minutes and as a share of the baseline, an ETA from the step rate
+    over the same window (never for data that is not live), loss, tau (acceptance
+    length), restarts, last event. Per host: each GPU's role, the run holding it,
+    utilisation and memory, temperature, power, history. `?` in the screen lists the
+    keys: Enter detail, `l` log, `e` events, `x` stop, `r` restart, `/` filter, `s` sort.
+
+    Read from the store only (the supervisors write it), so it never waits on a host.
+
+    Examples: `dflashctl status`, `dflashctl status --once`, `dflashctl status demo --json`."""
     from dflashctl.paths import store_path
+
+    if json_schema:
+        from dflashctl.tui.model import JSON_SCHEMA
+
+        print(json.dumps(JSON_SCHEMA, indent=2))
+        return
     from dflashctl.store import Store
     from dflashctl.tui.model import load_status
 
     path = store_path()
     store = Store(path)
-    view = load_status(store, time.time(), run)  # also checks RUN before any screen starts
+    view = load_status(store, _now(), run, playbooks_dir=G.playbooks)  # also checks RUN before any screen starts
     if as_json:
         print(json.dumps(view.to_dict(), indent=2))
         return
     if once or not sys.stdout.isatty():
-        print_status(view)
+        print_status(view, out.width)
         return
     store.close()
     from dflashctl.tui.app import StatusApp
 
-    StatusApp(path, run=run, interval=interval).run()
+    StatusApp(path, run=run, interval=interval, inventory_path=G.inventory, playbooks_dir=G.playbooks).run()
 
 
-def _table(title: str, columns, rows, style=None) -> Table:
-    """A rich table of view rows; ``style(row)`` colours the second cell (state or severity)."""
-    table = Table(title=Text(printable(title)), title_justify="left")
-    for column in columns:
-        table.add_column(column, no_wrap=column == "run", overflow="fold")
-    for row in rows:
-        cells = [Text(printable(c)) for c in row.cells()]
-        if style is not None:
-            cells[1].stylize(style(row))
-        table.add_row(*cells)
-    return table
+def _now() -> float:
+    import time
+
+    return time.time()
 
 
-def print_status(view) -> None:
-    from dflashctl.tui.model import EVENT_COLUMNS, GPU_COLUMNS, RUN_COLUMNS, SEVERITY_STYLE, STATE_STYLE
+def print_status(view, width: int) -> None:
+    """The status as text at ``width`` columns: the summary, what needs the operator
+    (with its fix), one line per run (the columns that fit; cells cut, never folded),
+    the selected run's newest events, the GPUs of hosts with active runs."""
+    from rich.table import Table
+    from rich.text import Text
 
+    from dflashctl.tui.model import SEVERITY_STYLE, fit, fit_middle, select_columns
+    from dflashctl.tui.text import gpu_text
+
+    width = max(40, width)
+    out.print(Text(printable(view.summary())), highlight=False)
     if not view.runs:
-        out.print(printable(view.summary()), highlight=False, markup=False)
         return
-    out.print(_table(view.summary(), RUN_COLUMNS, view.runs, lambda r: STATE_STYLE.get(r.state, "")))
+    for n in view.notices:  # whole, wrapped if need be: the fix is a command to copy
+        out.print(Text.assemble(("✖ " if n.severity == "error" else "▲ ", SEVERITY_STYLE.get(n.severity, "")),
+                                printable(n.text), (f"  → {printable(n.fix)}" if n.fix else "", "bold")),
+                  highlight=False)
+    # Run ids are copied into other commands: their column is as wide as the longest.
+    columns = select_columns(width, gap=1, run_width=max(len(r.id) for r in view.runs))
+    table = Table(box=None, pad_edge=False, padding=(0, 1), collapse_padding=True, show_edge=False,
+                  header_style="bold")
+    for c in columns:
+        table.add_column(c.header, width=c.width, no_wrap=True, overflow="ellipsis", justify=c.justify)
+    for r in view.runs:
+        cells = []
+        for c in columns:
+            text = printable(r.cell(c.key))
+            cells.append(Text(fit_middle(text, c.width) if c.key == "run" else fit(text, c.width), style=r.style(c.key)))
+        table.add_row(*cells)
+    out.print(table)
     if view.events:
-        out.print(_table(f"events of {view.selected}", EVENT_COLUMNS, view.events,
-                         lambda e: SEVERITY_STYLE.get(e.severity, "")))
-    if view.gpus:
-        out.print(_table("GPUs (latest samples)", GPU_COLUMNS, view.gpus))
+        out.print(Text(f"\nevents of {printable(view.selected)}", style="bold"))
+        for e in view.events[-10:]:
+            time_text, severity, kind, message = e.cells()
+            line = Text(f"{time_text} ")
+            line.append(f"{severity:<7}", style=SEVERITY_STYLE.get(severity, ""))
+            line.append(fit(printable(f" {kind:<14} {message}"), width - 17))
+            out.print(line, highlight=False)
+    if view.hosts:
+        out.print(Text("\nGPUs", style="bold"))
+        out.print(gpu_text(view.hosts, width, view.now, compact=width < 100), highlight=False)

@@ -47,6 +47,7 @@ from dflashctl.envaudit.rules import (
     severity_rank,
 )
 from dflashctl.envaudit.snapshot import (
+    ASKED_MODULES,
     LIB_PREFIXES,
     TRAINER_MODULES,
     Dist,
@@ -75,7 +76,7 @@ from dflashctl.envaudit.stack import (
 )
 
 __all__ = [
-    "CODES", "DEFAULT_TIMEOUT", "EXIT_NOT_RUN", "LIB_PREFIXES", "SCHEMA", "SEVERITIES", "TRAINER_MODULES",
+    "ASKED_MODULES", "CODES", "DEFAULT_TIMEOUT", "EXIT_NOT_RUN", "LIB_PREFIXES", "SCHEMA", "SEVERITIES", "TRAINER_MODULES",
     "TRAINER_ROOTS", "AuditReport", "Dist", "Finding", "Fixer", "IgnoreRule", "LibEntry", "LoadedLib", "ModuleSpec",
     "PathEntry", "Policy", "PthFile", "Removal", "ReqCheck", "SharedFiles", "Snapshot", "TorchBuild", "Unmet",
     "audit", "audit_command", "audit_host", "audit_target", "collect", "collector_argument", "component",

@@ -73,6 +73,14 @@ class Fixer:
         self.s = snapshot
         self.protected = protected
         self.python = snapshot.python or "python3"
+        # A venv made by uv (or with --without-pip) has no pip: the fix installs it first.
+        self.without_pip = snapshot.asked and "pip" in snapshot.modules and snapshot.modules["pip"] is None
+
+    def commands(self, argv: list[list[str]]) -> list[list[str]]:
+        """A fix's commands as they must run: ``python -m ensurepip`` first where pip is missing."""
+        if self.without_pip and any(a[a.index("-m") + 1:a.index("-m") + 2] == ["pip"] for a in argv if "-m" in a):
+            return [[self.python, "-m", "ensurepip"], *argv]
+        return argv
 
     # ----------------------------------------------------------------- commands
 

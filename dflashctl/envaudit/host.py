@@ -27,7 +27,7 @@ from dflashctl.contract import did_you_mean
 from dflashctl.envaudit.drift import drift_since_good_run, open_existing_store
 from dflashctl.envaudit.report import AuditReport
 from dflashctl.envaudit.rules import Finding, Policy, audit
-from dflashctl.envaudit.snapshot import LIB_PREFIXES, TRAINER_MODULES, Snapshot, parse_snapshot
+from dflashctl.envaudit.snapshot import ASKED_MODULES, LIB_PREFIXES, Snapshot, parse_snapshot
 from dflashctl.envaudit.stack import torch_build
 from dflashctl.errors import ConfigError, DflashError, TransportError, UnreachableError, first_line
 
@@ -44,7 +44,7 @@ DEEP_TIMEOUT = 120.0
 
 def collector_argument(deep: bool = False, deep_timeout: float = DEEP_TIMEOUT) -> str:
     """The collector's one JSON argument."""
-    argument: dict = {"lib_prefixes": list(LIB_PREFIXES), "modules": list(TRAINER_MODULES)}
+    argument: dict = {"lib_prefixes": list(LIB_PREFIXES), "modules": list(ASKED_MODULES)}
     if deep:
         argument.update(deep=True, deep_timeout=deep_timeout)
     return json.dumps(argument)

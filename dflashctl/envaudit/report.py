@@ -19,17 +19,20 @@ SCHEMA = 2  # the "schema" of the JSON document
 
 
 def plan(findings: list[Finding]) -> list[tuple[list[str], str]]:
-    """Every finding's commands as one list, each once, in a safe order: the
-    uninstalls, then the installs, then the force-reinstalls (which put back any
-    file an uninstall or an install took from a protected wheel). (argv, shell line)."""
-    buckets: dict[int, dict[str, tuple[list[str], str]]] = {0: {}, 1: {}, 2: {}}
+    """Every finding's commands as one list, each once, in a safe order: pip itself
+    where it is missing, the uninstalls, then the installs, then the force-reinstalls
+    (which put back any file an uninstall or an install took from a protected
+    wheel). (argv, shell line)."""
+    buckets: dict[int, dict[str, tuple[list[str], str]]] = {-1: {}, 0: {}, 1: {}, 2: {}}
     for f in findings:
         for argv, line in zip(f.argv, f.commands):
             stage = 0 if "uninstall" in argv else 2 if "--force-reinstall" in argv else 1
             if argv[:1] == ["rm"]:
                 stage = 0
+            if "ensurepip" in argv:
+                stage = -1
             buckets[stage].setdefault(line, (argv, line))
-    return [entry for stage in (0, 1, 2) for entry in buckets[stage].values()]
+    return [entry for stage in (-1, 0, 1, 2) for entry in buckets[stage].values()]
 
 
 @dataclass

@@ -197,7 +197,8 @@ class Policy:
                 problems.append(f"{at}: unknown finding '{code}'{did_you_mean(code, CODES)}")
             subjects = {k: v for k, v in item.items() if k in SUBJECTS}
             problems += [f"{at}.{k}: expected a name or a glob" for k, v in subjects.items() if not isinstance(v, str)]
-            if not bad and isinstance(code, str) and code in CODES and all(isinstance(v, str) for v in subjects.values()):
+            valid = isinstance(code, str) and code in CODES and all(isinstance(v, str) for v in subjects.values())
+            if valid and not bad:
                 rules.append(IgnoreRule(code, **subjects))
         if problems:
             raise ConfigError(problems, source=source)
@@ -237,7 +238,7 @@ class _Context:
     def finding(self, severity: str, code: str, message: str, *, fix: str | None = None,
                 argv: Iterable[list[str]] = (), packages: Iterable[str] = (), libraries: Iterable[str] = (),
                 paths: Iterable[str] = (), remove: Iterable[str] = (), detail: dict[str, Any] | None = None) -> Finding:
-        argv = [list(a) for a in argv]
+        argv = self.fixer.commands([list(a) for a in argv])
         return Finding(severity, code, message, fix, [self.fixer.shell(a) for a in argv], argv, list(packages),
                        list(libraries), list(paths), list(remove), detail or {})
 
@@ -270,10 +271,11 @@ class _Context:
 
     def where_from(self, entry: str | None) -> str:
         """How a sys.path entry got there, in words ('' when it is an ordinary one)."""
-        if not entry:
+        if not entry or entry in self.s.site_packages:
             return ""
+        named = re.compile(r"(?:^|[\s'\"])" + re.escape(entry) + r"/?(?:$|[\s'\"])", re.M)
         for p in self.s.pth:
-            if entry in p.adds or entry in p.text:
+            if entry in p.adds or named.search(p.text):
                 return f", put on sys.path by {p.file}"
         if any(os.path.normpath(e.path) == entry for e in self.s.pythonpath):
             return f", a PYTHONPATH entry{self.source('PYTHONPATH')}"
@@ -322,7 +324,7 @@ def _rule_torch(c: _Context) -> list[Finding]:
         findings.append(c.finding(
             "error", "torch-import", f"`import torch` fails on the host: {text} (crash signature "
             f"{classify(text).name}): the trainer cannot start",
-            fix="see the findings above for what is missing or mixed; reinstall what they name",
+            fix="the other findings name what is missing or mixed: fix those, then audit again with --deep",
             packages=["torch"], libraries=[soname.group(1)] if soname else [],
             detail={"error": text, "crash_signature": classify(text).name}))
     fix = ("install a CUDA build of torch (pip install torch from the CUDA index matching the driver), "
@@ -406,11 +408,13 @@ def _rule_broken_metadata(c: _Context) -> list[Finding]:
                 [c.fixer.reinstall(again)]
             fix = (f"remove the broken dist-info, then reinstall torch {c.torch.version} (the version its "
                    "torch/version.py says) over its files")
+        listed = [x.label() + f" at {x.location}" for m in vital for x in c.s.copies(m)]
         findings.append(c.finding(
-            "error" if vital else "warning", "broken-metadata",
+            "error" if vital else "info", "broken-metadata",
             f"{d.metadata or d.location}: METADATA has no name"
             + (f"; it owns {listing(imported)}, which the trainer imports from it" if imported else "")
-            + ": pip cannot see, check or repair it, and what it requires is unknown",
+            + ": pip cannot see, check or repair it, and what it requires is unknown"
+            + (f" (pip lists {listing(listed, 2)} instead, which is not what is imported)" if listed else ""),
             fix=fix, argv=argv, packages=["torch"] if "torch" in vital else [],
             paths=[d.metadata] if d.metadata else [], detail={"metadata": d.metadata, "modules": d.modules}))
     return findings
@@ -442,7 +446,7 @@ def _rule_shadowed(c: _Context) -> list[Finding]:
             continue  # the pythonpath rule reports PYTHONPATH entries
         groups.setdefault((listed.index, f"{owner.index if owner else -1}|{spec.entry}"), []).append(spec)
     findings = []
-    for (_, _), specs in groups.items():
+    for specs in groups.values():
         listed = c.declared[specs[0].name]
         owner = s.owner(specs[0].name)
         entry = specs[0].entry
@@ -453,19 +457,20 @@ def _rule_shadowed(c: _Context) -> list[Finding]:
         what = owner.label() + f" at {owner.location}" if owner else "files no installed distribution lists"
         origin = specs[0].origin
         code = "user-site" if entry == s.user_site else "shadowed"
+        argv = []
         if code == "user-site":
             fix = (f"set PYTHONNOUSERSITE=1 for the trainer (the inventory's env: for host {s.host}), or move "
                    f"{s.user_site} aside; do not pip uninstall (pip removes whichever copy it finds first)")
         elif owner is None and entry in s.site_packages:
-            fix = (f"these files are no distribution's (a copy made by hand, or what an uninstall left): "
-                   f"reinstall {listed.name} ({c.fixer.shell(c.fixer.reinstall(listed))})")
+            fix = f"these files are no distribution's (a copy made by hand, or what an uninstall left): reinstall {listed.name}"
+            argv = [c.fixer.reinstall(listed)]
         else:
             fix = f"take {entry} off the trainer's sys.path{c.where_from(entry)}"
         findings.append(c.finding(
             severity, code,
             f"{listing(names, 4)} {'is' if len(names) == 1 else 'are'} imported from {origin} ({what}, under "
             f"{entry}{c.where_from(entry)}), not from {listed.label()} in {listed.location} that pip lists",
-            fix=fix, packages=[listed.name] + ([owner.name] if owner and owner.key != listed.key else []),
+            fix=fix, argv=argv, packages=[listed.name] + ([owner.name] if owner and owner.key != listed.key else []),
             paths=[entry] if entry else [],
             detail={"modules": names, "origin": origin, "entry": entry, "listed": listed.label(),
                     "imported": owner.label() if owner else None}))
@@ -583,14 +588,16 @@ def _rule_requirements(c: _Context) -> list[Finding]:
 def _rule_triton(c: _Context) -> list[Finding]:
     """torch.compile generates Triton kernels with the Triton torch was released with;
     another version fails to compile or falls back to slow paths."""
-    check = next((ch for ch in c.checks if ch.chain == "torch" and canonicalize_name(ch.requirement.name) in TRITON_NAMES), None)
+    check = next((ch for ch in c.checks
+                  if ch.chain == "torch" and canonicalize_name(ch.requirement.name) in TRITON_NAMES), None)
     findings = []
     if check is not None and not check.satisfied:
         found = f"{check.installed.label()} is installed" if check.installed else "none is installed"
         others = [d.label() for k, d in c.installed.items() if k in TRITON_NAMES and d is not check.installed]
         if others and check.installed is None:
             found = f"{listing(others)} is installed instead"
-        pinners = [n for n in required_by(c.s, check.installed.name) if canonicalize_name(n) != "torch"] if check.installed else []
+        pinners = [n for n in required_by(c.s, check.installed.name)
+                   if canonicalize_name(n) != "torch"] if check.installed else []
         why = f" (also required by {', '.join(pinners)})" if pinners else ""
         findings.append(c.finding(
             "error", "triton-version",
@@ -657,22 +664,25 @@ def _rule_integrity(c: _Context) -> list[Finding]:
         vital = c.is_protected(d) and c.installed.get(d.key) is d
         parts = []
         if d.missing_count:
-            parts.append(f"{d.missing_count} file(s) its RECORD lists are missing "
-                         f"({listing(d.missing, 3)})")
+            parts.append(f"{d.missing_count} file(s) its RECORD lists are missing ({listing(d.missing, 3)})")
         if d.changed_count:
-            parts.append(f"{d.changed_count} have another size than recorded ({listing(d.changed, 3)})")
+            parts.append(f"{d.changed_count}{'' if parts else ' file(s) its RECORD lists'} have another size "
+                         f"than recorded ({listing(d.changed, 3)})")
         sharers = set()
         for rel in [*d.missing, *d.changed]:
             full = os.path.normpath(os.path.join(d.location or "", rel))
             sharers |= {i for i in owners_of.get(full, []) if i != d.index}
         shared_with = [o.label() for i in sorted(sharers) if (o := c.s.dist(i)) is not None]
         consequence = ""
-        lost_libs = [rel.rsplit("/", 1)[-1] for rel in [*d.missing, *d.changed]
-                     if rel.rsplit("/", 1)[-1].startswith(LIB_PREFIXES)]
-        if vital and lost_libs:
-            text, signature = crash_signature(lost_libs[0])
-            consequence = (f": `import torch` fails with '{text}' (crash signature {signature}) or loads a "
-                           "library of another version")
+        gone = [rel.rsplit("/", 1)[-1] for rel in d.missing if rel.rsplit("/", 1)[-1].startswith(LIB_PREFIXES)]
+        other = [rel.rsplit("/", 1)[-1] for rel in d.changed if rel.rsplit("/", 1)[-1].startswith(LIB_PREFIXES)]
+        lost_libs = gone + other
+        if vital and gone:
+            text, signature = crash_signature(gone[0])
+            consequence = f": `import torch` fails with '{text}' (crash signature {signature})"
+        elif vital and other:
+            consequence = (f": torch loads a {other[0]} that is not the one this wheel installed (another build's: "
+                           "a version mismatch when it loads, or at the first call into it)")
         message = (f"{d.label()}{' (torch or the trainer requires it)' if vital else ''}: {'; '.join(parts)}"
                    + (f"; {listing(shared_with, 3)} also list{'s' if len(shared_with) == 1 else ''} them "
                       "(installed over it, or its uninstall deleted them)" if shared_with else "")

@@ -23,8 +23,10 @@ from packaging.utils import canonicalize_name
 # Shared libraries the audit follows, sent to the collector as its ``lib_prefixes``:
 # ldconfig is filtered to these (libcuda also matches libcudart).
 LIB_PREFIXES = ("libcudnn", "libnccl", "libcuda", "libcublas")
-# Modules the collector always looks up (it also looks up every distribution's top-level modules).
+# Modules the trainer imports, looked up by the collector (with every distribution's
+# top-level modules), and pip, which every fix runs.
 TRAINER_MODULES = ("torch", "triton", "transformers")
+ASKED_MODULES = (*TRAINER_MODULES, "pip")
 SNAPSHOT_VERSION = 2  # the collector's "v"
 
 _LDCONFIG_LINE = re.compile(r"^\s*(\S+)\s+\(([^)]*)\)\s+=>\s+(\S+)\s*$")

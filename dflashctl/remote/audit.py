@@ -48,6 +48,7 @@ Argument, one JSON object::
      "deep": false, "deep_timeout": 60}   import torch in a subprocess
 """
 
+import csv
 import json
 import os
 import platform
@@ -241,7 +242,7 @@ def read_distribution(dist, index, is_library, owners):
     except (ValueError, AttributeError):
         pass
     try:
-        files = dist.files
+        files = record_rows(dist)
     except Exception as e:
         entry["error"] = "RECORD: %s: %s" % (type(e).__name__, e)
         files = None
@@ -250,15 +251,21 @@ def read_distribution(dist, index, is_library, owners):
         entry["modules"] = sorted(t.strip() for t in top.split() if t.strip())
         return entry
     modules, libs, missing, changed = set(), [], [], []
-    for f in files:
-        rel = str(f)
+    firsts = {}
+    base = location.rstrip("/") + "/"
+    for rel, size in files:
         first, sep, _ = rel.partition("/")
-        name = module_name(first) if sep or first.endswith(".py") or ".so" in first else None
+        if first not in firsts:
+            firsts[first] = module_name(first) if sep or first.endswith(".py") or ".so" in first else None
+        name = firsts[first]
         if name:
             modules.add(name)
         if is_library(rel.rsplit("/", 1)[-1]):
             libs.append(rel)
-        full = os.path.normpath(os.path.join(location, rel))
+        if "./" in rel or rel.startswith("/"):  # ../../bin/x: outside the site directory
+            full = os.path.normpath(os.path.join(location, rel))
+        else:
+            full = base + rel
         owners.add(full, index)
         try:
             st = os.stat(full)
@@ -266,11 +273,29 @@ def read_distribution(dist, index, is_library, owners):
             if not rel.endswith(".pyc"):  # compiled again on the next import
                 missing.append(rel)
             continue
-        if f.size is not None and st.st_size != f.size:
+        if size is not None and st.st_size != size:
             changed.append(rel)
     entry.update(modules=sorted(modules), libs=sorted(libs), files=len(files), missing=missing[:LISTED],
                  missing_count=len(missing), changed=changed[:LISTED], changed_count=len(changed))
     return entry
+
+
+def record_rows(dist):
+    """(path, size or None) for each file a distribution lists; None when it lists none.
+    A RECORD is the three-column CSV the wheel spec defines, read with csv as
+    importlib.metadata reads it, but without a path object per row (torch's RECORD
+    has some 20,000); anything else (an egg-info's installed-files.txt or
+    SOURCES.txt) is left to importlib.metadata's ``files``."""
+    text = read_text(dist, "RECORD")
+    if text is None:
+        files = dist.files
+        return None if files is None else [(str(f), f.size) for f in files]
+    rows = []
+    for row in csv.reader(text.splitlines()):
+        if row and row[0]:
+            size = row[2] if len(row) > 2 else ""
+            rows.append((row[0], int(size) if size.isdigit() else None))
+    return rows
 
 
 def distributions(is_library, owners, errors):

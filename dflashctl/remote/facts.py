@@ -1,21 +1,45 @@
-"""Host facts for `dflashctl check`, as run on the host: what the machine is.
+"""Host facts for `dflashctl check`, as run on the host: what the machine is, and
+whether it can hold a run.
 
 Stdlib only, Python 3.8+, no dflashctl: the controller sends this file's text
 (``python -c TEXT JSON``); ``python facts.py JSON`` runs it by hand.
 
-The argument is one JSON object: ``{"workdir": "~/dflash", "gpu_fields": ["index", ...]}``
-(``~`` expands here; the workdir is created when missing, the one thing this
-script writes). The answer is one JSON line: hostname, OS, kernel, Python and its
-path, the workdir, tmux's version, nvidia-smi's path and its answer to the GPU
-query (exit code, stdout, stderr tail, each bounded), free and total disk in the
-workdir. A tool that is missing or fails is a value in the answer, never an
-exception; the controller parses everything.
+The argument is one JSON object. Gathering facts:
+
+    {"workdir": "~/dflash", "gpu_fields": ["index", ...],
+     "launch": {"token": "ab12", "packages": ["torch", ...]}}
+
+(``~`` expands here; the workdir is created when missing.) The answer is one JSON
+line: hostname, OS, kernel, Python and its path, the workdir, tmux's version,
+nvidia-smi's path and its answer to the GPU query (exit code, stdout, stderr tail,
+each bounded), free and total disk in the workdir. With ``launch``, also what a
+launch needs: whether the workdir takes a file (written, then removed), the
+installed versions of ``packages`` and what torch requires of triton (with the
+values its requirement markers are read against), this process's pid namespace,
+and two things started to outlive this call: a detached process (a new session,
+sleeping ``LINGER_S`` seconds) and a tmux session on the private socket
+``dflashctl-check-TOKEN``.
+
+Looking again, in a later call:
+
+    {"look": {"pid": 123, "start": 456789, "pidns": "pid:[4026531836]", "token": "ab12"}}
+
+answers whether that process still lives (same pid, same start time, not a
+zombie), this call's pid namespace, and whether the tmux session is still there;
+then stops both. A detached process or a tmux session that dies when the first
+call returns cannot hold a run: the controller says why and what to use instead.
+
+A tool that is missing or fails is a value in the answer, never an exception; the
+controller parses everything. The only things this script writes or starts are
+the workdir, its one probe file, the sleeping process and the tmux session named
+above, and the last two end within ``LINGER_S`` seconds even if nobody looks again.
 """
 
 import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +47,9 @@ import sys
 COMMAND_TIMEOUT = 20.0
 OUTPUT_MAX_CHARS = 65536  # of one command's stdout
 STDERR_MAX_CHARS = 500
+LINGER_S = 300  # how long the processes started to be looked at again live at most
+TMUX_SOCKET_PREFIX = "dflashctl-check-"
+TMUX_SESSION = "dflashctl-check"
 
 
 def run(argv):
@@ -45,6 +72,124 @@ def os_name():
     except (OSError, ValueError):
         pass
     return platform.platform()
+
+
+def pid_namespace():
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def start_time(pid):
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22),
+    or None when there is no such process or it is a zombie."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, ValueError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def tmux_argv(tmux, token, *args):
+    return [tmux, "-L", TMUX_SOCKET_PREFIX + token] + list(args)
+
+
+def marker_environment():
+    """What requirement markers are evaluated against (PEP 508), for this python."""
+    return {
+        "implementation_name": sys.implementation.name,
+        "implementation_version": platform.python_version(),
+        "os_name": os.name,
+        "platform_machine": platform.machine(),
+        "platform_python_implementation": platform.python_implementation(),
+        "platform_release": platform.release(),
+        "platform_system": platform.system(),
+        "platform_version": platform.version(),
+        "python_full_version": platform.python_version(),
+        "python_version": ".".join(platform.python_version_tuple()[:2]),
+        "sys_platform": sys.platform,
+    }
+
+
+def packages(names):
+    """{name: installed version or None}, and torch's requirements on triton."""
+    found, triton = {}, []
+    try:
+        from importlib import metadata
+    except ImportError:  # a python without importlib.metadata (< 3.8): nothing can be told
+        return {"versions": {}, "error": "importlib.metadata is missing"}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except Exception:  # noqa: BLE001  (not installed, or broken metadata: both mean "not usable")
+            found[name] = None
+    if found.get("torch"):
+        try:
+            for requirement in metadata.requires("torch") or []:
+                if requirement.replace("_", "-").lower().startswith(("triton", "pytorch-triton")):
+                    triton.append(requirement[:300])
+        except Exception:  # noqa: BLE001
+            pass
+    return {"versions": found, "torch_requires_triton": triton, "markers": marker_environment()}
+
+
+def writable(workdir, token):
+    """None when a file can be created, written and removed in the workdir, else why not."""
+    path = os.path.join(workdir, ".dflashctl-check-" + token)
+    try:
+        with open(path, "w") as f:
+            f.write("dflashctl check\n")
+        os.remove(path)
+        return None
+    except OSError as e:
+        return str(e)[:STDERR_MAX_CHARS]
+
+
+def start_lingering(token):
+    """A detached process and a tmux session, both meant to outlive this call."""
+    answer = {"pidns": pid_namespace()}
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-S", "-c", "import time; time.sleep(%d)" % LINGER_S],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            close_fds=True, start_new_session=True,
+        )
+        answer["detached"] = {"pid": child.pid, "start": start_time(child.pid)}
+    except OSError as e:
+        answer["detached"] = {"error": str(e)[:STDERR_MAX_CHARS]}
+    tmux = shutil.which("tmux")
+    if tmux:
+        code, out, err = run(tmux_argv(tmux, token, "new-session", "-d", "-s", TMUX_SESSION,
+                                       "sleep %d" % LINGER_S))
+        answer["tmux"] = {"exit_code": code, "stderr": (err or out).strip()[-STDERR_MAX_CHARS:]}
+    return answer
+
+
+def look(args):
+    """The second call: are they still there? Then stop them."""
+    answer = {"pidns": pid_namespace()}
+    pid, start = args.get("pid"), args.get("start")
+    if isinstance(pid, int) and pid > 0:
+        alive = start is not None and start_time(pid) == start
+        answer["detached_alive"] = alive
+        if alive:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+    tmux = shutil.which("tmux")
+    token = args.get("token")
+    if tmux and isinstance(token, str) and token:
+        code, _, err = run(tmux_argv(tmux, token, "has-session", "-t", "=" + TMUX_SESSION))
+        answer["tmux_alive"] = code == 0
+        if code not in (0, 1):
+            answer["tmux_error"] = err.strip()[-STDERR_MAX_CHARS:]
+        run(tmux_argv(tmux, token, "kill-server"))
+    return answer
 
 
 def gather(args):
@@ -71,11 +216,25 @@ def gather(args):
         facts["disk_free"], facts["disk_total"] = usage.free, usage.total
     except OSError as e:
         facts["disk_error"] = str(e)[:STDERR_MAX_CHARS]
+    launch = args.get("launch")
+    if isinstance(launch, dict) and isinstance(launch.get("token"), str) and launch["token"].isalnum():
+        token = launch["token"]
+        facts["launch"] = {
+            "workdir_error": facts.get("disk_error") or writable(workdir, token),
+            "packages": packages([n for n in launch.get("packages") or [] if isinstance(n, str)]),
+        }
+        facts["launch"].update(start_lingering(token))
     return facts
 
 
 def main(argv):
-    args = json.loads(argv[0]) if argv else {}
+    try:
+        args = json.loads(argv[0]) if argv else {}
+    except ValueError:
+        args = None
+    if isinstance(args, dict) and isinstance(args.get("look"), dict):
+        sys.stdout.write(json.dumps(look(args["look"])) + "\n")
+        return 0
     if not isinstance(args, dict) or not isinstance(args.get("workdir"), str):
         sys.stdout.write(json.dumps({"error": "expected one JSON argument {\"workdir\": ...}"}) + "\n")
         return 2

@@ -1,67 +1,134 @@
-"""The live status screen (``dflashctl status``): every run, the selected run's
-events and throughput, and GPU readings, refreshed from the store on a timer.
+"""The live status console (``dflashctl status``): every run, the highlighted run's
+figures and events, and every GPU of the hosts with active runs, refreshed from
+the store on a timer.
 
-It reads only the store, in a thread worker so a slow disk never freezes the
-screen; the supervisor writes what it shows. Keys: q quit, r refresh now, Enter
-(or a click) on a run shows its events.
+Layouts by size: compact below 100 columns or 30 rows (runs, then one short row
+per GPU: it fits 80x24 without scrolling), normal (runs, the highlighted run,
+GPUs with bars and history), wide from 180x45 (the run and GPU panels side by
+side). The run column is frozen; the columns shown are chosen by width, so cells
+are never folded.
+
+It reads only the store, in a thread worker, so a slow disk never freezes the
+screen; the supervisor writes what it shows. Reading a run's log and the stop /
+restart actions (the ``dflashctl`` command, run as a subprocess after a
+confirmation) happen in workers too: nothing here waits on SSH. Keys: ``?``.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from typing import Callable
 
+from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.widgets import Footer, Header, Static
+from textual.containers import Container, VerticalScroll
+from textual.widgets import DataTable, Footer, Input, Static
+from textual.worker import get_current_worker
 
-from dflashctl.errors import DflashError
+from dflashctl.errors import DflashError, first_line
 from dflashctl.store import Store
-from dflashctl.tui.model import StatusView, load_status
-from dflashctl.tui.widgets import EventsTable, GpuTable, RunsTable, Throughput
+from dflashctl.tui.model import SORTS, StatusReader, StatusView, filter_runs, sort_runs
+from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen
+from dflashctl.tui.text import gpu_text, notice_text, run_text
+from dflashctl.tui.widgets import Pane, RunsTable
+
+COMPACT_WIDTH, COMPACT_HEIGHT = 100, 30
+WIDE_WIDTH, WIDE_HEIGHT = 180, 45
 
 
 class StatusApp(App):
     TITLE = "dflashctl status"
+    ENABLE_COMMAND_PALETTE = False
     CSS = """
-    #summary { height: 1; padding: 0 1; }
-    #runs { height: 1fr; min-height: 5; }
-    #bottom { height: 14; }
-    #events-box { width: 2fr; }
-    #gpus-box { width: 1fr; }
-    .title { height: 1; padding: 0 1; text-style: bold; }
+    #title { height: 1; background: $boost; padding: 0 1; }
+    #notices { height: auto; max-height: 2; padding: 0 1; display: none; }
+    #notices.-shown { display: block; }
+    #runs { height: auto; max-height: 50%; min-height: 3; }
+    #lower { height: 1fr; layout: vertical; }
+    #run-box { height: 10; border-top: solid $primary-darken-2; }
+    #gpu-box { height: 1fr; border-top: solid $primary-darken-2; }
+    #filter { dock: bottom; display: none; height: 1; border: none; padding: 0 1; }
+    #filter.-shown { display: block; }
+    Screen.-compact #run-box { display: none; }
+    Screen.-wide #lower { layout: horizontal; }
+    Screen.-wide #run-box { height: 1fr; width: 1fr; }
+    Screen.-wide #gpu-box { height: 1fr; width: 110; border-left: solid $primary-darken-2; }
     """
     BINDINGS = [
         Binding("q", "quit", "Quit"),
-        Binding("r", "reload", "Refresh"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("slash", "filter", "Filter", key_display="/"),
+        Binding("s", "sort", "Sort"),
+        Binding("e", "events", "Events"),
+        Binding("l", "logs", "Logs"),
+        Binding("x", "stop_run", "Stop"),
+        Binding("r", "restart_run", "Restart"),
+        Binding("f5,ctrl+r", "reload", "Refresh", show=False),
+        Binding("escape", "back", "Back", show=False),
     ]
 
-    def __init__(self, store_path: str, run: str | None = None, interval: float = 2.0):
+    def __init__(self, store_path: str, run: str | None = None, interval: float = 2.0, *,
+                 clock: Callable[[], float] = time.time, inventory_path: str | None = None,
+                 playbooks_dir: str | None = None, control: Callable[[list[str]], tuple[int, str]] | None = None):
         super().__init__()
         self.store_path = store_path
         self.run_ref = run
         self.interval = interval
+        self.clock = clock
+        self.inventory_path = inventory_path
+        self.playbooks_dir = playbooks_dir
+        self.control = control or self._run_command
         self.selected: str | None = None
         self.view: StatusView | None = None
+        self.sort = SORTS[0]
+        self.filter_text = ""
         self.loads = 0  # completed reads of the store (tests wait on it)
+        self.actions_done: list[tuple[list[str], int, str]] = []
+        self._inventory = None
+
+    # ----------------------------------------------------------------- layout
 
     def compose(self) -> ComposeResult:
-        yield Header()
-        yield Static(id="summary")
+        yield Static(id="title")
+        yield Static(id="notices")
         yield RunsTable(id="runs")
-        yield Throughput(id="throughput")
-        with Horizontal(id="bottom"):
-            with Vertical(id="events-box"):
-                yield Static("events", id="events-title", classes="title")
-                yield EventsTable(id="events")
-            with Vertical(id="gpus-box"):
-                yield Static("GPUs (latest samples)", classes="title")
-                yield GpuTable(id="gpus")
-        yield Footer()
+        with Container(id="lower"):
+            with VerticalScroll(id="run-box"):
+                yield Pane(id="run")
+            with VerticalScroll(id="gpu-box"):
+                yield Pane(id="gpus")
+        yield Input(placeholder="filter: words in id, playbook, host, state, phase (Enter keeps, Esc clears)",
+                    id="filter")
+        yield Footer(compact=True)
+
+    @property
+    def mode(self) -> str:
+        width, height = self.size
+        if width < COMPACT_WIDTH or height < COMPACT_HEIGHT:
+            return "compact"
+        return "wide" if width >= WIDE_WIDTH and height >= WIDE_HEIGHT else "normal"
+
+    def _apply_mode(self) -> None:
+        mode = self.mode
+        screen = self.screen_stack[0]
+        for name in ("compact", "normal", "wide"):
+            screen.set_class(name == mode, f"-{name}")
+
+    def on_resize(self) -> None:
+        self._apply_mode()
+        if self.view is not None:
+            self.draw()
 
     def on_mount(self) -> None:
         self.store = Store(self.store_path)
+        self.reader = StatusReader(self.store, self.playbooks_dir)
+        self._apply_mode()
         self.query_one(RunsTable).focus()
         self.action_reload()
         self.set_interval(self.interval, self.action_reload)
@@ -69,33 +136,185 @@ class StatusApp(App):
     def on_unmount(self) -> None:
         self.store.close()
 
+    # ----------------------------------------------------------------- reading
+
     def action_reload(self) -> None:
-        self.load(self.selected)
+        self.load(self.clock(), self.selected)
 
     @work(thread=True, exclusive=True, group="store")
-    def load(self, selected: str | None) -> None:
+    def load(self, now: float, selected: str | None) -> None:
         try:
-            view = load_status(self.store, time.time(), self.run_ref, selected)
+            view = self.reader.load(now, self.run_ref, selected)
         except DflashError as e:
-            self.call_from_thread(self.notify, str(e), severity="error", timeout=10)
+            self.call_from_thread(self.notify, first_line(e), severity="error", timeout=10)
             return
         finally:
             self.store.close()  # this worker thread's connection; the next read opens its own
-        self.call_from_thread(self.show, view)
+        if not get_current_worker().is_cancelled:
+            self.call_from_thread(self.show, view)
 
     def show(self, view: StatusView) -> None:
         self.view = view
-        self.selected = view.selected
-        self.query_one("#summary", Static).update(view.summary())
-        self.query_one(RunsTable).show(view.runs, view.selected)
-        self.query_one(Throughput).show(view.selected_run)
-        self.query_one("#events-title", Static).update(
-            f"events of {view.selected}" if view.selected else "events")
-        self.query_one(EventsTable).show(view.events)
-        self.query_one(GpuTable).show(view.gpus)
+        if self.selected is None or self.selected not in {r.id for r in view.runs}:
+            self.selected = view.selected
+        self.draw()
         self.loads += 1
 
-    def on_data_table_row_selected(self, message: RunsTable.RowSelected) -> None:
-        if message.data_table.id == "runs" and message.row_key.value != self.selected:
-            self.selected = message.row_key.value
-            self.action_reload()
+    # ----------------------------------------------------------------- drawing
+
+    def shown_runs(self):
+        view = self.view
+        return sort_runs(filter_runs(view.runs, self.filter_text), self.sort) if view else []
+
+    def draw(self) -> None:
+        view = self.view
+        width = self.size.width
+        runs = self.shown_runs()
+        title = Text.assemble(("dflashctl status", "bold"), " · ", view.summary(short=self.mode == "compact"))
+        if self.sort != SORTS[0]:
+            title.append(f" · sort {self.sort}", style="cyan")
+        if self.filter_text:
+            title.append(f" · filter '{self.filter_text}' ({len(runs)}/{len(view.runs)})", style="cyan")
+        self.query_one("#title", Static).update(title)
+        notices = self.query_one("#notices", Static)
+        notices.set_class(bool(view.notices), "-shown")
+        notices.update(notice_text(view.notices, width - 2, lines=1 if self.mode == "compact" else 2))
+        table = self.query_one(RunsTable)
+        table.show(runs, width)
+        if table.current is not None:
+            self.selected = table.current
+        self.draw_run()
+        compact = self.mode == "compact"
+        self.query_one("#gpus", Pane).redraw(lambda w, h: gpu_text(view.hosts, w, view.now, compact=compact))
+
+    def draw_run(self) -> None:
+        view = self.view
+        if view is None:
+            return
+        run = next((r for r in view.runs if r.id == self.selected), None)
+        events = view.events if view.selected == self.selected else []
+        wide = self.mode == "wide"
+        self.query_one("#run", Pane).redraw(
+            lambda w, h: run_text(run, events, w, view.now, event_lines=max(3, h - (8 if wide else 5)), charts=wide))
+
+    def on_data_table_row_highlighted(self, message: DataTable.RowHighlighted) -> None:
+        if message.data_table.id != "runs" or message.row_key is None:
+            return
+        key = message.row_key.value
+        if key != self.selected:
+            self.selected = key
+            self.draw_run()
+            self.action_reload()  # its events
+
+    def on_runs_table_open(self, message: RunsTable.Open) -> None:
+        self.push_screen(DetailScreen(message.run_id))
+
+    # ----------------------------------------------------------------- keys
+
+    def _current(self) -> str | None:
+        if isinstance(self.screen, DetailScreen):
+            return self.screen.run_id
+        current = self.query_one(RunsTable).current
+        if current is None:
+            self.notify("no run here", severity="warning")
+        return current
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_back(self) -> None:
+        box = self.query_one("#filter", Input)
+        if box.has_class("-shown") or self.filter_text:
+            box.value = ""
+            self.filter_text = ""
+            box.remove_class("-shown")
+            self.query_one(RunsTable).focus()
+            if self.view is not None:
+                self.draw()
+
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.add_class("-shown")
+        box.focus()
+
+    def on_input_changed(self, message: Input.Changed) -> None:
+        if message.input.id == "filter":
+            self.filter_text = message.value.strip()
+            if self.view is not None:
+                self.draw()
+
+    def on_input_submitted(self, message: Input.Submitted) -> None:
+        if message.input.id == "filter":
+            if not self.filter_text:
+                message.input.remove_class("-shown")
+            self.query_one(RunsTable).focus()
+
+    def on_key(self, event) -> None:
+        if event.key == "escape" and self.focused is self.query_one("#filter", Input):
+            event.stop()
+            self.action_back()
+
+    def action_sort(self) -> None:
+        self.sort = SORTS[(SORTS.index(self.sort) + 1) % len(SORTS)]
+        if self.view is not None:
+            self.draw()
+        self.notify(f"sort: {self.sort}", timeout=2)
+
+    def action_events(self) -> None:
+        run = self._current()
+        if run is not None:
+            self.push_screen(DetailScreen(run, tab="events"))
+
+    def action_logs(self) -> None:
+        run = self._current()
+        if run is not None:
+            self.push_screen(DetailScreen(run, tab="log"))
+
+    def action_stop_run(self) -> None:
+        run = self._current()
+        if run is not None:
+            self.push_screen(ConfirmScreen(f"Stop run {run}?", "The trainer checkpoints and exits; its session is "
+                                           "then closed (dflashctl stop)."),
+                             lambda yes: yes and self.control_run(["stop", run]))
+
+    def action_restart_run(self) -> None:
+        run = self._current()
+        if run is not None:
+            self.push_screen(ConfirmScreen(f"Restart run {run}?", "Its trainer starts again from the last checkpoint, "
+                                           "compile cache kept, then a supervisor watches it (dflashctl restart)."),
+                             lambda yes: yes and self.control_run(["restart", run]))
+
+    # ----------------------------------------------------------------- actions on runs
+
+    def inventory(self):
+        """The inventory (for reading a run's log on its host), loaded once."""
+        if self._inventory is None:
+            from dflashctl.config import load_inventory
+
+            self._inventory = load_inventory(self.inventory_path)
+        return self._inventory
+
+    def command(self, args: list[str]) -> list[str]:
+        argv = [sys.executable, "-m", "dflashctl"]
+        if self.inventory_path:
+            argv += ["--inventory", self.inventory_path]
+        if self.playbooks_dir:
+            argv += ["--playbooks", self.playbooks_dir]
+        return argv + args
+
+    def _run_command(self, args: list[str]) -> tuple[int, str]:
+        done = subprocess.run(self.command(args), capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "DFLASHCTL_STORE": self.store_path})
+        return done.returncode, (done.stdout + done.stderr).strip()
+
+    @work(thread=True, group="control")
+    def control_run(self, args: list[str]) -> None:
+        """``dflashctl stop|restart RUN`` in a subprocess; its answer as a notification."""
+        self.call_from_thread(self.notify, f"{' '.join(args)}: running…", timeout=3)
+        code, output = self.control(args)
+        self.actions_done.append((args, code, output))
+        last = output.splitlines()[-1] if output else ""
+        self.call_from_thread(self.notify, f"{' '.join(args)}: {'done' if code == 0 else f'exit {code}'}"
+                              + (f": {last}" if last else ""), severity="information" if code == 0 else "error",
+                              timeout=8)
+        self.call_from_thread(self.action_reload)

@@ -1,59 +1,300 @@
-"""View models of the status screen: pure data read from the store, never drawing.
+"""View models of the status console: pure data read from the store, never drawing.
 
-``load_status(store, now, ...)`` returns a ``StatusView``: every run worth showing
-(active runs first, then the most recent ones) with its latest sample, throughput
-history, restarts and last event; the selected run's recent events; and the GPU
-readings of the latest samples. The supervisor writes all of it; nothing here
-touches a host. A missing reading is a value (``None``, shown as ``N/A``), never
-an exception.
+``StatusReader(store).load(now, ...)`` (or ``load_status``) returns a
+``StatusView``: every run worth showing (active runs first, then the most recent
+ones), each with
 
-Used by the Textual app (``dflashctl.tui.app``) and by ``status --once`` /
-``--json``; this module never imports UI code.
+- its freshness (``dflashctl.freshness``): supervised or not, data age, host
+  unreachable; a run whose data is not live never shows an ETA, and one nobody
+  watches comes with the command that fixes it (``notices``);
+- its phase (starting, compiling, training, checkpointing, restarting, ...) with
+  the time spent in it against the playbook's budget ("compiling 12 m / 30 m");
+- progress, tok/s averaged over ``SMOOTH_WINDOW_S`` and as a share of the
+  baseline, an ETA from the step rate over the same window, loss, acceptance
+  length (tau), restarts, the event that matters last;
+
+the GPUs of every host with an active run (one row per GPU: role, the run that
+holds it, readings and a short history), and the selected run's recent events.
+``StatusReader.detail`` reads one run in full (every event, the whole history as
+a chart series, thresholds, the environment audit). ``select_columns`` picks the
+run columns that fit a width, for the screen and for ``status --once``.
+
+Everything here comes from the store (the supervisor writes it) and the run's
+playbook file (its thresholds); nothing touches a host. A missing reading is a
+value (``None``, shown as ``N/A``), never an exception. This module never imports
+UI code (Textual): ``status --once`` / ``--json`` use it without a screen.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
+import socket
+import statistics
+import threading
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterable, Sequence
 
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
-from dflashctl.store import ACTIVE_STATES, FINAL_STATES, Event, Run, Store
+from dflashctl.freshness import Freshness, freshness
+from dflashctl.store import ACTIVE_STATES, FINAL_STATES, LAUNCHING, RESTARTING, Event, Run, Sample, Store
 
-HISTORY = 60  # samples of tok/s history per run
-EVENTS = 20  # recent events of the selected run
+SCHEMA = "dflashctl.status/1"  # the --json document's name and version (JSON_SCHEMA below)
+HISTORY = 60  # newest samples per run read on each refresh (smoothing, sparkline)
+SMOOTH_WINDOW_S = 300.0  # tok/s and the ETA are averaged over this much of the newest data
+GPU_HISTORY = 24  # GPU readings per GPU in its history
+EVENTS = 40  # recent events of the selected run
+DETAIL_EVENTS = 500  # events in a run's detail view
 RECENT_RUNS = 20  # finished runs shown besides the active ones
+SERIES_POINTS = 240  # buckets of a run's whole history in its charts
+BASELINE_TTL_S = 60.0  # a learned baseline is read again after this long
 NA = "N/A"
 
-# Column headers of the run table, in the order of RunView.cells().
-RUN_COLUMNS = ("run", "state", "host", "step", "tok/s", "history", "MFU", "loss", "accept", "ETA", "restarts",
-               "last event")
-GPU_COLUMNS = ("host", "run", "GPU", "name", "util", "memory", "temp", "power")
-EVENT_COLUMNS = ("time", "severity", "kind", "message")
-
 # Styles are data (rich style names); the drawing code decides how to apply them.
-STATE_STYLE = {"running": "green", "stalled": "yellow", "restarting": "yellow", "lost": "yellow",
-               "failed": "red", "launching": "cyan", "done": "blue", "stopped": "dim"}
+STATE_STYLE = {
+    "running": "green", "stalled": "bold yellow", "restarting": "yellow", "lost": "yellow", "failed": "bold red",
+    "launching": "cyan", "done": "blue", "stopped": "dim", "unsupervised": "bold white on red",
+    "unreachable": "bold red", "stale": "yellow",
+}
 SEVERITY_STYLE = {"info": "", "warning": "yellow", "error": "red", "critical": "bold red"}
+PHASE_STYLE = {"compiling": "magenta", "starting": "cyan", "checkpointing": "blue", "training": "green",
+               "restarting": "yellow"}
 
 _BARS = "▁▂▃▄▅▆▇█"
 
 
-def spark(values: list[float], width: int = 12) -> str:
-    """A one-line text sparkline of the last ``width`` values ('' without values)."""
+# --------------------------------------------------------------------------- small formatters
+
+
+def spark(values: Sequence[float | None], width: int = 12, low: float | None = 0.0,
+          high: float | None = None) -> str:
+    """A one-line text sparkline of the last ``width`` values ('' without values).
+
+    Scaled from ``low`` (0 by default, so 12.0 and 12.7 Ktok/s draw as nearly equal
+    bars, not as empty and full ones) to ``high`` (the largest value by default);
+    ``low=None`` scales from the smallest value (shows small changes, exaggerates
+    noise)."""
     values = [v for v in values if v is not None and math.isfinite(v)][-width:]
     if not values:
         return ""
-    low, high = min(values), max(values)
+    low = min(values) if low is None else min(low, min(values))
+    high = max(values) if high is None else max(high, max(values))
     if high - low <= 1e-12 * max(abs(high), 1.0):
         return _BARS[len(_BARS) // 2] * len(values)
     return "".join(_BARS[round((v - low) / (high - low) * (len(_BARS) - 1))] for v in values)
 
 
-def _num(value: Any, fmt: str) -> str:
+def bar(fraction: float | None, width: int) -> str:
+    """A horizontal bar of ``width`` cells filled to ``fraction`` (eighths of a cell)."""
+    if fraction is None or not math.isfinite(fraction) or width <= 0:
+        return "·" * max(width, 0)
+    eighths = round(max(0.0, min(1.0, fraction)) * width * 8)
+    full, part = divmod(eighths, 8)
+    return ("█" * full + (" ▏▎▍▌▋▊▉"[part] if part else "")).ljust(width, "░")[:width]
+
+
+def _num(value: Any, fmt: str, unit: str = "") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return NA
-    return format(value, fmt)
+    return format(value, fmt) + unit
+
+
+def short_duration(seconds: float | None) -> str:
+    """``fmt_duration`` without the space: '12m', '1.5h' (for narrow cells)."""
+    return fmt_duration(seconds).replace(" ", "") if seconds is not None else NA
+
+
+def short_rate(tok_s: float | None) -> str:
+    """12800 -> '12.8K', 1.2e6 -> '1.2M', 900 -> '900' (tok/s in a narrow cell)."""
+    if tok_s is None or not math.isfinite(tok_s):
+        return NA
+    for unit, size in (("M", 1e6), ("K", 1e3)):
+        if tok_s >= size:
+            return f"{tok_s / size:.1f}{unit}"
+    return f"{tok_s:.0f}"
+
+
+def fit(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, an ellipsis marking the cut."""
+    return text if len(text) <= width else (text[: width - 1] + "…" if width > 1 else text[:width])
+
+
+def fit_middle(text: str, width: int) -> str:
+    """``text`` cut in the middle (run ids: the playbook and the unique tail stay)."""
+    if len(text) <= width or width < 5:
+        return fit(text, width)
+    tail = min(5, width // 3)
+    return text[: width - tail - 1] + "…" + text[-tail:]
+
+
+def _ago(now: float, t: float | None) -> str:
+    return NA if t is None else f"{fmt_duration(max(0.0, now - t))} ago"
+
+
+# --------------------------------------------------------------------------- thresholds (the playbook's)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What the run's playbook holds it to (as its file says now)."""
+
+    source: str | None = None
+    error: str | None = None  # why the playbook could not be read (the defaults are shown)
+    baseline_tok_s: float | None = None  # the playbook's; None: learned from earlier healthy runs
+    regression_fraction: float = 0.6
+    regression_windows: int = 3
+    max_eta_s: float | None = None
+    stall_window_s: float = 300.0
+    compile_budget_s: float = 1800.0
+    startup_budget_s: float = 600.0
+    poll_interval_s: float = 15.0
+    max_restarts: int = 5
+    restart_window_s: float = 6 * 3600.0
+    crash_loop_k: int = 3
+
+    def lines(self) -> list[tuple[str, str]]:
+        """(name, value) pairs for the detail view."""
+        return [
+            ("baseline", fmt_tok_s(self.baseline_tok_s) if self.baseline_tok_s else "learned from earlier healthy runs"),
+            ("regression", f"below {self.regression_fraction:.0%} of baseline for {self.regression_windows} windows"),
+            ("max ETA", fmt_duration(self.max_eta_s) if self.max_eta_s else "none"),
+            ("stall window", fmt_duration(self.stall_window_s)),
+            ("compile budget", fmt_duration(self.compile_budget_s)),
+            ("startup budget", fmt_duration(self.startup_budget_s)),
+            ("poll interval", fmt_duration(self.poll_interval_s)),
+            ("restarts", f"at most {self.max_restarts} in {fmt_duration(self.restart_window_s)}; "
+                         f"stop after {self.crash_loop_k} without progress"),
+            ("playbook", self.source or NA),
+        ] + ([("warning", self.error)] if self.error else [])
+
+
+def _thresholds_of(run: Run, playbooks_dir: str | None) -> Thresholds:
+    """Read the run's playbook (the file it was launched from, else by name)."""
+    from dflashctl.config import load_playbook  # pydantic: only when a run needs its thresholds
+    from dflashctl.errors import DflashError, first_line
+
+    source = (run.config or {}).get("playbook_source")
+    error = "not found"
+    for ref in [s for s in (source if source and os.path.isfile(source) else None, run.playbook) if s]:
+        try:
+            pb = load_playbook(ref, playbooks_dir, None)
+        except DflashError as e:
+            error = first_line(e)
+            continue
+        e, r = pb.expect, pb.restart
+        return Thresholds(pb.source, None, e.baseline_tok_s, e.regression_fraction, e.regression_windows, e.max_eta,
+                          e.stall_window, e.compile_budget, e.startup_budget, float(pb.poll_interval),
+                          r.max_restarts, r.window, r.crash_loop_k)
+    return Thresholds(source, f"playbook {run.playbook} cannot be read ({error}): default thresholds shown")
+
+
+# --------------------------------------------------------------------------- phase
+
+
+_STARTED = re.compile(r"\(pid [^,]*, phase (\w+)\)")
+PROGRESSING = ("running", "stalled")  # states in which an ETA means something
+
+
+@dataclass
+class PhaseView:
+    name: str | None  # starting, compiling, training, checkpointing, restarting, launching, or a final state
+    since: float | None = None  # local clock
+    budget_s: float | None = None
+    elapsed_s: float | None = None  # until the newest data when that is not live (no ticking clock on a dead run)
+
+    @property
+    def over_budget(self) -> bool:
+        return self.budget_s is not None and self.elapsed_s is not None and self.elapsed_s > self.budget_s
+
+    def text(self, compact: bool = False) -> str:
+        if self.name is None:
+            return NA
+        dur = short_duration if compact else fmt_duration
+        if self.elapsed_s is None or self.name == "training":
+            return self.name
+        if self.budget_s is not None:
+            return f"{self.name} {dur(self.elapsed_s)}{'/' if compact else ' / '}{dur(self.budget_s)}"
+        return f"{self.name} {dur(self.elapsed_s)}"
+
+
+def _sample_clock(s: Sample) -> float:
+    return s.observed if s.observed is not None else s.time
+
+
+def derive_phase(run: Run, samples: Sequence[Sample], state_events: Sequence[Event], restarts: Sequence[Any],
+                 thresholds: Callable[[], Thresholds], as_of: float) -> PhaseView:
+    """The run's phase, from its newest samples (their ``phase``) and the events of its
+    current process (the start event names the phase status.json showed). Budgets
+    (``thresholds()``) are read only for a phase that has one."""
+    if run.state in FINAL_STATES:
+        return PhaseView(run.state, run.ended)
+    if run.state == RESTARTING:
+        since = max([r.time for r in restarts] + [e.time for e in state_events if (e.detail or {}).get("to") == RESTARTING]
+                    or [run.updated or run.created])
+        return PhaseView("restarting", since, None, max(0.0, as_of - since))
+    start_t, start_phase = None, None
+    for e in reversed(state_events):
+        if (e.detail or {}).get("to") == "running" or e.kind == "phase":
+            start_t = e.time
+            match = _STARTED.search(e.message or "")
+            start_phase = (e.detail or {}).get("phase") or (match.group(1) if match else None)
+            break
+    current = [s for s in samples if start_t is None or _sample_clock(s) >= start_t - 1.0]
+    if current:
+        newest = current[-1].phase or "training"
+        since = _sample_clock(current[-1])
+        for s in reversed(current):
+            if (s.phase or "training") != newest:
+                break
+            since = _sample_clock(s)
+        name = newest
+    elif start_t is not None:
+        name, since = start_phase or "starting", start_t
+    else:
+        name, since = ("starting" if run.state == LAUNCHING else None), run.created
+    budget = None
+    if name == "starting":
+        budget = thresholds().startup_budget_s
+    elif name == "compiling":
+        budget = thresholds().compile_budget_s
+    elapsed = max(0.0, as_of - since) if since is not None and name is not None else None
+    return PhaseView(name, since, budget, elapsed)
+
+
+# --------------------------------------------------------------------------- smoothing
+
+
+@dataclass(frozen=True)
+class Smoothed:
+    tok_s: float | None  # mean tok/s of the training samples in the window
+    steps_per_s: float | None  # from the first and last step in the window
+    window_s: float  # the data the figures span (at most SMOOTH_WINDOW_S)
+    samples: int
+
+
+def current_process(samples: Sequence[Sample]) -> list[Sample]:
+    """The newest stretch of samples whose step never goes back (a restart resumes
+    from an earlier checkpoint): the current trainer process's."""
+    tail: list[Sample] = []
+    for s in reversed(samples):
+        if tail and s.step > tail[-1].step:
+            break
+        tail.append(s)
+    return tail[::-1]
+
+
+def smooth(samples: Sequence[Sample], window_s: float = SMOOTH_WINDOW_S) -> Smoothed:
+    tail = current_process(samples)
+    if not tail:
+        return Smoothed(None, None, 0.0, 0)
+    newest = tail[-1].time
+    window = [s for s in tail if s.time >= newest - window_s]
+    training = [s.tok_s for s in window if s.tok_s is not None and (s.phase or "training") == "training"]
+    tok_s = statistics.fmean(training) if training else None
+    span = window[-1].time - window[0].time
+    rate = (window[-1].step - window[0].step) / span if len(window) >= 2 and span > 0 else None
+    return Smoothed(tok_s, rate, span, len(window))
 
 
 # --------------------------------------------------------------------------- views
@@ -66,47 +307,93 @@ class EventView:
     kind: str
     severity: str
     message: str
+    classification: str = ""
 
     @classmethod
     def from_event(cls, e: Event) -> "EventView":
-        return cls(e.time, e.run_id, e.kind, e.severity, e.message)
+        return cls(e.time, e.run_id, e.kind, e.severity, e.message, classify(e))
 
     def cells(self) -> tuple[str, ...]:
-        return (fmt_clock(self.time), self.severity, self.kind, self.message)
+        return (fmt_clock(self.time), self.severity, self.classification or self.kind, self.message)
+
+
+def classify(e: Event) -> str:
+    """An event's class for the timeline: its kind, made precise by its detail
+    (a state change's target, a crash signature)."""
+    detail = e.detail if isinstance(e.detail, dict) else {}
+    if e.kind == "state" and detail.get("to"):
+        return f"state→{detail['to']}"
+    signature = detail.get("signature")
+    if signature is None and isinstance(detail.get("finding"), dict):
+        signature = detail["finding"].get("signature")
+    return f"{e.kind}:{signature}" if signature else e.kind
 
 
 @dataclass
 class GpuView:
-    """One GPU reading from a run's latest sample that has readings."""
+    """One GPU of a host, from the newest sample that read it."""
 
     host: str
-    run_id: str
-    time: float
-    index: int | None = None
+    index: int | None
     name: str | None = None
+    role: str | None = None  # target, drafter, target+drafter; None: held by no run
+    run_id: str | None = None  # the active run holding it
+    time: float | None = None  # of the reading (local clock)
     utilization_pct: float | None = None
     memory_used_mib: float | None = None
     memory_total_mib: float | None = None
     temperature_c: float | None = None
     power_draw_w: float | None = None
+    power_limit_w: float | None = None
+    utilization_history: list[float] = field(default_factory=list)
+    memory_history: list[float] = field(default_factory=list)  # used fraction 0..1
 
-    def cells(self) -> tuple[str, ...]:
+    @property
+    def memory_fraction(self) -> float | None:
+        if self.memory_used_mib is None or not self.memory_total_mib:
+            return None
+        return self.memory_used_mib / self.memory_total_mib
+
+    def memory_text(self) -> str:
         if self.memory_used_mib is None:
-            memory = NA
-        elif self.memory_total_mib:
-            memory = f"{self.memory_used_mib / 1024:.1f}/{self.memory_total_mib / 1024:.0f} GiB"
-        else:
-            memory = f"{self.memory_used_mib / 1024:.1f} GiB"
-        return (
-            self.host,
-            self.run_id,
-            NA if self.index is None else str(self.index),
-            self.name or NA,
-            _num(self.utilization_pct, ".0f") + (" %" if self.utilization_pct is not None else ""),
-            memory,
-            _num(self.temperature_c, ".0f") + (" C" if self.temperature_c is not None else ""),
-            _num(self.power_draw_w, ".0f") + (" W" if self.power_draw_w is not None else ""),
-        )
+            return NA
+        used = self.memory_used_mib / 1024
+        return f"{used:.0f}/{self.memory_total_mib / 1024:.0f}G" if self.memory_total_mib else f"{used:.0f}G"
+
+    def power_text(self) -> str:
+        if self.power_draw_w is None:
+            return NA
+        return f"{self.power_draw_w:.0f}/{self.power_limit_w:.0f}W" if self.power_limit_w else f"{self.power_draw_w:.0f}W"
+
+
+@dataclass
+class HostView:
+    """A host with active runs: how fresh its readings are, and its GPUs."""
+
+    host: str
+    runs: list[str]
+    last_answer: float | None = None
+    down_since: float | None = None
+    error: str | None = None
+    supervised: bool = False
+    gpus: list[GpuView] = field(default_factory=list)
+
+    def status_text(self, now: float) -> str:
+        if not self.supervised:
+            return "no supervisor polls it"
+        if self.down_since is not None:
+            return f"unreachable since {fmt_duration(now - self.down_since)}" + (f": {self.error}" if self.error else "")
+        return "no answer yet" if self.last_answer is None else f"answered {_ago(now, self.last_answer)}"
+
+
+@dataclass
+class Notice:
+    """Something the operator must act on, with the command that does it."""
+
+    severity: str  # warning | error
+    text: str
+    fix: str | None = None
+    run_id: str | None = None
 
 
 @dataclass
@@ -114,60 +401,237 @@ class RunView:
     id: str
     playbook: str
     host: str
-    state: str
+    state: str  # as stored
     created: float
+    freshness: Freshness
+    phase: PhaseView
     total_steps: int | None = None
     step: int | None = None
-    phase: str | None = None
-    tok_s: float | None = None
-    tok_s_history: list[float] = field(default_factory=list)
+    tok_s: float | None = None  # mean over the window (training samples)
+    tok_s_last: float | None = None  # the newest sample's
+    window_s: float = 0.0  # what tok/s and the ETA are averaged over
+    tok_s_history: list[float] = field(default_factory=list)  # the current process's newest samples
+    loss_history: list[float] = field(default_factory=list)
+    accept_history: list[float] = field(default_factory=list)
+    baseline_tok_s: float | None = None
+    baseline_pct: float | None = None
+    eta_s: float | None = None  # None when the data is not live
     mfu: float | None = None  # the trainer's estimate, 0..1 (GPU runs only)
     loss: float | None = None
     acc: float | None = None
-    accept_len: float | None = None
-    eta_s: float | None = None
-    sample_time: float | None = None
+    accept_len: float | None = None  # tau: expected acceptance length
+    sample_time: float | None = None  # newest sample, trainer's clock
     restarts: int = 0
     last_event: EventView | None = None
     exit_reason: str | None = None
+    gpus: list[int] = field(default_factory=list)
+    roles: dict[int, str] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
 
+    @property
+    def display_state(self) -> str:
+        """The state as the operator should read it: an active run nobody watches is
+        ``unsupervised``, one whose host does not answer ``unreachable`` (or
+        ``stale`` while its supervisor has not yet said so)."""
+        f = self.freshness
+        if not self.active:
+            return self.state
+        if not f.supervised:
+            return "unsupervised"
+        if f.host_down_since is not None:
+            return "unreachable"
+        if not f.live and f.host_last_answer is not None:
+            return "stale"
+        return self.state
+
+    @property
+    def progress_pct(self) -> float | None:
+        if self.step is None or not self.total_steps:
+            return None
+        return 100.0 * self.step / self.total_steps
+
     def step_text(self) -> str:
         if self.step is None:
             return NA
-        if not self.total_steps:
-            return f"{self.step:,}"
-        return f"{self.step:,}/{self.total_steps:,} ({100.0 * self.step / self.total_steps:.1f}%)"
+        return f"{self.step:,}/{self.total_steps:,}" if self.total_steps else f"{self.step:,}"
 
-    def eta_text(self) -> str:
-        if self.state in FINAL_STATES:
+    def progress_text(self) -> str:
+        pct = self.progress_pct
+        return NA if pct is None else (f"{pct:.0f}%" if pct >= 10 or pct == 0 else f"{pct:.1f}%")
+
+    def eta_text(self, compact: bool = False) -> str:
+        if not self.active:
             return "-"
-        return NA if self.eta_s is None else fmt_duration(self.eta_s)
+        if not self.freshness.live and self.state != RESTARTING:
+            return "stale" if self.step is not None else NA
+        return NA if self.eta_s is None else (short_duration if compact else fmt_duration)(self.eta_s)
+
+    def tok_s_text(self, compact: bool = True) -> str:
+        return (short_rate if compact else fmt_tok_s)(self.tok_s if self.tok_s is not None else self.tok_s_last) \
+            if (self.tok_s is not None or self.tok_s_last is not None) else NA
 
     def last_event_text(self) -> str:
         if self.last_event is None:
             return NA
         return f"{fmt_clock(self.last_event.time)} {self.last_event.message}"
 
-    def cells(self) -> tuple[str, ...]:
-        """Display text per column of RUN_COLUMNS."""
-        return (
-            self.id,
-            self.state,
-            self.host,
-            self.step_text(),
-            NA if self.tok_s is None else fmt_tok_s(self.tok_s),
-            spark(self.tok_s_history) or NA,
-            NA if self.mfu is None else f"{100 * self.mfu:.0f} %",
-            _num(self.loss, ".4f"),
-            _num(self.accept_len, ".2f"),
-            self.eta_text(),
-            str(self.restarts),
-            self.last_event_text(),
-        )
+    def age_text(self) -> str:
+        age = self.freshness.data_age_s
+        return NA if age is None else short_duration(age)
+
+    def cell(self, key: str) -> str:
+        """Display text of one run column (``COLUMNS``)."""
+        if key == "run":
+            return self.id
+        if key == "state":
+            return self.display_state
+        if key == "phase":
+            return self.phase.text(compact=True) if self.active else "-"
+        if key == "progress":
+            return self.progress_text()
+        if key == "eta":
+            return self.eta_text(compact=True)
+        if key == "tok_s":
+            return self.tok_s_text()
+        if key == "baseline":
+            return NA if self.baseline_pct is None else f"{self.baseline_pct:.0f}%"
+        if key == "step":
+            return self.step_text()
+        if key == "host":
+            return self.host
+        if key == "age":
+            return self.age_text()
+        if key == "history":
+            return spark(self.tok_s_history, 12, high=self.baseline_tok_s) or NA
+        if key == "loss":
+            return _num(self.loss, ".3f")
+        if key == "accept":
+            return _num(self.accept_len, ".2f")
+        if key == "mfu":
+            return NA if self.mfu is None else f"{100 * self.mfu:.0f}%"
+        if key == "restarts":
+            return str(self.restarts)
+        if key == "last_event":
+            return self.last_event_text()
+        raise KeyError(key)
+
+    def style(self, key: str) -> str:
+        """Style of one cell ('' for none)."""
+        if key == "state":
+            return STATE_STYLE.get(self.display_state, "")
+        if key == "phase" and self.active:
+            return "bold red" if self.phase.over_budget else PHASE_STYLE.get(self.phase.name or "", "")
+        if key in ("eta", "tok_s", "age", "progress", "step") and self.active and not self.freshness.live:
+            return "dim"
+        if key == "baseline" and self.baseline_pct is not None and self.baseline_pct < 60:
+            return "bold red"
+        if key == "last_event" and self.last_event is not None:
+            return SEVERITY_STYLE.get(self.last_event.severity, "")
+        if key == "restarts" and self.restarts:
+            return "yellow"
+        return ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["freshness"] = self.freshness.to_dict()
+        d["phase"] = {**asdict(self.phase), "over_budget": self.phase.over_budget}
+        d.update(active=self.active, display_state=self.display_state, progress_pct=self.progress_pct)
+        d["roles"] = {str(k): v for k, v in self.roles.items()}
+        return d
+
+
+# --------------------------------------------------------------------------- run columns
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    width: int  # cells; text longer than this is cut with an ellipsis
+    priority: int  # lower: kept at narrower widths
+    justify: str = "left"
+
+
+COLUMNS = (
+    Column("run", "run", 25, 0),
+    Column("state", "state", 12, 0),
+    Column("phase", "phase", 17, 1),
+    Column("progress", "done", 5, 1, "right"),
+    Column("eta", "ETA", 6, 1, "right"),
+    Column("tok_s", "tok/s", 6, 2, "right"),
+    Column("baseline", "%base", 5, 2, "right"),
+    Column("step", "step", 15, 3, "right"),
+    Column("host", "host", 10, 4),
+    Column("age", "age", 5, 3, "right"),
+    Column("history", "tok/s history", 13, 6),
+    Column("loss", "loss", 6, 5, "right"),
+    Column("accept", "τ acc", 5, 5, "right"),
+    Column("restarts", "rst", 3, 5, "right"),
+    Column("mfu", "MFU", 4, 7, "right"),
+    Column("last_event", "last event", 24, 8),
+)
+COLUMN = {c.key: c for c in COLUMNS}
+LAST_EVENT_MAX = 60  # the widest the last-event column grows (its full text is in the detail view)
+COMPACT_RUN_WIDTH = 18
+
+
+def select_columns(width: int, gap: int = 2, run_width: int = 25) -> list[Column]:
+    """The run columns that fit ``width`` cells (each column costs its width plus
+    ``gap``), most important first, shown in ``COLUMNS`` order; the last-event
+    column takes what is left, up to ``LAST_EVENT_MAX``. Cells are never folded:
+    a column that does not fit is left out."""
+    columns = [Column("run", "run", run_width, 0)] + [c for c in COLUMNS if c.key != "run"]
+    chosen: set[str] = set()
+    used = 0
+    for c in sorted(columns, key=lambda c: c.priority):
+        if used + c.width + gap <= width:
+            chosen.add(c.key)
+            used += c.width + gap
+    out = [c for c in columns if c.key in chosen]
+    if "last_event" in chosen:
+        grow = min(LAST_EVENT_MAX - COLUMN["last_event"].width, width - used)
+        out = [Column(c.key, c.header, c.width + max(0, grow), c.priority) if c.key == "last_event" else c for c in out]
+    return out
+
+
+# --------------------------------------------------------------------------- status and detail
+
+
+SORTS = ("default", "state", "host", "progress", "tok/s", "ETA", "created")
+
+
+def sort_runs(runs: list[RunView], key: str) -> list[RunView]:
+    """Runs in the order of a sort key (``SORTS``); ``default``: needs-attention first,
+    then active, then newest."""
+    attention = {"unsupervised": 0, "unreachable": 1, "failed": 2, "stalled": 2, "lost": 3, "stale": 3,
+                 "restarting": 4}
+    if key == "state":
+        return sorted(runs, key=lambda r: (r.display_state, -r.created))
+    if key == "host":
+        return sorted(runs, key=lambda r: (r.host, -r.created))
+    if key == "progress":
+        return sorted(runs, key=lambda r: -(r.progress_pct or -1))
+    if key == "tok/s":
+        return sorted(runs, key=lambda r: -(r.tok_s or r.tok_s_last or -1))
+    if key == "ETA":
+        return sorted(runs, key=lambda r: (r.eta_s is None, r.eta_s or 0))
+    if key == "created":
+        return sorted(runs, key=lambda r: -r.created)
+    return sorted(runs, key=lambda r: (attention.get(r.display_state, 9) if r.active else 9, not r.active,
+                                       -r.created))
+
+
+def filter_runs(runs: list[RunView], text: str) -> list[RunView]:
+    """Runs whose id, playbook, host, state or phase contains every word of ``text``."""
+    words = text.lower().split()
+    if not words:
+        return runs
+    return [r for r in runs
+            if all(w in " ".join([r.id, r.playbook, r.host, r.display_state, r.phase.name or ""]).lower()
+                   for w in words)]
 
 
 @dataclass
@@ -177,29 +641,73 @@ class StatusView:
     runs: list[RunView]
     selected: str | None
     events: list[EventView]  # of the selected run, oldest first
-    gpus: list[GpuView]
+    hosts: list[HostView]
+    notices: list[Notice] = field(default_factory=list)
+    supervisors: int = 0  # supervisors ticking now
 
     @property
     def selected_run(self) -> RunView | None:
         return next((r for r in self.runs if r.id == self.selected), None)
 
-    def summary(self) -> str:
+    @property
+    def gpus(self) -> list[GpuView]:
+        return [g for h in self.hosts for g in h.gpus]
+
+    def summary(self, short: bool = False) -> str:
+        if not self.runs:
+            return "no runs yet: dflashctl launch demo"
         active = sum(r.active for r in self.runs)
-        return (f"{len(self.runs)} run(s), {active} active · store {self.store} · read {fmt_clock(self.now)}"
-                if self.runs else f"no runs yet (store {self.store}): dflashctl launch demo")
+        if short:
+            return f"{len(self.runs)} runs, {active} active, {self.supervisors} sup · {fmt_clock(self.now)}"
+        return (f"{len(self.runs)} run(s), {active} active · {self.supervisors} supervisor(s) ticking"
+                f" · read {fmt_clock(self.now)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema": SCHEMA,
             "now": self.now,
             "store": self.store,
             "selected": self.selected,
-            "runs": [{**asdict(r), "active": r.active} for r in self.runs],
+            "supervisors": self.supervisors,
+            "runs": [r.to_dict() for r in self.runs],
             "events": [asdict(e) for e in self.events],
+            "hosts": [{k: v for k, v in asdict(h).items() if k != "gpus"} for h in self.hosts],
             "gpus": [asdict(g) for g in self.gpus],
+            "notices": [asdict(n) for n in self.notices],
         }
 
 
-# --------------------------------------------------------------------------- loading
+@dataclass
+class EnvSummary:
+    snapshot_time: float | None = None
+    packages: int | None = None
+    torch: str | None = None
+    findings: list[EventView] = field(default_factory=list)  # drift / conflict events of the run
+
+    def lines(self) -> list[str]:
+        if self.snapshot_time is None:
+            head = "no environment snapshot of the host recorded before this run (dflashctl env-audit)"
+        else:
+            head = (f"snapshot {fmt_clock(self.snapshot_time)}: {self.packages} packages"
+                    + (f", torch {self.torch}" if self.torch else ""))
+        return [head] + ([f"{e.severity}: {e.message}" for e in self.findings] or ["no drift or conflict recorded"])
+
+
+@dataclass
+class DetailView:
+    run: RunView
+    events: list[EventView]
+    series: list[dict[str, Any]]  # Store.sample_series
+    thresholds: Thresholds
+    env: EnvSummary
+    restarts: list[dict[str, Any]]
+    run_dir: str | None = None
+    exit_code: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run": self.run.to_dict(), "events": [asdict(e) for e in self.events], "series": self.series,
+                "thresholds": asdict(self.thresholds), "env": asdict(self.env), "restarts": self.restarts,
+                "run_dir": self.run_dir, "exit_code": self.exit_code}
 
 
 def _total_steps(run: Run) -> int | None:
@@ -207,6 +715,25 @@ def _total_steps(run: Run) -> int | None:
         return int(run.config["trainer"]["train"]["steps"])
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def roles_of(run: Run) -> dict[int, str]:
+    """Physical GPU index -> its role in the run (target, drafter, target+drafter)."""
+    try:
+        placement = run.config["trainer"]["placement"]
+    except (KeyError, TypeError):
+        return {}
+    if not isinstance(placement, dict) or placement.get("device") == "cpu":
+        return {}
+    roles: dict[int, str] = {}
+    for role in ("target", "drafter"):
+        for g in placement.get(role) or []:
+            try:
+                g = int(g)
+            except (TypeError, ValueError):
+                continue
+            roles[g] = f"{roles[g]}+{role}" if g in roles else role
+    return roles
 
 
 def gpu_readings(value: Any) -> list[dict[str, Any]]:
@@ -220,35 +747,38 @@ def gpu_readings(value: Any) -> list[dict[str, Any]]:
     return [g for g in value if isinstance(g, dict)]
 
 
-def _gpu_views(run: Run, samples) -> list[GpuView]:
-    latest = next((s for s in reversed(samples) if gpu_readings(s.gpu)), None)
-    if latest is None:
-        return []
-    names = set(GpuView.__dataclass_fields__) - {"host", "run_id", "time"}
-    return [GpuView(run.host, run.id, latest.time, **{k: g.get(k) for k in names}) for g in gpu_readings(latest.gpu)]
+def _float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
-def _run_view(store: Store, run: Run, history: int) -> tuple[RunView, list]:
-    samples = store.samples(run.id, limit=history)
-    last = samples[-1] if samples else None
-    events = store.events(run.id, limit=1)
-    view = RunView(
-        id=run.id,
-        playbook=run.playbook,
-        host=run.host,
-        state=run.state,
-        created=run.created,
-        total_steps=_total_steps(run),
-        tok_s_history=[s.tok_s for s in samples if s.tok_s is not None],
-        restarts=len(store.restarts(run.id)),
-        last_event=EventView.from_event(events[-1]) if events else None,
-        exit_reason=run.exit_reason,
-    )
-    if last is not None:
-        view.step, view.phase, view.tok_s, view.loss = last.step, last.phase, last.tok_s, last.loss
-        view.acc, view.accept_len, view.eta_s, view.sample_time = last.acc, last.accept_len, last.eta_s, last.time
-        view.mfu = last.mfu
-    return view, samples
+def _process_gone(pid: Any) -> bool:
+    """Whether process ``pid`` of this machine has ended (a zombie has)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive, another user's
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2:].split()[0] in ("Z", "X")
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def heartbeats_now(store: Store) -> list[dict]:
+    """The supervisors' heartbeats; one of a supervisor of this machine whose process
+    has ended (killed: it could not say so) reads as stopped at its last tick, so its
+    runs show as unsupervised at once, not only after its heartbeat grows old."""
+    here = socket.gethostname()
+    beats = store.supervisors()
+    return [{**b, "stopped": b.get("last_tick")} if not b.get("stopped") and b.get("host") == here
+            and _process_gone(b.get("pid")) else b for b in beats]
 
 
 def select_runs(store: Store, run: str | None = None, recent: int = RECENT_RUNS) -> list[Run]:
@@ -260,21 +790,254 @@ def select_runs(store: Store, run: str | None = None, recent: int = RECENT_RUNS)
     return active + [r for r in store.list_runs(limit=recent) if r.id not in seen]
 
 
-def load_status(
-    store: Store,
-    now: float,
-    run: str | None = None,
-    selected: str | None = None,
-    *,
-    history: int = HISTORY,
-    events: int = EVENTS,
-) -> StatusView:
-    """Everything the status screen shows, read from the store at ``now``."""
-    loaded = [(r, *_run_view(store, r, history)) for r in select_runs(store, run)]
-    runs = [view for _, view, _ in loaded]
-    if selected not in {r.id for r in runs}:
-        selected = runs[0].id if runs else None
-    gpus = [g for r, _, samples in loaded if r.state in ACTIVE_STATES or r.id == selected
-            for g in _gpu_views(r, samples)]
-    recent = [EventView.from_event(e) for e in store.events(selected, limit=events)] if selected else []
-    return StatusView(now, store.path, runs, selected, recent, gpus)
+class StatusReader:
+    """Reads status and detail views from a store, keeping what changes slowly
+    (playbook thresholds, learned baselines) between refreshes. Used from one
+    worker thread at a time (the store gives each thread its own connection)."""
+
+    def __init__(self, store: Store, playbooks_dir: str | None = None):
+        self.store = store
+        self.playbooks_dir = playbooks_dir
+        self._thresholds: dict[tuple, Thresholds] = {}
+        self._baselines: dict[str, tuple[float, float | None]] = {}
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- slow-changing inputs
+
+    def thresholds(self, run: Run) -> Thresholds:
+        source = (run.config or {}).get("playbook_source") or run.playbook
+        try:
+            mtime = os.stat(source).st_mtime
+        except (OSError, TypeError, ValueError):
+            mtime = None
+        key = (run.playbook, source, mtime)
+        with self._lock:
+            cached = self._thresholds.get(key)
+        if cached is None:
+            cached = _thresholds_of(run, self.playbooks_dir)
+            with self._lock:
+                self._thresholds[key] = cached
+        return cached
+
+    def baseline(self, run: Run, now: float) -> float | None:
+        own = self.thresholds(run).baseline_tok_s
+        if own:
+            return own
+        with self._lock:
+            cached = self._baselines.get(run.playbook)
+        if cached is None or now - cached[0] > BASELINE_TTL_S:
+            cached = (now, self.store.baseline_tok_s(run.playbook, exclude_run=run.id))
+            with self._lock:
+                self._baselines[run.playbook] = cached
+        return cached[1]
+
+    # ----------------------------------------------------------------- one run
+
+    def run_view(self, run: Run, heartbeats: list[dict], now: float, history: int = HISTORY) -> RunView:
+        store = self.store
+        samples = store.recent_samples(run.id, history)
+        newest = samples[-1] if samples else None
+        fresh = freshness(run, heartbeats, newest, now)
+        state_events = store.events(run.id, kind="state")
+        restarts = store.restarts(run.id)
+        # A finished run's last word is how it ended; what was written after (a
+        # supervisor looking at it once more) must not hide the cause.
+        if run.active:
+            last = store.events(run.id, limit=1)
+            last_event = EventView.from_event(last[-1]) if last else None
+        else:
+            last_event = EventView.from_event(state_events[-1]) if state_events else None
+        # The clock of a run whose data is not live stops at its newest data.
+        as_of = now if fresh.live or not run.active else max(
+            [t for t in (fresh.data_time, fresh.host_last_answer, fresh.last_tick) if t] or [run.updated or run.created])
+        phase = derive_phase(run, samples, state_events, restarts, lambda: self.thresholds(run), as_of)
+        smoothed = smooth(samples)
+        total = _total_steps(run)
+        view = RunView(
+            id=run.id, playbook=run.playbook, host=run.host, state=run.state, created=run.created,
+            freshness=fresh, phase=phase, total_steps=total,
+            restarts=sum(1 for r in restarts if r.counts), last_event=last_event, exit_reason=run.exit_reason,
+            gpus=run.gpus, roles=roles_of(run),
+        )
+        process = current_process(samples)
+        view.tok_s_history = [s.tok_s for s in process if s.tok_s is not None]
+        view.loss_history = [s.loss for s in process if s.loss is not None]
+        view.accept_history = [s.accept_len for s in process if s.accept_len is not None]
+        if newest is not None:
+            view.step, view.tok_s_last, view.loss = newest.step, newest.tok_s, newest.loss
+            view.acc, view.accept_len, view.mfu, view.sample_time = newest.acc, newest.accept_len, newest.mfu, newest.time
+            view.tok_s, view.window_s = smoothed.tok_s, smoothed.window_s
+        if run.active and view.tok_s is not None and phase.name == "training":
+            view.baseline_tok_s = self.baseline(run, now)
+            if view.baseline_tok_s:
+                view.baseline_pct = 100.0 * view.tok_s / view.baseline_tok_s
+        if run.active and fresh.live and newest is not None and run.state in PROGRESSING \
+                and phase.name in ("training", "checkpointing"):
+            if smoothed.steps_per_s and total:
+                view.eta_s = max(0.0, total - newest.step) / smoothed.steps_per_s
+            elif newest.eta_s is not None:
+                view.eta_s = newest.eta_s
+        return view
+
+    # ----------------------------------------------------------------- GPUs
+
+    def hosts(self, runs: list[Run], heartbeats: list[dict], now: float) -> list[HostView]:
+        by_host: dict[str, list[Run]] = {}
+        for r in runs:
+            by_host.setdefault(r.host, []).append(r)
+        views = []
+        for host, host_runs in by_host.items():
+            beat = next((b for b in heartbeats if host in (b.get("hosts") or {})), None)
+            info = ((beat or {}).get("hosts") or {}).get(host) or {}
+            ticking = [b for b in heartbeats if set(b.get("runs") or []) & {r.id for r in host_runs}
+                       and not b.get("stopped") and now - (b.get("last_tick") or 0) <= 3 * max(1.0, b.get("interval") or 1)]
+            hv = HostView(host, [r.id for r in host_runs], info.get("last_ok"), info.get("down_since"),
+                          info.get("error"), bool(ticking))
+            readings = [(r, self.store.gpu_samples(r.id, GPU_HISTORY)) for r in host_runs]
+            readings = [(r, s) for r, s in readings if s]
+            holders = {}
+            for r in host_runs:
+                roles = roles_of(r)
+                for g in r.gpus:
+                    holders.setdefault(g, (r.id, roles.get(g)))
+            if readings:
+                run, samples = max(readings, key=lambda rs: _sample_clock(rs[1][-1]))
+                history: dict[Any, list[dict]] = {}
+                for s in samples:
+                    for g in gpu_readings(s.gpu):
+                        history.setdefault(g.get("index"), []).append(g)
+                for g in gpu_readings(samples[-1].gpu):
+                    index = g.get("index") if isinstance(g.get("index"), int) else None
+                    holder, role = holders.get(index, (None, None))
+                    past = history.get(g.get("index"), [])
+                    hv.gpus.append(GpuView(
+                        host, index, g.get("name") if isinstance(g.get("name"), str) else None, role, holder,
+                        _sample_clock(samples[-1]), _float(g.get("utilization_pct")), _float(g.get("memory_used_mib")),
+                        _float(g.get("memory_total_mib")), _float(g.get("temperature_c")),
+                        _float(g.get("power_draw_w")), _float(g.get("power_limit_w")),
+                        [v for v in (_float(p.get("utilization_pct")) for p in past) if v is not None],
+                        [u / t for u, t in ((_float(p.get("memory_used_mib")), _float(p.get("memory_total_mib")))
+                                            for p in past) if u is not None and t]))
+            else:
+                for index, (holder, role) in sorted(holders.items()):
+                    hv.gpus.append(GpuView(host, index, role=role, run_id=holder))
+            views.append(hv)
+        return views
+
+    # ----------------------------------------------------------------- everything
+
+    def load(self, now: float, run: str | None = None, selected: str | None = None, *,
+             history: int = HISTORY, events: int = EVENTS) -> StatusView:
+        """Everything the status screen shows, read from the store at ``now``."""
+        store = self.store
+        rows = select_runs(store, run)
+        heartbeats = heartbeats_now(store)
+        runs = sort_runs([self.run_view(r, heartbeats, now, history) for r in rows], "default")
+        if selected not in {r.id for r in runs}:
+            selected = runs[0].id if runs else None
+        shown = [r for r in rows if r.active]
+        hosts = self.hosts(shown, heartbeats, now)
+        recent = [EventView.from_event(e) for e in store.events(selected, limit=events)] if selected else []
+        ticking = sum(1 for b in heartbeats if not b.get("stopped")
+                      and now - (b.get("last_tick") or 0) <= 3 * max(1.0, b.get("interval") or 1))
+        return StatusView(now, store.path, runs, selected, recent, hosts, notices_of(runs, now), ticking)
+
+    def detail(self, run_ref: str, now: float) -> DetailView:
+        """One run in full: every event (the newest ``DETAIL_EVENTS``), its whole history
+        as a chart series, its thresholds, the environment audit, its restarts."""
+        store = self.store
+        run = store.get_run(run_ref)
+        view = self.run_view(run, heartbeats_now(store), now)
+        events = [EventView.from_event(e) for e in store.events(run.id, limit=DETAIL_EVENTS)]
+        snapshot = store.env_snapshot_at(run.host, run.created + 60.0)
+        env = EnvSummary(findings=[e for e in events if e.kind in ("drift", "conflict", "preflight", "env-audit")])
+        if snapshot is not None:
+            data = snapshot.get("data")
+            env.snapshot_time = snapshot.get("time")
+            env.packages = len(data) if isinstance(data, (dict, list)) else None
+            if isinstance(data, dict):
+                torch = data.get("torch")
+                env.torch = torch if isinstance(torch, str) else None
+        return DetailView(view, events, store.sample_series(run.id, SERIES_POINTS), self.thresholds(run), env,
+                          [r.to_dict() for r in store.restarts(run.id)], run.run_dir, run.exit_code)
+
+
+def notices_of(runs: Iterable[RunView], now: float) -> list[Notice]:
+    """What needs the operator, most urgent first: runs nobody watches (with the
+    command that watches them), unreachable hosts, phases over budget."""
+    out: list[Notice] = []
+    down: set[str] = set()
+    for r in runs:
+        if not r.active:
+            continue
+        f = r.freshness
+        if not f.supervised:
+            out.append(Notice("error", f"{r.id} {f.note}", f.fix, r.id))
+        elif f.host_down_since is not None and r.host not in down:
+            down.add(r.host)
+            out.append(Notice("error", f.note, None, r.id))
+        elif not f.live and f.note:
+            out.append(Notice("warning", f"{r.id}: {f.note}", None, r.id))
+        if r.phase.over_budget:
+            out.append(Notice("warning", f"{r.id}: {r.phase.text()} (over budget)", f"dflashctl logs {r.id}", r.id))
+    return out
+
+
+def load_status(store: Store, now: float, run: str | None = None, selected: str | None = None, *,
+                history: int = HISTORY, events: int = EVENTS, playbooks_dir: str | None = None) -> StatusView:
+    """``StatusReader(store).load(...)`` for one read."""
+    return StatusReader(store, playbooks_dir).load(now, run, selected, history=history, events=events)
+
+
+# --------------------------------------------------------------------------- the --json document
+
+_NUM = {"type": ["number", "null"]}
+_STR = {"type": ["string", "null"]}
+JSON_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": SCHEMA,
+    "description": "dflashctl status --json: every run, its freshness and phase, the GPUs of hosts with active runs. "
+                   "Times are unix seconds on the operator's clock unless named otherwise.",
+    "type": "object",
+    "required": ["schema", "now", "store", "selected", "supervisors", "runs", "events", "hosts", "gpus", "notices"],
+    "properties": {
+        "schema": {"const": SCHEMA},
+        "now": {"type": "number"},
+        "store": {"type": "string", "description": "the run store file"},
+        "selected": _STR,
+        "supervisors": {"type": "integer", "description": "supervisors ticking now"},
+        "runs": {"type": "array", "items": {
+            "type": "object",
+            "required": ["id", "playbook", "host", "state", "display_state", "active", "freshness", "phase", "step",
+                         "total_steps", "progress_pct", "tok_s", "baseline_pct", "eta_s", "loss", "accept_len",
+                         "restarts", "last_event"],
+            "properties": {
+                "id": {"type": "string"}, "playbook": {"type": "string"}, "host": {"type": "string"},
+                "state": {"type": "string", "description": "as stored: launching, running, stalled, restarting, "
+                                                           "lost, stopped, done, failed"},
+                "display_state": {"type": "string", "description": "state, or unsupervised / unreachable / stale "
+                                                                   "when what is stored is not live"},
+                "active": {"type": "boolean"},
+                "freshness": {"type": "object", "required": ["supervised", "live", "note", "fix", "data_age_s"],
+                              "description": "dflashctl.freshness.Freshness: supervised, live, unsupervised_since, "
+                                             "host_down_since, data_age_s, note, fix (the command that fixes it)"},
+                "phase": {"type": "object", "required": ["name", "since", "budget_s", "elapsed_s", "over_budget"]},
+                "step": {"type": ["integer", "null"]}, "total_steps": {"type": ["integer", "null"]},
+                "progress_pct": _NUM,
+                "tok_s": {**_NUM, "description": "mean over window_s of the newest training samples"},
+                "tok_s_last": _NUM, "window_s": {"type": "number"}, "baseline_tok_s": _NUM, "baseline_pct": _NUM,
+                "eta_s": {**_NUM, "description": "from the step rate over window_s; null when the data is not live"},
+                "loss": _NUM, "acc": _NUM, "accept_len": {**_NUM, "description": "tau, expected acceptance length"},
+                "mfu": _NUM, "restarts": {"type": "integer"}, "exit_reason": _STR,
+                "last_event": {"type": ["object", "null"]}, "tok_s_history": {"type": "array"},
+                "gpus": {"type": "array"}, "roles": {"type": "object"},
+            }}},
+        "events": {"type": "array", "description": "the selected run's recent events, oldest first"},
+        "hosts": {"type": "array", "items": {"type": "object", "required": ["host", "runs", "last_answer",
+                                                                             "down_since", "error", "supervised"]}},
+        "gpus": {"type": "array", "items": {"type": "object", "required": [
+            "host", "index", "name", "role", "run_id", "utilization_pct", "memory_used_mib", "memory_total_mib",
+            "temperature_c", "power_draw_w", "utilization_history"]}},
+        "notices": {"type": "array", "items": {"type": "object", "required": ["severity", "text", "fix", "run_id"]}},
+    },
+}

@@ -1,25 +1,19 @@
-"""Widgets of the status screen. Each draws one part of a ``StatusView``; none reads
-the store or a host (the app hands them snapshots)."""
+"""Widgets of the status console. Each draws one part of a view model
+(``dflashctl.tui.model``), with the text of ``dflashctl.tui.text``; none reads the
+store or a host (the app hands them snapshots)."""
 
 from __future__ import annotations
 
 from rich.text import Text
-from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
-from textual.widgets import DataTable, Sparkline, Static
+from textual.message import Message
+from textual.widgets import DataTable, Static
 
-from dflashctl.detectors import fmt_tok_s
 from dflashctl.tui.model import (
-    EVENT_COLUMNS,
-    GPU_COLUMNS,
-    RUN_COLUMNS,
-    SEVERITY_STYLE,
-    STATE_STYLE,
-    EventView,
-    GpuView,
-    RunView,
+    COMPACT_RUN_WIDTH, SEVERITY_STYLE, Column, EventView, RunView, fit, fit_middle, select_columns,
 )
+
+# --------------------------------------------------------------------------- widgets
 
 
 def _current_key(table: DataTable) -> str | None:
@@ -29,76 +23,115 @@ def _current_key(table: DataTable) -> str | None:
 
 
 class RunsTable(DataTable):
-    """One row per run; Enter (or a click) selects the run whose events are shown."""
+    """One row per run, the run column frozen; Enter opens the run's detail view,
+    Home / End go to the first / last run. Refreshing keeps the cursor on its run
+    and the sideways scroll where it was."""
 
-    BINDINGS = [Binding("enter", "select_cursor", "Show events")]
+    BINDINGS = [
+        Binding("enter", "open", "Detail"),
+        Binding("home", "first", "First run", show=False),
+        Binding("end", "last", "Last run", show=False),
+    ]
 
-    def on_mount(self) -> None:
-        self.cursor_type = "row"
-        self.add_columns(*RUN_COLUMNS)
+    class Open(Message):
+        def __init__(self, run_id: str) -> None:
+            super().__init__()
+            self.run_id = run_id
 
-    def show(self, runs: list[RunView], selected: str | None) -> None:
-        keep = _current_key(self) or selected
-        self.clear()
-        for run in runs:
-            cells = list(run.cells())
-            cells[0] = Text(("▶ " if run.id == selected else "  ") + cells[0])
-            cells[1] = Text(cells[1], style=STATE_STYLE.get(run.state, ""))
-            self.add_row(*cells, key=run.id)
+    def __init__(self, **kw) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=True, fixed_columns=1, **kw)
+        self.columns_shown: list[Column] = []
+        self.ids: list[str] = []
+
+    def layout_for(self, width: int) -> list[Column]:
+        compact = width < 100
+        return select_columns(width - 2, gap=2, run_width=COMPACT_RUN_WIDTH if compact else 25)
+
+    def show(self, runs: list[RunView], width: int) -> None:
+        columns = self.layout_for(width)
+        keep_key, keep_x = _current_key(self), self.scroll_x
+        if [c.key for c in columns] != [c.key for c in self.columns_shown] or \
+                [c.width for c in columns] != [c.width for c in self.columns_shown]:
+            self.clear(columns=True)
+            for c in columns:
+                self.add_column(Text(c.header, justify=c.justify), width=c.width, key=c.key)
+            self.columns_shown, self.ids = columns, []
         ids = [r.id for r in runs]
-        if keep in ids:
-            self.move_cursor(row=ids.index(keep), animate=False)
+        cells = {r.id: [self._cell(r, c) for c in columns] for r in runs}
+        if ids == self.ids:
+            for run_id in ids:
+                for c, value in zip(columns, cells[run_id]):
+                    old = self.get_cell(run_id, c.key)
+                    if (old.plain, str(old.style)) != (value.plain, str(value.style)):
+                        self.update_cell(run_id, c.key, value)
+            return
+        self.clear()
+        for run_id in ids:
+            self.add_row(*cells[run_id], key=run_id)
+        self.ids = ids
+        if keep_key in ids:
+            self.move_cursor(row=ids.index(keep_key), animate=False, scroll=True)
+        if keep_x:
+            self.call_after_refresh(self.scroll_to, x=keep_x, animate=False)
+
+    @staticmethod
+    def _cell(run: RunView, c: Column) -> Text:
+        text = run.cell(c.key)
+        text = fit_middle(text, c.width) if c.key == "run" else fit(text, c.width)
+        return Text(text, style=run.style(c.key), justify=c.justify, no_wrap=True, overflow="ellipsis")
+
+    @property
+    def current(self) -> str | None:
+        return _current_key(self)
+
+    def action_open(self) -> None:
+        if self.current is not None:
+            self.post_message(self.Open(self.current))
+
+    def action_first(self) -> None:
+        if self.row_count:
+            self.move_cursor(row=0, animate=False)
+
+    def action_last(self) -> None:
+        if self.row_count:
+            self.move_cursor(row=self.row_count - 1, animate=False)
 
 
 class EventsTable(DataTable):
-    """The selected run's recent events, newest at the bottom."""
+    """A run's events, newest at the bottom, each with its class."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=True, **kw)
 
     def on_mount(self) -> None:
-        self.cursor_type = "row"
-        self.add_columns(*EVENT_COLUMNS)
+        self.add_column("time", key="time")
+        self.add_column("severity", key="severity")
+        self.add_column("class", key="class")
+        self.add_column("message", key="message")
 
     def show(self, events: list[EventView]) -> None:
+        at_end = self.cursor_row >= self.row_count - 1
         self.clear()
-        for event in events:
-            time_text, severity, kind, message = event.cells()
-            self.add_row(time_text, Text(severity, style=SEVERITY_STYLE.get(severity, "")), kind, message)
-        if events:
+        for i, e in enumerate(events):
+            time_text, severity, kind, message = e.cells()
+            self.add_row(time_text, Text(severity, style=SEVERITY_STYLE.get(severity, "")), kind, message, key=str(i))
+        if events and at_end:
             self.move_cursor(row=len(events) - 1, animate=False)
 
 
-class GpuTable(DataTable):
-    """GPU readings from the latest samples of active runs."""
+class Pane(Static):
+    """A block of text drawn from a view; ``draw`` gets the width it is drawn at."""
 
-    def on_mount(self) -> None:
-        self.add_columns(*GPU_COLUMNS)
+    def __init__(self, draw=None, **kw) -> None:
+        super().__init__(**kw)
+        self.draw = draw
 
-    def show(self, gpus: list[GpuView]) -> None:
-        self.clear()
-        for i, gpu in enumerate(gpus):
-            self.add_row(*gpu.cells(), key=f"{gpu.run_id}:{gpu.index}:{i}")
+    def redraw(self, draw=None) -> None:
+        if draw is not None:
+            self.draw = draw
+        if self.draw is not None:
+            box = self.parent if self.parent is not None else self
+            self.update(self.draw(max(20, self.size.width or self.app.size.width), box.size.height))
 
-
-class Throughput(Vertical):
-    """The selected run's tok/s history as a sparkline, with its figures."""
-
-    DEFAULT_CSS = """
-    Throughput { height: 3; }
-    Throughput > Sparkline { height: 2; }
-    """
-
-    def compose(self) -> ComposeResult:
-        yield Static(id="throughput-label")
-        yield Sparkline([], summary_function=max, id="throughput-spark")
-
-    def show(self, run: RunView | None) -> None:
-        label = self.query_one("#throughput-label", Static)
-        spark = self.query_one("#throughput-spark", Sparkline)
-        history = run.tok_s_history if run else []
-        spark.data = history
-        if run is None:
-            label.update("tok/s: no run selected")
-        elif not history:
-            label.update(f"tok/s of {run.id}: no samples yet")
-        else:
-            label.update(f"tok/s of {run.id}: now {fmt_tok_s(run.tok_s)}, min {fmt_tok_s(min(history))}, "
-                         f"max {fmt_tok_s(max(history))} over {len(history)} samples")
+    def on_resize(self) -> None:
+        self.redraw()

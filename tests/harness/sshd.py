@@ -549,8 +549,9 @@ class SshEnv:
         """A $HOME whose ~/.ssh holds what a user who reaches the aliased host with
         `ssh gpu-alias` has: a config with ``Host gw`` (jump) and ``Host gpu-alias``
         (HostName, User, Port, IdentityFile, ProxyJump gw, ServerAliveInterval 7,
-        ConnectTimeout 4), their keys in ~/.ssh/known_hosts and the client key as
-        ~/.ssh/id_ed25519. Returns ``home``."""
+        ConnectTimeout 4), and a chain: ``Host j2`` (jump2) and ``Host chained``
+        (target2, ProxyJump gw,j2); their keys in ~/.ssh/known_hosts and the client
+        key as ~/.ssh/id_ed25519. Returns ``home``."""
         home = Path(home)
         ssh = home / ".ssh"
         ssh.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -558,23 +559,21 @@ class SshEnv:
         shutil.copyfile(self.client_key, key)
         key.chmod(0o600)
         jump, aliased = self.servers["jump"], self.servers[self.aliased_host]
+        jump2, target2 = self.servers["jump2"], self.servers["target2"]
+
+        def entry(alias: str, server: Server, *extra: str) -> str:
+            lines = [f"Host {alias}", f"  HostName {server.address}", f"  Port {server.port}", f"  User {_user()}",
+                     "  IdentityFile ~/.ssh/id_ed25519", *(f"  {line}" for line in extra)]
+            return "\n".join(lines) + "\n"
+
         (ssh / "config").write_text(
-            f"Host {ALIAS_JUMP}\n"
-            f"  HostName {jump.address}\n"
-            f"  Port {jump.port}\n"
-            f"  User {_user()}\n"
-            "  IdentityFile ~/.ssh/id_ed25519\n"
-            f"Host {ALIAS}\n"
-            f"  HostName {aliased.address}\n"
-            f"  Port {aliased.port}\n"
-            f"  User {_user()}\n"
-            "  IdentityFile ~/.ssh/id_ed25519\n"
-            f"  ProxyJump {ALIAS_JUMP}\n"
-            "  ServerAliveInterval 7\n"
-            "  ConnectTimeout 4\n"
+            entry(ALIAS_JUMP, jump)
+            + entry(ALIAS, aliased, f"ProxyJump {ALIAS_JUMP}", "ServerAliveInterval 7", "ConnectTimeout 4")
+            + entry("j2", jump2)
+            + entry("chained", target2, f"ProxyJump {ALIAS_JUMP},j2")
         )
         lines = []
-        for server in (jump, aliased):
+        for server in (jump, aliased, jump2, target2):
             key_type, blob = (server.dir / "host_ed25519.pub").read_text().split()[:2]
             lines.append(f"[{server.address}]:{server.port} {key_type} {blob}\n")
         (ssh / "known_hosts").write_text("".join(lines))

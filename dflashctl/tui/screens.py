@@ -1,0 +1,219 @@
+"""Screens over the status console's main screen: the key panel (``?``), a yes/no
+confirmation (before ``stop`` and ``restart``), and a run's detail view (Enter,
+``e`` events, ``l`` log): overview with its whole history as charts, thresholds
+and environment audit; every event with its class; the trainer's log, followed.
+
+They read through the app (``app.reader``, a ``StatusReader``) in thread workers
+and draw snapshots; the log is read from the run host in a worker too, so no
+screen ever waits on the store or on SSH.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, RichLog, Static, TabbedContent, TabPane
+from textual.worker import get_current_worker
+
+from dflashctl.errors import DflashError, first_line
+from dflashctl.tui.model import STATE_STYLE, DetailView
+from dflashctl.tui.text import detail_text
+from dflashctl.tui.widgets import EventsTable, Pane
+
+KEYS = [
+    ("↑ ↓  PgUp PgDn", "move between runs; the panels below follow the cursor"),
+    ("Home / End", "first / last run"),
+    ("Enter", "the run's detail: overview, history charts, thresholds, environment"),
+    ("e", "the run's events, each with its class"),
+    ("l", "the run's trainer log, followed as it grows"),
+    ("x", "stop the run (asks first): the trainer checkpoints and exits"),
+    ("r", "restart the run from its last checkpoint (asks first)"),
+    ("/", "filter runs by id, playbook, host, state or phase (Enter keeps it, Esc clears)"),
+    ("s", "sort: needs attention first, state, host, progress, tok/s, ETA, newest"),
+    ("F5 / Ctrl+R", "read the store now"),
+    ("Esc", "back: close a panel, clear the filter, leave a detail view"),
+    ("? ", "this panel"),
+    ("q / Ctrl+C", "quit"),
+]
+
+LEGEND = [
+    ("state", "as stored, or unsupervised (no supervisor ticks for it: the fix is shown), unreachable (its host "
+              "does not answer), stale (no fresh answer yet)"),
+    ("phase", "starting, compiling, training, checkpointing, restarting: time in it / the playbook's budget"),
+    ("done", "share of the steps done; step: step / total"),
+    ("ETA", "from the step rate over the newest 5 minutes of data; 'stale' when the data is not live"),
+    ("tok/s", "mean over the newest 5 minutes of training samples; %base: share of the baseline"),
+    ("τ acc", "tau, the expected acceptance length (accept_len)"),
+    ("age", "how old the newest sample is; rst: restarts"),
+    ("GPUs", "per host: role (target / drafter), the run holding it, utilisation and memory bars, temperature, "
+             "power, utilisation history"),
+]
+
+
+class HelpScreen(ModalScreen):
+    """The key panel: every key, and what each column means."""
+
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > VerticalScroll { width: 90%; max-width: 110; height: 90%; border: round $accent;
+                                  background: $surface; padding: 0 1; }
+    """
+    BINDINGS = [Binding("escape,question_mark,q", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        text = Text()
+        text.append("keys\n", style="bold underline")
+        for key, what in KEYS:
+            text.append(f"  {key:<16}", style="bold cyan")
+            text.append(f"{what}\n")
+        text.append("\ncolumns\n", style="bold underline")
+        for name, what in LEGEND:
+            text.append(f"  {name:<8}", style="bold")
+            text.append(f"{what}\n")
+        text.append(f"\nstore: {getattr(self.app, 'store_path', '')}\nmouse: click a run to select it, a key in "
+                    "the footer to press it; Esc closes this panel", style="dim")
+        with VerticalScroll():
+            yield Static(text, id="help-text")
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; y or Enter says yes, n or Esc no."""
+
+    DEFAULT_CSS = """
+    ConfirmScreen { align: center middle; }
+    ConfirmScreen > Vertical { width: 70; max-width: 95%; height: auto; border: thick $warning;
+                               background: $surface; padding: 1 2; }
+    """
+    BINDINGS = [Binding("y,enter", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+
+    def __init__(self, question: str, detail: str = "") -> None:
+        super().__init__()
+        self.question, self.detail = question, detail
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(Text(self.question, style="bold"), id="question")
+            if self.detail:
+                yield Static(Text(self.detail, style="dim"))
+            yield Static(Text.assemble(("y", "bold green"), " yes   ", ("n", "bold red"), " / Esc no"))
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+class DetailScreen(Screen):
+    """One run in full; its tabs: overview, events, log."""
+
+    DEFAULT_CSS = """
+    #detail-title { height: 1; background: $boost; padding: 0 1; }
+    #overview-box, #log-text { height: 1fr; }
+    """
+    BINDINGS = [
+        Binding("escape", "back", "Back"),
+        Binding("o", "tab('overview')", "Overview"),
+        Binding("e", "tab('events')", "Events"),
+        Binding("l", "tab('log')", "Log"),
+        Binding("x", "app.stop_run", "Stop"),
+        Binding("r", "app.restart_run", "Restart"),
+        Binding("q", "app.quit", "Quit", show=False),
+    ]
+
+    def __init__(self, run_id: str, tab: str = "overview") -> None:
+        super().__init__()
+        self.run_id, self.tab = run_id, tab
+        self.view: DetailView | None = None
+        self.loads = 0
+        self.log_lines = 0
+        self.following = False
+
+    def compose(self) -> ComposeResult:
+        yield Static(Text(f"run {self.run_id}"), id="detail-title")
+        with TabbedContent(initial=self.tab, id="tabs"):
+            with TabPane("overview", id="overview"):
+                with VerticalScroll(id="overview-box"):
+                    yield Pane(id="overview-text")
+            with TabPane("events", id="events"):
+                yield EventsTable(id="detail-events")
+            with TabPane("log", id="log"):
+                yield RichLog(id="log-text", wrap=False, highlight=False, markup=False, max_lines=5000)
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.reload()
+        self.set_interval(self.app.interval, self.reload)
+        if self.tab == "log":
+            self.follow_log()
+
+    def action_back(self) -> None:
+        self.app.pop_screen()
+
+    def action_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = tab
+        if tab == "log" and not self.following:
+            self.follow_log()
+        if tab == "events":
+            self.query_one(EventsTable).focus()
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane.id == "log" and not self.following:
+            self.follow_log()
+
+    def reload(self) -> None:
+        self.load(self.app.clock())
+
+    @work(thread=True, exclusive=True, group="detail")
+    def load(self, now: float) -> None:
+        app = self.app
+        try:
+            view = app.reader.detail(self.run_id, now)
+        except DflashError as e:
+            app.call_from_thread(app.notify, first_line(e), severity="error", timeout=10)
+            return
+        finally:
+            app.reader.store.close()
+        if not get_current_worker().is_cancelled:
+            app.call_from_thread(self.show, view, now)
+
+    def show(self, view: DetailView, now: float) -> None:
+        self.view = view
+        run = view.run
+        title = Text.assemble(("run ", "dim"), (run.id, "bold"), f" · {run.playbook} on {run.host} · ",
+                              (run.display_state, STATE_STYLE.get(run.display_state, "")),
+                              ("   o overview · e events · l log · Esc back", "dim"))
+        self.query_one("#detail-title", Static).update(title)
+        self.query_one("#overview-text", Pane).redraw(lambda width, height: detail_text(view, width, now))
+        self.query_one(EventsTable).show(view.events)
+        self.loads += 1
+
+    @work(thread=True, exclusive=True, group="log")
+    def follow_log(self) -> None:
+        """The trainer's log, read on the run's host and followed until the trainer ends."""
+        from dflashctl.commands._app import printable
+        from dflashctl.runhost import logs
+
+        self.following = True
+        app, worker = self.app, get_current_worker()
+        log = self.query_one("#log-text", RichLog)
+        try:
+            for chunk in logs(self.run_id, app.reader.store, app.inventory(), follow=True, n=200):
+                if worker.is_cancelled:
+                    return
+                app.call_from_thread(self._append, printable(chunk))
+        except DflashError as e:
+            app.call_from_thread(log.write, Text(f"cannot read the log: {first_line(e)}", style="red"))
+        except Exception as e:  # noqa: BLE001  (a host answer we cannot read: shown, never a crash of the screen)
+            app.call_from_thread(log.write, Text(f"cannot read the log: {type(e).__name__}: {e}", style="red"))
+        finally:
+            app.reader.store.close()
+        if not worker.is_cancelled:
+            app.call_from_thread(log.write, Text("(the trainer has ended: end of log)", style="dim"))
+
+    def _append(self, text: str) -> None:
+        log = self.query_one("#log-text", RichLog)
+        for line in text.rstrip("\n").split("\n"):
+            log.write(Text(line))
+            self.log_lines += 1

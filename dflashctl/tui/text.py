@@ -1,0 +1,192 @@
+"""The status console's text: pure functions from view models
+(``dflashctl.tui.model``) to rich ``Text``, shared by the live screen and
+``status --once``: notices with their fix, the GPU pane, the highlighted run, a
+run's detail overview.
+
+Never here: Textual (``status --once`` draws these without a screen), the store,
+a host.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
+from dflashctl.tui.model import (
+    NA, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, EventView, HostView, Notice, RunView, bar, fit,
+    fit_middle, spark,
+)
+
+def notice_text(notices: list[Notice], width: int, lines: int = 2) -> Text:
+    """The most urgent notices, one line each, with the command that fixes them."""
+    out = Text()
+    for i, n in enumerate(notices[:lines]):
+        more = len(notices) - lines if i == lines - 1 and len(notices) > lines else 0
+        suffix = f" (+{more} more)" if more else ""
+        fix = f"  → {n.fix}" if n.fix else ""  # never cut: it is the command to copy
+        if i:
+            out.append("\n")
+        style = "bold red" if n.severity == "error" else "yellow"
+        out.append(fit(f"{'✖' if n.severity == 'error' else '▲'} {n.text}", max(10, width - len(fix) - len(suffix))),
+                   style=style)
+        out.append(fix, style="bold")
+        out.append(suffix, style="dim")
+    return out
+
+
+def _gpu_row(g, width: int, compact: bool, now: float) -> Text:
+    role = {"target": "target", "drafter": "drafter", "target+drafter": "tgt+drf"}.get(g.role or "", "-")
+    util = NA if g.utilization_pct is None else f"{g.utilization_pct:3.0f}%"
+    temp = NA if g.temperature_c is None else f"{g.temperature_c:.0f}°C"
+    row = Text()
+    if compact:
+        row.append(f" {'' if g.index is None else g.index:>2} ")
+        row.append(f"{role[0].upper() if g.role else '-'} ", style="bold")
+        row.append(bar((g.utilization_pct or 0) / 100 if g.utilization_pct is not None else None, 5), style="green")
+        row.append(f" {util:>4} ")
+        row.append(bar(g.memory_fraction, 5), style="cyan")
+        row.append(f" {g.memory_text():>8} {temp:>5} {g.power_text():>9} ")
+        room = width - row.cell_len - 1
+        if room > 8 and g.run_id:
+            row.append(fit_middle(g.run_id, min(room, 25)), style="dim")
+        return row
+    bars = max(6, min(20, (width - 92) // 3 + 8))
+    hist = max(6, min(24, width - 80 - 2 * bars))
+    row.append(f" {'' if g.index is None else g.index:>2} ")
+    row.append(f"{role:<8}", style="bold")
+    row.append(f"{fit_middle(g.run_id or '-', 16):<16} ", style="dim" if not g.run_id else "")
+    row.append("util ")
+    row.append(bar((g.utilization_pct or 0) / 100 if g.utilization_pct is not None else None, bars), style="green")
+    row.append(f" {util:>4}  mem ")
+    row.append(bar(g.memory_fraction, bars), style="cyan")
+    row.append(f" {g.memory_text():>8}  {temp:>5}  {g.power_text():>9}  ")
+    row.append(spark(g.utilization_history, hist, high=100.0), style="green")
+    return row
+
+
+def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = False) -> Text:
+    """Per host a header line (its GPUs and how fresh their readings are), then one
+    row per GPU: index, role, the run holding it, utilisation and memory bars,
+    temperature, power and the utilisation history."""
+    out = Text()
+    if not hosts:
+        return Text("no host with an active run", style="dim")
+    for h in hosts:
+        if out:
+            out.append("\n")
+        stale = h.down_since is not None or not h.supervised
+        head = f"{h.host} · {len(h.gpus)} GPU(s) · {h.status_text(now)}"
+        out.append(fit(head, width), style="bold red" if stale else "bold")
+        if not h.gpus:
+            out.append("\n  no GPU readings (CPU run, or nvidia-smi not read yet)", style="dim")
+        for g in h.gpus:
+            out.append("\n")
+            out.append_text(_gpu_row(g, width, compact, now))
+    return out
+
+
+def run_text(run: RunView | None, events: list[EventView], width: int, now: float, event_lines: int = 6,
+             charts: bool = False) -> Text:
+    """The highlighted run: who watches it, phase, progress, throughput against its
+    baseline, ETA and its window, loss and tau, restarts; then its newest events."""
+    if run is None:
+        return Text("no run here: `dflashctl launch demo` starts one", style="dim")
+    f = run.freshness
+    out = Text()
+    out.append(run.id, style="bold")
+    out.append(f" · {run.playbook} on {run.host} · ")
+    out.append(run.display_state, style=STATE_STYLE.get(run.display_state, ""))
+    if run.active:
+        if f.supervised:
+            out.append(f" · supervised (pid {f.supervisor_pid}, tick {fmt_duration(max(0, now - (f.last_tick or now)))} ago)")
+        if f.note:
+            out.append(f"\n{f.note}", style="bold red" if not f.supervised or f.host_down_since else "yellow")
+        if f.fix:
+            out.append("  fix: ", style="bold")
+            out.append(f.fix, style="bold reverse")
+    elif run.exit_reason:
+        out.append(f" · {run.exit_reason}")
+    out.append("\n")
+    if run.active:
+        out.append("phase ")
+        out.append(run.phase.text(), style="bold red" if run.phase.over_budget else "bold")
+        out.append(" · ")
+    out.append(f"step {run.step_text()}" + (f" ({run.progress_text()})" if run.progress_pct is not None else ""))
+    if run.active:
+        window = fmt_duration(min(run.window_s, SMOOTH_WINDOW_S)) if run.window_s else "1 sample"
+        out.append(f" · ETA {run.eta_text()}" + (f" (step rate over {window})" if run.eta_s is not None else ""))
+    out.append("\n")
+    rate = run.tok_s if run.tok_s is not None else run.tok_s_last
+    out.append(f"tok/s {fmt_tok_s(rate) if rate is not None else NA}")
+    if run.tok_s is not None and run.window_s:
+        out.append(f" (mean over {fmt_duration(run.window_s)})")
+    if run.baseline_pct is not None:
+        out.append(f" = {run.baseline_pct:.0f}% of baseline {fmt_tok_s(run.baseline_tok_s)}",
+                   style="bold red" if run.baseline_pct < 60 else "")
+    out.append(f" · loss {run.cell('loss')} · τ accept_len {run.cell('accept')} · MFU {run.cell('mfu')}"
+               f" · restarts {run.restarts} · data age {run.age_text()}")
+    histories = [("tok/s", run.tok_s_history, run.baseline_tok_s, "green")]
+    if charts:
+        histories += [("loss", run.loss_history, None, "yellow"), ("τ acc", run.accept_history, None, "cyan")]
+    for name, values, high, style in histories:
+        if values:
+            out.append(f"\n{name:<6}")
+            out.append(spark(values, max(8, min(60, width - 30)), high=high), style=style)
+            out.append(f" {len(values)} newest samples, from 0", style="dim")
+    shown = events[-event_lines:] if event_lines > 0 else []
+    for e in shown:
+        out.append("\n")
+        out.append(f"{fmt_clock(e.time)} ", style="dim")
+        out.append(f"{e.severity:<7} ", style=SEVERITY_STYLE.get(e.severity, ""))
+        out.append(fit(f"{e.classification or e.kind:<14} {e.message}", max(10, width - 17)))
+    return out
+
+
+def _chart(title: str, values: list[float | None], width: int, style: str, fmt) -> Text:
+    """A titled two-line chart of a whole series (bucket means), scaled from 0."""
+    vals = [v for v in values if v is not None]
+    out = Text()
+    out.append(f"{title}", style="bold")
+    if not vals:
+        return out.append(f"  {NA}")
+    out.append(f"  now {fmt(vals[-1])}, min {fmt(min(vals))}, max {fmt(max(vals))}\n")
+    line = spark(values, width)
+    out.append(line, style=style)
+    return out
+
+
+def detail_text(d: DetailView, width: int, now: float) -> Text:
+    """The overview tab of a run's detail view: the run, its whole history as
+    charts, its thresholds, its environment and restarts."""
+    out = run_text(d.run, [], width, now, event_lines=0)
+    if d.run.last_event is not None:
+        out.append("\nlast event: ", style="bold")
+        out.append(d.run.last_event_text(), style=SEVERITY_STYLE.get(d.run.last_event.severity, ""))
+    if d.run_dir:
+        out.append(f"\nrun directory: {d.run_dir}" + (f" · exit code {d.exit_code}" if d.exit_code is not None else ""))
+    span = ""
+    if d.series:
+        span = f" ({fmt_duration(d.series[-1]['time'] - d.series[0]['time'])} of history, " \
+               f"{sum(p['samples'] for p in d.series)} samples)"
+    out.append(f"\n\nhistory{span}\n", style="bold underline")
+    cw = max(20, width - 2)
+    out.append_text(_chart("tok/s", [p["tok_s"] for p in d.series], cw, "green", fmt_tok_s))
+    out.append("\n")
+    out.append_text(_chart("loss", [p["loss"] for p in d.series], cw, "yellow", lambda v: f"{v:.3f}"))
+    out.append("\n")
+    out.append_text(_chart("τ accept_len", [p["accept_len"] for p in d.series], cw, "cyan", lambda v: f"{v:.2f}"))
+    out.append("\n\nthresholds (the playbook's)\n", style="bold underline")
+    for name, value in d.thresholds.lines():
+        out.append(f"  {name:<15}", style="bold")
+        out.append(f"{value}\n", style="yellow" if name == "warning" else "")
+    out.append("\nenvironment audit\n", style="bold underline")
+    for line in d.env.lines():
+        out.append(f"  {line}\n")
+    out.append(f"\nrestarts ({len(d.restarts)})\n", style="bold underline")
+    for r in d.restarts[-10:]:
+        out.append(f"  {fmt_clock(r['time'])} {r.get('signature') or '-'}: {r['reason']} "
+                   f"[{r.get('outcome') or '-'}]" + (f" downtime {fmt_duration(r['downtime_s'])}"
+                                                     if r.get("downtime_s") is not None else "") + "\n")
+    if not d.restarts:
+        out.append("  none\n", style="dim")
+    return out

@@ -1,0 +1,402 @@
+"""The live status console driven headless (Textual's Pilot) over real SQLite
+stores (tests/test_tui_scenes.py): every key the footer and `?` promise, the
+layout at 80x24 / 120x40 / 160 / 200 columns, refreshes that keep the cursor and
+the sideways scroll, and the defects the console must never show again (each
+test names the one it guards)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflashctl import contract
+from dflashctl.store import Store
+from tests.test_tui_scenes import DEMO, NOW, OLD, PROD, build, utc
+
+
+@pytest.fixture(autouse=True)
+def _utc():
+    utc()
+
+
+def app_for(store: Store, root: Path, **kw):
+    from dflashctl.tui.app import StatusApp
+
+    kw.setdefault("interval", 600)  # refreshes are driven by the tests
+    kw.setdefault("clock", lambda: NOW)
+    return StatusApp(store.path, playbooks_dir=str(root / "playbooks"), **kw)
+
+
+async def loaded(pilot, app, after: int = 0) -> None:
+    """Wait until the app has shown a store read newer than ``after``."""
+    for _ in range(400):
+        if app.loads > after:
+            await pilot.pause()
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("the status app never showed the store")
+
+
+async def until(pilot, predicate, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+def screen_text(app) -> str:
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+def run(coro) -> None:
+    asyncio.run(coro)
+
+
+def cell(app, run_id: str, key: str) -> str:
+    return str(app.query_one("#runs").get_cell(run_id, key))
+
+
+# --------------------------------------------------------------------------- keys
+
+
+@pytest.mark.parametrize("key", ["q", "ctrl+c"])
+def test_q_and_ctrl_c_quit(tmp_path, key):
+    """Defect: Ctrl-C did not quit."""
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press(key)
+            await pilot.pause()
+            assert not app.is_running
+
+    run(scenario())
+
+
+def test_question_mark_shows_the_keys_and_escape_closes_them(tmp_path):
+    """Defect: `?` did nothing; Escape did not close the key panel."""
+    from dflashctl.tui.screens import HelpScreen
+
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("question_mark")
+            await pilot.pause()
+            assert isinstance(app.screen, HelpScreen)
+            text = screen_text(app)
+            for promise in ("Home / End", "filter runs", "stop the run", "tau, the expected acceptance length",
+                            "unsupervised (no supervisor ticks for it"):
+                assert promise in text, promise
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, HelpScreen)
+            # The footer names the keys.
+            footer = screen_text(app).splitlines()[-1]
+            for key in ("q Quit", "? Help", "/ Filter", "s Sort", "e Events", "l Logs", "x Stop", "r Restart"):
+                assert key in footer, key
+
+    run(scenario())
+
+
+def test_the_panels_follow_the_cursor_and_home_end_go_to_the_first_and_last_run(tmp_path):
+    """Defects: the panes changed only on Enter; Home/End scrolled sideways."""
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            table = app.query_one("#runs")
+            assert [str(table.get_row_at(i)[0]) for i in range(3)] == [DEMO, PROD, OLD]
+            assert str(app.query_one("#run").render()).startswith(DEMO)
+            loads = app.loads
+            await pilot.press("down")
+            await loaded(pilot, app, loads)
+            assert app.selected == PROD and str(app.query_one("#run").render()).startswith(PROD)
+            assert "trainer started (pid 4343, phase compiling)" in str(app.query_one("#run").render())
+            await pilot.press("end")
+            assert table.cursor_row == 2 and app.selected == OLD and table.scroll_x == 0
+            await pilot.press("home")
+            assert table.cursor_row == 0 and app.selected == DEMO
+
+    run(scenario())
+
+
+def test_a_click_selects_a_run(tmp_path):
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.click("#runs", offset=(5, 3))  # header, then the third run
+            await pilot.pause()
+            assert app.selected == OLD
+
+    run(scenario())
+
+
+def test_enter_opens_the_detail_and_escape_goes_back(tmp_path):
+    from dflashctl.tui.screens import DetailScreen
+
+    store = build("restarting", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            text = screen_text(app)
+            for needle in (PROD, "restarting", "history (", "tok/s  now", "compile budget", "45 m",
+                           "environment audit", "restarts (1)", "cuda_oom: crash: CUDA out of memory"):
+                assert needle in text, needle
+            await pilot.press("e")
+            await pilot.pause()
+            events = app.screen.query_one("#detail-events")
+            classes = [str(events.get_row_at(i)[2]) for i in range(events.row_count)]
+            assert "crash:cuda_oom" in classes and "state→restarting" in classes
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, DetailScreen)
+
+    run(scenario())
+
+
+def test_l_follows_the_trainers_log(tmp_path):
+    """The log of a run on this machine, read through its transport in a worker."""
+    from dflashctl.tui.screens import DetailScreen
+
+    store = Store(str(tmp_path / "runs.db"))
+    run_dir = tmp_path / "work" / "runs" / DEMO
+    run_dir.mkdir(parents=True)
+    (run_dir / contract.LOG_FILE).write_text("".join(f"step {i}/300 tok/s 900\n" for i in range(1, 41)))
+    store.create_run("demo", "local", {}, NOW - 60, run_id=DEMO, run_dir=str(run_dir))
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("l")
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.log_lines >= 40, "the log")
+            assert "step 40/300 tok/s 900" in screen_text(app)
+            with open(run_dir / contract.LOG_FILE, "a") as f:
+                f.write("step 41/300 tok/s 901\n")
+            await until(pilot, lambda: app.screen.log_lines >= 41, "the new line")
+            (run_dir / contract.EXIT_CODE_FILE).write_text("0\n")
+            await until(pilot, lambda: "end of log" in screen_text(app), "the end of the log")
+
+    run(scenario())
+
+
+def test_filter_and_sort(tmp_path):
+    """`/` filters (Enter keeps the filter, Escape clears it), `s` cycles the sort."""
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            table = app.query_one("#runs")
+            await pilot.press("slash", "d", "o", "n", "e")
+            await pilot.pause()
+            assert table.row_count == 1 and str(table.get_row_at(0)[0]) == OLD
+            await pilot.press("enter")
+            assert app.focused is table and table.row_count == 1 and "filter 'done'" in screen_text(app)
+            await pilot.press("escape")
+            await pilot.pause()
+            assert table.row_count == 3 and "filter" not in screen_text(app).splitlines()[0]
+            await pilot.press("s")  # by state
+            await pilot.pause()
+            assert app.sort == "state" and [str(table.get_row_at(i)[0]) for i in range(3)] == [OLD, DEMO, PROD]
+            assert "sort state" in screen_text(app).splitlines()[0]
+            await pilot.press("s", "s", "s")  # host, progress, tok/s
+            await pilot.pause()
+            assert app.sort == "tok/s" and str(table.get_row_at(2)[0]) == DEMO
+
+    run(scenario())
+
+
+def test_stop_asks_first_then_stops_for_real(tmp_path):
+    """`x` asks; `n` leaves the run alone; `y` runs `dflashctl stop` (a real
+    subprocess: the run's trainer is not there, so it is recorded stopped)."""
+    from dflashctl.tui.screens import ConfirmScreen
+
+    store = Store(str(tmp_path / "runs.db"))
+    run_dir = tmp_path / "work" / "runs" / DEMO
+    run_dir.mkdir(parents=True)
+    store.create_run("demo", "local", {}, time.time() - 60, run_id=DEMO, run_dir=str(run_dir),
+                     tmux_session=DEMO, tmux_socket=f"dflash-tui-{os.getpid()}")
+
+    async def scenario():
+        app = app_for(store, tmp_path, clock=time.time)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("x")
+            await pilot.pause()
+            assert isinstance(app.screen, ConfirmScreen) and f"Stop run {DEMO}?" in screen_text(app)
+            await pilot.press("n")
+            await pilot.pause()
+            assert not isinstance(app.screen, ConfirmScreen) and app.actions_done == []
+            await pilot.press("r")
+            await pilot.pause()
+            assert f"Restart run {DEMO}?" in screen_text(app)
+            await pilot.press("escape")
+            await pilot.pause()
+            assert app.actions_done == [] and store.get_run(DEMO).state == "launching"
+            await pilot.press("x", "y")
+            await until(pilot, lambda: app.actions_done, "the stop", timeout=60)
+            (args, code, output) = app.actions_done[0]
+            assert args == ["stop", DEMO] and code == 0, output
+            await until(pilot, lambda: cell(app, DEMO, "state") == "stopped", "the stopped run on screen")
+
+    run(scenario())
+    assert store.get_run(DEMO).state == "stopped"
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (200, 60)])
+def test_the_layout_fits_without_scrolling(tmp_path, size):
+    """Defect: at 80x24 the layout needed 25 rows and scrolled; the run column was not
+    frozen; the last event made the table 312 columns wide."""
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=size) as pilot:
+            await loaded(pilot, app)
+            width, height = size
+            assert app.screen.virtual_size.height <= height and app.screen.max_scroll_y == 0
+            for widget in app.screen.query("*"):
+                if widget.display and widget.region.area:
+                    assert widget.region.right <= width and widget.region.bottom <= height, widget
+            table = app.query_one("#runs")
+            assert table.fixed_columns == 1 and table.max_scroll_x == 0  # everything shown fits
+            assert table.virtual_size.width <= width
+            text = screen_text(app)
+            assert len(text.splitlines()) == height
+            assert "3.3%" in text and ("6.4h" in text) and "12.8K" in text
+
+    run(scenario())
+
+
+def test_a_refresh_keeps_the_cursor_and_the_sideways_scroll(tmp_path):
+    """Defect: sideways scrolling snapped back to column 0 at every refresh."""
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await loaded(pilot, app)
+            table = app.query_one("#runs")
+            table.styles.width = 50  # narrower than its columns: it scrolls sideways
+            await pilot.pause()
+            table.scroll_to(x=table.max_scroll_x, animate=False)
+            await pilot.press("down")
+            await pilot.pause()
+            x, row = table.scroll_x, table.cursor_row
+            assert x > 0 and row == 1
+            store.add_samples(PROD, [{"time": NOW - 1, "step": 9999, "tok_s": 12800.0, "phase": "training"}],
+                              observed=NOW)
+            loads = app.loads
+            await pilot.press("f5")
+            await loaded(pilot, app, loads)
+            await pilot.pause()
+            assert (table.scroll_x, table.cursor_row) == (x, row)
+            # A new run changes the rows: still where it was.
+            store.create_run("smoke", "gpu1", {}, NOW - 5000, run_id="smoke-20270115-063000-ffff")
+            loads = app.loads
+            await pilot.press("f5")
+            await loaded(pilot, app, loads)
+            await pilot.pause()
+            assert table.scroll_x == x and str(table.get_row_at(table.cursor_row)[0]).startswith("prod-2027011")
+
+    run(scenario())
+
+
+def test_the_gpu_pane_is_readable_at_160_columns(tmp_path):
+    """Defect: the GPU pane was a third of the width with host and a 26-character run id
+    on every row; at 160 columns memory, temperature and power were cut off."""
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await loaded(pilot, app)
+            rows = [line for line in screen_text(app).splitlines() if "util " in line and "mem " in line]
+            assert len(rows) == 8
+            for i, line in enumerate(rows):
+                assert f" {i} {'target' if i < 5 else 'drafter'}" in line
+                assert "/140G" in line and "°C" in line and "/700W" in line, line
+                assert "gpu1" not in line and PROD not in line  # the host once, above; the run id shortened
+            assert screen_text(app).count("gpu1 · 8 GPU(s)") == 1
+
+    run(scenario())
+
+
+def test_an_unsupervised_run_is_shown_in_colour_with_its_fix(tmp_path):
+    store = build("unsupervised", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            table = app.query_one("#runs")
+            state = table.get_cell(PROD, "state")
+            assert state.plain == "unsupervised" and "red" in str(state.style)
+            assert cell(app, PROD, "eta") == "stale"
+            text = screen_text(app)
+            assert f"→ dflashctl watch {PROD}" in text and f"fix: dflashctl watch {PROD}" in text
+
+    run(scenario())
+
+
+def test_the_status_command_starts_the_screen_on_a_terminal(tmp_path):
+    """`dflashctl status` on a terminal is the live screen (a pseudo-terminal here)."""
+    import pty
+    import select
+    import subprocess
+
+    store = build("healthy", tmp_path)
+    leader, follower = pty.openpty()
+    env = {**os.environ, "DFLASHCTL_STORE": store.path, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
+    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "status", "--interval", "1"], stdin=follower,
+                            stdout=follower, stderr=follower, env=env, close_fds=True)
+    os.close(follower)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 60
+        while b"dflashctl status" not in seen or PROD.encode() not in seen:
+            assert time.monotonic() < deadline, seen[-2000:]
+            if select.select([leader], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(leader, 65536)
+                except OSError:
+                    break
+        os.write(leader, b"q")
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:  # read on: a full terminal blocks the app
+            if select.select([leader], [], [], 0.2)[0]:
+                try:
+                    os.read(leader, 65536)
+                except OSError:
+                    break
+        assert proc.wait(timeout=5) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)

@@ -1,0 +1,131 @@
+"""The status console in a real terminal: `dflashctl status` in a tmux pane of
+120x40 against a real run (the fake trainer, started by the launcher's own run.sh
+in tmux) watched by a real `dflashctl watch` process. Captures of the pane show
+the step advancing; SIGSTOP on the trainer shows the stall within its stall
+window; kill -9 on the supervisor turns the run "unsupervised" within two poll
+intervals.
+
+Every tmux server here is on a socket private to this test process and every
+process it starts is ended by its pid.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflashctl.config import load_inventory, load_playbook
+from dflashctl.store import Store
+from dflashctl.tmux import SOCKET_ENV, Tmux
+from tests.harness import environ
+from tests.harness.fake_trainer import start_fake_run
+from tests.test_supervisor import read_status, write_playbook
+
+SOCKET = f"dflash-tui-{os.getpid()}"
+POLL_S = 1.0
+STALL_S = 4.0
+REPO = Path(__file__).resolve().parent.parent
+
+
+def tmux(*args: str) -> str:
+    return subprocess.run(["tmux", "-L", SOCKET, *args], capture_output=True, text=True, check=True).stdout
+
+
+def pane(session: str) -> str:
+    return tmux("capture-pane", "-p", "-t", session)
+
+
+def pane_pid(session: str) -> int:
+    return int(tmux("display-message", "-p", "-t", session, "#{pane_pid}").strip())
+
+
+def wait_pane(session: str, predicate, timeout: float, what: str) -> tuple[str, float]:
+    """(the capture that satisfied ``predicate``, seconds it took)."""
+    start = time.monotonic()
+    text = ""
+    while time.monotonic() - start < timeout:
+        text = pane(session)
+        if predicate(text):
+            return text, time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; the pane shows:\n{text}")
+
+
+def row(text: str, run_id: str) -> str:
+    return next((line for line in text.splitlines() if line.lstrip().startswith(run_id[:12])), "")
+
+
+def step_of(text: str, run_id: str) -> int | None:
+    match = re.search(r"(\d[\d,]*)/100,000", row(text, run_id))
+    return int(match.group(1).replace(",", "")) if match else None
+
+
+@pytest.mark.slow
+def test_status_in_tmux_follows_a_real_run(tmp_path):
+    inventory_path = tmp_path / "inventory.yaml"
+    inventory_path.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local",
+                                                                  "workdir": str(tmp_path / "work")}}}))
+    playbooks = tmp_path / "playbooks"
+    source = write_playbook(playbooks, "live", "local", {"train": {"steps": 100000, "log_every": 2,
+                                                                    "checkpoint_every": 50}},
+                            poll_interval=f"{POLL_S}s", expect={"stall_window": f"{STALL_S}s"})
+    env = {"DFLASHCTL_STORE": str(tmp_path / "runs.db"), SOCKET_ENV: SOCKET, "COLUMNS": "120", "LINES": "40"}
+    started: list[int] = []
+    with environ(**env):
+        inventory = load_inventory(str(inventory_path))
+        store = Store(env["DFLASHCTL_STORE"])
+        pb = load_playbook(str(source), inventory=inventory)
+        run_id = start_fake_run(store, inventory, "local", pb.trainer.to_dict(), playbook=pb.name,
+                                playbook_source=pb.source, socket=SOCKET, step_s=0.1)
+        try:
+            shell_env = " ".join(f"{k}={v}" for k, v in {**env, "TERM": "xterm-256color"}.items())
+            cli = f"exec env {shell_env} {sys.executable} -m dflashctl --inventory {inventory_path} " \
+                  f"--playbooks {playbooks}"
+            tmux("new-session", "-d", "-s", "watch", "-x", "120", "-y", "40", f"{cli} watch {run_id}")
+            supervisor = pane_pid("watch")
+            started.append(supervisor)
+            tmux("new-session", "-d", "-s", "tui", "-x", "120", "-y", "40",
+                 f"{cli} status --interval 0.5")
+            started.append(pane_pid("tui"))
+
+            # The step advances on screen.
+            first, _ = wait_pane("tui", lambda t: step_of(t, run_id), 60, "the run's step")
+            later, _ = wait_pane("tui", lambda t: (step_of(t, run_id) or 0) > step_of(first, run_id) + 5, 30,
+                                 "the step advancing")
+            assert "running" in row(later, run_id) and "training" in row(later, run_id)
+
+            # SIGSTOP the trainer: the stall shows within the stall window (plus a poll to see it).
+            trainer = read_status(store.get_run(run_id).run_dir).pid
+            os.kill(trainer, signal.SIGSTOP)
+            try:
+                stalled, took = wait_pane("tui", lambda t: "stalled" in row(t, run_id), STALL_S + 4 * POLL_S + 10,
+                                          "the stall")
+                assert took <= STALL_S + 4 * POLL_S + 2, took
+            finally:
+                os.kill(trainer, signal.SIGCONT)
+            wait_pane("tui", lambda t: "running" in row(t, run_id), 30, "the run training again")
+
+            # kill -9 the supervisor: "unsupervised" within two poll intervals.
+            os.kill(supervisor, signal.SIGKILL)
+            killed = time.monotonic()
+            text, _ = wait_pane("tui", lambda t: "unsupervised" in row(t, run_id), 30, "unsupervised")
+            assert time.monotonic() - killed <= 2 * POLL_S + 0.5, time.monotonic() - killed
+            assert f"dflashctl watch {run_id}" in text  # the fix, on screen
+            assert "stale" in row(text, run_id)  # and no live ETA
+        finally:
+            for pid in started:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            server = Tmux(inventory.get("local"), inventory, SOCKET).server_pid()
+            if server:
+                os.kill(server, signal.SIGTERM)
