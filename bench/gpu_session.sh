@@ -14,7 +14,8 @@
 #                                 # (profile); GPU 1: compile artifacts (cold, warm, artifact on a wiped
 #                                 # cache) and restart downtime (small preset); then 1+1 with the target on/off
 #   bash bench/gpu_session.sh 7   # 2 GPUs at once: 5 fresh-cache threaded cold starts with the discipline
-#                                 # (GPU 0) and 3 without it (GPU 1)
+#                                 # (GPU 0); where import time goes, 3 cold starts without the discipline
+#                                 # and restart downtime, small preset (GPU 1)
 # Parts 6-7 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -113,11 +114,25 @@ PY
   7)
     work=$(mktemp -d)
     ( export CUDA_VISIBLE_DEVICES=0
-      pin 0-15 timeout 500 python3 bench/bench_coldstart.py --cold 5 --warm 0 --steps 30 --timeout 95 \
+      pin 0-15 timeout 470 python3 bench/bench_coldstart.py --cold 5 --warm 0 --steps 10 --timeout 90 \
         --work-dir "$work/safe" 2>&1 | tee "$work/coldstart.log" ) &
     ( export CUDA_VISIBLE_DEVICES=1
-      pin 16-31 timeout 500 python3 bench/bench_coldstart.py --unsafe --cold 3 --warm 0 --steps 30 --timeout 120 \
-        --work-dir "$work/unsafe" 2>&1 | tee "$work/coldstart-unsafe.log" ) &
+      # where a start's import time goes: is there bytecode for torch, can it be written?
+      pin 16-31 python3 - <<'PY' > "$work/bytecode.txt" 2>&1
+import importlib.util as u, os, sys
+s = u.find_spec("torch"); c = u.cache_from_source(s.origin)
+print("dont_write_bytecode", sys.flags.dont_write_bytecode, "prefix", sys.pycache_prefix, "torch", s.origin)
+print("pyc", c, "exists", os.path.exists(c), "dir writable", os.access(os.path.dirname(s.origin), os.W_OK))
+PY
+      for i in 1 2; do ( time pin 16-31 python3 -c "import torch" ) 2>> "$work/bytecode.txt"; done
+      pin 16-31 python3 -X importtime -c "import torch, torch._dynamo, torch._inductor.compile_fx, transformers.models.qwen3.modeling_qwen3" \
+        2> "$work/importtime.txt"
+      pin 16-31 timeout 260 python3 bench/bench_coldstart.py --unsafe --cold 3 --warm 0 --steps 10 --timeout 75 \
+        --work-dir "$work/unsafe" 2>&1 | tee "$work/coldstart-unsafe.log"
+      pin 16-31 timeout 130 python3 bench/bench_trainer.py --preset small --bucket 1024 --anchors 64 --batch-size 2 \
+        --drafter-layers 2 --layer-types full,sliding --runs cold,resume,resume --steps 10 --timeout 60 \
+        --work-dir "$work/restart" 2>&1 | tee "$work/restart.log"
+    ) &
     wait
     pack "$work"
     ;;

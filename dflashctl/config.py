@@ -79,6 +79,10 @@ __all__ = [
     "load_playbook",
     "parse_duration",
     "playbook_dirs",
+    "proxy_jump_hops",
+    "ssh_config",
+    "ssh_config_knows",
+    "ssh_config_lookup",
 ]
 
 EMBEDDED = "<embedded default>"
@@ -685,7 +689,12 @@ class Inventory(BaseModel):
 
     def _jump_of(self, host: Host) -> Host:
         """The host that ``host`` connects through: an inventory host by name, or a
-        ProxyJump hop of its ssh config (a chain ``a,b`` reaches ``b`` through ``a``)."""
+        ProxyJump hop of its ssh config (a chain ``a,b`` reaches ``b`` through ``a``).
+
+        fabric's own reading of ProxyJump (``Connection.get_gateway``) is not used:
+        it builds a private gateway Connection per target, with fabric's accept-any-key
+        policy and no known_hosts, opened outside any lock. A hop that is a host here
+        is one pooled, host-key-checked Connection shared by every route through it."""
         if host.jump in self.hosts:
             return self.hosts[host.jump]
         hops = proxy_jump_hops(host.ssh_config.get("proxyjump"))
@@ -738,6 +747,9 @@ class Expect(BaseModel):
     """Longest the `compiling` phase may take."""
     startup_budget: Duration = Field(600.0, gt=0)
     """Longest from launch to the first status (imports, model load)."""
+    compile_cache_after: Duration = Field(300.0, ge=0)
+    """Training this long before the compile artifacts a cold start saved are copied
+    back into the controller's cache store (``dflashctl cache ls``)."""
 
 
 class RestartPolicy(BaseModel):
@@ -824,6 +836,27 @@ def _trainer_from_raw(value: Any) -> Any:
         raise _Problems(items) from None
 
 
+class EvalSettings(BaseModel):
+    """Speculative decoding with the trained drafter once the run ends ``done``
+    (``python -m trainer eval`` on the run host, its GPUs): measured acceptance
+    length tau, tokens per target forward and the speed-up over greedy decoding,
+    stored with the run (``dflashctl runs``, ``dflashctl evals RUN``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    after_done: bool = False
+    """Run it by itself when the run ends done (else only ``dflashctl eval RUN``)."""
+    data: Optional[str] = None
+    """Shards on the run host (directory or glob); default: the run's own data."""
+    prompts: int = Field(20, ge=1)
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    """0: greedy verification; > 0: sampling with the speculative rejection rule."""
+    threads: Optional[int] = Field(None, ge=1)
+    """CPU threads for a CPU eval (1 is fastest for tiny models on a busy machine)."""
+    timeout: Duration = Field(1800.0, gt=0)
+
+
 class Playbook(BaseModel):
     """One run profile: which host, trainer settings, expectations, restart and alert policy."""
 
@@ -846,6 +879,7 @@ class Playbook(BaseModel):
     signatures: Annotated[list[PlaybookSignature], _none_is_empty(list)] = []
     """Checked before the built-in signature table."""
     alerts: Annotated[Alerts, _none_is_empty(dict)] = Field(default_factory=Alerts)
+    eval: Annotated[EvalSettings, _none_is_empty(dict)] = Field(default_factory=EvalSettings)
     env_audit: Annotated[dict, _none_is_empty(dict)] = {}
     """Environment-audit policy (free-form for now)."""
     source: str = ""

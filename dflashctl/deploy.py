@@ -21,6 +21,9 @@ Idempotent and safe against cut connections:
   when it notices (hash mismatch, signal), and the next deploy removes one left
   by a receiver that was killed outright, once it is older than
   ``STALE_TEMP_MINUTES`` (younger ones may be a concurrent upload).
+
+Never here: deciding what to deploy or when (launch and runhost do), or a file
+that a reader could see half written.
 """
 
 from __future__ import annotations
@@ -65,24 +68,33 @@ if [ -n "$h" ] && [ -f "$wd/bundles/$h/.complete" ]; then state=present; fi
 printf 'workdir=%s\nbundle=%s\ncleaned=%s\n' "$wd" "$state" "$cleaned"
 """
 
+# A shell function for receivers: stdin into FILE, whose sha256 must be SHA256; else
+# a message naming TAG and exit 72 (cannot write), 73 (no sha256sum) or 74 (bytes
+# missing or wrong). Arguments: FILE, expected size (for the message), SHA256, TAG.
+RECEIVE_CHECKED = r"""
+receive_checked() {
+  cat > "$1" || { echo "$4: could not write $(dirname "$1") (disk full?)" >&2; exit 72; }
+  got=$(wc -c < "$1" | tr -d ' ')
+  if ! command -v sha256sum >/dev/null 2>&1; then
+    echo "$4: sha256sum not found on this host (install coreutils)" >&2; exit 73
+  fi
+  sum=$(sha256sum "$1" | cut -d' ' -f1)
+  if [ "$sum" != "$3" ]; then
+    echo "$4: upload incomplete or corrupted: received $got of $2 bytes (sha256 $sum)" >&2
+    exit 74
+  fi
+}
+"""
+
 # Receive the archive on stdin. Arguments: absolute workdir, hash, expected size.
-_RECEIVE = r"""
+_RECEIVE = RECEIVE_CHECKED + r"""
 set -u
 wd=$1; h=$2; size=$3
 b=$wd/bundles
 tmp=$(mktemp -d "$b/.tmp-$h-XXXXXX") || exit 70
 trap 'rm -rf "$tmp"' EXIT
 trap 'exit 71' HUP INT TERM PIPE
-cat > "$tmp/.archive" || { echo "dflashctl-deploy: could not write $tmp (disk full?)" >&2; exit 72; }
-got=$(wc -c < "$tmp/.archive" | tr -d ' ')
-if ! command -v sha256sum >/dev/null 2>&1; then
-  echo "dflashctl-deploy: sha256sum not found on this host (install coreutils)" >&2; exit 73
-fi
-sum=$(sha256sum "$tmp/.archive" | cut -d' ' -f1)
-if [ "$sum" != "$h" ]; then
-  echo "dflashctl-deploy: upload incomplete or corrupted: received $got of $size bytes (sha256 $sum)" >&2
-  exit 74
-fi
+receive_checked "$tmp/.archive" "$size" "$h" dflashctl-deploy
 tar -xzf "$tmp/.archive" -C "$tmp" --no-same-owner || { echo "dflashctl-deploy: cannot unpack the bundle" >&2; exit 75; }
 rm -f "$tmp/.archive"
 printf '%s\n' "$h" > "$tmp/.complete"

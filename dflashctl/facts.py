@@ -8,7 +8,7 @@ of `check`.
 
 For a run host, `check` proves what `launch` needs, in two round trips: the first
 gathers the facts, writes and removes a file in the workdir, reads the installed
-torch / triton / transformers and starts a detached process and a tmux session;
+versions of what the trainer imports (``TRAINER_REQUIREMENTS``) and starts a detached process and a tmux session;
 the second (after the first call has returned) looks whether both are still there,
 and in which pid namespace, then stops them. ``launch_problems`` turns that into
 ``Problem``s, each naming the cause and the fix (a wrapper that runs every call in
@@ -50,8 +50,9 @@ TRAINER_REQUIREMENTS = (
     "torch>=2.6",
     "triton>=3.0; sys_platform == 'linux'",
     "transformers>=4.51",
+    "safetensors>=0.4",
 )
-LAUNCH_PACKAGES = ("torch", "triton", "transformers")
+LAUNCH_PACKAGES = tuple(Requirement(r).name for r in TRAINER_REQUIREMENTS)
 CONTAINER_WRAPPERS = "`pct exec VMID --`, `lxc-attach -n NAME --` or `docker exec NAME`"
 
 # The host-side script (dflashctl/remote/facts.py), shipped as its text.
@@ -75,6 +76,7 @@ class LaunchFacts:
     torch_requires_triton: list[str] = field(default_factory=list)  # torch's requirement lines
     markers: dict[str, str] = field(default_factory=dict)  # the host python's PEP 508 environment
     pidns: str | None = None  # 'pid:[4026531836]'
+    pid1_start: int | None = None  # when that namespace's pid 1 started (clock ticks since boot)
     detached_pid: int | None = None
     detached_start: int | None = None
     detached_error: str | None = None
@@ -87,6 +89,7 @@ class LookAgain:
     """What the second call saw of what the first one started."""
 
     pidns: str | None = None
+    pid1_start: int | None = None
     detached_alive: bool | None = None
     tmux_alive: bool | None = None
     tmux_error: str | None = None
@@ -162,7 +165,8 @@ def _object(value: Any, name: str) -> dict:
 def _parse_launch(raw: Any) -> LaunchFacts:
     raw = _object(raw, "'launch'")
     found = LaunchFacts(workdir_error=_opt_text(raw, "workdir_error", "'launch' workdir_error"),
-                        pidns=_opt_text(raw, "pidns", "'launch' pidns", 200))
+                        pidns=_opt_text(raw, "pidns", "'launch' pidns", 200),
+                        pid1_start=_opt_int(raw, "pid1_start", "'launch' pid1_start", 0))
     pkgs = _object(raw.get("packages") or {}, "'launch' packages")
     versions = _object(pkgs.get("versions") or {}, "'launch' packages versions")
     for name in LAUNCH_PACKAGES:
@@ -228,6 +232,7 @@ def parse_look(text: str) -> LookAgain:
     raw = _json_line(text, "look-again")
     return LookAgain(
         pidns=_opt_text(raw, "pidns", "'pidns'", 200),
+        pid1_start=_opt_int(raw, "pid1_start", "'pid1_start'", 0),
         detached_alive=_opt_bool(raw, "detached_alive", "'detached_alive'"),
         tmux_alive=_opt_bool(raw, "tmux_alive", "'tmux_alive'"),
         tmux_error=_opt_text(raw, "tmux_error", "'tmux_error'"),
@@ -277,7 +282,7 @@ def _package_problems(host: "Host", facts: HostFacts, launch: LaunchFacts) -> li
     where = f"{facts.python_path} (python {facts.python}) {_inside(host)}"
     other_python = f"or set `python:` for host '{host.name}' to the interpreter that has it"
     wanted = {Requirement(r).name: Requirement(r) for r in TRAINER_REQUIREMENTS}
-    for name in ("torch", "transformers"):
+    for name in (n for n in LAUNCH_PACKAGES if n != "triton"):  # triton: as torch requires it, below
         requirement, installed = wanted[name], launch.versions.get(name)
         spec = f"{name}{requirement.specifier}"
         if installed is None:
@@ -323,6 +328,14 @@ def _marker_holds(marker: Marker, environment: dict[str, str]) -> bool:
         return True  # cannot tell: check the requirement rather than skip it
 
 
+def _other_namespace(launch: LaunchFacts, look: LookAgain) -> bool:
+    """Whether the second call ran in another pid namespace than the first: another
+    inode, or the same inode (reused by the kernel) with a pid 1 started since."""
+    if launch.pidns and look.pidns and launch.pidns != look.pidns:
+        return True
+    return launch.pid1_start is not None and look.pid1_start is not None and launch.pid1_start != look.pid1_start
+
+
 def launch_problems(host: "Host", facts: HostFacts, look: LookAgain | None, user: str | None = None) -> list[Problem]:
     """What would stop a launch on this host, from the two calls' answers; each
     problem names the cause and the fix. ``user``: who the host's commands run as."""
@@ -332,14 +345,13 @@ def launch_problems(host: "Host", facts: HostFacts, look: LookAgain | None, user
     problems: list[Problem] = []
     user = user or host.user or getpass.getuser()
     through = f"the wrapper `{shlex.join(host.wrapper)}`" if host.wrapper else "an SSH command"
-    new_namespace = look is not None and launch.pidns and look.pidns and launch.pidns != look.pidns
+    new_namespace = look is not None and _other_namespace(launch, look)
     if new_namespace:
         problems.append(Problem(
             "pid-namespace", "error",
             f"this wrapper (`{shlex.join(host.wrapper)}`) runs each command in a new pid namespace: processes die "
-            f"when the call returns ({launch.pidns} at one call, {look.pidns} at the next; a detached process and a "
-            "tmux session started by the first were gone), so the trainer's tmux session would die as soon as "
-            "`launch` returns",
+            "when the call returns (a detached process and a tmux session started by one call were gone at the "
+            "next, in another namespace), so the trainer's tmux session would die as soon as `launch` returns",
             f"use a wrapper that enters the running container instead of starting a new one: {CONTAINER_WRAPPERS} "
             f"(`wrapper:` of host '{host.name}' in the inventory)"))
     lingering_fix = (f"let user {user}'s processes outlive the SSH session on the host: "

@@ -60,16 +60,21 @@ def freshness(run: Any, heartbeats: Sequence[dict], newest_sample: Any, now: flo
     fix = None
     if not ticking:
         since = (beat or {}).get("last_tick") or run.updated or run.created
-        note = f"unsupervised since {fmt_duration(now - since)} ago: nobody watches this run"
+        note = f"unsupervised since {_ago(now, since)}: nobody watches this run"
         fix = f"dflashctl watch {run.id}"
         return Freshness(False, (beat or {}).get("pid"), (beat or {}).get("last_tick"), since, last_answer,
                          down_since, error, data_time, data_age, False, note, fix)
     if down_since is not None:
-        note = f"host {run.host} unreachable since {fmt_duration(now - down_since)} ago" + (f": {error}" if error else "")
+        note = f"host {run.host} unreachable since {_ago(now, down_since)}" + (f": {error}" if error else "")
     elif not answering:
         note = ("no answer from its host yet" if last_answer is None
-                else f"last answer from host {run.host} {fmt_duration(now - last_answer)} ago")
+                else f"last answer from host {run.host} {_ago(now, last_answer)}")
     else:
         note = ""
     return Freshness(True, beat.get("pid"), beat.get("last_tick"), None, last_answer, down_since, error, data_time,
                      data_age, answering, note, None)
+
+
+def _ago(now: float, then: float) -> str:
+    """"5 m ago"; a time ahead of this clock (another machine's, or a bad one) says so."""
+    return f"{fmt_duration(now - then)} ago" if then <= now else f"{fmt_duration(then - now)} ahead of this clock (?)"

@@ -11,7 +11,8 @@
                 nothing sent if it is there); also resolves the workdir
     record      the run in the store, state ``launching``; the GPU claim against
                 other active runs on the host is checked in the same transaction
-    configure   <workdir>/runs/<run_id>/ with config.json and run.sh
+    configure   <workdir>/runs/<run_id>/ with config.json and run.sh, and a held
+                compile artifact that fits the run (dflashctl.compile_cache)
     start       tmux session <run_id> running run.sh
     wait        status.json shows the trainer started -> state ``running``
 
@@ -35,6 +36,7 @@ the supervisor never imports it: it only starts the supervisor.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shlex
 import signal
@@ -193,6 +195,7 @@ class _Launcher:
         self.socket = socket_name()
         self.start_timeout = start_timeout
         self.transport: Transport | None = None
+        self.gpu_readings: list = []  # nvidia-smi's answer, for the compile cache's GPU name
 
     def show_remote(self, step: str, argv: list[str], input: bytes | None = None) -> None:
         """In a dry run: say exactly what would run on the host."""
@@ -274,6 +277,7 @@ class _Launcher:
         if self.dry_run:
             self.say("record", f"would record run {run_id} (state launching, GPUs {gpus or 'none'})")
             self._configure(run_id, run_dir, config)
+            self._provide_compile_cache(run_id, run_dir, config, bundle.hash, gpus)
             self._start(run_id, run_dir)
             return LaunchResult(run_id, "dry-run", host.name, run_dir, run_id, dry_run=True, findings=findings)
 
@@ -294,6 +298,7 @@ class _Launcher:
             self.say("preflight", f"warning: {drift.message}")
         try:
             self._configure(run_id, run_dir, config)
+            self._provide_compile_cache(run_id, run_dir, config, bundle.hash, gpus)
             self._start(run_id, run_dir)
         except BaseException as e:
             self.store.transition(run_id, FAILED, f"launch failed: {first_line(e)}", self.clock(),
@@ -329,6 +334,7 @@ class _Launcher:
                      f"{_show(argv[:3])} <probe script> {argv[-1]}")
             return wanted
         probe = probe_gpus(self.transport)
+        self.gpu_readings = list(probe.gpus or [])
         if probe.gpus is None:
             smi_error = next((e for e in probe.errors if "nvidia-smi" in e), "nvidia-smi gave no answer")
             if device == "auto" and not self.host.gpus and "not found" in smi_error:
@@ -377,6 +383,26 @@ class _Launcher:
             return
         deploy.write_run_files(self.transport, run_dir, files)
         self.say("configure", f"{run_dir}: {', '.join(sorted(files))}")
+
+    def _provide_compile_cache(self, run_id: str, run_dir: str, config: dict[str, Any], bundle_hash: str,
+                               gpus: list[int]) -> None:
+        """Before the start: a held compile artifact that fits the run goes into its
+        run directory (dflashctl.compile_cache), said and recorded."""
+        from dflashctl import compile_cache, contract
+
+        if self.dry_run:
+            held = len(compile_cache.LocalCache().entries())
+            if held:
+                self.say("configure", f"would put a held compile artifact that fits the run (of {held} held) into "
+                         f"{run_dir}/{compile_cache.trainer_cache.CACHE_DIR}/")
+            return
+        trainer = json.loads(run_files(run_id, run_dir, config, self.socket)[contract.CONFIG_FILE])  # as it reads it
+        compile_cache.provide_for_run(
+            self.transport, run_dir, trainer, compile_cache.bundle_of(config.get("env"), bundle_hash),
+            compile_cache.gpu_name(self.gpu_readings, gpus),
+            lambda message: self.say("configure", message),
+            lambda o: self.store.add_event(run_id, compile_cache.EVENT_KIND, o.message, self.clock(), o.severity,
+                                           o.event_detail()))
 
     def _start(self, run_id: str, run_dir: str) -> None:
         command = start_command(run_dir)

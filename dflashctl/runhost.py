@@ -34,6 +34,7 @@ or ``dflashctl.console``: they import it.
 from __future__ import annotations
 
 import copy
+import json
 import shlex
 import sqlite3
 import time
@@ -49,7 +50,7 @@ from dflashctl.store import (
 from dflashctl.tmux import Tmux, socket_name
 
 if TYPE_CHECKING:
-    from dflashctl.config import Host, Inventory
+    from dflashctl.config import EvalSettings, Host, Inventory
     from dflashctl.probe import ProbeResult
     from dflashctl.transport import Transport
 
@@ -401,7 +402,8 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
 
     The previous session is killed if it is still there (a hung trainer). The
     trainer resumes from its last checkpoint (``--resume auto``) with the same
-    compile cache. ``serialized_warmup`` sets compile.serialized_warmup in
+    compile cache; a held compile artifact that fits goes into the run directory
+    first when it lacks one (``dflashctl.compile_cache``). ``serialized_warmup`` sets compile.serialized_warmup in
     config.json. The run's state is the caller's business (it does not change here)."""
     say = progress or quiet
     run = store.get_run(run_id)
@@ -439,6 +441,8 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     # The previous process's exit code and status go before the new session starts,
     # so nobody reads them as the new process's (run.sh removes them too).
     deploy.write_run_files(transport, run.run_dir, files, remove=[contract.EXIT_CODE_FILE, contract.STATUS_FILE])
+    _provide_compile_cache(store, run, transport, json.loads(files[contract.CONFIG_FILE]), config, bundle_hash, say,
+                           clock)
     tmux.start(run.tmux_session, start_command(run.run_dir))
     # The restart is issued from here on: a store that cannot take its record (disk
     # full) must not make the caller believe it was not, and issue a second one.
@@ -451,6 +455,27 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
         say("restart", f"{message}; not recorded in the run store: {first_line(e)}")
     say("restart", f"tmux session {run.tmux_session} started again")
     return RestartResult(run.id, run.tmux_session, bundle_hash, bool(serialized_warmup), killed, redeployed)
+
+
+def _provide_compile_cache(store: Store, run: Run, transport: "Transport", trainer: dict[str, Any],
+                           config: dict[str, Any], bundle_hash: str | None, say: Progress,
+                           clock: Callable[[], float]) -> None:
+    """Before the new process starts: a held compile artifact that fits the run goes
+    into its run directory when the directory lacks one (a wiped or moved host),
+    said and recorded. Never in the way of the restart."""
+    from dflashctl import compile_cache
+
+    try:
+        last = store.gpu_samples(run.id, 1)  # nvidia-smi's names of the run's GPUs, as last seen
+        gpu = compile_cache.gpu_name(last[0].gpu if last and isinstance(last[0].gpu, list) else [],
+                                     config.get("gpus") or [])
+        compile_cache.provide_for_run(
+            transport, run.run_dir, trainer, compile_cache.bundle_of(config.get("env"), bundle_hash), gpu,
+            lambda message: say("restart", message),
+            lambda o: store.add_event(run.id, compile_cache.EVENT_KIND, o.message, clock(), o.severity,
+                                      o.event_detail()))
+    except (sqlite3.Error, DflashError, OSError) as e:
+        say("restart", f"compile artifacts not provided: {first_line(e)}")
 
 
 def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup: bool = False,
@@ -517,3 +542,62 @@ def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False
             return
         offset = size
         time.sleep(poll)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+EVAL_FILE = "eval.json"
+
+
+def eval_argv(run: Run, settings: "EvalSettings", python: str) -> list[str]:
+    """argv running ``python -m trainer eval`` in the run directory on its host, with
+    the run's own environment (bundle on PYTHONPATH, its GPUs)."""
+    env = [f"{k}={v}" for k, v in (run.config.get("env") or {}).items()]
+    trainer = [*shlex.split(python), "-m", "trainer", "eval", run.run_dir, "--json", "--out", EVAL_FILE,
+               "--prompts", str(settings.prompts), "--max-new-tokens", str(settings.max_new_tokens),
+               "--temperature", repr(float(settings.temperature))]
+    if settings.data:
+        trainer += ["--data", settings.data]
+    if settings.threads:
+        trainer += ["--threads", str(settings.threads)]
+    # The trainer's own output goes to stderr; stdout is the report file, whole.
+    script = 'cd "$1" && shift && rm -f ' + EVAL_FILE + ' && env "$@" >&2 && cat ' + EVAL_FILE
+    return ["sh", "-c", script, "dflashctl-eval", run.run_dir, *env, *trainer]
+
+
+def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalSettings",
+             progress: Progress | None = None, *, clock: Callable[[], float] = time.time) -> dict[str, Any]:
+    """Evaluate the run's drafter (its newest checkpoint) with real speculative decoding
+    on its host; store the report (or why there is none) and return it."""
+    say = progress or quiet
+    run = store.get_run(run_id)
+    transport = host_transport(run.host, inventory)
+    python = run.config.get("python") or transport.host.python
+    say("eval", f"speculative decoding with {run.id}'s drafter on {run.host} ({settings.prompts} prompts, "
+        f"{settings.max_new_tokens} new tokens each)")
+    result = transport.run(eval_argv(run, settings, python), timeout=float(settings.timeout), check=False)
+    report = _json_report(result.stdout)
+    if result.exit_code != 0 or report is None:
+        tail = (result.stderr.strip() or result.stdout.strip())[-500:]
+        error = f"the evaluation failed (exit {result.exit_code}): {tail.splitlines()[-1] if tail else 'no output'}"
+        store.add_eval(run.id, clock(), error=error)
+        store.add_event(run.id, "eval", error, clock(), "warning", {"stderr_tail": tail})
+        raise LaunchError(error, hint=f"run it by hand on {run.host}: cd {shlex.quote(run.run_dir)} && "
+                          f"{shlex.join([*shlex.split(python), '-m', 'trainer', 'eval', run.run_dir])}")
+    store.add_eval(run.id, clock(), report=report)
+    speed = report.get("speed") or {}
+    summary = (f"measured tau {report.get('tau')} at step {report.get('step')}"
+               + (f", {speed['speedup']:.2f}x greedy decoding" if isinstance(speed.get("speedup"), (int, float))
+                  else ""))
+    store.add_event(run.id, "eval", summary, clock(), "info",
+                    {k: report.get(k) for k in ("tau", "step", "tokens_per_target_forward", "greedy_identical")})
+    say("eval", summary)
+    return report
+
+
+def _json_report(text: str) -> dict[str, Any] | None:
+    try:
+        value = contract.load_json_object(text, "the evaluation report")
+    except contract.ContractError:
+        return None
+    return value

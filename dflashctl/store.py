@@ -77,7 +77,7 @@ _STATE_SEVERITY = {STALLED: "warning", RESTARTING: "warning", LOST: "warning", F
 EVENT_STATE = "state"
 EVENT_REGRESSION = "regression"  # a throughput regression: the run is not a healthy baseline
 
-_JSON_COLUMNS = {"config", "supervisor", "detail", "gpu", "data", "runs", "hosts"}
+_JSON_COLUMNS = {"config", "supervisor", "detail", "gpu", "data", "runs", "hosts", "report"}
 
 _RUN_FIELDS_SETTABLE = {
     "config", "bundle_hash", "run_dir", "tmux_session", "tmux_socket", "supervisor", "host", "exit_code", "exit_reason",
@@ -335,8 +335,16 @@ def _m0005(db: Database) -> None:
     db["samples"].add_column("observed", float)
 
 
+@migrations(name="0006_evals")
+def _m0006(db: Database) -> None:
+    # Speculative-decoding evaluations of a run's drafter (trainer/eval.py's JSON report).
+    db["evals"].create({"id": int, "run_id": str, "time": float, "step": int, "tau": float, "speedup": float,
+                        "report": str, "error": str}, pk="id", foreign_keys=[("run_id", "runs", "id")])
+    db["evals"].create_index(["run_id", "time"])
+
+
 _SAMPLE_NUMBERS = ("tok_s", "loss", "acc", "accept_len", "eta_s", "mfu")
-SCHEMA_VERSION = 5  # the number of migrations above; recorded as PRAGMA user_version
+SCHEMA_VERSION = 6  # the number of migrations above; recorded as PRAGMA user_version
 
 
 def _number(value: Any) -> float | None:
@@ -793,10 +801,10 @@ class Store:
     def recent_samples(self, run_id: str, limit: int) -> list[Sample]:
         """The newest ``limit`` samples in time order, without their GPU readings
         (``gpu`` is None): what a view of many runs reads on every refresh."""
-        columns = ", ".join(f.name for f in fields(Sample) if f.name != "gpu")
-        rows = self._query(f"SELECT {columns} FROM samples WHERE run_id = ? ORDER BY time DESC, id DESC LIMIT ?",
-                           [run_id, int(limit)])
-        return [_row_to(Sample, r) for r in reversed(rows)]
+        names = [f.name for f in fields(Sample) if f.name != "gpu"]
+        cursor = self.db.execute(f"SELECT {', '.join(names)} FROM samples WHERE run_id = ? "
+                                 "ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
+        return [Sample(**dict(zip(names, row))) for row in reversed(cursor.fetchall())]
 
     def gpu_samples(self, run_id: str, limit: int) -> list[Sample]:
         """The newest ``limit`` samples that carry GPU readings, in time order."""
@@ -868,6 +876,31 @@ class Store:
         """The learned baseline: the median over ``healthy_tok_s_history``; None without history."""
         history = self.healthy_tok_s_history(playbook, exclude_run=exclude_run)
         return float(statistics.median(history)) if history else None
+
+    # ----------------------------------------------------------------- evaluations
+
+    def add_eval(self, run_id: str, now: float, report: dict[str, Any] | None = None, error: str | None = None) -> int:
+        """An evaluation of the run's drafter: the trainer's JSON report, or why there is none."""
+        report = report if isinstance(report, dict) else None
+        speed = (report or {}).get("speed") if isinstance((report or {}).get("speed"), dict) else {}
+        with self._write() as db:
+            cur = db.execute(
+                "INSERT INTO evals (run_id, time, step, tau, speedup, report, error) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [run_id, now, _int64((report or {}).get("step")), _number((report or {}).get("tau")),
+                 _number(speed.get("speedup")), _json(report), error])
+            return cur.lastrowid
+
+    def evals(self, run_id: str | None = None) -> list[dict[str, Any]]:
+        """Evaluations, oldest first (of one run, or of all)."""
+        sql, params = "SELECT * FROM evals", []
+        if run_id is not None:
+            sql, params = sql + " WHERE run_id = ?", [run_id]
+        return [_decode(r) for r in self._query(sql + " ORDER BY time, id", params)]
+
+    def latest_evals(self) -> dict[str, dict[str, Any]]:
+        """Each run's newest evaluation that produced a report."""
+        rows = self._query("SELECT * FROM evals WHERE error IS NULL ORDER BY time, id")
+        return {r["run_id"]: _decode(r) for r in rows}
 
     # ----------------------------------------------------------------- supervisors
 

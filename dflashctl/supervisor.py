@@ -10,8 +10,9 @@ module does the I/O around it. Each tick:
              that it did not), a restart or kill that finished, or only the clock
     store    every write of the tick (samples with their metrics.jsonl offset,
              events, state transitions, restart rows) in ONE transaction
-    act      restarts and kills on a worker thread, so a slow host never holds up
-             the other runs' ticks; alerts to the playbook's hooks (their own thread)
+    act      restarts, kills, evaluations and compile-artifact copies back on worker
+             threads, so a slow host never holds up the other runs' ticks; alerts to
+             the playbook's hooks (their own thread)
 
 An unreachable host is a finding, never an error of the loop: its runs go ``lost``
 after ``LOST_AFTER_POLLS`` failed polls and back to their state when it answers.
@@ -201,6 +202,8 @@ class Supervisor:
         self._hook_failures: "queue.SimpleQueue[dict]" = queue.SimpleQueue()
         self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflashctl-act")
         self._cursor: dict[str, tuple[int, float]] = {}  # run -> (last event id, its time) emitted
+        self._evals: list[Future] = []  # evaluations of finished runs, on the workers
+        self._fetches: list[Future] = []  # compile artifacts being copied back, on the workers
         self._carry: list[tuple[str, Any]] = []  # writes still to store (after a tick's transaction, or failed)
         self._store_down: float | None = None  # since when the store refuses writes
         self._store_alerted: float | None = None
@@ -354,6 +357,18 @@ class Supervisor:
                     w.job.result(timeout=max(0.1, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001  (recorded as the job's outcome)
                     pass
+        for job in self._fetches:  # a copy back stores its own outcome; it is not waited for past the deadline
+            try:
+                job.result(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001  (a copy back that fails or takes too long is only a cold start later)
+                pass
+        for job in self._evals:  # an evaluation has its own time limit (eval.timeout)
+            if not job.done():
+                self.emit("info", "waiting for the evaluation of a finished run")
+            try:
+                job.result()
+            except Exception as e:  # noqa: BLE001  (a bug in it must not lose the rest of close)
+                self.emit("info", f"the evaluation failed: {type(e).__name__}: {first_line(e)}")
         t = _Tick(writes=self._carry)
         self._carry = []
         self._collect_jobs(t)
@@ -439,6 +454,8 @@ class Supervisor:
 
     def _step(self, w: Watched, obs: Any, now: float, t: _Tick) -> None:
         w.state, writes, actions = core.step(w.state, obs, now, self._policy(w))
+        if not self.claim:  # looking is not watching: only the samples it read are kept
+            writes = [x for x in writes if isinstance(x, core.Samples)]
         t.writes.extend((w.id, x) for x in writes)
         t.actions.extend((w, a) for a in actions)
 
@@ -457,6 +474,8 @@ class Supervisor:
             self._host_failed(host, watched, report.hosts[host], t)
             return
         result, sent, received = answer
+        for note in getattr(result, "notes", None) or ():  # e.g. a wedged connection replaced
+            t.writes.extend((w.id, core.Event("transport", "warning", f"host {host}: {note}")) for w in watched)
         parsed = parse_probe_host(result.stdout)
         if isinstance(parsed, ProbeError):
             tail = (result.stderr.strip() or parsed.output_tail.strip())[-300:]
@@ -594,6 +613,11 @@ class Supervisor:
                 w.job = self._workers.submit(self._restart, w.run, a.serialized, a.marker, a.hung)
             elif isinstance(a, core.KillSession):
                 w.job = self._workers.submit(self._kill_session, w.run)
+            elif isinstance(a, core.RunEval):
+                self._evals.append(self._workers.submit(self._eval, w.run, w.policy.eval))
+            elif isinstance(a, core.FetchCompileCache):
+                self._fetches = [f for f in self._fetches if not f.done()]
+                self._fetches.append(self._workers.submit(self._fetch_compile_cache, w.run))
 
     # ----------------------------------------------------------------- restarts and kills, on a worker
 
@@ -619,6 +643,22 @@ class Supervisor:
         else:
             restart_run(run.id, serialized, self.store, self.inventory, clock=self.clock)
         return issued
+
+    def _eval(self, run: Run, settings: Any) -> None:
+        from dflashctl.runhost import eval_run
+
+        try:
+            eval_run(run.id, self.store, self.inventory, settings, clock=self.clock)
+        except DflashError as e:
+            self.emit("info", f"{run.id}: {first_line(e)}")  # stored with the run by eval_run
+
+    def _fetch_compile_cache(self, run: Run) -> None:
+        from dflashctl.compile_cache import copy_back
+
+        try:
+            copy_back(run.id, self.store, self.inventory, clock=self.clock)  # its outcome is an event of the run
+        except DflashError as e:
+            self.emit("info", f"{run.id}: compile artifacts not copied back: {first_line(e)}")
 
     def _kill_session(self, run: Run) -> None:
         from dflashctl.tmux import Tmux

@@ -9,7 +9,7 @@ restart or kill issued earlier has finished; ``Clock``: only time passed);
 ``now`` is the local clock. The result says what to store (``writes``: events,
 state transitions, samples, restart rows, all written by the caller in one
 transaction) and what to do (``actions``: restart, kill the session, alert,
-executed by the caller after the writes).
+evaluate, copy compile artifacts back; executed by the caller after the writes).
 
 This module never does I/O, never reads a clock and draws no random number of
 its own (the backoff's jitter comes from ``Policy.rng``): the same state and
@@ -47,7 +47,7 @@ from dflashctl.store import (
 )
 
 if TYPE_CHECKING:
-    from dflashctl.config import Alerts, Expect, Playbook, RestartPolicy
+    from dflashctl.config import Alerts, EvalSettings, Expect, Playbook, RestartPolicy
 
 WINDOW = 256  # samples kept per run for the detectors
 LOST_AFTER_POLLS = 2  # one failed poll can be a blip; two in a row mark the host's runs lost
@@ -79,10 +79,12 @@ class RunPolicy:
     alerts: "Alerts"
     signatures: list = field(default_factory=list)
     poll_interval: float = 15.0
+    eval: "EvalSettings | None" = None  # evaluate the drafter when the run ends done (eval.after_done)
 
     @classmethod
     def from_playbook(cls, pb: "Playbook") -> "RunPolicy":
-        return cls(pb.name, pb.expect, pb.restart, pb.alerts, list(pb.signatures), float(pb.poll_interval))
+        return cls(pb.name, pb.expect, pb.restart, pb.alerts, list(pb.signatures), float(pb.poll_interval),
+                   pb.eval)
 
     @classmethod
     def defaults(cls, playbook: str) -> "RunPolicy":
@@ -167,6 +169,8 @@ class RunState:
     bad_times_written: float | None = None  # local: when that was last written as an event
     findings: dict[str, Open] = field(default_factory=dict)
     state_before_lost: str | None = None
+    compile_cache: str | None = None  # the current process's compile_cache outcome, from its metrics lines
+    cache_fetch: bool = False  # the current process's compile artifacts were asked for (FetchCompileCache)
 
     @property
     def id(self) -> str:
@@ -289,6 +293,19 @@ class KillSession:
 
 
 @dataclass(frozen=True)
+class FetchCompileCache:
+    """Copy the run's compile artifacts back into the local cache store (the trainer
+    compiled them because it found none that fit: ``outcome`` says why)."""
+
+    outcome: str
+
+
+@dataclass(frozen=True)
+class RunEval:
+    """Evaluate the finished run's drafter (speculative decoding on its host)."""
+
+
+@dataclass(frozen=True)
 class Alert:
     kind: str
     severity: str
@@ -297,7 +314,7 @@ class Alert:
 
 
 Write = Union[Event, Transition, Samples, RestartRow, RestartUpdate]
-Action = Union[IssueRestart, KillSession, Alert]
+Action = Union[IssueRestart, KillSession, RunEval, FetchCompileCache, Alert]
 
 
 @dataclass
@@ -355,7 +372,7 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
     status = pr.status
     if status is not None and status.step and status.step > (s.step_max or 0):
         s.step_max = status.step
-    _track_phase(s, pr, now, skew)
+    _track_phase(s, pr, now, skew, out)
 
     started = status is not None and pr.exit_code is None and status.phase not in contract.FINAL_PHASES
     if started and pol.act and s.run.state == LAUNCHING:
@@ -381,6 +398,7 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
         if local - s.conflict_seen < SETTLE_S:
             findings = [f for f in findings if f.kind != detectors.CONFLICT]
     _act(s, pr, findings, local, skew, pol, out)
+    _fetch_compile_cache(s, local, pol, out)
 
 
 def _ingest_metrics(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> None:
@@ -475,6 +493,7 @@ def _progress(s: RunState, lines, skew: float, out: _Out) -> None:
     ours = [m for m in lines if s.attempt_started is None or m.time - skew >= s.attempt_started - 1.0]
     if not ours:
         return
+    _note_compile_cache(s, ours, out)
     s.step_max = max([s.step_max or 0, *(m.step for m in ours)])
     first = ours[0].time - skew  # local
     if s.healthy_since is None:
@@ -498,12 +517,57 @@ def _progress(s: RunState, lines, skew: float, out: _Out) -> None:
     out.writes.append(RestartUpdate(changes))
 
 
-def _track_phase(s: RunState, pr: ProbeResult, now: float, skew: float) -> None:
+def _note_compile_cache(s: RunState, lines, out: _Out) -> None:
+    """The current process's compile_cache outcome (its metrics lines say it): written
+    once per process, a mismatch as a warning (the trainer refused the artifact that
+    was put into its run directory and compiled cold)."""
+    for m in lines:
+        value = m.extra.get("compile_cache")
+        if not isinstance(value, str) or value == s.compile_cache:
+            continue
+        first, s.compile_cache = s.compile_cache is None, value[:80]
+        if not first or value == "off":
+            continue
+        detail = {"outcome": value, "compile_cache": m.extra.get("compile_cache_detail"),
+                  "startup_s": m.extra.get("startup_s")}
+        if value == "hit":
+            out.event("compile_cache", "info", "compile cache hit: the warm-up started from compiled artifacts", detail)
+        elif value.startswith("mismatch"):
+            note = (m.extra.get("compile_cache_detail") or {}).get("note") if isinstance(
+                m.extra.get("compile_cache_detail"), dict) else None
+            out.event("compile_cache", "warning", f"compile cache {value[:80]}: the artifact in the run directory was "
+                      "not loaded; this start compiled cold" + (f" ({str(note)[:200]})" if note else ""), detail)
+        else:
+            out.event("compile_cache", "info", f"compile cache {value[:80]}: this start compiled cold", detail)
+
+
+def _fetch_compile_cache(s: RunState, local: float, pol: Policy, out: _Out) -> None:
+    """A process that compiled cold (it found no artifact, or one that did not fit)
+    saved what it compiled; once it has trained for ``expect.compile_cache_after``,
+    that is copied back into the local cache store: asked once per process."""
+    outcome = s.compile_cache or ""
+    if not pol.act or s.cache_fetch or s.run.state != RUNNING or s.pending is not None or s.job is not None:
+        return
+    if not (outcome == "miss" or outcome.startswith("mismatch")) or s.phase != contract.PHASE_TRAINING:
+        return
+    if s.healthy_since is None or local - s.healthy_since < pol.run.expect.compile_cache_after:
+        return
+    s.cache_fetch = True
+    out.actions.append(FetchCompileCache(outcome))
+
+
+def _track_phase(s: RunState, pr: ProbeResult, now: float, skew: float, out: _Out) -> None:
     """When the current phase began (status.json does not say): first seen, or for a
-    process still starting, its start time."""
+    process still starting, its start time. Each new phase is an event (``phase``),
+    so the console can say "compiling 12 m / 45 m" from the store alone."""
     phase = pr.status.phase if pr.status else None
     if phase == s.phase and s.phase_since is not None:
         return
+    # A change, or a first sight of anything but plain training (a re-attach to a
+    # training run is no news).
+    if phase is not None and phase != s.phase and phase not in contract.FINAL_PHASES \
+            and (s.phase is not None or phase != contract.PHASE_TRAINING):
+        out.event("phase", "info", f"phase {phase}", {"phase": phase, "pid": pr.status.pid})
     since = now
     if pr.status is not None and phase == contract.PHASE_STARTING and pr.status.started:
         since = pr.status.started
@@ -625,7 +689,9 @@ def _finished(s: RunState, pr: ProbeResult, finding: Finding, pol: Policy, out: 
         return
     state = DONE if finding.detail.get("outcome") == "done" else STOPPED
     reason = contract.describe_exit(code) if code is not None else finding.detail.get("outcome")
-    _transition(s, out, state, finding.message, finding.detail, exit_code=code, exit_reason=reason)
+    if _transition(s, out, state, finding.message, finding.detail, exit_code=code, exit_reason=reason) \
+            and state == DONE and pol.run.eval is not None and pol.run.eval.after_done:
+        out.actions.append(RunEval())
     out.alert(detectors.FINISHED, "info", finding.message, finding.detail)
 
 
@@ -679,6 +745,7 @@ def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -
     s.findings = {}
     s.step_max = s.healthy_since = s.last_ok = None
     s.phase, s.phase_since = None, issued + done.skew
+    s.compile_cache, s.cache_fetch = None, False
 
 
 # --------------------------------------------------------------------------- hosts

@@ -317,12 +317,18 @@ class Transport(ABC):
 # --------------------------------------------------------------------------- local
 
 
+# What points this process's own Python at its packages is not the host's: a
+# command on the local host runs with the environment sshd would give it.
+_CONTROLLER_ONLY_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH")
+
+
 class LocalTransport(Transport):
     """This machine: the same command line, run by /bin/sh as sshd would."""
 
     def _execute(self, command, input, deadline, shown):
         proc = subprocess.Popen(
             ["/bin/sh", "-c", command],
+            env={k: v for k, v in os.environ.items() if k not in _CONTROLLER_ONLY_ENV},
             stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

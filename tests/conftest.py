@@ -2,7 +2,7 @@
 
     ssh_env.inventory_path      inventory YAML (pass to --inventory / load_inventory)
     ssh_env.inventory           the loaded Inventory
-    ssh_env.hosts               ['jump', 'jump2', 'target', 'target2', 'direct'] (+ added)
+    ssh_env.hosts               ['jump', 'jump2', 'target', 'target2', 'direct', 'lxc', 'fresh'] (+ added)
     ssh_env.unknown_host        'stranger': reachable, host key NOT in known_hosts
     ssh_env.stop(h) / start(h)  take a host down / bring it back (same address, port)
     ssh_env.kill_connections(h) cut its open connections (returns the pids killed)

@@ -204,8 +204,9 @@ def test_loss_gradient_matches_autograd_through_the_dense_reference():
     assert h.grad[0, 5].abs().max() == 0 and head.grad is None
 
 
+@pytest.mark.parametrize("in_place", [True, False])  # False: the form the GPU path compiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunk_cross_entropy_traces_as_one_graph_with_the_same_results(dtype):
+def test_chunk_cross_entropy_traces_as_one_graph_with_the_same_results(dtype, in_place):
     """On a GPU the trainer compiles chunk_cross_entropy; a graph break would run part
     of it eagerly and compile it per thread. Dynamo + AOTAutograd (no inductor: CPU
     tests have no C++ toolchain to count on) must take it whole and agree with eager,
@@ -218,7 +219,7 @@ def test_chunk_cross_entropy_traces_as_one_graph_with_the_same_results(dtype):
     traced = torch.compile(chunk_cross_entropy, backend="aot_eager", fullgraph=True, dynamic=False)
     for need_grad in (True, False):
         want = chunk_cross_entropy(logits.clone(), labels, weight, need_grad)
-        got = traced(logits.clone(), labels, weight, need_grad)
+        got = traced(logits.clone(), labels, weight, need_grad, in_place)
         assert torch.allclose(got[0], want[0]) and torch.equal(got[1], want[1])
         if need_grad:
             assert got[2].dtype == dtype and torch.allclose(got[2].float(), want[2].float(), atol=1e-6)

@@ -262,7 +262,7 @@ LINUX = {"platform_system": "Linux", "sys_platform": "linux", "platform_machine"
          "python_full_version": "3.11.7", "os_name": "posix", "implementation_name": "cpython",
          "platform_python_implementation": "CPython", "platform_release": "6", "platform_version": "1",
          "implementation_version": "3.11.7"}
-GOOD = {"torch": "2.8.0", "triton": "3.4.0", "transformers": "4.56.0"}
+GOOD = {"torch": "2.8.0", "triton": "3.4.0", "transformers": "4.56.0", "safetensors": "0.6.2"}
 TRITON_PIN = ["triton==3.4.0; platform_system == \"Linux\" and platform_machine == \"x86_64\""]
 
 
@@ -271,6 +271,8 @@ TRITON_PIN = ["triton==3.4.0; platform_system == \"Linux\" and platform_machine 
     [
         ({}, {}, []),
         ({"pidns": "pid:[1]"}, {"pidns": "pid:[2]", "detached_alive": False, "tmux_alive": False}, ["pid-namespace"]),
+        ({"pid1_start": 10}, {"pid1_start": 99, "detached_alive": False, "tmux_alive": False},  # inode reused
+         ["pid-namespace"]),
         ({}, {"detached_alive": False}, ["detached-killed"]),
         ({}, {"tmux_alive": False}, ["tmux-lost"]),
         ({"tmux_exit_code": 1, "tmux_error": "no server"}, {"tmux_alive": False}, ["tmux-failed"]),

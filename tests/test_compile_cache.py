@@ -202,3 +202,39 @@ def test_save_then_load_in_a_fresh_process_with_a_wiped_cache(tmp_path):
     again = _process("again", run_dir, tmp_path / "cache2")
     assert again["load"]["status"] == "hit" and not again["load"]["loaded"]
     assert "already" in again["load"]["note"]
+
+
+_BYTECODE = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[2])
+    from trainer.train import keep_bytecode
+    path = keep_bytecode(sys.argv[1], package="fakepkg")
+    import fakepkg
+    print(json.dumps(path))
+""")
+
+
+@pytest.mark.parametrize("dont_write", [True, False])
+def test_bytecode_goes_to_the_cache_when_it_cannot_go_beside_the_sources(tmp_path, dont_write):
+    """A restart imports thousands of modules: without bytecode each start compiles
+    them all again. With PYTHONDONTWRITEBYTECODE (as in a read-only image) the trainer
+    keeps bytecode under its cache directory; otherwise Python's own place is used."""
+    site = tmp_path / "site"
+    (site / "fakepkg").mkdir(parents=True)
+    (site / "fakepkg" / "__init__.py").write_text("VALUE = 1\n")
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    env["PYTHONPATH"] = REPO
+    if dont_write:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    run = lambda: subprocess.run([sys.executable, "-c", _BYTECODE, str(cache), str(site)], cwd=REPO, env=env,  # noqa: E731
+                                 capture_output=True, text=True, check=True)
+    path = json.loads(run().stdout.strip().splitlines()[-1])
+    beside = list((site / "fakepkg").glob("__pycache__/*.pyc"))
+    kept = list((cache / "pycache").rglob("fakepkg/__init__*.pyc")) if (cache / "pycache").exists() else []
+    if dont_write:
+        assert path == str(cache / "pycache") and len(kept) == 1 and not beside
+        assert json.loads(run().stdout.strip().splitlines()[-1]) == str(cache / "pycache")  # still needed next time
+    else:
+        assert path is None and len(beside) == 1 and not kept
+        assert json.loads(run().stdout.strip().splitlines()[-1]) is None

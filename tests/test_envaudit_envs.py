@@ -480,3 +480,19 @@ def test_fixes_install_pip_first_where_it_is_missing(tmp_path):
     assert conflict.argv[0] == [env.python, "-m", "ensurepip"] and conflict.argv[1][-1] == CUDNN13[0]
     steps = [argv for argv, _ in report.plan()]
     assert steps[0] == [env.python, "-m", "ensurepip"] and steps.count(steps[0]) == 1
+
+
+def test_a_protected_wheel_missing_only_its_script_or_a_data_file_still_imports(tmp_path):
+    """Seen on a real GPU image: wheels installed with --target have no bin/ scripts,
+    and the image patches certifi's CA bundle. torch still imports: a warning that
+    says so, never the error that blocks a launch."""
+    env = healthy(tmp_path / "venv")
+    (info,) = env.site.glob("sympy-*.dist-info")
+    (env.site / "sympy" / "data.pem").write_text("y" * 70)  # patched after install
+    with open(info / "RECORD", "a") as f:
+        f.write("../../../bin/isympy,sha256=abc,12\nsympy/data.pem,sha256=abc,50\n")
+    (damaged,) = by_code(env.audit(tmp_path))["missing-files"]
+    assert damaged.severity == "warning" and "it still imports" in damaged.message
+    (env.site / "sympy" / "__init__.py").unlink()  # now a file it imports is gone
+    (damaged,) = by_code(env.audit(tmp_path))["missing-files"]
+    assert damaged.severity == "error"

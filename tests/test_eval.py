@@ -184,6 +184,11 @@ def test_eval_command_writes_the_json_report(written_by_target, tmp_path):
         assert key in report, key
     assert report["step"] == 120 and report["training"]["step"] == 120
     assert report["training"]["tau_estimate"] == pytest.approx(report["training"]["accept_len"] + 1)
+    metrics = [json.loads(line) for line in open(os.path.join(os.path.dirname(os.path.dirname(report["checkpoint"])),
+                                                               contract.METRICS_FILE))]
+    last5 = [m["accept_len"] for m in metrics[-5:]]
+    assert report["training"]["accept_len_recent"] == pytest.approx(sum(last5) / 5)
+    assert report["training"]["recent_from_step"] == metrics[-5]["step"] == 80
     assert set(report["speed"]) == {"speculative_s", "speculative_tok_s", "greedy_s", "greedy_tok_s", "speedup"}
     assert report["reference"]["target_agreement"] > 0.95  # the target wrote these responses
     text = cli("eval", written_by_target["ckpt"], "--data", written_by_target["shards"], "--prompts", "2",

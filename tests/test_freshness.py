@@ -56,3 +56,8 @@ def test_the_newest_of_several_supervisors_counts():
     assert freshness(run(), [old, new], None, NOW).live
     assert freshness(run(), [new, old], None, NOW).live
     assert freshness(run(), [old], None, NOW).data_age_s is None
+
+
+def test_a_time_ahead_of_this_clock_is_said_so_never_negative():
+    f = freshness(run(), [beat(NOW + 3600, last_ok=NOW + 3600, stopped=NOW + 3600)], None, NOW)
+    assert "ahead of this clock" in f.note and "-" not in f.note.split("since")[1].split("ahead")[0]

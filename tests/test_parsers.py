@@ -84,6 +84,15 @@ EXPECTED = {
         None,
         [GpuReading(0, TRAINER_UUID, "NVIDIA H200", 90223.0, 143771.0, 100.0, 54.0, 677.19, 700.0, 1965.0)],
     ),
+    # Two GPUs under dflashctl's own run (bench/gpu_e2e.sh): target on 0, drafter on 1.
+    "h200x2-trainer-query.csv": (
+        parse_gpu_query,
+        None,
+        [GpuReading(0, "GPU-e7247aa6-6306-7c70-9f9d-7e26a3a729ec", "NVIDIA H200", 3217.0, 143771.0, 0.0, 40.0, 253.15,
+                    700.0, 1980.0),
+         GpuReading(1, "GPU-02d99c92-d576-2ccf-61fe-8d67e57e6956", "NVIDIA H200", 19863.0, 143771.0, 0.0, 41.0, 426.78,
+                    700.0, 1980.0)],
+    ),
     "h200-trainer-apps.csv": (
         parse_compute_apps,
         None,

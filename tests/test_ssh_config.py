@@ -159,3 +159,13 @@ def test_a_variant_of_an_ssh_host_keeps_its_route(ssh_env, ssh_home, tmp_path, p
     with SSHTransport(variant, inventory, pool=pool) as t:
         assert t.describe_route() == f"{ALIAS_JUMP} -> gpu-variant"
         assert t.run(["true"]).ok
+
+
+def test_an_inventory_jump_may_name_a_host_only_the_ssh_config_knows(ssh_env, ssh_home, tmp_path, pool):
+    aliased = ssh_env.server(ssh_env.aliased_host)
+    inventory = load_inventory(write_inventory(tmp_path, {"gpu": {"address": aliased.address, "port": aliased.port,
+                                                                  "jump": ALIAS_JUMP}}))
+    assert [h.name for h in inventory.route("gpu")] == [ALIAS_JUMP, "gpu"]
+    assert pool.get("gpu", inventory).run(["echo", "via gw"]).stdout == "via gw\n"
+    with pytest.raises(ConfigError, match="hosts.gpu.jump: unknown host 'gx'"):
+        load_inventory(write_inventory(tmp_path, {"gpu": {"address": aliased.address, "jump": "gx"}}))

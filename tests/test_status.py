@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -321,12 +323,54 @@ def test_once_is_readable_at_any_width(tmp_path, columns):
     assert len(lines) < 40
 
 
-def test_help_has_no_type_tags_and_an_example():
-    done = subprocess.run([sys.executable, "-m", "dflashctl", "status", "--help"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "COLUMNS": "120"})
-    assert "--once" in done.stdout and "--json" in done.stdout and "--interval" in done.stdout
-    assert "<bool>" not in done.stdout and "<float" not in done.stdout
-    assert "dflashctl status --once" in done.stdout
+def _dflashctl(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflashctl", *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "120", **env})
+
+
+def test_help_pages_have_no_type_tags_and_an_example_each():
+    """Defect: help pages showed Python type tags (`<bool>`, `<list[str]>`) and no example."""
+    from dflashctl.cli import _load_commands
+    from dflashctl.commands._app import app
+
+    _load_commands()
+    commands = sorted(c.name for c in app.registered_commands)
+    assert len(commands) >= 12
+    for command in commands:
+        done = _dflashctl(command, "-h")
+        assert done.returncode == 0, done.stderr
+        text = done.stdout
+        assert "Usage:" in text and "Examples:" in text and f"dflashctl {command}" in text, command
+        assert not re.search(r"<(str|int|float|bool|list|path)[^>]*>|\{\w+\}", text), (command, text)
+    status = _dflashctl("status", "--help").stdout
+    assert "--interval DURATION" in status and "--json-schema" in status and "dflashctl status --once" in status
+    top = _dflashctl("--help").stdout
+    assert "-V, --version" in top and "--install-completion" in top and "30s, 5m" in top
+    assert _dflashctl("--version").stdout.strip().startswith("dflashctl 0.")
+
+
+def test_one_duration_syntax():
+    from dflashctl.commands._app import parse_duration_option
+
+    assert [parse_duration_option(v, "--x") for v in ("2", "0.5", "30s", "5m", "1h30m", 7)] == [2, 0.5, 30, 300, 5400, 7]
+    with pytest.raises(ConfigError, match="--x: 'soon' is not a duration"):
+        parse_duration_option("soon", "--x")
+
+
+def test_help_and_runs_start_without_the_heavy_imports(tmp_path):
+    """Defect: every command took 330-430 ms: numpy through sqlite_utils, pydantic
+    through typer, Markdown help rendering. `--help` now loads none of them and no
+    store; `runs` no pydantic, no Textual."""
+    store = build("healthy", tmp_path)
+    probe = ("import sys, runpy; sys.argv = ['dflashctl', *{args!r}]\n"
+             "try:\n    runpy.run_module('dflashctl', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('rich.markdown', 'markdown_it', 'pydantic', 'sqlite_utils', 'textual', "
+             "'numpy', 'rich.console') if m in sys.modules))")
+    for args, allowed in ((["--help"], []), (["runs"], ["numpy", "rich.console", "sqlite_utils"])):
+        done = subprocess.run([sys.executable, "-c", probe.format(args=args)], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "DFLASHCTL_STORE": store.path})
+        loaded = json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
+        assert set(loaded) <= set(allowed), (args, loaded, done.stderr[-2000:])
 
 
 def test_data_code_imports_no_ui_and_no_torch():
@@ -360,3 +404,46 @@ def test_second_launch_of_a_playbook_is_refused(tmp_path):
     with pytest.raises(LaunchError, match=f"playbook demo already has an active run: {DEMO}") as e:
         launch_run(load_playbook("demo", None, inventory), inventory, store)
     assert "--force" in e.value.hint and [r.id for r in store.list_runs()] == [active.id]
+
+
+def test_stop_records_the_step_the_trainer_reached(tmp_path):
+    """Defect: after `stop`, the store said the run stopped at step 100 (what a killed
+    supervisor last stored) though the trainer checkpointed at step 800."""
+    import yaml
+
+    from dflashctl import contract
+    from dflashctl.config import load_inventory, load_playbook
+    from dflashctl.runhost import stop
+    from dflashctl.tmux import SOCKET_ENV, Tmux
+    from tests.harness import environ
+    from tests.harness.fake_trainer import CHECKPOINT, start_fake_run
+    from tests.test_supervisor import metrics_lines, wait_for, write_playbook
+
+    socket = f"dflash-stop-{os.getpid()}"
+    inventory_path = tmp_path / "inventory.yaml"
+    inventory_path.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local",
+                                                                  "workdir": str(tmp_path / "work")}}}))
+    with environ(**{SOCKET_ENV: socket}):
+        inventory = load_inventory(str(inventory_path))
+        store = Store(str(tmp_path / "runs.db"))
+        pb = load_playbook(str(write_playbook(tmp_path / "playbooks", "stopme", "local",
+                                              {"train": {"steps": 100000, "log_every": 1, "checkpoint_every": 1000}})),
+                           inventory=inventory)
+        run_id = start_fake_run(store, inventory, "local", pb.trainer.to_dict(), playbook=pb.name,
+                                playbook_source=pb.source, socket=socket, step_s=0.02)
+        try:
+            run_dir = store.get_run(run_id).run_dir
+            store.add_samples(run_id, [{"time": time.time(), "step": 1}])  # what a supervisor stored, then died
+            wait_for(lambda: len(metrics_lines(run_dir)) >= 30, 30, "30 steps")
+            stopped = stop(run_id, store, inventory, timeout=30)
+            reached = int(Path(run_dir, CHECKPOINT).read_text())
+            assert (stopped.state, stopped.exit_code) == ("stopped", contract.EXIT_STOPPED)
+            assert reached >= 30 and store.samples(run_id)[-1].step == reached
+            (last,) = store.events(run_id, kind="state")[-1:]
+            assert f"at step {reached:,}" in last.message and last.detail["step"] == reached
+            view = StatusReader(store).load(time.time())
+            assert view.runs[0].step == reached
+        finally:
+            server = Tmux(inventory.get("local"), inventory, socket).server_pid()
+            if server:
+                os.kill(server, 15)

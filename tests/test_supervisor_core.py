@@ -413,3 +413,83 @@ def test_per_run_probe_errors_are_written_once():
     assert [w.kind for w in writes if isinstance(w, core.Event)] == ["probe"]
     state, writes, _ = core.step(state, core.Probed(replace(result, host_time=T0 + 1)), T0 + 1, pol)
     assert not [w for w in writes if isinstance(w, core.Event)]
+
+
+# --------------------------------------------------------------------------- compile artifacts copied back
+
+
+def cached(t: float, step: int, outcome: str | None) -> core.Probed:
+    """A healthy poll whose metrics line reports the process's compile_cache outcome."""
+    line = replace(metrics(t, step), extra={"compile_cache": outcome} if outcome else {})
+    return core.Probed(probe(t, step=step), lines=(line,))
+
+
+def cache_policy(after: float = 300.0, act: bool = True, restart_delay: float = 0.0) -> core.Policy:
+    pol = make_policy(act=act, backoff_initial=restart_delay)
+    return replace(pol, run=replace(pol.run, expect=Expect(stall_window=600.0, compile_cache_after=after)))
+
+
+@pytest.mark.parametrize("outcome,fetch_at", [
+    ("miss", 300),  # compiled cold: copied back once it trained for compile_cache_after
+    ("mismatch:torch", 300),  # the artifact put there did not fit: what it compiled instead is copied back
+    ("hit", None),  # it started from artifacts: nothing new to copy
+    ("off", None),  # nothing compiled
+    (None, None),  # a trainer that does not report it
+])
+def test_compile_artifacts_are_fetched_once_per_process_after_its_healthy_minutes(outcome, fetch_at):
+    pol = cache_policy(300.0)
+    times = [0, 60, 299, 300, 301, 900]
+    state, seen = run_table([(T0 + t, cached(T0 + t, i + 1, outcome)) for i, t in enumerate(times)], pol=pol)
+    fetched = [t for t, (_, _, actions) in zip(times, seen) if "FetchCompileCache" in actions]
+    assert fetched == ([fetch_at] if fetch_at is not None else [])
+    events = [kinds for _, kinds, _ in seen]
+    said = outcome not in (None, "off")
+    assert events[0] == (["compile_cache"] if said else []) and all(e == [] for e in events[1:])
+
+
+def test_the_outcome_is_written_with_its_severity_and_the_fetch_names_it():
+    state, writes, _ = core.step(make_state(), cached(T0, 1, "mismatch:torch"), T0, cache_policy())
+    [event] = [w for w in writes if isinstance(w, core.Event)]
+    assert event.severity == "warning" and event.message.startswith("compile cache mismatch:torch")
+    state, _, actions = core.step(state, cached(T0 + 300, 2, "mismatch:torch"), T0 + 300, cache_policy())
+    assert actions == [core.FetchCompileCache("mismatch:torch")]
+
+
+def test_a_restarted_process_is_fetched_from_again_and_an_observer_never_fetches():
+    pol = cache_policy(10.0)
+    state, seen = run_table([(T0, cached(T0, 1, "miss")), (T0 + 10, cached(T0 + 10, 2, "miss"))], pol=pol)
+    assert seen[1][2] == ["FetchCompileCache"] and state.cache_fetch
+    # A crash, a restart: the new process reports its own outcome and is asked for its own artifacts.
+    crash = core.Probed(probe(T0 + 20, session=False, alive=False, exit_code=1, log="RuntimeError: boom\n"))
+    state, _, _ = core.step(state, crash, T0 + 20, pol)
+    state, _, _ = core.step(state, core.JobDone(core.RESTART, issued=T0 + 21), T0 + 21, pol)
+    assert (state.compile_cache, state.cache_fetch) == (None, False)
+    state, seen = run_table([(T0 + 25, cached(T0 + 25, 3, "miss")), (T0 + 35, cached(T0 + 35, 4, "miss"))],
+                            state=state, pol=pol)
+    assert seen[0][1] == ["compile_cache", "restart"]  # its outcome, and "training resumed"
+    assert seen[1][2] == ["FetchCompileCache"]
+    # Observing only (watch --once): nothing is copied.
+    _, seen = run_table([(T0, cached(T0, 1, "miss")), (T0 + 10, cached(T0 + 10, 2, "miss"))],
+                        pol=cache_policy(10.0, act=False))
+    assert not any("FetchCompileCache" in actions for _, _, actions in seen)
+
+
+def test_no_fetch_while_the_run_is_stalled_or_restarting():
+    pol = cache_policy(10.0)
+    stopped = core.Probed(probe(T0 + 12, step=1, state="T"))  # a stopped process: a stall, left alone
+    _, seen = run_table([(T0, cached(T0, 1, "miss")), (T0 + 12, stopped), (T0 + 13, stopped)], pol=pol)
+    assert seen[1][0] == ["stalled"] and not any("FetchCompileCache" in a for _, _, a in seen)
+    crash = core.Probed(probe(T0 + 12, session=False, alive=False, exit_code=1, log="RuntimeError: boom\n"))
+    _, seen = run_table([(T0, cached(T0, 1, "miss")), (T0 + 12, crash)], pol=cache_policy(10.0, restart_delay=30.0))
+    assert seen[1][0] == ["restarting"] and not any("FetchCompileCache" in a for _, _, a in seen)
+
+
+def test_each_new_phase_is_an_event_for_the_console():
+    pol = make_policy()
+    rows = [(T0, core.Probed(probe(T0, "starting"))), (T0 + 1, core.Probed(probe(T0 + 1, "compiling"))),
+            (T0 + 2, core.Probed(probe(T0 + 2, "compiling"))), (T0 + 3, healthy(T0 + 3, 1)),
+            (T0 + 4, core.Probed(probe(T0 + 4, "checkpointing", step=1)))]
+    _, seen = run_table(rows, make_state("launching"), pol)
+    assert [kinds for _, kinds, _ in seen] == [["phase"], ["phase"], [], ["phase"], ["phase"]]
+    _, seen = run_table([(T0, healthy(T0, 1))])  # re-attached to a training run: no news
+    assert seen[0][1] == []

@@ -29,6 +29,7 @@ def app_for(store: Store, root: Path, **kw):
 
     kw.setdefault("interval", 600)  # refreshes are driven by the tests
     kw.setdefault("clock", lambda: NOW)
+    kw.setdefault("probe_unsupervised", False)  # the scenes' hosts exist only in the store
     return StatusApp(store.path, playbooks_dir=str(root / "playbooks"), **kw)
 
 
@@ -400,3 +401,41 @@ def test_the_status_command_starts_the_screen_on_a_terminal(tmp_path):
             proc.kill()
             proc.wait()
         os.close(leader)
+
+
+def test_a_run_nobody_watches_is_probed_by_the_screen_itself(tmp_path):
+    """With no supervisor, the screen looks at the run itself, in a worker: here a
+    trainer process that is alive but stopped (SIGSTOP), at step 812."""
+    import signal
+    import subprocess
+
+    import yaml
+
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local", "workdir": str(tmp_path)}}}))
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        os.kill(trainer.pid, signal.SIGSTOP)
+        run_dir = tmp_path / "runs" / DEMO
+        run_dir.mkdir(parents=True)
+        status = contract.Status(phase="training", pid=trainer.pid, started=time.time() - 60, step=812)
+        contract.write_status(str(run_dir), status)
+        store = Store(str(tmp_path / "runs.db"))
+        store.create_run("demo", "local", {}, time.time() - 60, run_id=DEMO, run_dir=str(run_dir),
+                         tmux_session=DEMO, tmux_socket=f"dflash-tui-{os.getpid()}")
+        store.transition(DEMO, "running", "trainer started", time.time() - 50)
+
+        async def scenario():
+            app = app_for(store, tmp_path, clock=time.time, probe_unsupervised=True, inventory_path=str(inventory))
+            async with app.run_test(size=(120, 40)) as pilot:
+                await loaded(pilot, app)
+                await until(pilot, lambda: DEMO in app.probes, "the screen's own probe", timeout=60)
+                await pilot.pause()
+                text = screen_text(app)
+                assert "unsupervised" in text and "fix: dflashctl watch" in text
+                assert "the trainer is alive but stopped (SIGSTOP), training at step 812" in text, app.probes
+
+        run(scenario())
+    finally:
+        trainer.kill()
+        trainer.wait()

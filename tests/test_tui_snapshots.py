@@ -24,7 +24,8 @@ def test_scene(snap_compare, tmp_path, scene, size):
 
     utc()
     store = build(scene, tmp_path)
-    app = StatusApp(store.path, interval=600, clock=lambda: NOW, playbooks_dir=str(tmp_path / "playbooks"))
+    app = StatusApp(store.path, interval=600, clock=lambda: NOW, playbooks_dir=str(tmp_path / "playbooks"),
+                    probe_unsupervised=False)  # the scenes' hosts exist only in the store
 
     async def shown(pilot):
         for _ in range(400):

@@ -40,7 +40,10 @@ def tmux(*args: str) -> str:
 
 
 def pane(session: str) -> str:
-    return tmux("capture-pane", "-p", "-t", session)
+    done = subprocess.run(["tmux", "-L", SOCKET, "capture-pane", "-p", "-t", session], capture_output=True, text=True)
+    if done.returncode:
+        raise AssertionError(f"tmux session {session} is gone: {done.stderr.strip()}")
+    return done.stdout
 
 
 def pane_pid(session: str) -> int:
@@ -92,8 +95,8 @@ def test_status_in_tmux_follows_a_real_run(tmp_path):
             tmux("new-session", "-d", "-s", "watch", "-x", "120", "-y", "40", f"{cli} watch {run_id}")
             supervisor = pane_pid("watch")
             started.append(supervisor)
-            tmux("new-session", "-d", "-s", "tui", "-x", "120", "-y", "40",
-                 f"{cli} status --interval 0.5")
+            tmux("new-session", "-d", "-s", "tui", "-x", "120", "-y", "40", f"{cli} status --interval 0.5")
+            tmux("set-option", "-t", "tui", "remain-on-exit", "on")  # a crash stays readable in the pane
             started.append(pane_pid("tui"))
 
             # The step advances on screen.

@@ -28,7 +28,7 @@ from dflashctl.transport import Pool, connect
 from tests.harness.fake_trainer import start_fake_run
 from tests.test_supervisor import SOCKET, kill_tmux_servers, kinds, read_status, wait_for, write_playbook
 
-CONNECT_TIMEOUT = 1.5
+CONNECT_TIMEOUT = 1.0
 INTERVAL = 2.0  # the supervisor's poll interval
 
 

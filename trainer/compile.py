@@ -16,7 +16,8 @@ forward and backward in several threads deadlock with no error. So:
    reported in every metrics line;
 6. ``TORCHINDUCTOR_CACHE_DIR`` lives under ``compile.cache_dir``, in a sub-directory
    keyed by torch version, triton version and GPU model (entries are valid for the
-   same three only).
+   same three only); what the warm-up compiled also travels with the run directory
+   (trainer/compile_cache.py), loaded before the warm-up on a host whose key matches.
 
 ``compile.unsafe_parallel_warmup`` replaces 2 with every thread's first forward +
 backward at the same moment, skips 4, and exists to reproduce the deadlock on a

@@ -12,24 +12,28 @@ and the speed baseline. The report (``run_eval``, a JSON-able dict) holds:
 - ``speed``: wall-clock tokens/s of both decoders on this hardware and the speed-up;
 - ``greedy_identical``: at temperature 0, whether every prompt's output equals
   plain greedy decoding token for token (it must);
-- ``training``: the trainer's own figure at the checkpoint's step (metrics.jsonl),
-  accept_len and accept_len + 1;
+- ``training``: the trainer's own figure at the checkpoint's step (metrics.jsonl):
+  accept_len and accept_len + 1 of the last line, and their mean over the last
+  lines (one line covers only a few sequences);
 - ``reference``: the drafter verified against the data instead of the target
-  (teacher forced): ``anchor_tau`` (mean over every response anchor of run + 1:
-  the training estimator), ``harmonic_tau`` (1 / mean of 1 / (run + 1): what
-  decoding that lands on anchors in proportion to 1 / tau measures),
-  ``chain_tau`` (following the data as decoding follows the target), and
-  ``target_agreement`` (how often the target's greedy choice is the data's next
-  token). They tell why tau and accept_len + 1 differ (trainer/SERVING_EXPORT.md).
+  (teacher forced), pooled over the prompts: ``anchor_tau`` (mean over every
+  response anchor of run + 1: the training estimator), ``harmonic_tau`` (1 / mean
+  of 1 / (run + 1): what decoding measures when it lands on a position in
+  proportion to 1 / its tau), ``chain_tau`` (following the data as decoding
+  follows the target), and ``target_agreement`` (how often the target's greedy
+  choice is the data's next token). They tell why tau and accept_len + 1 differ
+  (trainer/SERVING_EXPORT.md).
 
 ``target_data`` writes synthetic shards whose responses the target itself wrote
 (greedy), the data on which measured and training figures must agree.
+
+Evaluation never changes a checkpoint or its run directory; the report goes where
+the caller says (``--out``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 from typing import Callable, Optional
@@ -104,28 +108,35 @@ def target_data(target, out_dir: str, samples: int, prompt_len: int, new_tokens:
 # ---------------------------------------------------------------------------- training figure
 
 
-def training_figure(ckpt: str, step: int) -> Optional[dict]:
-    """accept_len the trainer logged at ``step`` (or the last line before it), from the
-    run directory that holds the checkpoint."""
+def training_figure(ckpt: str, step: int, recent: int = 5) -> Optional[dict]:
+    """The trainer's accept_len at ``step`` (the last metrics line at or before it) and
+    its mean over the last ``recent`` lines: one line covers only log_every steps of
+    a few sequences, and varies from line to line. Read from the run directory that
+    holds the checkpoint; None when it has no metrics."""
     from dflashctl import contract
 
     run_dir = os.path.dirname(os.path.dirname(ckpt))
-    path = os.path.join(run_dir, contract.METRICS_FILE)
-    best = None
+    by_step: dict[int, float] = {}
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(os.path.join(run_dir, contract.METRICS_FILE), encoding="utf-8") as f:
             for line in f:
                 try:
                     m = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(m, dict) and m.get("accept_len") is not None and m.get("step", math.inf) <= step:
-                    best = m
+                if isinstance(m, dict) and isinstance(m.get("step"), int) and m.get("accept_len") is not None \
+                        and m["step"] <= step:
+                    by_step[m["step"]] = m["accept_len"]  # a resumed run's repeat of a step wins
     except OSError:
         return None
-    if best is None:
+    if not by_step:
         return None
-    return {"step": best["step"], "accept_len": best["accept_len"], "tau_estimate": best["accept_len"] + 1}
+    steps = sorted(by_step)
+    last = by_step[steps[-1]]
+    window = [by_step[s] for s in steps[-recent:]]
+    mean = sum(window) / len(window)
+    return {"step": steps[-1], "accept_len": last, "tau_estimate": last + 1,
+            "accept_len_recent": mean, "tau_estimate_recent": mean + 1, "recent_from_step": steps[-len(window)]}
 
 
 # ---------------------------------------------------------------------------- the evaluation
@@ -137,22 +148,40 @@ def _mean(values):
 
 
 def reference_figures(target, drafter, ids: list[int], mask: list[int], start: int) -> dict:
-    """The drafter against the data itself (module docstring: ``reference``)."""
+    """The drafter against the data itself (module docstring: ``reference``), for one
+    sample; the ``_sum`` and ``_count`` fields let run_eval pool samples."""
     import torch
 
-    from trainer.speculative import anchor_runs, chain_tau
+    from trainer.speculative import anchor_runs, chain_steps
 
     runs = anchor_runs(target, drafter, ids, mask)
     taus = [r + 1 for r in runs.values()]
+    chain = chain_steps(runs, start)
     choice = target.greedy_next(torch.tensor([ids]))[0].tolist()
     scored = [j for j in range(start, len(ids)) if mask[j]]
     agree = sum(choice[j - 1] == ids[j] for j in scored)
     return {
-        "anchors": len(runs),
+        "anchors": len(taus),
         "anchor_tau": _mean(taus),
         "harmonic_tau": len(taus) / sum(1 / t for t in taus) if taus else None,
-        "chain_tau": chain_tau(runs, start),
+        "chain_tau": _mean(chain),
         "target_agreement": agree / len(scored) if scored else None,
+        "_sums": {"anchor": sum(taus), "inverse": sum(1 / t for t in taus), "chain": sum(chain),
+                  "chain_steps": len(chain), "agree": agree, "scored": len(scored)},
+    }
+
+
+def pooled_reference(rows: list[dict]) -> dict:
+    """The reference figures over all samples at once (every anchor, step and token
+    counts once, as ``tau`` pools verification steps)."""
+    total = {k: sum(r["_sums"][k] for r in rows) for k in rows[0]["_sums"]}
+    anchors = sum(r["anchors"] for r in rows)
+    return {
+        "anchors": anchors,
+        "anchor_tau": total["anchor"] / anchors if anchors else None,
+        "harmonic_tau": anchors / total["inverse"] if total["inverse"] else None,
+        "chain_tau": total["chain"] / total["chain_steps"] if total["chain_steps"] else None,
+        "target_agreement": total["agree"] / total["scored"] if total["scored"] else None,
     }
 
 
@@ -244,10 +273,9 @@ def run_eval(path: str, data: Optional[str] = None, prompts: int = 20, max_new_t
         "per_prompt": per_prompt,
     }
     if reference:
-        refs = [r["reference"] for r in per_prompt]
-        report["reference"] = {key: _mean([r[key] for r in refs]) for key in
-                               ("anchor_tau", "harmonic_tau", "chain_tau", "target_agreement")}
-        report["reference"]["anchors"] = sum(r["anchors"] for r in refs)
+        report["reference"] = pooled_reference([r["reference"] for r in per_prompt])
+        for r in per_prompt:
+            del r["reference"]["_sums"]
     return report
 
 
@@ -276,8 +304,9 @@ def format_text(report: dict) -> str:
         lines.append("greedy      " + ("identical to plain greedy decoding on every prompt" if report["greedy_identical"]
                                        else f"DIFFERS from plain greedy decoding on prompts {report['mismatched_prompts']}"))
     if tr:
-        lines.append(f"training    accept_len {_fmt(tr['accept_len'])} at step {tr['step']}: "
-                     f"accept_len + 1 = {_fmt(tr['tau_estimate'])}")
+        lines.append(f"training    accept_len {_fmt(tr['accept_len'])} at step {tr['step']}: accept_len + 1 = "
+                     f"{_fmt(tr['tau_estimate'])} ({_fmt(tr['tau_estimate_recent'])} over the lines since step "
+                     f"{tr['recent_from_step']})")
     if ref:
         lines.append(f"reference   drafter against the data: anchor tau {_fmt(ref['anchor_tau'])}, harmonic "
                      f"{_fmt(ref['harmonic_tau'])}, chain {_fmt(ref['chain_tau'])}; the target's greedy choice is the "

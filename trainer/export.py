@@ -287,7 +287,7 @@ def export(path: str, out_dir: str, fmt: str = "dflash", dtype: str = "auto", sl
     if fmt == "dflash":
         config = dflash_config(serving, name)
     else:
-        loaded = serving_mod.load(ckpt, "cpu", dtype=torch.float32, target_path=target_path)
+        loaded = serving_mod.load(ckpt, "cpu", dtype=_torch_dtype(name), target_path=target_path)
         tensors["embed_tokens.weight"] = loaded.target.embed_tokens.weight.detach().to(_torch_dtype(name)).contiguous()
         tensors["lm_head.weight"] = loaded.target.lm_head.weight.detach().to(_torch_dtype(name)).contiguous().clone()
         verifier = serving["target"].get("path") or f"dflashctl-preset:{serving['target'].get('preset')}"

@@ -55,10 +55,14 @@ def _sync(device: torch.device) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def _takes(model_class, argument: str) -> bool:
+    return argument in inspect.signature(model_class.forward).parameters
+
+
 def _cache_keyword(model_class) -> str:
     """The forward argument that takes the KV cache: 'cache' in recent transformers,
     'past_key_values' before."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    return "cache" if _takes(model_class, "cache") else "past_key_values"
 
 
 class TargetStepper:
@@ -76,13 +80,15 @@ class TargetStepper:
         self._cache_kw = _cache_keyword(type(target.model))
 
     @torch.inference_mode()
-    def forward(self, ids_1T: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(logits [1, T, V] fp32, features [1, T, K*H] or None) for T new tokens."""
+    def forward(self, ids_1T: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(logits [1, T, V] fp32, or [1, 1, V] of the last token with ``last_only``
+        (a prefill needs no more); features [1, T, K*H] or None) for T new tokens."""
         ids_1T = ids_1T.to(self.target.device)
         steps = ids_1T.shape[1]
         positions = torch.arange(self.length, self.length + steps, device=ids_1T.device)[None]
+        extra = {"logits_to_keep": 1} if last_only and _takes(type(self.target.model), "logits_to_keep") else {}
         out = self.target.model(input_ids=ids_1T, position_ids=positions, use_cache=True,
-                                output_hidden_states=self.features, **{self._cache_kw: self.cache})
+                                output_hidden_states=self.features, **{self._cache_kw: self.cache}, **extra)
         self.length += steps
         self.forwards += 1
         features = None
@@ -235,7 +241,7 @@ def greedy_generate(target, prompt: list[int], max_new: int) -> Generation:
     _sync(device)
     begin = time.perf_counter()
     stepper = TargetStepper(target, features=False)
-    logits, _ = stepper.forward(_prompt_tensor(prompt, device))
+    logits, _ = stepper.forward(_prompt_tensor(prompt, device), last_only=True)
     token = int(logits[0, -1].argmax())
     out = [token]
     while len(out) < max_new:
@@ -257,7 +263,7 @@ def speculative_generate(target, drafter: Drafter, prompt: list[int], max_new: i
     stepper, state = TargetStepper(target), DraftState(drafter)
 
     # ---- prefill: the prompt's features become the drafter's context; the target picks the first token
-    logits, features = stepper.forward(_prompt_tensor(prompt, device))
+    logits, features = stepper.forward(_prompt_tensor(prompt, device), last_only=True)
     state.extend(features)
     if temperature > 0:
         first = int(torch.multinomial(torch.softmax(logits[0, -1] / temperature, -1), 1, generator=generator))
@@ -333,11 +339,12 @@ def anchor_runs(target, drafter: Drafter, ids: list[int], loss_mask: list[int], 
     return runs
 
 
-def chain_tau(runs: dict[int, int], first: int) -> Optional[float]:
-    """Tau of decoding that follows the data from anchor ``first``: each step accepts
-    runs[a] tokens and moves to a + runs[a] + 1, as speculative decoding moves."""
+def chain_steps(runs: dict[int, int], first: int) -> list[int]:
+    """Taus of decoding that follows the data from anchor ``first``: each step
+    accepts runs[a] tokens and moves to a + runs[a] + 1, as speculative decoding
+    moves along what the target writes."""
     steps, a = [], first
     while a in runs:
         steps.append(runs[a] + 1)
         a += runs[a] + 1
-    return sum(steps) / len(steps) if steps else None
+    return steps

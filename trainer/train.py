@@ -111,6 +111,41 @@ def process_start_time() -> Optional[float]:
     return started if 0 <= time.time() - started < 3600 else None
 
 
+def keep_bytecode(cache_dir: Optional[str], package: str = "torch") -> Optional[str]:
+    """Give Python a bytecode cache it can write when ``package`` (torch) ships none.
+
+    A start imports a few thousand modules (torch, its compiler, transformers). When
+    the installed packages carry no bytecode and none can be written beside them (a
+    read-only image, PYTHONDONTWRITEBYTECODE), every start compiles all of them from
+    source again, and a restart pays that each time. Then bytecode goes to
+    ``<cache>/pycache`` (``cache_dir``, else the inductor cache, else
+    ``~/.cache/dflashctl``), never beside the sources. Returns that directory, or
+    None when nothing had to change (bytecode present, or Python writes it itself).
+    """
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    if os.path.exists(importlib.util.cache_from_source(spec.origin)):
+        return None
+    pycache = os.path.join(os.path.dirname(spec.origin), "__pycache__")
+    if not sys.dont_write_bytecode and os.access(pycache if os.path.isdir(pycache) else os.path.dirname(pycache), os.W_OK):
+        return None
+    base = cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join("~", ".cache", "dflashctl")
+    path = os.path.join(os.path.abspath(os.path.expanduser(base)), "pycache")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    sys.pycache_prefix = path
+    sys.dont_write_bytecode = False
+    return path
+
+
 class Startup:
     """Where the time from process start to the first training step goes: seconds per
     phase, in order (``process``: interpreter start and the trainer's argument and
@@ -202,6 +237,7 @@ def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals:
 def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, stop: StopRequest) -> int:
     # ---------------------------------------------------------------- torch, devices, seeds
     startup = Startup()
+    bytecode = keep_bytecode(cfg.compile.cache_dir)  # before the imports it speeds up
     import torch
 
     from trainer import checkpoint, compile as compile_mod, compile_cache, pipeline as pl
@@ -223,7 +259,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     path = select_attention_path(main_dev, cfg.compile.enabled, cfg.compile.allow_eager,
                                  cfg.compile.mask_builder)
     log(f"devices: target {[str(d) for d in target_devs]}, drafter {[str(d) for d in drafter_devs]}; "
-        f"compute {compute_dtype}; attention {path.name}; compile cache {cache}")
+        f"compute {compute_dtype}; attention {path.name}; compile cache {cache}"
+        + (f"; bytecode cache {bytecode}" if bytecode else ""))
     startup.mark("devices")
 
     # ---------------------------------------------------------------- target(s) and drafter replicas

@@ -74,7 +74,7 @@ def check_command(
     (not one that only serves as a jump) it also proves what a launch needs: a
     detached process and a tmux session started through the wrapper outlive the
     call (started, then looked at again), the work directory takes a file, python
-    has torch, triton and transformers at the versions the trainer needs; and it
+    has torch, triton, transformers and safetensors at the versions the trainer needs; and it
     warns when the inventory's `gpus:` differs from what nvidia-smi shows. Each
     problem is printed with its fix. Exit code 1 when any host failed."""
     from dflashctl.facts import check_hosts

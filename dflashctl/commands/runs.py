@@ -171,6 +171,50 @@ def logs_command(
         pass
 
 
+@app.command("eval")
+def eval_command(
+    run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
+    prompts: Optional[int] = typer.Option(None, "--prompts", min=1, help="Prompts to decode (default: the playbook's)."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Tokens per prompt."),
+    as_json: bool = typer.Option(False, "--json", help="Print the trainer's JSON report."),
+) -> None:
+    """Measure the run's drafter with real speculative decoding on its host.
+
+    Runs `python -m trainer eval` on the run's newest checkpoint, with the run's
+    environment and GPUs: the measured acceptance length tau per prompt and its
+    mean, tokens per target forward, and the speed-up over plain greedy decoding.
+    The report is stored with the run (`dflashctl runs` shows tau). A playbook's
+    `eval: {after_done: true}` runs it by itself when a run ends done.
+
+    Example: dflashctl eval demo-20261130-203528-9854 --prompts 4"""
+    from dflashctl.config import EvalSettings
+    from dflashctl.runhost import eval_run
+    from dflashctl.supervisor import policy_for_run
+
+    store, inventory = _store(), _inventory()
+    record = store.get_run(run)
+    settings = policy_for_run(record, inventory, G.playbooks)[0].eval or EvalSettings()
+    changes = {k: v for k, v in (("prompts", prompts), ("max_new_tokens", max_new_tokens)) if v is not None}
+    report = eval_run(record.id, store, inventory, settings.model_copy(update=changes), progress=_progress(as_json))
+    if as_json:
+        print(json.dumps(report, indent=2))
+
+
+def _eval_summary(row: dict | None) -> dict | None:
+    if not row:
+        return None
+    report = row.get("report") or {}
+    return {"time": row["time"], "step": row["step"], "tau": row["tau"], "speedup": row["speedup"],
+            "tokens_per_target_forward": report.get("tokens_per_target_forward"),
+            "greedy_identical": report.get("greedy_identical")}
+
+
+def _tau(row: dict | None) -> str:
+    if not row or row.get("tau") is None:
+        return "-"
+    return f"{row['tau']:.2f}" + (f" ({row['speedup']:.2f}x)" if row.get("speedup") else "")
+
+
 @app.command("runs")
 def runs_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
@@ -178,13 +222,15 @@ def runs_command(
     playbook: Optional[str] = typer.Option(None, "--playbook", help="Only runs of this playbook."),
 ) -> None:
     """List runs, newest first: state, host, when, how they ended."""
-    runs = _store().list_runs(playbook=playbook, limit=None if all_runs else 20)
+    store = _store()
+    runs = store.list_runs(playbook=playbook, limit=None if all_runs else 20)
+    evals = store.latest_evals()
     if as_json:
-        print(json.dumps([r.to_dict() for r in runs], indent=2))
+        print(json.dumps([{**r.to_dict(), "eval": _eval_summary(evals.get(r.id))} for r in runs], indent=2))
         return
     table = Table(title_justify="left")
     table.add_column("run", no_wrap=True)  # ids are copied into other commands: never wrapped
-    for column in ("state", "host", "created", "ended", "exit", "GPUs"):
+    for column in ("state", "host", "created", "ended", "exit", "GPUs", "tau"):
         table.add_column(column)
     colors = {"running": "green", "failed": "red", "lost": "yellow", "stalled": "yellow", "restarting": "yellow"}
     for r in runs:
@@ -197,6 +243,7 @@ def runs_command(
             _when(r.ended, short=True),
             r.exit_reason or ("-" if r.exit_code is None else str(r.exit_code)),
             ",".join(map(str, r.gpus)) or "-",
+            _tau(evals.get(r.id)),
         )]
         if color:
             cells[1].stylize(color)

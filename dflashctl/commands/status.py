@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from dflashctl.commands._app import G, app, out, printable
+from dflashctl.commands._app import G, app, out, parse_duration_option, printable
 
 
 @app.command("status")
@@ -22,8 +22,8 @@ def status_command(
     once: bool = typer.Option(False, "--once", help="Print a table and exit (default when stdout is not a terminal)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (schema: --json-schema) and exit."),
     json_schema: bool = typer.Option(False, "--json-schema", help="Print the JSON Schema of --json and exit."),
-    interval: float = typer.Option(2.0, "--interval", min=0.2, metavar="SECONDS",
-                                   help="Seconds between refreshes of the live screen."),
+    interval: str = typer.Option("2", "--interval", metavar="DURATION",
+                                 help="Time between refreshes of the live screen (2, 0.5, 2s, 1m)."),
 ) -> None:
     """Live console of every run, host and GPU (a terminal UI; `--once` or `--json` to print).
 
@@ -36,9 +36,7 @@ def status_command(
     utilisation and memory, temperature, power, history. `?` in the screen lists the
     keys: Enter detail, `l` log, `e` events, `x` stop, `r` restart, `/` filter, `s` sort.
 
-    Read from the store only (the supervisors write it), so it never waits on a host.
-
-    Examples: `dflashctl status`, `dflashctl status --once`, `dflashctl status demo --json`."""
+    Read from the store only (the supervisors write it), so it never waits on a host."""
     from dflashctl.paths import store_path
 
     if json_schema:
@@ -59,9 +57,14 @@ def status_command(
         print_status(view, out.width)
         return
     store.close()
+    seconds = parse_duration_option(interval, "--interval")
+    if seconds < 0.2:
+        from dflashctl.errors import ConfigError
+
+        raise ConfigError(f"--interval: {interval} is too short", hint="give 0.2 seconds or more (2, 0.5, 2s, 1m)")
     from dflashctl.tui.app import StatusApp
 
-    StatusApp(path, run=run, interval=interval, inventory_path=G.inventory, playbooks_dir=G.playbooks).run()
+    StatusApp(path, run=run, interval=seconds, inventory_path=G.inventory, playbooks_dir=G.playbooks).run()
 
 
 def _now() -> float:

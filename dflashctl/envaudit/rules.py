@@ -650,9 +650,21 @@ def _rule_unmet(c: _Context) -> list[Finding]:
 # --------------------------------------------------------------------------- integrity
 
 
+_CODE_SUFFIXES = (".py", ".pyc", ".pth", ".pyd")
+
+
+def _imported(rel: str) -> bool:
+    """Whether a RECORD path is something Python imports or loads: inside the
+    distribution's own directory (not ``../../bin/`` scripts), code or a library,
+    not data (a CA bundle an image patched, say)."""
+    name = rel.rsplit("/", 1)[-1]
+    return not rel.startswith("../") and (name.endswith(_CODE_SUFFIXES) or ".so" in name or name.startswith(LIB_PREFIXES))
+
+
 def _rule_integrity(c: _Context) -> list[Finding]:
     """RECORD files missing or of another size: an error for torch and what it
-    requires (their files must all be there), information for the others."""
+    requires when a file it imports or loads is affected (their code must all be
+    there), a warning when only its scripts or data are, information for others."""
     owners_of: dict[str, list[int]] = {}
     for group in c.s.shared:
         for path in group.paths:
@@ -687,8 +699,11 @@ def _rule_integrity(c: _Context) -> list[Finding]:
                    + (f"; {listing(shared_with, 3)} also list{'s' if len(shared_with) == 1 else ''} them "
                       "(installed over it, or its uninstall deleted them)" if shared_with else "")
                    + consequence)
+        breaks_import = any(_imported(rel) for rel in [*d.missing, *d.changed])
+        if vital and not breaks_import:
+            message += ": it still imports (only its command-line scripts or data files differ)"
         findings.append(c.finding(
-            "error" if vital else "info", "missing-files", message,
+            ("error" if breaks_import else "warning") if vital else "info", "missing-files", message,
             fix=f"reinstall {d.spec()} over itself", argv=[c.fixer.reinstall(d)], packages=[d.name],
             libraries=sorted(set(lost_libs)),
             detail={"missing": d.missing, "missing_count": d.missing_count, "changed": d.changed,

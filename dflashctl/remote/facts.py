@@ -15,8 +15,9 @@ nvidia-smi's path and its answer to the GPU query (exit code, stdout, stderr tai
 each bounded), free and total disk in the workdir. With ``launch``, also what a
 launch needs: whether the workdir takes a file (written, then removed), the
 installed versions of ``packages`` and what torch requires of triton (with the
-values its requirement markers are read against), this process's pid namespace,
-and two things started to outlive this call: a detached process (a new session,
+values its requirement markers are read against), this process's pid namespace
+(its inode, and when its pid 1 started: an inode may be reused by a later
+namespace, a start time is not), and two things started to outlive this call: a detached process (a new session,
 sleeping ``LINGER_S`` seconds) and a tmux session on the private socket
 ``dflashctl-check-TOKEN``.
 
@@ -25,7 +26,7 @@ Looking again, in a later call:
     {"look": {"pid": 123, "start": 456789, "pidns": "pid:[4026531836]", "token": "ab12"}}
 
 answers whether that process still lives (same pid, same start time, not a
-zombie), this call's pid namespace, and whether the tmux session is still there;
+zombie), this call's pid namespace (as above), and whether the tmux session is still there;
 then stops both. A detached process or a tmux session that dies when the first
 call returns cannot hold a run: the controller says why and what to use instead.
 
@@ -75,10 +76,12 @@ def os_name():
 
 
 def pid_namespace():
+    """{"pidns": 'pid:[4026531836]', "pid1_start": ticks} of this process, each None when unknown."""
     try:
-        return os.readlink("/proc/self/ns/pid")
+        inode = os.readlink("/proc/self/ns/pid")
     except OSError:
-        return None
+        inode = None
+    return {"pidns": inode, "pid1_start": start_time(1)}
 
 
 def start_time(pid):
@@ -151,7 +154,7 @@ def writable(workdir, token):
 
 def start_lingering(token):
     """A detached process and a tmux session, both meant to outlive this call."""
-    answer = {"pidns": pid_namespace()}
+    answer = pid_namespace()
     try:
         child = subprocess.Popen(
             [sys.executable, "-S", "-c", "import time; time.sleep(%d)" % LINGER_S],
@@ -171,7 +174,7 @@ def start_lingering(token):
 
 def look(args):
     """The second call: are they still there? Then stop them."""
-    answer = {"pidns": pid_namespace()}
+    answer = pid_namespace()
     pid, start = args.get("pid"), args.get("start")
     if isinstance(pid, int) and pid > 0:
         alive = start is not None and start_time(pid) == start

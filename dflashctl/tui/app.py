@@ -8,10 +8,13 @@ GPUs with bars and history), wide from 180x45 (the run and GPU panels side by
 side). The run column is frozen; the columns shown are chosen by width, so cells
 are never folded.
 
-It reads only the store, in a thread worker, so a slow disk never freezes the
-screen; the supervisor writes what it shows. Reading a run's log and the stop /
-restart actions (the ``dflashctl`` command, run as a subprocess after a
-confirmation) happen in workers too: nothing here waits on SSH. Keys: ``?``.
+It reads the store in a thread worker, so a slow disk never freezes the screen;
+the supervisors write what it shows. A run no supervisor watches is probed by the
+screen itself every ``PROBE_EVERY_S`` (one round trip, nothing stored), so the
+operator sees whether it is alive while the fix is on screen. That probe, reading
+a run's log and the stop / restart actions (the ``dflashctl`` command, run as a
+subprocess after a confirmation) all happen in workers: the screen never waits on
+SSH. Keys: ``?``.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from textual.worker import get_current_worker
 
 from dflashctl.errors import DflashError, first_line
 from dflashctl.store import Store
-from dflashctl.tui.model import SORTS, StatusReader, StatusView, filter_runs, sort_runs
+from dflashctl.tui.model import SORTS, DirectProbe, StatusReader, StatusView, filter_runs, sort_runs
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen
 from dflashctl.tui.text import gpu_text, notice_text, run_text
 from dflashctl.tui.widgets import Pane, RunsTable
 
 COMPACT_WIDTH, COMPACT_HEIGHT = 100, 30
+PROBE_EVERY_S = 10.0  # a run nobody supervises is probed by the screen this often
+PROBE_TIMEOUT_S = 20.0
 WIDE_WIDTH, WIDE_HEIGHT = 180, 45
 
 
@@ -52,6 +57,7 @@ class StatusApp(App):
     #lower { height: 1fr; layout: vertical; }
     #run-box { height: 10; border-top: solid $primary-darken-2; }
     #gpu-box { height: 1fr; border-top: solid $primary-darken-2; }
+    #gpus { text-wrap: nowrap; text-overflow: clip; }
     #filter { dock: bottom; display: none; height: 1; border: none; padding: 0 1; }
     #filter.-shown { display: block; }
     Screen.-compact #run-box { display: none; }
@@ -75,7 +81,8 @@ class StatusApp(App):
 
     def __init__(self, store_path: str, run: str | None = None, interval: float = 2.0, *,
                  clock: Callable[[], float] = time.time, inventory_path: str | None = None,
-                 playbooks_dir: str | None = None, control: Callable[[list[str]], tuple[int, str]] | None = None):
+                 playbooks_dir: str | None = None, control: Callable[[list[str]], tuple[int, str]] | None = None,
+                 probe_unsupervised: bool = True):
         super().__init__()
         self.store_path = store_path
         self.run_ref = run
@@ -91,6 +98,14 @@ class StatusApp(App):
         self.loads = 0  # completed reads of the store (tests wait on it)
         self.actions_done: list[tuple[list[str], int, str]] = []
         self._inventory = None
+        self.probe_unsupervised = probe_unsupervised
+        self.probes: dict[str, DirectProbe] = {}
+        self.probing: set[str] = set()
+        # What the workers use to reach a host, imported now: once the screen runs,
+        # sys.stdout is Textual's capture, and libtmux reads sys.stdout.encoding on import.
+        import dflashctl.config  # noqa: F401
+        import dflashctl.runhost  # noqa: F401
+        import dflashctl.transport  # noqa: F401
 
     # ----------------------------------------------------------------- layout
 
@@ -159,6 +174,41 @@ class StatusApp(App):
             self.selected = view.selected
         self.draw()
         self.loads += 1
+        self.probe_unwatched(view)
+
+    # ----------------------------------------------------------------- runs nobody watches
+
+    def probe_unwatched(self, view: StatusView) -> None:
+        """Look at each active run no supervisor watches, itself, every ``PROBE_EVERY_S``
+        (one probe round trip in a worker; nothing is stored: the fix is to watch it)."""
+        if not self.probe_unsupervised:
+            return
+        for run in view.runs:
+            if run.active and not run.freshness.supervised and run.id not in self.probing:
+                last = self.probes.get(run.id)
+                if last is None or view.now - last.time >= PROBE_EVERY_S:
+                    self.probing.add(run.id)
+                    self.probe(run.id)
+
+    @work(thread=True, group="probe")
+    def probe(self, run_id: str) -> None:
+        from dflashctl.runhost import host_transport, probe_run
+
+        try:
+            run = self.reader.store.get_run(run_id)
+            result = DirectProbe.from_probe(self.clock(), probe_run(host_transport(run.host, self.inventory()), run,
+                                                                    timeout=PROBE_TIMEOUT_S))
+        except Exception as e:  # noqa: BLE001  (a host that cannot be reached is shown, never a crash of the screen)
+            result = DirectProbe(self.clock(), error=first_line(e))
+        finally:
+            self.reader.store.close()
+        self.call_from_thread(self._probed, run_id, result)
+
+    def _probed(self, run_id: str, result: DirectProbe) -> None:
+        self.probes[run_id] = result
+        self.probing.discard(run_id)
+        if run_id == self.selected:
+            self.draw_run()
 
     # ----------------------------------------------------------------- drawing
 
@@ -194,8 +244,10 @@ class StatusApp(App):
         run = next((r for r in view.runs if r.id == self.selected), None)
         events = view.events if view.selected == self.selected else []
         wide = self.mode == "wide"
+        probe = self.probes.get(self.selected) if self.selected else None
         self.query_one("#run", Pane).redraw(
-            lambda w, h: run_text(run, events, w, view.now, event_lines=max(3, h - (8 if wide else 5)), charts=wide))
+            lambda w, h: run_text(run, events, w, view.now, event_lines=max(3, h - (8 if wide else 5)), charts=wide,
+                                  probe=probe))
 
     def on_data_table_row_highlighted(self, message: DataTable.RowHighlighted) -> None:
         if message.data_table.id != "runs" or message.row_key is None:
@@ -261,28 +313,29 @@ class StatusApp(App):
         self.notify(f"sort: {self.sort}", timeout=2)
 
     def action_events(self) -> None:
-        run = self._current()
-        if run is not None:
-            self.push_screen(DetailScreen(run, tab="events"))
+        self._detail("events")
 
     def action_logs(self) -> None:
+        self._detail("log")
+
+    def _detail(self, tab: str) -> None:
         run = self._current()
         if run is not None:
-            self.push_screen(DetailScreen(run, tab="log"))
+            self.push_screen(DetailScreen(run, tab=tab))
 
     def action_stop_run(self) -> None:
-        run = self._current()
-        if run is not None:
-            self.push_screen(ConfirmScreen(f"Stop run {run}?", "The trainer checkpoints and exits; its session is "
-                                           "then closed (dflashctl stop)."),
-                             lambda yes: yes and self.control_run(["stop", run]))
+        self._confirm("stop", "The trainer checkpoints and exits; its session is then closed (dflashctl stop).")
 
     def action_restart_run(self) -> None:
+        self._confirm("restart", "Its trainer starts again from the last checkpoint, compile cache kept, then a "
+                                 "supervisor watches it (dflashctl restart).")
+
+    def _confirm(self, command: str, what: str) -> None:
+        """Ask, then run ``dflashctl COMMAND RUN`` on the run under the cursor."""
         run = self._current()
         if run is not None:
-            self.push_screen(ConfirmScreen(f"Restart run {run}?", "Its trainer starts again from the last checkpoint, "
-                                           "compile cache kept, then a supervisor watches it (dflashctl restart)."),
-                             lambda yes: yes and self.control_run(["restart", run]))
+            self.push_screen(ConfirmScreen(f"{command.capitalize()} run {run}?", what),
+                             lambda yes: yes and self.control_run([command, run]))
 
     # ----------------------------------------------------------------- actions on runs
 

@@ -41,9 +41,10 @@ from dflashctl.freshness import Freshness, freshness
 from dflashctl.store import ACTIVE_STATES, FINAL_STATES, LAUNCHING, RESTARTING, Event, Run, Sample, Store
 
 SCHEMA = "dflashctl.status/1"  # the --json document's name and version (JSON_SCHEMA below)
-HISTORY = 60  # newest samples per run read on each refresh (smoothing, sparkline)
+HISTORY = 60  # newest samples per active run read on each refresh (smoothing, sparkline)
+FINISHED_HISTORY = 12  # of a finished run
 SMOOTH_WINDOW_S = 300.0  # tok/s and the ETA are averaged over this much of the newest data
-GPU_HISTORY = 24  # GPU readings per GPU in its history
+GPU_HISTORY = 16  # GPU readings per GPU in its history
 EVENTS = 40  # recent events of the selected run
 DETAIL_EVENTS = 500  # events in a run's detail view
 RECENT_RUNS = 20  # finished runs shown besides the active ones
@@ -384,6 +385,42 @@ class HostView:
         if self.down_since is not None:
             return f"unreachable since {fmt_duration(now - self.down_since)}" + (f": {self.error}" if self.error else "")
         return "no answer yet" if self.last_answer is None else f"answered {_ago(now, self.last_answer)}"
+
+
+@dataclass
+class DirectProbe:
+    """What the status console saw itself of a run nobody supervises (one probe round
+    trip, in a worker): nothing of it is stored."""
+
+    time: float
+    session_alive: bool | None = None
+    trainer_alive: bool | None = None
+    trainer_state: str | None = None  # /proc state letter: T is stopped
+    phase: str | None = None
+    step: int | None = None
+    exit_code: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_probe(cls, time: float, result: Any) -> "DirectProbe":
+        """From a ``probe.ProbeResult``."""
+        status, process = result.status, result.process
+        return cls(time, result.session_alive, process.alive if process else None, process.state if process else None,
+                   status.phase if status else None, status.step if status else None, result.exit_code)
+
+    def text(self, now: float) -> str:
+        head = f"probed by status {fmt_duration(max(0.0, now - self.time))} ago: "
+        if self.error:
+            return head + f"no answer ({self.error})"
+        if self.exit_code is not None:
+            alive = f"the trainer ended (exit code {self.exit_code})"
+        elif self.trainer_alive:
+            alive = "the trainer is alive" + (" but stopped (SIGSTOP)" if self.trainer_state == "T" else "")
+        elif self.session_alive:
+            alive = "its tmux session is alive"
+        else:
+            alive = "no trainer and no session"
+        return head + alive + (f", {self.phase}" if self.phase else "") + (f" at step {self.step:,}" if self.step else "")
 
 
 @dataclass
@@ -835,7 +872,8 @@ class StatusReader:
 
     def run_view(self, run: Run, heartbeats: list[dict], now: float, history: int = HISTORY) -> RunView:
         store = self.store
-        samples = store.recent_samples(run.id, history)
+        # A finished run needs its newest figures and a short history only.
+        samples = store.recent_samples(run.id, history if run.active else min(history, FINISHED_HISTORY))
         newest = samples[-1] if samples else None
         fresh = freshness(run, heartbeats, newest, now)
         state_events = store.events(run.id, kind="state")

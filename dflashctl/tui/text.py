@@ -13,7 +13,8 @@ from rich.text import Text
 
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.tui.model import (
-    NA, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, EventView, HostView, Notice, RunView, bar, fit,
+    NA, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, DirectProbe, EventView, HostView, Notice, RunView,
+    bar, fit,
     fit_middle, spark,
 )
 
@@ -86,7 +87,7 @@ def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = Fals
 
 
 def run_text(run: RunView | None, events: list[EventView], width: int, now: float, event_lines: int = 6,
-             charts: bool = False) -> Text:
+             charts: bool = False, probe: DirectProbe | None = None) -> Text:
     """The highlighted run: who watches it, phase, progress, throughput against its
     baseline, ETA and its window, loss and tau, restarts; then its newest events."""
     if run is None:
@@ -104,6 +105,8 @@ def run_text(run: RunView | None, events: list[EventView], width: int, now: floa
         if f.fix:
             out.append("  fix: ", style="bold")
             out.append(f.fix, style="bold reverse")
+        if probe is not None and not f.supervised:
+            out.append(f"\n{probe.text(now)}", style="cyan")
     elif run.exit_reason:
         out.append(f" · {run.exit_reason}")
     out.append("\n")

@@ -120,18 +120,25 @@ class EventsTable(DataTable):
 
 
 class Pane(Static):
-    """A block of text drawn from a view; ``draw`` gets the width it is drawn at."""
+    """A block of text drawn from a view; ``draw`` gets the width and the height of
+    the box it is drawn in. Text equal to what is shown is not drawn again (most
+    refreshes change nothing: a supervisor polls every 15 s, the screen reads
+    every 2 s)."""
 
     def __init__(self, draw=None, **kw) -> None:
         super().__init__(**kw)
         self.draw = draw
+        self.shown: Text | None = None
 
     def redraw(self, draw=None) -> None:
         if draw is not None:
             self.draw = draw
         if self.draw is not None:
             box = self.parent if self.parent is not None else self
-            self.update(self.draw(max(20, self.size.width or self.app.size.width), box.size.height))
+            text = self.draw(max(20, self.size.width or self.app.size.width), box.size.height)
+            if text != self.shown:
+                self.shown = text
+                self.update(text)
 
     def on_resize(self) -> None:
         self.redraw()

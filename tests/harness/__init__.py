@@ -1,4 +1,6 @@
-"""Test harness: real loopback sshd hosts, a fake `pct` and a fake `nvidia-smi`.
+"""Test harness: real loopback sshd hosts, container wrappers (a fake `pct`, an
+`lxc-attach` into a long-lived namespace, a `docker run --rm` that makes a new one
+per call) and a fake `nvidia-smi`.
 
 Importable by tests (tests/conftest.py) and by bench scripts::
 

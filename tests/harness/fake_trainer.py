@@ -12,6 +12,11 @@ launcher's restart then restarts it for real). From config.json it reads ``train
 slow, after_steps, message, exit_code, factor, once) with the real trainer's
 meaning. The environment sets its pace: FAKE_TRAINER_STEP_S (seconds per step,
 default 0.05) and FAKE_TRAINER_TOKENS (tokens per step, default 256).
+FAKE_TRAINER_COMPILE_CACHE (hit | miss | mismatch:<field>) is the compile_cache
+outcome its metrics lines report; unless it is ``hit`` it saves a fake compile
+artifact (FAKE_TRAINER_ARTIFACT_BYTES bytes, default 65536) in its run directory
+the way the real trainer does (trainer.compile_cache.write), keyed by its real
+config digest and bundle hash, GPU FAKE_TRAINER_GPU (default cpu).
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ def main(argv: list[str]) -> int:
     step_s = float(os.environ.get("FAKE_TRAINER_STEP_S", "0.05"))
     tokens = int(os.environ.get("FAKE_TRAINER_TOKENS", "256"))
 
+    cache_outcome = os.environ.get("FAKE_TRAINER_COMPILE_CACHE")
+    if cache_outcome and cache_outcome != "hit":
+        save_fake_artifact(run_dir, config, int(os.environ.get("FAKE_TRAINER_ARTIFACT_BYTES", "65536")))
     status = contract.Status(phase=contract.PHASE_STARTING, pid=os.getpid(), started=time.time())
     contract.write_status(run_dir, status)
     stop = {"signal": None}
@@ -99,7 +107,8 @@ def main(argv: list[str]) -> int:
             now = time.time()
             tok_s = tokens * log_every / max(1e-6, now - window_start)
             m = contract.Metrics(time=now, step=step, total_steps=total, tokens=step * tokens, tok_s=tok_s,
-                                 loss=1.0 / step, eta_s=(total - step) * tokens / tok_s)
+                                 loss=1.0 / step, eta_s=(total - step) * tokens / tok_s,
+                                 extra={"compile_cache": cache_outcome} if cache_outcome else {})
             with open(os.path.join(run_dir, contract.METRICS_FILE), "a", encoding="utf-8") as f:
                 f.write(m.to_line() + "\n")
             print(f"step {step}/{total} tok/s {tok_s:.0f}", flush=True)
@@ -118,6 +127,21 @@ def main(argv: list[str]) -> int:
     contract.write_status(run_dir, status)
     print(f"done: {step} steps", flush=True)
     return contract.EXIT_DONE
+
+
+def save_fake_artifact(run_dir: str, config: dict, size: int) -> dict:
+    """A compile artifact as the real trainer saves one (its manifest written last),
+    with fake torch/triton/CUDA fields and deterministic bytes."""
+    import platform
+
+    from trainer import compile_cache, config as trainer_config
+
+    cfg = trainer_config.from_dict(config)
+    fields = {"torch": "fake", "triton": "fake", "cuda": "fake", "gpu": os.environ.get("FAKE_TRAINER_GPU", "cpu"),
+              "python": platform.python_version(), "bundle": compile_cache.bundle_hash(),
+              "config": compile_cache.config_digest(cfg)}
+    data = (b"fake compiled artifact\n" * (size // 23 + 1))[:size]
+    return compile_cache.write(run_dir, fields, cfg, data, {"fake": 1})
 
 
 def start_fake_run(store, inventory, host: str, trainer: dict, *, playbook: str = "fake",

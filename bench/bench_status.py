@@ -1,0 +1,179 @@
+"""The status console's costs: one refresh over a large store, and the CLI's start-up.
+
+    .venv/bin/python bench/bench_status.py            # everything
+    .venv/bin/python bench/bench_status.py --refresh  # only the refresh
+    .venv/bin/python bench/bench_status.py --startup  # only the CLI start-up
+
+Refresh: a store with 8 hosts x 8 GPUs (one active run per host, every sample with
+its 8 GPU readings) and 50 runs of recorded history (8 active + 42 finished, 2000
+samples each: 100 000 samples, events and restarts), as a supervisor leaves it.
+Measured: one ``StatusReader.load`` (what every refresh of the screen and
+``status --once`` reads), cold (first) and warm (later refreshes: thresholds and
+learned baselines kept), a run's detail view (its whole history as a chart), and
+the screen's whole refresh in a headless Textual app (read + draw). Target: under
+50 ms per refresh.
+
+Start-up: wall-clock time of ``dflashctl --help``, ``dflashctl runs`` and
+``dflashctl status --once`` (on the same store), best and median of several runs.
+Targets: --help under 150 ms, runs / status --once under 250 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dflashctl.store import Store  # noqa: E402
+from tests.test_tui_scenes import gpus, playbook, run_config  # noqa: E402
+
+NOW = time.time()
+HOSTS, GPUS, RUNS, SAMPLES = 8, 8, 50, 2000
+
+
+def build_store(root: Path) -> Store:
+    store = Store(str(root / "runs.db"))
+    source = playbook(root / "playbooks", "prod")
+    beat_hosts = {}
+    active = []
+    for i in range(RUNS):
+        host = f"gpu{i % HOSTS + 1}"
+        run_id = f"prod-{i:04d}-bench"
+        is_active = i >= RUNS - HOSTS
+        start = NOW - (RUNS - i) * 30000 - SAMPLES * 10
+        store.create_run("prod", host, run_config(source), start, run_id=run_id, claim_gpus=False)
+        store.transition(run_id, "running", "trainer started (pid 1, phase compiling)", start + 60)
+        if is_active:
+            start = NOW - SAMPLES * 10
+        rows = [{"time": start + 10 * k, "step": 1000 + 5 * k, "tok_s": 12800.0 + (k % 7) * 50, "loss": 2.0,
+                 "accept_len": 3.5, "eta_s": 1e5, "phase": "training", "mfu": 0.4} for k in range(SAMPLES)]
+        with store.batch():
+            for k, row in enumerate(rows):
+                reading = gpus(GPUS, wobble=k) if is_active else (gpus(GPUS) if k % 50 == 0 else None)
+                store.add_samples(run_id, [row], gpu=reading, observed=row["time"] + 1)
+            for k in range(20):
+                store.add_event(run_id, "probe", f"finding {k}", start + 100 * k, severity="info")
+            store.add_restart(run_id, start + 500, "crash: CUDA out of memory", signature="cuda_oom")
+        if is_active:
+            active.append(run_id)
+            beat_hosts[host] = {"last_ok": NOW - 2, "error": None, "down_since": None}
+        else:
+            store.transition(run_id, "done", "the trainer ended: done", start + SAMPLES * 10, exit_code=0,
+                             exit_reason="done")
+    store.heartbeat("bench", pid=1, host="elsewhere", started=NOW - 3600, interval=15.0, now=NOW - 2, runs=active,
+                    hosts=beat_hosts)
+    return store
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:7.1f} ms"
+
+
+def bench_refresh(store: Store, playbooks: str, repeat: int = 20) -> None:
+    from dflashctl.tui.model import StatusReader
+
+    reader = StatusReader(store, playbooks)
+    t0 = time.perf_counter()
+    view = reader.load(NOW)
+    cold = time.perf_counter() - t0
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        view = reader.load(NOW)
+        times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    detail = reader.detail(view.runs[0].id, NOW)
+    detail_s = time.perf_counter() - t0
+    gpus_shown = sum(len(h.gpus) for h in view.hosts)
+    print(f"store: {RUNS} runs ({HOSTS} active), {RUNS * SAMPLES} samples, {HOSTS} hosts x {GPUS} GPUs "
+          f"({gpus_shown} GPU rows shown)")
+    print(f"refresh (StatusReader.load), cold:   {_ms(cold)}")
+    print(f"refresh (StatusReader.load), warm:   {_ms(statistics.median(times))} median, "
+          f"{_ms(max(times))} max of {repeat}   target < 50 ms")
+    print(f"detail view (whole history, {len(detail.series)} points): {_ms(detail_s)}")
+    bench_screen(store.path, playbooks)
+
+
+def bench_screen(store_path: str, playbooks: str, repeat: int = 10) -> None:
+    """The live screen at 200x60: a whole refresh (the worker's read, then the draw on
+    the UI thread), and the draw alone (what the UI thread spends; Textual then
+    renders only the widgets whose content changed)."""
+    from dflashctl.tui.app import StatusApp
+
+    async def scenario() -> tuple[list[float], list[float]]:
+        app = StatusApp(store_path, interval=3600, clock=lambda: NOW, playbooks_dir=playbooks)
+        cycles, draws = [], []
+        async with app.run_test(size=(200, 60)) as pilot:
+            while not app.loads:
+                await pilot.pause(0.01)
+            await pilot.pause(0.2)
+            for _ in range(repeat):
+                loads = app.loads
+                t0 = time.perf_counter()
+                app.action_reload()
+                while app.loads == loads:
+                    await asyncio.sleep(0.0005)
+                cycles.append(time.perf_counter() - t0)
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                app.draw()
+                draws.append(time.perf_counter() - t0)
+        return cycles, draws
+
+    cycles, draws = asyncio.run(scenario())
+    print(f"screen refresh (read in a worker + draw, 200x60): {_ms(statistics.median(cycles))} median, "
+          f"{_ms(max(cycles))} max   target < 50 ms")
+    print(f"  the draw on the UI thread:                    {_ms(statistics.median(draws))} median, "
+          f"{_ms(max(draws))} max")
+
+
+def bench_startup(store_path: str, repeat: int = 7) -> None:
+    env = {**os.environ, "DFLASHCTL_STORE": store_path, "COLUMNS": "120"}
+    commands = [("--help", 0.150), ("runs", 0.250), ("status --once", 0.250)]
+    print(f"CLI start-up ({sys.executable} -m dflashctl ..., best / median of {repeat}; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    for args, target in commands:
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "dflashctl", *args.split()], env=env, capture_output=True)
+            times.append(time.perf_counter() - t0)
+            assert done.returncode == 0, done.stderr.decode()[-500:]
+        print(f"  dflashctl {args:<14} {_ms(min(times))} best, {_ms(statistics.median(times))} median"
+              f"   target < {target * 1000:.0f} ms")
+    base = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], env=env)
+        base.append(time.perf_counter() - t0)
+    print(f"  (python -c pass      {_ms(min(base))} best: the interpreter alone)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--refresh", action="store_true", help="only the refresh")
+    parser.add_argument("--startup", action="store_true", help="only the CLI start-up")
+    args = parser.parse_args()
+    both = not (args.refresh or args.startup)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        t0 = time.perf_counter()
+        store = build_store(root)
+        print(f"(store built in {time.perf_counter() - t0:.1f} s: {store.path})")
+        if args.refresh or both:
+            bench_refresh(store, str(root / "playbooks"))
+        if args.startup or both:
+            bench_startup(store.path)
+
+
+if __name__ == "__main__":
+    main()

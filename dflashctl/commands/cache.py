@@ -1,0 +1,90 @@
+"""Commands: `cache ls` and `cache rm` (the compile artifacts this controller holds).
+
+The store is ``dflashctl.compile_cache.LocalCache`` (under the controller's data
+directory); this module parses options and prints. Every field shown came from a
+trainer's manifest and is escaped. It never imports ``dflashctl.cli`` (it registers
+on ``dflashctl.commands._app``) and never reaches a host.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from dflashctl.commands._app import app, escape, out, parse_duration_option
+
+cache_app = typer.Typer(
+    name="cache",
+    help="The compile artifacts held for later starts (copied back from runs, uploaded at launch and restart).",
+    no_args_is_help=True,
+)
+app.add_typer(cache_app, name="cache")
+
+
+def _when(t: Optional[float]) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M") if t else "-"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+@cache_app.command("ls", epilog="\b\nExamples:\n  dflashctl cache ls\n  dflashctl cache ls --json")
+def ls_command(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List the held compile artifacts: key, what they were compiled for, size, created, last used."""
+    from dflashctl.compile_cache import LocalCache
+
+    cache = LocalCache()
+    entries = cache.entries()
+    if as_json:
+        print(json.dumps([e.to_dict() for e in entries], indent=2, sort_keys=True))
+        return
+    if not entries:
+        out.print(f"no compile artifacts held in {escape(cache.root)}", highlight=False)
+        return
+    table = Table(title=f"compile artifacts in {escape(cache.root)}", title_justify="left")
+    for column in ("key", "torch", "triton", "cuda", "gpu", "bundle", "config", "size", "created", "last used"):
+        table.add_column(column, overflow="fold")
+    for e in entries:
+        f = e.fields
+        cells = [e.key, f.get("torch"), f.get("triton"), f.get("cuda"), f.get("gpu"), str(f.get("bundle") or "")[:12],
+                 f.get("config")]
+        table.add_row(*(escape(c if c is not None else "-") for c in cells), _size(e.bytes),
+                      _when(e.created), _when(e.last_used))
+    out.print(table)
+
+
+@cache_app.command("rm", epilog="\b\nExamples:\n  dflashctl cache rm 3f2a9c0d1e4b5a67\n"
+                                "  dflashctl cache rm --older-than 30d\n  dflashctl cache rm --all")
+def rm_command(
+    key: Optional[str] = typer.Argument(None, metavar="[KEY]", help="The key of the artifact to remove (cache ls)."),
+    all_: bool = typer.Option(False, "--all", help="Remove every held artifact."),
+    older_than: Optional[str] = typer.Option(None, "--older-than", metavar="DURATION",
+                                             help="Remove those neither used nor created within this long (30d)."),
+) -> None:
+    """Remove held compile artifacts: one by key, those older than a duration, or all."""
+    from dflashctl.compile_cache import LocalCache
+
+    if sum(x is not None and x is not False for x in (key, all_ or None, older_than)) != 1:
+        raise typer.BadParameter("give exactly one of KEY, --all or --older-than DURATION")
+    cache = LocalCache()
+    if key is not None:
+        if not cache.remove(key):
+            from dflashctl.errors import DflashError
+
+            raise DflashError(f"no compile artifact {key} held", hint="`dflashctl cache ls` lists what is held")
+        removed = [key]
+    elif all_:
+        removed = cache.clear()
+    else:
+        removed = cache.prune(parse_duration_option(older_than, "--older-than"))
+    for k in removed:
+        out.print(f"removed {escape(k)}", highlight=False)
+    if not removed:
+        out.print("nothing removed", highlight=False)

@@ -1,0 +1,555 @@
+"""The controller's compile-cache store: compiled artifacts copied back from runs,
+put into the run directory of a later start whose key matches.
+
+A trainer that compiled cold saves what it compiled in its run directory
+(``trainer.compile_cache``: ``compile_cache/compile_cache.json``, the manifest, and
+``compile_cache/<key>.bin``). After the run's first healthy minutes the supervisor
+copies both back here (``copy_back``, once per key); ``launch`` and ``restart`` put
+a held artifact into the run directory before the trainer starts (``provide``), so
+a host whose own cache was wiped, a new container or a new host skips the compile.
+
+Layout, under the controller's data directory (``dflashctl.paths.data_dir``)::
+
+    compile-cache/<key>/compile_cache.json   the manifest, as the trainer wrote it
+    compile-cache/<key>/<key>.bin            the artifact bytes
+    compile-cache/<key>/.used                touched each time it is put into a run
+    compile-cache/.tmp-*                     an entry being written (or a stale one)
+
+An entry is written into a temporary directory and renamed into place whole; its
+size and sha256 are checked against the manifest on the way in and again on the
+way out (a corrupted entry is never uploaded). On a host the upload travels like
+the bundle (``dflashctl.deploy``): stdin of ``sh -c``, received into a temporary
+directory in the run directory, its sha256 checked there, renamed into place, the
+manifest last.
+
+Which held artifact fits a run (``choose``, pure): its ``fields.config`` equals the
+digest of the run's trainer configuration as the trainer will read it
+(``trainer.compile_cache.config_digest``), its ``fields.bundle`` the bundle being
+deployed, and its ``fields.gpu`` the host's GPU name when nvidia-smi told it. The
+torch, triton, CUDA and Python fields are not known before the trainer starts: the
+trainer refuses an artifact whose key differs (it reports ``mismatch:<field>``).
+
+This module never imports torch, never uploads an artifact whose key, size or
+sha256 does not check out, and never decides when to copy back (the supervisor's
+core does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+
+from trainer import compile_cache as trainer_cache
+
+from dflashctl.deploy import RECEIVE_CHECKED
+from dflashctl.errors import DflashError, first_line
+
+if TYPE_CHECKING:
+    from dflashctl.config import Inventory
+    from dflashctl.store import Store
+    from dflashctl.transport import Transport
+
+STORE_DIR = "compile-cache"
+USED_FILE = ".used"
+MAX_ARTIFACT_BYTES = 8 << 30  # larger than any real artifact; a manifest claiming more is not believed
+TRANSFER_TIMEOUT = 1800.0  # seconds for one artifact to travel either way
+EVENT_KIND = "compile_cache"
+# The key fields the controller can know before a start, in the order they are compared.
+MATCHED_FIELDS = ("config", "bundle", "gpu")
+
+_KEY = re.compile(r"[0-9a-f]{16}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class CacheError(DflashError):
+    """A compile artifact that does not check out, or a store entry that cannot be used."""
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def check_manifest(manifest: Any, where: str = "manifest") -> dict:
+    """``manifest`` when it is one the trainer could have written and its key is the
+    key of its fields; CacheError naming what is wrong otherwise."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("fields"), dict):
+        raise CacheError(f"{where}: not an object with 'fields'")
+    key = manifest.get("key")
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise CacheError(f"{where}: key {str(key)[:40]!r} is not 16 hex digits")
+    if trainer_cache.key_of(manifest["fields"]) != key:
+        raise CacheError(f"{where}: key {key} is not the key of its fields")
+    if manifest.get("file") != f"{key}.bin":
+        raise CacheError(f"{where}: file {str(manifest.get('file'))[:60]!r} is not {key}.bin")
+    size = manifest.get("bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_ARTIFACT_BYTES:
+        raise CacheError(f"{where}: bytes {str(size)[:30]!r} is not a size up to {MAX_ARTIFACT_BYTES}")
+    if not isinstance(manifest.get("sha256"), str) or not _HEX64.fullmatch(manifest["sha256"]):
+        raise CacheError(f"{where}: sha256 is not 64 hex digits")
+    return manifest
+
+
+def verify(manifest: dict, data: bytes, where: str = "artifact") -> None:
+    """CacheError unless ``data`` has the manifest's size and sha256."""
+    if len(data) != manifest["bytes"]:
+        raise CacheError(f"{where}: {len(data)} bytes, the manifest says {manifest['bytes']}")
+    sha = hashlib.sha256(data).hexdigest()
+    if sha != manifest["sha256"]:
+        raise CacheError(f"{where}: sha256 {sha[:16]}..., the manifest says {manifest['sha256'][:16]}...")
+
+
+# --------------------------------------------------------------------------- the local store
+
+
+@dataclass
+class Entry:
+    """One held artifact."""
+
+    key: str
+    manifest: dict
+    path: str  # its directory
+    last_used: Optional[float] = None  # when it was last put into a run
+
+    @property
+    def fields(self) -> dict:
+        return self.manifest["fields"]
+
+    @property
+    def bytes(self) -> int:
+        return self.manifest["bytes"]
+
+    @property
+    def created(self) -> Optional[float]:
+        created = self.manifest.get("created")
+        return float(created) if isinstance(created, (int, float)) else None
+
+    @property
+    def age_reference(self) -> float:
+        """What ``--older-than`` measures from: the last use, else the creation."""
+        return self.last_used or self.created or 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "fields": dict(self.fields), "bytes": self.bytes, "created": self.created,
+                "last_used": self.last_used, "sha256": self.manifest["sha256"],
+                "artifacts": self.manifest.get("artifacts"), "path": self.path}
+
+
+def store_dir() -> str:
+    from dflashctl.paths import data_dir
+
+    return os.path.join(data_dir(), STORE_DIR)
+
+
+class LocalCache:
+    """The compile artifacts this controller holds (see the module docstring)."""
+
+    def __init__(self, root: Optional[str] = None):
+        self.root = root or store_dir()
+
+    def _dir(self, key: str) -> str:
+        if not _KEY.fullmatch(key or ""):
+            raise CacheError(f"{key!r} is not a compile cache key (16 hex digits)",
+                             hint="`dflashctl cache ls` lists the keys held")
+        return os.path.join(self.root, key)
+
+    def get(self, key: str) -> Optional[Entry]:
+        """The entry for ``key`` when its manifest reads and checks out (its bytes are
+        checked by ``read``)."""
+        directory = self._dir(key)
+        try:
+            with open(os.path.join(directory, trainer_cache.MANIFEST_FILE), "rb") as f:
+                manifest = check_manifest(json.loads(f.read(trainer_cache.MAX_MANIFEST_BYTES + 1)), key)
+        except (OSError, ValueError, CacheError):
+            return None
+        if manifest["key"] != key:
+            return None
+        try:
+            used: Optional[float] = os.stat(os.path.join(directory, USED_FILE)).st_mtime
+        except OSError:
+            used = None
+        return Entry(key, manifest, directory, used)
+
+    def entries(self) -> list[Entry]:
+        """Every usable entry, the most recently used (else created) first."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        found = [self.get(name) for name in names if _KEY.fullmatch(name)]
+        return sorted((e for e in found if e is not None), key=lambda e: e.age_reference, reverse=True)
+
+    def has(self, key: str) -> bool:
+        return self.get(key) is not None
+
+    def put(self, manifest: dict, data: bytes) -> Entry:
+        """Hold ``data`` under its manifest's key (checked first); an entry already
+        held for the key is kept as it is."""
+        manifest = check_manifest(manifest)
+        verify(manifest, data)
+        key = manifest["key"]
+        held = self.get(key)
+        if held is not None:
+            return held
+        os.makedirs(self.root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=self.root)
+        try:
+            text = json.dumps(manifest, indent=1, sort_keys=True).encode()
+            for name, content in ((manifest["file"], data), (trainer_cache.MANIFEST_FILE, text)):
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(content)
+                    f.flush()
+                    os.fsync(f.fileno())
+            final = self._dir(key)
+            if os.path.lexists(final):  # a broken entry (no usable manifest): replaced
+                shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self.get(key) or Entry(key, manifest, final)
+
+    def read(self, key: str) -> tuple[dict, bytes]:
+        """The entry's manifest and bytes, checked against each other (CacheError when
+        they do not agree: the entry is damaged)."""
+        entry = self.get(key)
+        if entry is None:
+            raise CacheError(f"compile artifact {key} is not held", hint="`dflashctl cache ls` lists what is held")
+        try:
+            with open(os.path.join(entry.path, entry.manifest["file"]), "rb") as f:
+                data = f.read(entry.bytes + 1)
+        except OSError as e:
+            raise CacheError(f"compile artifact {key}: cannot read {entry.manifest['file']}: {e}") from None
+        verify(entry.manifest, data, f"held compile artifact {key}")
+        return entry.manifest, data
+
+    def touch(self, key: str, now: Optional[float] = None) -> None:
+        path = os.path.join(self._dir(key), USED_FILE)
+        with open(path, "a"):
+            pass
+        when = time.time() if now is None else now
+        os.utime(path, (when, when))
+
+    def remove(self, key: str) -> bool:
+        directory = self._dir(key)
+        if not os.path.lexists(directory):
+            return False
+        shutil.rmtree(directory)
+        return True
+
+    def prune(self, older_than: float, now: Optional[float] = None) -> list[str]:
+        """Remove the entries neither used nor created within ``older_than`` seconds,
+        and temporary directories of writes that stopped that long ago."""
+        now = time.time() if now is None else now
+        removed = [e.key for e in self.entries() if now - e.age_reference > older_than]
+        for key in removed:
+            self.remove(key)
+        for name in _listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name.startswith(".tmp-") and now - os.stat(path).st_mtime > older_than:
+                shutil.rmtree(path, ignore_errors=True)
+        return removed
+
+    def clear(self) -> list[str]:
+        removed = [e.key for e in self.entries()]
+        for key in removed:
+            self.remove(key)
+        return removed
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+# --------------------------------------------------------------------------- matching (pure)
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What an artifact must have been compiled for to fit a start."""
+
+    config: str
+    bundle: str
+    gpu: Optional[str] = None  # None: not known (no nvidia-smi answer): not compared
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "bundle": self.bundle, "gpu": self.gpu}
+
+
+def differs(fields: dict, wanted: Wanted) -> Optional[str]:
+    """The first of MATCHED_FIELDS whose value is not the wanted one, or None."""
+    for name in MATCHED_FIELDS:
+        value = getattr(wanted, name)
+        if value is not None and fields.get(name) != value:
+            return name
+    return None
+
+
+def choose(entries: Iterable[Entry], wanted: Wanted) -> tuple[list[Entry], list[tuple[str, str]]]:
+    """(the entries that fit, best first; (key, first differing field) of the others).
+    ``entries`` come most recently used first, and keep that order."""
+    fit, other = [], []
+    for e in entries:
+        name = differs(e.fields, wanted)
+        if name is None:
+            fit.append(e)
+        else:
+            other.append((e.key, name))
+    return fit, other
+
+
+def gpu_name(readings: Iterable[Any], gpus: Iterable[int]) -> Optional[str]:
+    """The key's ``gpu`` field for a start on these GPUs (nvidia-smi readings, objects
+    or dicts with ``index`` and ``name``), as the trainer writes it: the sorted
+    distinct names joined by commas; None when a name is not known."""
+    wanted = set(gpus)
+    if not wanted:
+        return None
+    names = {}
+    for r in readings or ():
+        index = r.get("index") if isinstance(r, dict) else getattr(r, "index", None)
+        name = r.get("name") if isinstance(r, dict) else getattr(r, "name", None)
+        if index in wanted and isinstance(name, str) and name:
+            names[index] = name
+    if set(names) != wanted:
+        return None
+    return ",".join(sorted(set(names.values())))
+
+
+def config_digest(trainer: dict, model_config_sha256: Optional[str] = None) -> str:
+    """The key's ``config`` field the run's trainer will compute from ``trainer``, the
+    configuration as its config.json holds it (``runhost.run_files``: GPU indices
+    renumbered under CUDA_VISIBLE_DEVICES). A model given by path is identified by its
+    config.json on the run host: ``model_config_sha256`` is that file's sha256 there
+    ('' or None: not readable there)."""
+    from trainer.config import from_dict
+
+    cfg = from_dict(trainer)
+    shape = trainer_cache.shape_config(cfg)
+    path = cfg.model.path
+    if path:
+        shape["model"]["path_config"] = (model_config_sha256[:16] if model_config_sha256
+                                         else "path:" + hashlib.sha256(path.encode()).hexdigest()[:16])
+    return trainer_cache.digest(shape)
+
+
+def bundle_of(env: Optional[dict], bundle_hash: Optional[str]) -> str:
+    """The key's ``bundle`` field: $DFLASH_BUNDLE_HASH when the run's environment sets
+    it, else the deployed bundle's hash (its directory name)."""
+    return (env or {}).get(trainer_cache.BUNDLE_ENV) or bundle_hash or ""
+
+
+# --------------------------------------------------------------------------- on the run host
+
+# The run directory's manifest (when a plain file) and, given a model path, the sha256
+# of that model's config.json there. Arguments: run dir, model path ('' for none).
+_LOOK = r"""
+d=$1; mp=$2
+if [ -n "$mp" ]; then
+  case "$mp" in "~") mp=$HOME ;; "~/"*) mp=$HOME/${mp#"~/"} ;; esac
+  s=
+  if [ -f "$mp/config.json" ] && [ -r "$mp/config.json" ] && command -v sha256sum >/dev/null 2>&1; then
+    s=$(sha256sum < "$mp/config.json" | cut -d' ' -f1)
+  fi
+  printf 'model_config=%s\n' "$s"
+fi
+m=$d/compile_cache/compile_cache.json
+if [ -f "$m" ] && [ ! -L "$m" ]; then
+  echo "manifest:"
+  head -c 65537 "$m"
+fi
+exit 0
+"""
+
+# Receive an artifact on stdin into the run directory. Arguments: run dir, file name,
+# size, sha256, manifest JSON. The bytes go to a temporary directory beside the final
+# place, are checked, renamed into place, and the manifest is written last.
+_RECEIVE = RECEIVE_CHECKED + r"""
+set -u
+d=$1; name=$2; size=$3; sha=$4; manifest=$5
+c=$d/compile_cache
+mkdir -p "$c" || exit 70
+tmp=$(mktemp -d "$c/.tmp-XXXXXX") || exit 70
+trap 'rm -rf "$tmp"' EXIT
+trap 'exit 71' HUP INT TERM PIPE
+receive_checked "$tmp/$name" "$size" "$sha" dflashctl-cache
+printf '%s' "$manifest" > "$tmp/compile_cache.json" || {
+  echo "dflashctl-cache: could not write the manifest" >&2; exit 72; }
+mv -f "$tmp/$name" "$c/$name" || exit 75
+mv -f "$tmp/compile_cache.json" "$c/compile_cache.json" || exit 75
+for f in "$c"/*.bin; do
+  [ "$f" = "$c/$name" ] || rm -f "$f"
+done
+echo uploaded
+"""
+
+
+def look_argv(run_dir: str, model_path: str = "") -> list[str]:
+    return ["sh", "-c", _LOOK, "dflashctl-cache-look", run_dir, model_path or ""]
+
+
+def receive_argv(run_dir: str, manifest: dict) -> list[str]:
+    return ["sh", "-c", _RECEIVE, "dflashctl-cache-receive", run_dir, manifest["file"], str(manifest["bytes"]),
+            manifest["sha256"], json.dumps(manifest, indent=1, sort_keys=True)]
+
+
+def fetch_argv(run_dir: str, name: str) -> list[str]:
+    return ["sh", "-c", 'exec cat -- "$1/compile_cache/$2"', "dflashctl-cache-fetch", run_dir, name]
+
+
+@dataclass
+class HostView:
+    """What the run directory holds, and the model's config.json digest there."""
+
+    manifest: Optional[dict] = None
+    problem: Optional[str] = None  # a manifest that does not check out
+    model_config_sha256: Optional[str] = None
+
+
+def look(transport: "Transport", run_dir: str, model_path: Optional[str] = None,
+         timeout: Optional[float] = 60.0) -> HostView:
+    """One round trip: the run directory's manifest (checked) and the model's digest."""
+    answer = transport.run(look_argv(run_dir, model_path or ""), timeout=timeout).stdout
+    head, marker, text = answer.partition("manifest:\n")
+    view = HostView()
+    for line in head.splitlines():
+        if line.startswith("model_config="):
+            view.model_config_sha256 = line.split("=", 1)[1].strip() or None
+    if marker:
+        try:
+            view.manifest = check_manifest(json.loads(text), f"{run_dir}/compile_cache/{trainer_cache.MANIFEST_FILE}")
+        except (ValueError, CacheError) as e:
+            view.problem = str(e)
+    return view
+
+
+@dataclass
+class Outcome:
+    """What ``provide`` or ``fetch`` did. status: provide: uploaded | present | none |
+    failed; fetch: fetched | held | absent | failed."""
+
+    status: str
+    message: str
+    key: Optional[str] = None
+    bytes: int = 0
+    seconds: float = 0.0
+    severity: str = "info"
+    detail: dict = field(default_factory=dict)
+
+    def event_detail(self) -> dict[str, Any]:
+        return {"status": self.status, "key": self.key, "bytes": self.bytes, "seconds": round(self.seconds, 2),
+                **self.detail}
+
+
+def provide(transport: "Transport", run_dir: str, trainer: dict, bundle: str, gpu: Optional[str] = None,
+            cache: Optional[LocalCache] = None) -> Outcome:
+    """Before a start: put the best held artifact that fits the run into its run
+    directory, unless the run directory already holds one that fits. ``trainer``: its
+    config.json; ``bundle``: ``bundle_of`` the run. Never raises for the artifact's
+    sake: a start without it compiles cold."""
+    cache = cache or LocalCache()
+    entries = cache.entries()
+    if not entries:
+        return Outcome("none", "no compile artifacts held")
+    model_path = (trainer.get("model") or {}).get("path")
+    try:
+        view = look(transport, run_dir, model_path)
+        wanted = Wanted(config_digest(trainer, view.model_config_sha256), bundle, gpu)
+    except (DflashError, ValueError) as e:
+        return Outcome("failed", f"could not look into the run directory: {first_line(e)}", severity="warning")
+    detail = {"wanted": wanted.to_dict()}
+    if view.manifest is not None and differs(view.manifest["fields"], wanted) is None:
+        return Outcome("present", f"the run directory holds compile artifact {view.manifest['key']} already",
+                       view.manifest["key"], detail=detail)
+    fit, other = choose(entries, wanted)
+    detail["mismatched"] = [{"key": k, "field": f} for k, f in other[:20]]
+    if not fit:
+        shown = ", ".join(f"{k} ({f} differs)" for k, f in other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3
+                                                                         else "")
+        return Outcome("none", f"no held compile artifact fits this run: {shown}", detail=detail)
+    damaged = []
+    for entry in fit:
+        try:
+            manifest, data = cache.read(entry.key)
+        except CacheError as e:
+            damaged.append(str(e))
+            continue
+        t0 = time.monotonic()
+        try:
+            transport.run(receive_argv(run_dir, manifest), input=data, timeout=TRANSFER_TIMEOUT)
+        except DflashError as e:
+            return Outcome("failed", f"upload of compile artifact {entry.key} failed: {first_line(e)}", entry.key,
+                           severity="warning", detail={**detail, "damaged": damaged})
+        cache.touch(entry.key)
+        seconds = time.monotonic() - t0
+        note = f" (skipped {len(damaged)} damaged: {damaged[0]})" if damaged else ""
+        message = f"compile artifact {entry.key} uploaded ({_mib(len(data))} in {seconds:.1f} s){note}"
+        return Outcome("uploaded", message,
+                       entry.key, len(data), seconds, "warning" if damaged else "info",
+                       {**detail, "fields": manifest["fields"], "damaged": damaged})
+    return Outcome("none", f"every held compile artifact that fits is damaged, none uploaded: {damaged[0]}",
+                   severity="warning", detail={**detail, "damaged": damaged})
+
+
+def fetch(transport: "Transport", run_dir: str, cache: Optional[LocalCache] = None) -> Outcome:
+    """Copy the run directory's artifact into the local store, unless its key is held."""
+    cache = cache or LocalCache()
+    try:
+        view = look(transport, run_dir)
+    except DflashError as e:
+        return Outcome("failed", f"could not look into the run directory: {first_line(e)}", severity="warning")
+    if view.problem:
+        return Outcome("failed", f"not copied back: {view.problem}", severity="warning")
+    manifest = view.manifest
+    if manifest is None:
+        return Outcome("absent", "no compile artifacts in the run directory (none saved yet?)", severity="warning")
+    key = manifest["key"]
+    if cache.has(key):
+        return Outcome("held", f"compile artifact {key} is held already", key, manifest["bytes"])
+    t0 = time.monotonic()
+    try:
+        data = transport.run(fetch_argv(run_dir, manifest["file"]), timeout=TRANSFER_TIMEOUT).stdout_bytes
+        cache.put(manifest, data)
+    except (DflashError, OSError) as e:
+        return Outcome("failed", f"compile artifact {key} not copied back: {first_line(e)}", key, severity="warning")
+    seconds = time.monotonic() - t0
+    return Outcome("fetched", f"compile artifact {key} copied back ({_mib(len(data))} in {seconds:.1f} s)", key,
+                   len(data), seconds, detail={"fields": manifest["fields"]})
+
+
+def copy_back(run_id: str, store: "Store", inventory: "Inventory", *,
+              clock: Callable[[], float] = time.time, cache: Optional[LocalCache] = None) -> Outcome:
+    """``fetch`` for a run, its outcome stored as an event on the run."""
+    from dflashctl.transport import connect
+
+    run = store.get_run(run_id)
+    try:
+        outcome = fetch(connect(run.host, inventory), run.run_dir, cache)
+    except DflashError as e:
+        outcome = Outcome("failed", f"not copied back: {first_line(e)}", severity="warning")
+    store.add_event(run.id, EVENT_KIND, outcome.message, clock(), outcome.severity, outcome.event_detail())
+    return outcome
+
+
+def provide_for_run(transport: "Transport", run_dir: str, trainer: dict, bundle: str, gpu: Optional[str],
+                    say: Callable[[str], None], record: Callable[[Outcome], None],
+                    cache: Optional[LocalCache] = None) -> Outcome:
+    """``provide`` as a launch or restart uses it: said (when there is something to
+    say) and recorded as an event on the run."""
+    outcome = provide(transport, run_dir, trainer, bundle, gpu, cache)
+    if outcome.status != "none" or outcome.detail.get("mismatched") or outcome.detail.get("damaged"):
+        say(outcome.message)
+        record(outcome)
+    return outcome
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"

@@ -1,0 +1,67 @@
+"""The controller's side of evaluation: a playbook's `eval: {after_done: true}`
+makes the supervisor run real speculative decoding with the finished run's
+drafter on its host, and the report is stored with the run. Real parts: the
+tiny CPU trainer started by the launcher in tmux on the local host, the real
+supervisor, `python -m trainer eval`, a real SQLite file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from dflashctl import supervisor_core as core
+from dflashctl.config import EvalSettings, load_inventory, load_playbook
+from dflashctl.launch import launch_run
+from dflashctl.store import Store
+from dflashctl.supervisor import Supervisor
+from tests.test_launch import _playbook, _uses_tmux
+from tests.test_launch import private_tmux_socket_and_home  # noqa: F401  (fixture)
+from tests.test_supervisor_core import T0, make_policy, make_state, probe
+
+
+def test_a_run_that_ends_done_is_evaluated_when_the_playbook_asks():
+    pol = make_policy()
+    pol.run.eval = EvalSettings(after_done=True)
+    done = core.Probed(probe(T0, "done", step=100, alive=False, session=False, exit_code=0))
+    _, _, actions = core.step(make_state(), done, T0, pol)
+    assert [type(a).__name__ for a in actions] == ["RunEval", "Alert"]
+    pol.run.eval = EvalSettings(after_done=False)
+    _, _, actions = core.step(make_state(), done, T0, pol)
+    assert [type(a).__name__ for a in actions] == ["Alert"]
+    failed = core.Probed(probe(T0, "failed", step=100, alive=False, session=False, exit_code=1))
+    pol.run.eval = EvalSettings(after_done=True)
+    _, _, actions = core.step(make_state(), failed, T0, pol)
+    assert not any(isinstance(a, core.RunEval) for a in actions)
+
+
+@pytest.mark.slow
+def test_the_supervisor_evaluates_a_finished_run_and_stores_the_report(tmp_path):
+    inventory = load_inventory(None)
+    _uses_tmux("local", inventory)
+    store = Store(str(tmp_path / "runs.db"))
+    pb = _playbook(tmp_path, inventory, "local", name="evaluated",
+                   train={"steps": 20, "log_every": 5, "checkpoint_every": 10})
+    raw = pb.model_dump(exclude={"trainer", "name", "source"})
+    raw.update(trainer=pb.trainer.to_dict(), eval={"after_done": True, "prompts": 2, "max_new_tokens": 8,
+                                                    "threads": 1, "timeout": 300})
+    path = tmp_path / "playbooks" / "evaluated.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    pb = load_playbook(str(path), inventory=inventory)
+    result = launch_run(pb, inventory, store)
+    sup = Supervisor(store, inventory, interval=0.5, playbooks_dir=str(path.parent))
+    sup.attach(result.run_id)
+    sup.run()  # returns when the run has ended and its evaluation is stored
+    assert store.get_run(result.run_id).state == "done"
+    [row] = store.evals(result.run_id)
+    assert row["error"] is None and row["step"] == 20 and row["tau"] >= 1.0
+    assert row["report"]["greedy_identical"] is True
+    assert [e for e in store.events(result.run_id, kind="eval") if "measured tau" in e.message]
+    listed = subprocess.run([sys.executable, "-m", "dflashctl", "runs", "--json"], capture_output=True, text=True,
+                            env={**os.environ, "DFLASHCTL_STORE": store.path}, timeout=60)
+    [entry] = [r for r in json.loads(listed.stdout) if r["id"] == result.run_id]
+    assert entry["eval"]["tau"] == row["tau"]
