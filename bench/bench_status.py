@@ -41,8 +41,14 @@ HOSTS, GPUS, RUNS, SAMPLES = 8, 8, 50, 2000
 
 
 def build_store(root: Path) -> Store:
+    from dflashctl.config import load_playbook
+    from dflashctl.launch import thresholds_of
+
     store = Store(str(root / "runs.db"))
     source = playbook(root / "playbooks", "prod")
+    # As launch records them: the playbook unchanged since, its thresholds in the run.
+    recorded = thresholds_of(load_playbook(source))
+    os.utime(source, (NOW - 10 * RUNS * 30000, NOW - 10 * RUNS * 30000))
     beat_hosts = {}
     active = []
     for i in range(RUNS):
@@ -50,7 +56,8 @@ def build_store(root: Path) -> Store:
         run_id = f"prod-{i:04d}-bench"
         is_active = i >= RUNS - HOSTS
         start = NOW - (RUNS - i) * 30000 - SAMPLES * 10
-        store.create_run("prod", host, run_config(source), start, run_id=run_id, claim_gpus=False)
+        store.create_run("prod", host, {**run_config(source), "thresholds": recorded}, start, run_id=run_id,
+                         claim_gpus=False)
         store.transition(run_id, "running", "trainer started (pid 1, phase compiling)", start + 60)
         if is_active:
             start = NOW - SAMPLES * 10

@@ -373,6 +373,9 @@ class _Launcher:
             "workdir": workdir,
             "playbook_source": pb.source,
             "forced": self.force,
+            # What the run is held to, as launched: the console shows it without
+            # loading the playbook (and pydantic) while the file is unchanged.
+            "thresholds": thresholds_of(pb),
         }
 
     def _configure(self, run_id: str, run_dir: str, config: dict[str, Any]) -> None:
@@ -412,6 +415,17 @@ class _Launcher:
             return
         Tmux(self.host, self.inventory, self.socket).start(run_id, command)
         self.say("start", f"tmux session {run_id} (tmux -L {self.socket})")
+
+
+def thresholds_of(pb: "Playbook") -> dict[str, Any]:
+    """The playbook's expectations and restart limits as plain numbers (the console's
+    ``Thresholds`` fields)."""
+    e, r = pb.expect, pb.restart
+    return {"baseline_tok_s": e.baseline_tok_s, "regression_fraction": e.regression_fraction,
+            "regression_windows": e.regression_windows, "max_eta_s": e.max_eta, "stall_window_s": e.stall_window,
+            "compile_budget_s": e.compile_budget, "startup_budget_s": e.startup_budget,
+            "poll_interval_s": float(pb.poll_interval), "max_restarts": r.max_restarts,
+            "restart_window_s": r.window, "crash_loop_k": r.crash_loop_k}
 
 
 def _route(host_name: str, inventory: "Inventory") -> str:

@@ -31,10 +31,10 @@ import threading
 import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from sqlite_utils import Database
-from sqlite_utils.migrations import Migrations
+if TYPE_CHECKING:
+    from sqlite_utils import Database
 
 from dflashctl.contract import PHASE_TRAINING, Metrics, did_you_mean
 from dflashctl.errors import ConfigError, DflashError, StoreError
@@ -220,7 +220,46 @@ def _json(value: Any) -> str | None:
 
 # --------------------------------------------------------------------------- migrations
 
-migrations = Migrations("dflashctl")
+class _Schema:
+    """The named migrations, in order. sqlite-utils' ``Migrations`` is built when a
+    store first opens, not when this module loads: importing sqlite-utils brings
+    numpy, a tenth of a second of every command's start."""
+
+    name = "dflashctl"
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, Any]] = []
+        self._built = None
+
+    def __call__(self, name: str):
+        def add(fn):
+            self.steps.append((name, fn))
+            return fn
+        return add
+
+    @property
+    def migrations(self):
+        if self._built is None:
+            from sqlite_utils.migrations import Migrations
+
+            built = Migrations(self.name)
+            for name, fn in self.steps:
+                built(name=name)(fn)
+            self._built = built
+        return self._built
+
+    @property
+    def _migrations(self) -> list:
+        return self.migrations._migrations
+
+    def pending(self, db: "Database") -> list:
+        return self.migrations.pending(db)
+
+    def apply(self, db: "Database") -> None:
+        self.migrations.apply(db)
+
+
+migrations = _Schema()
 
 
 @migrations(name="0001_core_tables")
@@ -396,29 +435,46 @@ class Store:
         self.write_transactions = 0  # opened by this object (all threads): one per supervisor tick
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._local = threading.local()
-        try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._open()
+                return
+            except sqlite3.OperationalError as e:
+                # Another process creating the same new file at this moment: its
+                # schema is being written. Look again once it is done.
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise self.error(e) from None
+                self.close()
+                time.sleep(0.05)
+            except sqlite3.DatabaseError as e:
+                raise self.error(e) from None
+
+    def _open(self) -> None:
+        if self._check_version() != SCHEMA_VERSION:  # a store this version wrote needs no look at migrations
             db = self.db
-            self._check_version(db)
             if migrations.pending(db):
                 with self._write():
                     migrations.apply(db)
                     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        except sqlite3.DatabaseError as e:
-            raise self.error(e) from None
 
-    def _check_version(self, db: Database) -> None:
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        known = {m.name for m in migrations._migrations}
-        if "_sqlite_migrations" in db.table_names():
-            applied = {r[0] for r in db.execute(
+    def _check_version(self) -> int:
+        """The store's schema version; refuses one newer than this dflashctl's."""
+        conn = self.conn
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        known = {name for name, _ in migrations.steps}
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = '_sqlite_migrations'").fetchone():
+            applied = {r[0] for r in conn.execute(
                 "SELECT name FROM _sqlite_migrations WHERE migration_set = ?", [migrations.name]).fetchall()}
-            version = max(version, SCHEMA_VERSION + len(applied - known))  # names this version does not know
+            if applied - known:  # names this version does not know: a newer dflashctl's
+                version = max(version, SCHEMA_VERSION + len(applied - known))
         if version > SCHEMA_VERSION:
             raise StoreError(
                 f"run store {self.path} has schema version {version}; this dflashctl knows up to {SCHEMA_VERSION}",
                 hint="a newer dflashctl wrote it: upgrade this one (pip install -U dflashctl), or use another store "
                 "for this version (DFLASHCTL_STORE=/path/other.db)",
             )
+        return version
 
     def error(self, e: BaseException) -> StoreError:
         """A clean StoreError for an sqlite3 error on this file, saying what to do."""
@@ -441,7 +497,7 @@ class Store:
     def quick_check(self) -> None:
         """``PRAGMA quick_check``; raises StoreError naming the first problems."""
         try:
-            rows = [r[0] for r in self.db.execute("PRAGMA quick_check").fetchall()]
+            rows = [r[0] for r in self.conn.execute("PRAGMA quick_check").fetchall()]
         except sqlite3.DatabaseError as e:
             raise self.error(e) from None
         if rows != ["ok"]:
@@ -456,25 +512,52 @@ class Store:
     # ----------------------------------------------------------------- connections
 
     @property
-    def db(self) -> Database:
-        db = getattr(self._local, "db", None)
-        if db is None or self._local.pid != os.getpid():
+    def conn(self) -> sqlite3.Connection:
+        """This thread's connection (reads go through it directly)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None or self._local.pid != os.getpid():
             conn = sqlite3.connect(self.path, timeout=self.timeout)
             # Transactions are ours to open (BEGIN IMMEDIATE in _write); no implicit ones.
             conn.isolation_level = None
-            db = Database(conn)
-            db.enable_wal()
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA foreign_keys=ON")
-            self._local.db, self._local.pid = db, os.getpid()
+            self._wal(conn)
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            self._local.conn, self._local.db, self._local.pid = conn, None, os.getpid()
+        return conn
+
+    def _wal(self, conn: sqlite3.Connection) -> None:
+        """Switch a new file to WAL. Two processes opening it at once both try; the
+        switch needs the file to itself and SQLite answers "locked" at once rather
+        than waiting, so it is tried again within the busy timeout."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.005
+        while conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            try:
+                conn.execute("PRAGMA journal_mode=wal")
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(0.1, delay * 2)
+
+    @property
+    def db(self) -> "Database":
+        """sqlite-utils over this thread's connection, for writes and migrations
+        (imported on first use: read-only commands never pay for it)."""
+        conn = self.conn
+        db = getattr(self._local, "db", None)
+        if db is None:
+            from sqlite_utils import Database
+
+            db = self._local.db = Database(conn)
         return db
 
     def close(self) -> None:
         """Close this thread's connection (others close with their threads)."""
-        db = getattr(self._local, "db", None)
-        if db is not None and self._local.pid == os.getpid():
-            db.close()
-        self._local.db = None
+        conn = getattr(self._local, "conn", None)
+        if conn is not None and self._local.pid == os.getpid():
+            conn.close()
+        self._local.conn = self._local.db = None
 
     def __enter__(self) -> "Store":
         return self
@@ -505,7 +588,9 @@ class Store:
         db.conn.execute("COMMIT")
 
     def _query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
-        return list(self.db.query(sql, list(params)))
+        cursor = self.conn.execute(sql, list(params))
+        names = [d[0] for d in cursor.description or ()]
+        return [dict(zip(names, row)) for row in cursor]
 
     # ----------------------------------------------------------------- runs
 
@@ -698,7 +783,7 @@ class Store:
     def _insert_event(self, run_id, kind, message, now, severity, detail) -> int:
         if severity not in SEVERITIES:
             raise ValueError(f"severity '{severity}' is not one of {', '.join(SEVERITIES)}")
-        cur = self.db.execute(
+        cur = self.conn.execute(
             "INSERT INTO events (run_id, time, kind, severity, message, detail) VALUES (?, ?, ?, ?, ?, ?)",
             [run_id, now, kind, severity, message, _json(detail)],
         )
@@ -802,7 +887,7 @@ class Store:
         """The newest ``limit`` samples in time order, without their GPU readings
         (``gpu`` is None): what a view of many runs reads on every refresh."""
         names = [f.name for f in fields(Sample) if f.name != "gpu"]
-        cursor = self.db.execute(f"SELECT {', '.join(names)} FROM samples WHERE run_id = ? "
+        cursor = self.conn.execute(f"SELECT {', '.join(names)} FROM samples WHERE run_id = ? "
                                  "ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
         return [Sample(**dict(zip(names, row))) for row in reversed(cursor.fetchall())]
 

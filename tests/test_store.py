@@ -77,6 +77,7 @@ def test_a_store_from_before_the_mfu_column_upgrades_and_keeps_its_samples(tmp_p
     conn = sqlite3.connect(path)  # back to the schema of 0002: no samples.mfu, no record of 0003
     conn.execute("ALTER TABLE samples DROP COLUMN mfu")
     conn.execute("DELETE FROM _sqlite_migrations WHERE name = '0003_sample_mfu'")
+    conn.execute("PRAGMA user_version = 0")  # dflashctl before schema versions never set it
     conn.execute("INSERT INTO samples (run_id, time, step, tok_s) VALUES (?, ?, 5, 100.0)", [run.id, T0 + 1])
     conn.commit()
     conn.close()

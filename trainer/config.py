@@ -148,6 +148,16 @@ class CompileConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Used only when the trainer is started by torchrun (RANK and WORLD_SIZE set); see trainer/distributed.py."""
+
+    timeout: float = 300.0
+    """Seconds a collective (start-up, the per-step gradient all-reduce) waits for the other processes; past it, or when a peer dies, every process ends failed, naming the rank that failed first."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """'auto': NCCL on GPU, gloo on CPU."""
+
+
+@dataclass
 class FaultConfig:
     """Fault injection for tests and drills. Never set in a production playbook."""
 
@@ -173,6 +183,7 @@ class TrainerConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     run_dir: str = "./run"
 
@@ -207,6 +218,8 @@ class TrainerConfig:
             problems.append("train.steps: must be at least 1")
         if self.train.profile_steps < 0 or self.train.profile_after < 0:
             problems.append("train.profile_steps, train.profile_after: must not be negative")
+        if not self.distributed.timeout > 0:
+            problems.append("distributed.timeout: must be a positive number of seconds")
         if not self.placement.target or not self.placement.drafter:
             problems.append("placement: needs at least one target and one drafter device")
         if problems:

@@ -14,7 +14,14 @@
 
 Batch ``k`` always goes to the same replica at the same step and every queue is
 filled in order, so the run is deterministic whatever the thread timing, and
-resumable from ``batches_done = steps_done * D``. Replicas stay bit-identical: they
+resumable from ``batches_done = steps_done * D``.
+
+Under torch.distributed (``world`` processes, trainer/distributed.py) each process
+is one such pipeline and the global batch order is cut by rank: local batch ``j``
+(step ``j // D``, replica ``j % D``) of rank ``q`` is global batch
+``first_batch + (j // D) * D * world + q * D + j % D``, so a step consumes
+``D * world`` consecutive global batches, exactly as one process with ``D * world``
+replicas would, and ``batches_done = steps_done * D * world``. Replicas stay bit-identical: they
 all receive a copy of the same master tensors after every optimiser step.
 
 Failure handling: every thread body runs under ``_guard``; the first exception is
@@ -104,7 +111,7 @@ class Pipeline:
     def __init__(self, *, cfg, source, targets: list, target_devices: list[torch.device], replicas: list,
                  drafter_devices: list[torch.device], attention_path, discipline, compute_loss: Callable,
                  sample_anchors: Callable, start_step: int, total_steps: int, first_batch: int,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, rank: int = 0, world: int = 1):
         self.cfg, self.source = cfg, source
         self.targets, self.target_devices = targets, target_devices
         self.replicas, self.drafter_devices = replicas, drafter_devices
@@ -114,6 +121,7 @@ class Pipeline:
         self.first_batch = first_batch  # global batch index of (start_step, replica 0)
         self.compute_dtype = compute_dtype
         self.T, self.D = len(targets), len(replicas)
+        self.rank, self.world = rank, world
         depth = max(1, cfg.placement.queue_depth)
         self.queues = [[queue.Queue(maxsize=depth) for _ in range(self.D)] for _ in range(self.T)]
         self.reports: queue.Queue = queue.Queue()
@@ -212,27 +220,36 @@ class Pipeline:
         return Item(k, batch["bucket"], input_ids, batch["loss_mask"].to(dev), anchors.to(dev), valid.to(dev),
                     features, batch["seq_tokens"], time.monotonic() - t0)
 
-    def batch_index(self, step: int, r: int) -> int:
-        return self.first_batch + (step - self.start_step) * self.D + r
+    def local_index(self, step: int, r: int) -> int:
+        """This process's batch number ``j`` of (step, replica ``r``), counted from the start step."""
+        return (step - self.start_step) * self.D + r
 
-    def route(self, k: int) -> tuple[int, int]:
-        """(target thread, replica) of global batch ``k``: target ``t`` owns every T-th batch."""
-        j = k - self.first_batch
+    def global_index(self, j: int) -> int:
+        """Global batch index of local batch ``j`` (the rank's shard of the global order)."""
+        step, r = divmod(j, self.D)
+        return self.first_batch + step * self.D * self.world + self.rank * self.D + r
+
+    def batch_index(self, step: int, r: int) -> int:
+        return self.global_index(self.local_index(step, r))
+
+    def route(self, j: int) -> tuple[int, int]:
+        """(target thread, replica) of local batch ``j``: target ``t`` owns every T-th batch."""
         return j % self.T, j % self.D
 
     def _target_loop(self, t: int) -> None:
         dev = self.target_devices[t]
         stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
-        end = self.batch_index(self.total_steps, 0)
-        k = self.first_batch + t
+        end = self.local_index(self.total_steps, 0)
+        j = t
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            while k < end:
+            while j < end:
+                k = self.global_index(j)
                 with self.discipline.step_guard(threading.current_thread().name, self.source.order.batch(k)[2]):
                     item = self.make_item(t, k)
                 self.target_tokens[t] += item.seq_tokens
                 self.target_busy_s[t] += item.target_s
-                self._put(self.queues[t][self.route(k)[1]], item)
-                k += self.T
+                self._put(self.queues[t][self.route(j)[1]], item)
+                j += self.T
         for q in self.queues[t]:
             self._put(q, DONE)
 
@@ -263,9 +280,10 @@ class Pipeline:
         stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for step in range(self.start_step, self.total_steps):
-                k = self.batch_index(step, r)
+                j = self.local_index(step, r)
+                k = self.global_index(j)
                 t0 = time.monotonic()
-                item = self._get(self.queues[self.route(k)[0]][r])
+                item = self._get(self.queues[self.route(j)[0]][r])
                 if item is DONE:
                     return
                 wait_s = time.monotonic() - t0
@@ -353,9 +371,13 @@ def broadcast_parameters(replicas: list) -> None:
         replica.zero_grad(set_to_none=True)
 
 
-def optimizer_step(replicas: list, devices: list[torch.device], optimizer, scheduler, grad_clip: float) -> tuple[float, float, float]:
+def optimizer_step(replicas: list, devices: list[torch.device], optimizer, scheduler, grad_clip: float,
+                   across: Optional[Callable[[list], None]] = None) -> tuple[float, float, float]:
     """The coordinator's part of a step: all-reduce, clip, AdamW, schedule, copy to replicas.
 
+    ``across(master_params)``, when given, averages the master's gradients over the
+    processes of a torch.distributed run (trainer/distributed.py), after the
+    in-process reduction; its time counts as all-reduce time.
     Returns (allreduce seconds, optimiser seconds, gradient norm before clipping).
     """
     from trainer.optim import clip_grads
@@ -363,6 +385,8 @@ def optimizer_step(replicas: list, devices: list[torch.device], optimizer, sched
     t0 = time.monotonic()
     reduce_gradients(replicas)
     sync_all(devices)
+    if across is not None:
+        across(trainable(replicas[0]))
     t1 = time.monotonic()
     grad_norm = clip_grads(trainable(replicas[0]), grad_clip)
     optimizer.step()

@@ -17,6 +17,13 @@ checked at each step boundary once ``after_steps`` optimiser steps are done:
 With ``once: true`` (default) the fault fires in the first process of a run only: a
 marker file ``fault_fired.json`` in the run directory disarms it, so a restart from
 the last checkpoint recovers.
+
+Started by torchrun (RANK, WORLD_SIZE, ... set), every process runs this same main
+on its own devices and joins one process group: trainer/distributed.py says which
+files each rank writes (rank 0 keeps the single-process names and the checkpoints;
+rank q > 0 writes ``status.rank<q>.json`` and ``metrics.rank<q>.jsonl``), how the
+gradients are all-reduced and how a failed peer is named. A stop request (signal)
+on any rank stops every rank after the same step.
 """
 
 from __future__ import annotations
@@ -46,8 +53,8 @@ FAULT_MARKER = "fault_fired.json"
 class StatusFile:
     """status.json, kept in memory and rewritten atomically on every change."""
 
-    def __init__(self, run_dir: str):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: str, filename: str = contract.STATUS_FILE):
+        self.run_dir, self.filename = run_dir, filename
         self.status = Status(phase=contract.PHASE_STARTING, pid=os.getpid(), started=time.time())
         self.lock = threading.Lock()
 
@@ -61,7 +68,8 @@ class StatusFile:
                 self.status.phase = phase
             for key, value in changes.items():
                 setattr(self.status, key, value)
-            contract.write_status(self.run_dir, self.status)
+            self.status.updated = time.time()
+            contract.atomic_write_text(os.path.join(self.run_dir, self.filename), self.status.to_json())
             return True
         finally:
             self.lock.release()
@@ -75,6 +83,7 @@ class StopRequest:
         self.signal_name: Optional[str] = None
         self.status = status
         self.pipeline = None  # stopped by run() when training ends in an exception
+        self.group = None  # the torch.distributed group, when there is one (trainer/distributed.py)
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -167,10 +176,15 @@ class Startup:
         return round(self.last - self.start, 2)
 
 
-def resolve_devices(cfg: TrainerConfig):
+def resolve_devices(cfg: TrainerConfig, offset: int = 0):
+    """(kind, target devices, drafter devices); ``offset`` shifts the GPU indices (several
+    torch.distributed processes on one host, see trainer/distributed.py)."""
+    import copy
+
     import torch
 
-    p = cfg.placement
+    p = copy.deepcopy(cfg.placement)
+    p.target, p.drafter = [g + offset for g in p.target], [g + offset for g in p.drafter]
     kind = p.device if p.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cpu":  # indices only count threads: every one runs on the CPU
         return kind, [torch.device("cpu")] * len(p.target), [torch.device("cpu")] * len(p.drafter)
@@ -207,8 +221,10 @@ def fault_signature(message: str) -> str:
 
 def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals: bool = True) -> int:
     """Train per ``cfg`` in ``run_dir``; returns the process exit code (contract.EXIT_*)."""
+    from trainer import distributed
+
     os.makedirs(run_dir, exist_ok=True)
-    status = StatusFile(run_dir)
+    status = StatusFile(run_dir, distributed.status_file(distributed.env_rank()))
     status.set(contract.PHASE_STARTING)
     stop = StopRequest(status)
     if install_signals and threading.current_thread() is threading.main_thread():
@@ -220,6 +236,12 @@ def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals:
 
         thread = getattr(e, "_dflash_thread", None)
         sig = error_signature(type(e).__name__, str(e))
+        failed = ({"failed_rank": e.failed_rank, "failed_host": e.failed_host}
+                  if isinstance(e, distributed.DistributedError) else {})
+        if stop.group is not None:
+            failed = {"rank": stop.group.rank, "world_size": stop.group.world, **failed}
+            if not isinstance(e, distributed.DistributedError):
+                stop.group.record_failure(f"{type(e).__name__}: {e}")
         expected = isinstance(e, (DataError, ConfigError))  # the user's input: a message, no traceback
         code = (contract.EXIT_DATA_ERROR if isinstance(e, DataError)
                 else contract.EXIT_CONFIG_ERROR if isinstance(e, ConfigError) else contract.EXIT_CRASH)
@@ -227,7 +249,7 @@ def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals:
             print(getattr(e, "_dflash_traceback", None) or traceback.format_exc(), file=sys.stderr)
         where = f" in thread {thread}" if thread else ""
         print(f"error{where}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        status.set(contract.PHASE_FAILED, error=sig, detail={**status.status.detail, "exit_code": code,
+        status.set(contract.PHASE_FAILED, error=sig, detail={**status.status.detail, "exit_code": code, **failed,
                                                              "message": str(e)[:500], **({"thread": thread} if thread else {})})
         if stop.pipeline is not None:
             stop.pipeline.stop(timeout=5.0)
@@ -240,7 +262,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     bytecode = keep_bytecode(cfg.compile.cache_dir)  # before the imports it speeds up
     import torch
 
-    from trainer import checkpoint, compile as compile_mod, compile_cache, pipeline as pl
+    from trainer import checkpoint, compile as compile_mod, compile_cache, distributed, pipeline as pl
     from trainer.anchors import sample_anchors
     from trainer.attention import FLEX_COMPILED, paths_ran, select_attention_path
     from trainer.data import build_source
@@ -250,8 +272,14 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     from trainer.target import default_dtype
 
     startup.mark("import")
-    kind, target_devs, drafter_devs = resolve_devices(cfg)
+    multi = distributed.requested()
+    kind, target_devs, drafter_devs = resolve_devices(cfg, distributed.device_offset(cfg.placement) if multi else 0)
     main_dev = drafter_devs[0]
+    group = stop.group = distributed.Group.init(cfg, main_dev) if multi else None
+    rank, world = (group.rank, group.world) if group else (0, 1)
+    if group:
+        log(f"distributed: rank {rank} of {world} ({group.backend}, local rank {group.local_rank}, host {group.host}), "
+            f"collective timeout {cfg.distributed.timeout:g}s")
     cache = compile_mod.setup_cache(cfg.compile.cache_dir, main_dev)
     compute_dtype = default_dtype(cfg.model, main_dev)
     random.seed(cfg.train.seed)
@@ -284,9 +312,15 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
 
     # ---------------------------------------------------------------- resume
     start_step, tokens_total, first_batch = 0, 0, 0
-    latest = checkpoint.latest(run_dir) if resume == "auto" else None
+    latest = checkpoint.latest(run_dir) if resume == "auto" and rank == 0 else None
+    if group:  # rank 0 decides; the others load the same checkpoint, sent over the group
+        latest = group.broadcast_checkpoint(latest, os.path.join(run_dir, f".resume-rank{rank}"))
     if latest:
         meta = checkpoint.load(latest, master, optimizer, scheduler)
+        if int(meta.get("world_size", 1)) != world:
+            raise ConfigError([f"resume: checkpoint {os.path.basename(latest)} was written by a run of "
+                               f"{meta.get('world_size', 1)} process(es); this run has {world} (WORLD_SIZE). "
+                               "Resume it with the same number of processes, or start a new run directory"])
         start_step, tokens_total = int(meta["step"]), int(meta.get("tokens", 0))
         first_batch = source.order.resume_from(meta["data"])
         pl.broadcast_parameters(replicas)
@@ -306,13 +340,21 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     pipe = pl.Pipeline(cfg=cfg, source=source, targets=targets, target_devices=target_devs, replicas=replicas,
                        drafter_devices=drafter_devs, attention_path=path, discipline=discipline,
                        compute_loss=compute_loss, sample_anchors=sample_anchors, start_step=start_step,
-                       total_steps=total_steps, first_batch=first_batch, compute_dtype=compute_dtype)
-    replicas_ran = lambda steps_done: first_batch + (steps_done - start_step) * len(replicas)  # noqa: E731
+                       total_steps=total_steps, first_batch=first_batch, compute_dtype=compute_dtype,
+                       rank=rank, world=world)
+    replicas_ran = lambda steps_done: first_batch + (steps_done - start_step) * len(replicas) * world  # noqa: E731
+    if group:
+        group.step = start_step
+        group.broadcast_parameters(master.trainable_parameters())  # bit-identical from the first step
+        pl.broadcast_parameters(replicas)
 
     def save(steps_done: int) -> None:
+        if rank != 0:  # rank 0 writes the drafter and the optimiser; every rank holds the same
+            return
         status.set(contract.PHASE_CHECKPOINTING)
         checkpoint.save(run_dir, steps_done, master, optimizer, scheduler, source.order.state(replicas_ran(steps_done)),
-                        extra={"tokens": tokens_total, "config": cfg.to_dict(), "data_fingerprint": source.fingerprint()},
+                        extra={"tokens": tokens_total, "config": cfg.to_dict(), "data_fingerprint": source.fingerprint(),
+                               "world_size": world},
                         keep=cfg.train.keep_checkpoints)
 
     # ---------------------------------------------------------------- compile: artifacts, then warm-up before threads run free
@@ -333,7 +375,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         detail={"mode": discipline.mode, "compile_cache": artifacts.status, **progress}), should_stop=stop.is_set)
     log(f"compile: {discipline.mode} warm-up {discipline.warmup_s:.1f}s, {compile_mod.dynamo_counters()}")
     startup.mark("warmup")
-    save_pending = artifacts.status != "off"
+    save_pending = artifacts.status != "off" and rank == 0
 
     def save_artifacts_once_locked() -> None:
         """After the warm-up locked recompiles (in this thread or, without serialized
@@ -350,18 +392,20 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     # ---------------------------------------------------------------- training
     status.set(contract.PHASE_TRAINING, detail={"warmup_s": round(discipline.warmup_s, 2), "compile_mode": discipline.mode,
                                                 "compile_cache": artifacts.status})
-    metrics_path = os.path.join(run_dir, contract.METRICS_FILE)
+    metrics_path = os.path.join(run_dir, distributed.metrics_file(rank))
     flops = pl.flop_model(cfg, first, master)
     peak, peak_name = pl.peak_flops(main_dev)
     fault, slow_factor = (cfg.fault if fault_armed(cfg, run_dir) else None), 1.0
     stop.pipeline = pipe
-    if not stop.is_set():  # a signal during start-up or warm-up: straight to the checkpoint
-        pipe.start()
+    if not stop.is_set() or group:  # a signal during start-up or warm-up: straight to the checkpoint
+        pipe.start()  # (distributed: after one step that every rank takes)
     window = pl.Window()
     train_start = last_release = window.start  # a step's period: from one release of the drafters to the next
     slow_period = None  # fault kind=slow: the normal period, measured when it fires
     steps_done, last_saved = start_step, (start_step if latest else None)
     profiler = StepProfiler(run_dir, start_step + cfg.train.profile_after, cfg.train.profile_steps, log)
+    global_loss: list[float] = []  # per step of the window: the mean loss over every replica of every rank
+    global_tokens = 0  # query tokens of the window, over every rank
 
     for step in range(start_step, total_steps):
         profiler.before(step)
@@ -382,7 +426,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             fault = None  # fired
 
         # ---- wait for every replica's gradients
-        reports = pipe.collect(step, should_stop=stop.is_set)
+        # (distributed: every rank finishes the step, then all stop together after it)
+        reports = pipe.collect(step, should_stop=(lambda: False) if group else stop.is_set)
         if reports is None:
             break  # stop requested: the step in flight is dropped, the last finished one is saved
         for rep in reports:
@@ -390,7 +435,20 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                 raise FloatingPointError(f"loss is {rep.loss} at step {step + 1} (replica {rep.replica}, batch {rep.index})")
 
         # ---- all-reduce onto the master copy, clip, AdamW, copy back into every replica
-        allreduce_s, optim_s, grad_norm = pl.optimizer_step(replicas, drafter_devs, optimizer, scheduler, cfg.optim.grad_clip)
+        if group:  # summed over ranks with the gradients: loss, tokens, stop requests
+            group.extras = [sum(r.loss for r in reports), float(sum(r.query_tokens for r in reports)),
+                            1.0 if stop.is_set() else 0.0]
+        allreduce_s, optim_s, grad_norm = pl.optimizer_step(replicas, drafter_devs, optimizer, scheduler, cfg.optim.grad_clip,
+                                                            across=group.allreduce_gradients if group else None)
+        step_tokens = sum(r.query_tokens for r in reports)
+        if group:
+            loss_sum, step_tokens, stops = group.summed
+            step_tokens = int(round(step_tokens))
+            global_loss.append(loss_sum / (len(replicas) * world))
+            global_tokens += step_tokens
+            if stops > 0 and not stop.is_set():
+                stop.signal_name = "stop requested on another rank"
+                stop.event.set()
         if slow_factor > 1:  # holding the release stalls every thread, so the whole run slows by the factor
             slow_period = slow_period or (time.monotonic() - train_start) / (step + 1 - start_step)
             time.sleep(max(0.0, last_release + slow_factor * slow_period - time.monotonic()))
@@ -398,7 +456,9 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         now = time.monotonic()
         step_s, last_release = now - last_release, now
         steps_done = step + 1
-        tokens_total += sum(r.query_tokens for r in reports)
+        tokens_total += step_tokens
+        if group:
+            group.step = steps_done
         window.add(reports, allreduce_s, optim_s, step_s, grad_norm, end=now)
         profiler.after(steps_done)
         if step == start_step:
@@ -412,6 +472,13 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             f = pl.window_fields(window, len(replicas), flops, peak, len(set(drafter_devs)), len(set(target_devs)),
                                  n_devices if kind == "cuda" else 0)
             eta_s = (total_steps - steps_done) * (window.end - window.start) / max(1, window.steps)
+            if group:
+                dist_fields = {"rank": rank, "world_size": world, "loss_rank": f["loss"], "tok_s_rank": f["tok_s"],
+                               "param_checksum": pl.replica_checksums([master])[0],
+                               "dist_allreduce_ms": round(1000 * group.last_allreduce_s, 2)}
+                f = {**f, "loss": sum(global_loss) / len(global_loss),
+                     "tok_s": global_tokens / max(1e-9, window.end - window.start)}
+                global_loss, global_tokens = [], 0
             extra = {
                 **f["extra"], "lr": scheduler.get_last_lr()[0], "queue_depth": pipe.queue_depths(),
                 **({"replica_checksums": pl.replica_checksums(replicas)} if len(replicas) > 1 else {}),
@@ -421,7 +488,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                 "epoch": source.order.state(replicas_ran(steps_done))["epoch"], "mfu_peak_flops": peak,
                 "mfu_peak": peak_name, "warmup_s": round(discipline.warmup_s, 2), "elapsed_s": round(now - train_start, 2),
                 "compile_cache": artifacts.status, "compile_cache_detail": artifacts.summary(),
-                "startup_s": startup.phases,
+                "startup_s": startup.phases, **(dist_fields if group else {}),
             }
             m = Metrics(time=time.time(), step=steps_done, total_steps=total_steps, tokens=tokens_total,
                         tok_s=f["tok_s"], loss=f["loss"], acc=f["acc"], accept_len=f["accept_len"], eta_s=eta_s, extra=extra)
@@ -450,6 +517,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         status.set(contract.PHASE_STOPPED, step=steps_done, detail={"signal": stop.signal_name, "checkpoint": steps_done})
         log(f"stopped at step {steps_done} ({stop.signal_name}); checkpoint saved")
         return contract.EXIT_STOPPED
+    if group:
+        group.close()
     status.set(contract.PHASE_DONE, step=steps_done)
     log(f"done: {steps_done} steps, {tokens_total} tokens")
     return contract.EXIT_DONE

@@ -14,7 +14,7 @@ import sqlite3
 import time
 
 import typer
-from dflashctl.commands._app import G, app, err, escape, fail, out
+from dflashctl.commands._app import G, app, err, escape, fail, out, parse_duration_option
 from dflashctl.errors import DflashError
 
 _STYLE = {"critical": "bold red", "error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -25,7 +25,7 @@ def env_audit_command(
     target: str = typer.Argument(..., metavar="PLAYBOOK|HOST",
                                  help="A playbook (audits its host with its env) or a host of the inventory."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text (always a document)."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds the audit may take on the host."),
+    timeout: str = typer.Option("60s", "--timeout", help="How long the audit may take on the host (60, 60s, 2m)."),
     deep: bool = typer.Option(False, "--deep", help="Also `import torch` on the host, in a subprocess with a "
                                                     "timeout: its real version, CUDA and the libraries it maps."),
 ) -> None:
@@ -45,7 +45,7 @@ def env_audit_command(
 
     store = _store()
     try:
-        report = audit_target(target, load_inventory(G.inventory), G.playbooks, timeout=timeout, deep=deep,
+        report = audit_target(target, load_inventory(G.inventory), G.playbooks, timeout=parse_duration_option(timeout, "--timeout"), deep=deep,
                               store=store)
     except DflashError as e:
         if as_json:

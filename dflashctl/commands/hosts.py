@@ -15,7 +15,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from dflashctl.commands._app import G, app, err, escape, out
+from dflashctl.commands._app import G, app, err, escape, out, parse_duration_option
 
 
 def _inventory():
@@ -65,7 +65,7 @@ def hosts_command(
 def check_command(
     names: Optional[List[str]] = typer.Argument(None, metavar="[HOST]...", help="Hosts to check (default: all)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    timeout: float = typer.Option(30.0, "--timeout", help="Seconds the facts command may take per host (connecting is bounded by each host's connect_timeout)."),
+    timeout: str = typer.Option("30s", "--timeout", help="How long the facts command may take per host (30, 30s, 1m; connecting is bounded by each host's connect_timeout)."),
 ) -> None:
     """Reach every host and report its route and facts, and prove what `launch` needs.
 
@@ -79,7 +79,7 @@ def check_command(
     problem is printed with its fix. Exit code 1 when any host failed."""
     from dflashctl.facts import check_hosts
 
-    checks = check_hosts(_inventory(), names or None, timeout=timeout)
+    checks = check_hosts(_inventory(), names or None, timeout=parse_duration_option(timeout, "--timeout"))
     if as_json:
         print(json.dumps({"ok": all(c.ok for c in checks), "hosts": [c.to_dict() for c in checks]}, indent=2))
     else:

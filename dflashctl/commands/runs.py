@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from dflashctl.commands._app import G, app, err, out, printable
+from dflashctl.commands._app import G, app, err, out, parse_duration_option, printable
 
 
 def _inventory():
@@ -119,12 +119,13 @@ def launch_command(
 @app.command("stop")
 def stop_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
-    timeout: float = typer.Option(120.0, "--timeout", help="Seconds to wait for the checkpoint before killing."),
+    timeout: str = typer.Option("2m", "--timeout", help="How long to wait for the checkpoint before killing (120, 2m)."),
 ) -> None:
     """Stop a run gracefully: the trainer checkpoints and exits; then its session is closed."""
     from dflashctl.runhost import stop
 
-    result = stop(run, _store(), _inventory(), timeout=timeout, progress=_progress(False))
+    result = stop(run, _store(), _inventory(), timeout=parse_duration_option(timeout, "--timeout"),
+                  progress=_progress(False))
     _say(out, f"{result.id} {result.state}")
 
 

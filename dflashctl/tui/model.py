@@ -171,11 +171,19 @@ class Thresholds:
 
 
 def _thresholds_of(run: Run, playbooks_dir: str | None) -> Thresholds:
-    """Read the run's playbook (the file it was launched from, else by name)."""
-    from dflashctl.config import load_playbook  # pydantic: only when a run needs its thresholds
+    """The run's playbook thresholds: as recorded at launch while the playbook file
+    has not changed since, else read from the file (it was launched from, else by
+    name) as it says now."""
+    source = (run.config or {}).get("playbook_source")
+    recorded = (run.config or {}).get("thresholds")
+    if isinstance(recorded, dict) and source and os.path.isfile(source) and os.path.getmtime(source) <= run.created:
+        try:
+            return Thresholds(source, None, **recorded)
+        except TypeError:
+            pass  # recorded by another version: read the file
+    from dflashctl.config import load_playbook  # pydantic: only when the file must be read
     from dflashctl.errors import DflashError, first_line
 
-    source = (run.config or {}).get("playbook_source")
     error = "not found"
     for ref in [s for s in (source if source and os.path.isfile(source) else None, run.playbook) if s]:
         try:
