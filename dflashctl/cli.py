@@ -34,13 +34,14 @@ EXAMPLES = {
     "check": ["dflashctl check", "dflashctl check gpu1 --json"],
     "trust": ["dflashctl trust gpu1", "dflashctl trust gpu1 --yes"],
     "eval": ["dflashctl eval RUN", "dflashctl eval RUN --prompts 4 --json"],
+    "advise": ["dflashctl advise RUN", "dflashctl advise RUN --gpus 8 --json"],
 }
 
 
 def _load_commands() -> None:
     """Register every command on ``app`` (each module's decorators do it on import),
     each with its examples."""
-    from dflashctl.commands import audit, cache, hosts, runs, status, supervise  # noqa: F401
+    from dflashctl.commands import advise, audit, cache, hosts, runs, status, supervise  # noqa: F401
 
     for command in app.registered_commands:
         name = command.name or command.callback.__name__.replace("_", "-")

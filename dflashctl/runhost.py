@@ -601,3 +601,23 @@ def _json_report(text: str) -> dict[str, Any] | None:
     except contract.ContractError:
         return None
     return value
+
+
+# --------------------------------------------------------------------------- metrics, read on demand
+
+def metrics_tail(run_id: str, store: Store, inventory: "Inventory", n: int = 50) -> list[contract.Metrics]:
+    """The run's last ``n`` metrics lines, read on its host now (with every field the
+    trainer wrote, which samples in the store do not keep); bad lines skipped."""
+    run = store.get_run(run_id)
+    transport = host_transport(run.host, inventory)
+    path = posixpath_join(run.run_dir, contract.METRICS_FILE)
+    result = transport.run(["tail", "-n", str(int(n)), path], timeout=30, check=False)
+    if result.exit_code != 0:
+        raise LaunchError(f"cannot read {path} on {run.host}: {(result.stderr or result.stdout).strip()[-200:]}")
+    lines = []
+    for text in result.stdout.splitlines():
+        try:
+            lines.append(contract.read_metrics_line(text))
+        except contract.ContractError:
+            continue
+    return lines

@@ -1,0 +1,45 @@
+"""`dflashctl advise RUN`: the target:drafter GPU split a run's measurements call for
+(``dflashctl.placement``). Reads the run's metrics on its host; never changes a run."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from dflashctl.commands._app import G, app, out, printable
+
+
+@app.command("advise")
+def advise_command(
+    run: str = typer.Argument(..., help="Run id (or an unambiguous prefix) of a calibration or running run."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", min=2, help="GPUs to split (default: the run's count)."),
+    lines: int = typer.Option(50, "--lines", min=1, help="Newest metrics lines to take the medians of."),
+    as_json: bool = typer.Option(False, "--json", help="Print the advice as JSON."),
+) -> None:
+    """Say how to split a host's GPUs between target and drafter.
+
+    From the run's newest metrics lines: how many sequence tokens per second one
+    target GPU makes when always busy, and one drafter GPU takes when it never
+    waits; the split that balances them (rule in dflashctl/placement.py). Run a
+    short calibration on the placement in question (a few log intervals of
+    training), then advise on it."""
+    from dflashctl.config import load_inventory
+    from dflashctl.paths import store_path
+    from dflashctl.placement import PlacementError, advise
+    from dflashctl.runhost import metrics_tail
+    from dflashctl.store import Store
+    from dflashctl.errors import ConfigError
+
+    store = Store(store_path())
+    record = store.get_run(run)
+    try:
+        advice = advise(metrics_tail(record.id, store, load_inventory(G.inventory), lines), gpus)
+    except PlacementError as e:
+        raise ConfigError(f"no advice for {record.id}: {e}") from None
+    if as_json:
+        print(json.dumps(advice.to_dict(), indent=2))
+        return
+    out.print(printable(f"{record.id}: {advice.targets} target + {advice.drafters} drafter GPUs"), markup=False)
+    out.print(printable(advice.reason), markup=False, soft_wrap=True)
