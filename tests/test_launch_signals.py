@@ -31,6 +31,7 @@ from dflashctl.store import Store
 from dflashctl.supervisor import live_supervisor
 from dflashctl.tmux import SOCKET_ENV, Tmux
 from tests.harness import environ
+from tests.test_supervisor import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_TRAINER = REPO / "tests" / "harness" / "fake_trainer.py"
@@ -97,17 +98,6 @@ class LocalLaunch:
         with open(output, "w") as f:
             return subprocess.Popen(self.argv(*args), stdout=f, stderr=subprocess.STDOUT, env=self.env,
                                     cwd=str(REPO), start_new_session=True)
-
-
-def wait_for(predicate, timeout: float, what: str, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(every)
 
 
 def trainer_pid(run_dir: str, other_than: int | None = None) -> int | None:

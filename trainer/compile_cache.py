@@ -52,6 +52,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from dflashctl import contract
+
 CACHE_DIR = "compile_cache"
 MANIFEST_FILE = "compile_cache.json"
 MANIFEST_VERSION = 1
@@ -177,24 +179,6 @@ def _read_no_follow(path: str, limit: Optional[int] = None) -> bytes:
     if limit is not None and len(data) > limit:
         raise ValueError(f"{os.path.basename(path)} is larger than {limit} bytes")
     return data
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path)
-    tmp = os.path.join(directory, f".tmp-{os.getpid()}-{threading.get_ident()}-{os.path.basename(path)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def read_manifest(run_dir: str) -> Optional[dict]:
@@ -338,8 +322,8 @@ def write(run_dir: str, fields: dict[str, str], cfg, data: bytes, counts: dict) 
         "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "created": time.time(),
         "artifacts": counts,
     }
-    _write_atomic(os.path.join(directory, name), data)
-    _write_atomic(os.path.join(directory, MANIFEST_FILE), json.dumps(manifest, indent=1, sort_keys=True).encode())
+    contract.atomic_write_bytes(os.path.join(directory, name), data)
+    contract.atomic_write_bytes(os.path.join(directory, MANIFEST_FILE), json.dumps(manifest, indent=1, sort_keys=True).encode())
     for other in os.listdir(directory):
         if other.endswith(".bin") and other != name:
             try:
