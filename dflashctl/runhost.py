@@ -614,10 +614,6 @@ def metrics_tail(run_id: str, store: Store, inventory: "Inventory", n: int = 50)
     result = transport.run(["tail", "-n", str(int(n)), path], timeout=30, check=False)
     if result.exit_code != 0:
         raise LaunchError(f"cannot read {path} on {run.host}: {(result.stderr or result.stdout).strip()[-200:]}")
-    lines = []
-    for text in result.stdout.splitlines():
-        try:
-            lines.append(contract.read_metrics_line(text))
-        except contract.ContractError:
-            continue
-    return lines
+    from dflashctl.parsers import read_metrics_chunk
+
+    return read_metrics_chunk(result.stdout).rows

@@ -415,9 +415,10 @@ def _ingest_metrics(s: RunState, obs: Probed, local: float, pol: Policy, out: _O
                    "reasons": [r.reason for r in obs.rejected][:20]})
     if s.metrics_line is not None:
         s.metrics_line += pr.metrics_chunk.count("\n")
-    lines = tuple(m for m in obs.lines if _believable(m.time, s, obs.skew, local, pol))
+    believed = [_believable(m.time, s, obs.skew, local, pol) for m in obs.lines]
+    lines = tuple(m for m, ok in zip(obs.lines, believed) if ok)
     if len(lines) < len(obs.lines):
-        _bad_times(s, [m for m in obs.lines if m not in lines], obs.skew, local, out)
+        _bad_times(s, [m for m, ok in zip(obs.lines, believed) if not ok], obs.skew, local, out)
     lines = _new_lines(s, lines, out)
     if obs.lines or (pr.metrics_offset, pr.metrics_inode) != (s.args.metrics_offset, s.args.metrics_inode):
         gpu = [g.__dict__ for g in pr.gpus or [] if g.index in s.run.gpus] or None
