@@ -166,7 +166,8 @@ class Discipline:
             for t in threads:
                 t.start()
             for t in threads:
-                t.join()
+                while t.is_alive():  # in slices, so SIGTERM's handler still runs in this thread
+                    t.join(0.2)
             if errors:
                 raise errors[0]
         return time.monotonic() - start

@@ -419,7 +419,10 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                 os._exit(fault.exit_code)
             if fault.kind == "hang":
                 log(f"fault: hanging before step {step + 1}")
-                stop.event.wait()
+                # Wait in slices: a signal the kernel hands to another thread never wakes a
+                # wait without a timeout, and the handler only runs once this thread wakes.
+                while not stop.event.wait(0.2):
+                    pass
             if fault.kind == "raise_in_thread":
                 pipe.inject_raise = fault.message
             slow_factor = fault.factor if fault.kind == "slow" else 1.0
