@@ -639,6 +639,8 @@ class Inventory(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     hosts: dict[str, Host]
+    groups: dict[str, list[str]] = {}
+    """Named lists of hosts: a playbook's ``hosts: [name]`` may name a group."""
     source: str = EMBEDDED
     defaults: dict[str, Any] = {}
     """The file's ``defaults:`` section, for hosts that only the ssh config names."""
@@ -651,9 +653,26 @@ class Inventory(BaseModel):
         jumps = {k: (None if h.is_local or (h.jump not in self.hosts and h.ssh_config.get("proxyjump")) else h.jump)
                  for k, h in self.hosts.items()}
         problems += _jump_problems(jumps, {k for k, h in self.hosts.items() if h.is_local})
+        for group, members in self.groups.items():
+            if group in self.hosts:
+                problems.append((f"groups.{group}", "a group cannot have the name of a host"))
+            if not members:
+                problems.append((f"groups.{group}", "an empty group: list at least one host"))
+            for i, member in enumerate(members):
+                if member not in self.hosts:
+                    problems.append((f"groups.{group}[{i}]", f"unknown host '{member}'{did_you_mean(member, list(self.hosts))}"))
         if problems:
             raise _Problems(problems)
         return self
+
+    def expand(self, names: list[str]) -> list[str]:
+        """Host names, with group names replaced by their hosts (in order, each once)."""
+        out: list[str] = []
+        for name in names:
+            for host in self.groups.get(name, [name]):
+                if host not in out:
+                    out.append(host)
+        return out
 
     def knows(self, name: str) -> bool:
         """Whether ``get(name)`` finds a host (the inventory's, or the ssh config's)."""
@@ -857,6 +876,19 @@ class EvalSettings(BaseModel):
     timeout: Duration = Field(1800.0, gt=0)
 
 
+class Rendezvous(BaseModel):
+    """Where the processes of a multi-host run meet (torch.distributed, env://): rank 0's host."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    port: int = Field(29500, ge=1024, le=65535)
+    """TCP port on rank 0's host; checked free before the start."""
+    address: Optional[str] = None
+    """How the other hosts reach rank 0's host (default: its inventory ``address``;
+    a local host: 127.0.0.1). How long the processes wait for each other, at the start
+    and in every collective, is the trainer's ``distributed.timeout``."""
+
+
 class Playbook(BaseModel):
     """One run profile: which host, trainer settings, expectations, restart and alert policy."""
 
@@ -865,7 +897,12 @@ class Playbook(BaseModel):
     name: str
     """From the file name (prod.yaml -> prod)."""
     description: str = ""
-    host: str
+    host: Optional[str] = None
+    """The run host (or ``hosts``)."""
+    hosts: Annotated[list[str], _none_is_empty(list)] = []
+    """Several hosts (names or inventory groups): one torch.distributed process on each,
+    rank 0 on the first. ``host`` is then the first of them."""
+    rendezvous: Annotated[Rendezvous, _none_is_empty(dict)] = Field(default_factory=Rendezvous)
     trainer: Annotated[InstanceOf[TrainerConfig], BeforeValidator(_trainer_from_raw)] = Field(
         default_factory=TrainerConfig
     )
@@ -891,6 +928,22 @@ class Playbook(BaseModel):
         if not _PLAYBOOK_NAME.fullmatch(name):
             raise ValueError(f"playbook name '{name}' (from the file name): use letters, digits, '_' or '-'")
         return name
+
+    @model_validator(mode="after")
+    def _one_place(self) -> "Playbook":
+        if self.hosts and self.host is not None and self.host != self.hosts[0]:
+            raise _Problems([("host", f"give host or hosts, not both (hosts: {self.hosts})")])
+        if len(set(self.hosts)) != len(self.hosts):
+            raise _Problems([("hosts", "a host is listed twice")])
+        if self.host is None and not self.hosts:
+            raise _Problems([("host", "required: the run host (or hosts: a list of them)")])
+        if self.host is None:
+            self.host = self.hosts[0]
+        return self
+
+    def host_names(self, inventory: "Inventory") -> list[str]:
+        """The run's hosts in rank order (groups expanded); one for a single-host run."""
+        return inventory.expand(self.hosts or [self.host])
 
     @model_validator(mode="after")
     def _signature_names(self) -> "Playbook":

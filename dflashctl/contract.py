@@ -39,6 +39,18 @@ METRICS_FILE = "metrics.jsonl"
 LOG_FILE = "trainer.log"
 CHECKPOINT_DIR = "checkpoints"
 EXIT_CODE_FILE = "exit_code"  # the trainer's exit status, written by the launcher's wrapper
+HOST_ENV = "DFLASHCTL_HOST"  # the inventory's name of the host a process runs on (set in run.sh)
+
+
+def status_file(rank: int = 0) -> str:
+    """status.json of one process of a distributed run: rank 0 keeps the plain name."""
+    return STATUS_FILE if rank == 0 else f"status.rank{rank}.json"
+
+
+def metrics_file(rank: int = 0) -> str:
+    """metrics.jsonl of one process of a distributed run: rank 0 keeps the plain name
+    (and writes the run's global figures there)."""
+    return METRICS_FILE if rank == 0 else f"metrics.rank{rank}.jsonl"
 
 # --------------------------------------------------------------------------- phases
 

@@ -51,14 +51,14 @@ from dflashctl.bundle import Bundle, build_bundle
 from dflashctl.errors import DflashError, TransportError, first_line
 from dflashctl.facts import gpu_count_problem
 from dflashctl.runhost import (
-    RUN_SCRIPT, START_TIMEOUT, LaunchError, Progress, host_transport, local_host, quiet, run_environment, run_files,
-    start_command, wait_started,
+    RUN_SCRIPT, START_TIMEOUT, LaunchError, Progress, host_transport, local_host, part_config, quiet, run_environment,
+    run_files, start_command, wait_started,
 )
 from dflashctl.store import FAILED, FINAL_STATES, LAUNCHING, Run, Store, new_run_id
 from dflashctl.tmux import Tmux, socket_name
 
 if TYPE_CHECKING:
-    from dflashctl.config import Inventory, Playbook
+    from dflashctl.config import Host, Inventory, Playbook
     from dflashctl.detectors import Finding
     from dflashctl.probe import HostProbe
     from dflashctl.transport import Transport
@@ -191,7 +191,7 @@ class _Launcher:
         self.dry_run = dry_run
         self.say = progress or quiet
         self.clock = clock
-        self.host = inventory.get(playbook.host)
+        self.host = inventory.get(playbook.host_names(inventory)[0])
         self.socket = socket_name()
         self.start_timeout = start_timeout
         self.transport: Transport | None = None
@@ -234,6 +234,9 @@ class _Launcher:
                      "--force launches another run anyway")
 
     def run(self) -> LaunchResult:
+        names = self.playbook.host_names(self.inventory)
+        if len(names) > 1:
+            return self._run_on_hosts([self.inventory.get(n) for n in names])
         pb, host = self.playbook, self.host
         if not self.dry_run:
             self._refuse_second_run()
@@ -323,6 +326,113 @@ class _Launcher:
             state = LAUNCHING
         return LaunchResult(run_id, state, host.name, run_dir, run_id, deploy=result.to_dict(), findings=findings)
 
+    # ----------------------------------------------------------------- several hosts
+
+    def _at(self, host: "Host", transport: "Transport | None") -> None:
+        """The host the per-host steps (_check_gpus, _configure, _start, ...) act on."""
+        self.host, self.transport = host, transport
+
+    def _run_on_hosts(self, hosts: list["Host"]) -> LaunchResult:
+        """One run on several hosts: a torch.distributed process on each (rank 0 on
+        the first), all started before any is waited for (they meet at rendezvous)."""
+        pb = self.playbook
+        if not self.dry_run:
+            self._refuse_second_run()
+        findings: list[Any] = []
+        for host in hosts:  # every host is audited: one bad environment fails the whole run
+            self._at(host, None)
+            one = pb.model_copy(update={"host": host.name, "hosts": []})
+            if self.dry_run:
+                from dflashctl.envaudit import preflight as audit_preflight
+
+                self.say("preflight", f"env-audit of {host.name} (read-only; nothing recorded in a dry run)")
+                found = audit_preflight(one, self.inventory, self.store, dry_run=True)
+            else:
+                found = preflight(one, self.inventory, self.store)
+            self._preflight_verdict(found)
+            findings += found
+        bundle = self.bundle or build_bundle()
+        self.say("bundle", f"trainer bundle {bundle.short} ({bundle.size} bytes, {len(bundle.files)} files)")
+        transports = [None if self.dry_run else host_transport(h.name, self.inventory) for h in hosts]
+        for host in hosts:
+            self.say("connect", f"{host.name} via {_route(host.name, self.inventory)}")
+        trainer = pb.trainer.to_dict()
+        wanted = wanted_gpus(trainer)
+        gpus = []
+        for host, transport in zip(hosts, transports):
+            self._at(host, transport)
+            gpus = self._check_gpus(wanted)  # the same indices on every host
+        run_id = new_run_id(pb.name, self.clock())
+        parts, result = [], None
+        for rank, (host, transport) in enumerate(zip(hosts, transports)):
+            if self.dry_run:
+                workdir = host.workdir
+                self.say("deploy", f"would deploy bundle {bundle.short} to {host.name}:{workdir} (if not there)")
+            else:
+                result = deploy.deploy_bundle(transport, bundle, host.workdir)
+                workdir = result.workdir
+                self.say("deploy", f"{host.name}: bundle {bundle.short} {result.status} ({result.bytes_sent} bytes sent)")
+            parts.append({"rank": rank, "host": host.name, "python": host.python, "workdir": workdir,
+                          "run_dir": deploy.run_dir(workdir, run_id), "tmux_session": run_session(run_id, rank),
+                          "env": run_environment(host, pb.env, deploy.bundle_dir(workdir, bundle.hash), gpus)})
+        address = pb.rendezvous.address or ("127.0.0.1" if hosts[0].is_local else hosts[0].address)
+        self._check_port(hosts[0], transports[0], pb.rendezvous.port)
+        config = self._run_config(trainer, gpus, parts[0]["run_dir"], parts[0]["workdir"], parts[0]["env"])
+        config["distributed"] = {"address": address, "port": pb.rendezvous.port,
+                                 "hosts": [{k: p[k] for k in ("rank", "host", "python", "workdir", "env")} for p in parts]}
+        names = ", ".join(h.name for h in hosts)
+        self.say("record", f"rendezvous at {address}:{pb.rendezvous.port} (rank 0 on {hosts[0].name}); "
+                 f"{len(hosts)} processes, one per host")
+        if self.dry_run:
+            for rank, (host, part) in enumerate(zip(hosts, parts)):
+                self._at(host, None)
+                self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"])
+                self._start(run_id, part["run_dir"], part["tmux_session"])
+            return LaunchResult(run_id, "dry-run", hosts[0].name, parts[0]["run_dir"], run_id, dry_run=True,
+                                findings=findings)
+        with self.store.batch():
+            self._refuse_second_run()
+            self.store.create_run(
+                pb.name, hosts[0].name, config, self.clock(), run_id=run_id, bundle_hash=bundle.hash,
+                run_dir=parts[0]["run_dir"], tmux_session=run_id, tmux_socket=self.socket, claim_gpus=not self.force,
+                message=f"launch of playbook {pb.name} on {names}" + (" (forced)" if self.force else ""),
+                hosts=[{k: p[k] for k in ("rank", "host", "run_dir", "tmux_session")} for p in parts])
+        self.say("record", f"run {run_id} on {names} (GPUs {', '.join(map(str, gpus)) or 'none'} on each)")
+        try:
+            for rank, (host, transport, part) in enumerate(zip(hosts, transports, parts)):
+                self._at(host, transport)
+                self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"])
+                self._provide_compile_cache(run_id, part["run_dir"], config, bundle.hash, gpus, rank)
+            for host, transport, part in zip(hosts, transports, parts):
+                self._at(host, transport)
+                self._start(run_id, part["run_dir"], part["tmux_session"])
+        except BaseException as e:
+            self.store.transition(run_id, FAILED, f"launch failed: {first_line(e)}", self.clock(),
+                                  exit_reason="launch failed")
+            raise
+        self._at(hosts[0], transports[0])
+        try:
+            state = wait_started(self.store, self.store.get_run(run_id).parts()[0], transports[0], self.start_timeout,
+                                 self.clock, self.say)
+        except DflashError as e:
+            self.store.add_event(run_id, "startup", f"could not confirm the start: {first_line(e)}",
+                                 self.clock(), severity="warning")
+            state = LAUNCHING
+        return LaunchResult(run_id, state, hosts[0].name, parts[0]["run_dir"], run_id,
+                            deploy=result.to_dict() if result else None, findings=findings)
+
+    def _check_port(self, host: "Host", transport: "Transport | None", port: int) -> None:
+        """The rendezvous port must be free on rank 0's host before anything starts."""
+        argv = [*shlex.split(host.python), "-I", "-S", "-c", _PORT_FREE, str(port)]
+        if self.dry_run:
+            self.say("gpus", f"would check that port {port} is free on {host.name}")
+            return
+        answer = transport.run(argv, timeout=30, check=False)
+        if answer.exit_code != 0:
+            raise LaunchError(f"{host.name}: rendezvous port {port} is not free ({answer.stdout.strip() or answer.stderr.strip()[-200:]})",
+                              hint="set rendezvous.port in the playbook to a free port, or stop what holds it")
+        self.say("gpus", f"rendezvous port {port} free on {host.name}")
+
     def _check_gpus(self, wanted: list[int]) -> list[int]:
         device = self.playbook.trainer.placement.device
         if not wanted:
@@ -378,8 +488,9 @@ class _Launcher:
             "thresholds": thresholds_of(pb),
         }
 
-    def _configure(self, run_id: str, run_dir: str, config: dict[str, Any]) -> None:
-        files = run_files(run_id, run_dir, config, self.socket)
+    def _configure(self, run_id: str, run_dir: str, config: dict[str, Any], rank: int = 0,
+                   session: str | None = None) -> None:
+        files = run_files(run_id, run_dir, config, self.socket, rank=rank, session=session)
         if self.dry_run:
             self.show_remote("configure", deploy.run_files_argv(run_dir), deploy.tar_of(files))
             self.say("configure", f"{RUN_SCRIPT}:\n" + files[RUN_SCRIPT])
@@ -388,7 +499,7 @@ class _Launcher:
         self.say("configure", f"{run_dir}: {', '.join(sorted(files))}")
 
     def _provide_compile_cache(self, run_id: str, run_dir: str, config: dict[str, Any], bundle_hash: str,
-                               gpus: list[int]) -> None:
+                               gpus: list[int], rank: int = 0) -> None:
         """Before the start: a held compile artifact that fits the run goes into its
         run directory (dflashctl.compile_cache), said and recorded."""
         from dflashctl import compile_cache, contract
@@ -399,22 +510,41 @@ class _Launcher:
                 self.say("configure", f"would put a held compile artifact that fits the run (of {held} held) into "
                          f"{run_dir}/{compile_cache.trainer_cache.CACHE_DIR}/")
             return
-        trainer = json.loads(run_files(run_id, run_dir, config, self.socket)[contract.CONFIG_FILE])  # as it reads it
-        compile_cache.provide_for_run(
-            self.transport, run_dir, trainer, compile_cache.bundle_of(config.get("env"), bundle_hash),
+        trainer = json.loads(run_files(run_id, run_dir, config, self.socket, rank=rank)[contract.CONFIG_FILE])
+        compile_cache.provide_for_run(  # (the config.json the trainer reads)
+            self.transport, run_dir, trainer, compile_cache.bundle_of(part_config(config, rank).get("env"), bundle_hash),
             compile_cache.gpu_name(self.gpu_readings, gpus),
             lambda message: self.say("configure", message),
             lambda o: self.store.add_event(run_id, compile_cache.EVENT_KIND, o.message, self.clock(), o.severity,
                                            o.event_detail()))
 
-    def _start(self, run_id: str, run_dir: str) -> None:
-        command = start_command(run_dir)
+    def _start(self, run_id: str, run_dir: str, session: str | None = None) -> None:
+        command, session = start_command(run_dir), session or run_id
+        where = f" on {self.host.name}" if session != run_id else ""
         if self.dry_run:
-            self.say("start", f"would start tmux session {run_id} on {self.host.name} (tmux -L {self.socket}) "
+            self.say("start", f"would start tmux session {session} on {self.host.name} (tmux -L {self.socket}) "
                      f"running: {command}")
             return
-        Tmux(self.host, self.inventory, self.socket).start(run_id, command)
-        self.say("start", f"tmux session {run_id} (tmux -L {self.socket})")
+        Tmux(self.host, self.inventory, self.socket).start(session, command)
+        self.say("start", f"tmux session {session}{where} (tmux -L {self.socket})")
+
+
+# Exit 0 when the port can be bound on every address (as torch's TCPStore binds it).
+_PORT_FREE = """
+import socket, sys
+s = socket.socket()
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError as e:
+    print(e.strerror or e)
+    sys.exit(1)
+"""
+
+
+def run_session(run_id: str, rank: int) -> str:
+    """The tmux session of a run's process: the run id for rank 0, ``<run id>-r<rank>``
+    for the others (hosts that share one tmux server still get distinct sessions)."""
+    return run_id if rank == 0 else f"{run_id}-r{rank}"
 
 
 def thresholds_of(pb: "Playbook") -> dict[str, Any]:

@@ -51,6 +51,7 @@ class ProbeArgs:
     pid_hint: int | None = None  # used when status.json has no pid yet
     step_timeout: float = 5.0
     metrics_max_bytes: int = 4 * 1024 * 1024
+    rank: int = 0  # a multi-host run's process: its status and metrics files (contract.status_file)
 
 
 @dataclass

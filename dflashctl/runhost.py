@@ -105,7 +105,7 @@ def run_environment(host: "Host", playbook_env: dict[str, str], bundle_dir: str,
 
 
 def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str],
-                      compile_cache: str | None, session: str, socket: str) -> str:
+                      compile_cache: str | None, session: str, socket: str, rank: int = 0) -> str:
     """run.sh: see the module docstring."""
     lines = [
         "#!/bin/sh",
@@ -123,7 +123,7 @@ def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str
     ec, tmp = contract.EXIT_CODE_FILE, contract.EXIT_CODE_FILE + ".tmp"
     lines += [
         # The previous process's answers must not be read as this one's.
-        f"rm -f {ec} {contract.STATUS_FILE}",
+        f"rm -f {ec} {contract.status_file(rank)}",
         "{",
         # Caught here (so the exit code is still written), reset to default for the
         # trainer, which handles SIGINT/SIGTERM itself (checkpoint, exit 4).
@@ -137,9 +137,32 @@ def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str
     return "\n".join(lines)
 
 
+def distributed_env(dist: dict[str, Any], rank: int) -> dict[str, str]:
+    """The variables that make a trainer one process of a multi-host run: what torchrun
+    sets for a static rendezvous with one process per host (env:// initialisation)."""
+    world = len(dist["hosts"])
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(rank), "MASTER_ADDR": dist["address"], "MASTER_PORT": str(dist["port"]),
+            contract.HOST_ENV: dist["hosts"][rank]["host"]}
+
+
+def part_config(config: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A run's stored config as the process of ``rank`` is started with: its host's
+    python, environment and workdir, and the rendezvous variables (a single-host run:
+    the config as it is)."""
+    dist = config.get("distributed")
+    if not dist:
+        return config
+    own = dist["hosts"][rank]
+    return {**config, "python": own["python"], "workdir": own["workdir"],
+            "env": {**own["env"], **distributed_env(dist, rank)}}
+
+
 def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
-              serialized_warmup: bool | None = None) -> dict[str, str]:
-    """config.json and run.sh for a run, from its stored config."""
+              serialized_warmup: bool | None = None, rank: int = 0, session: str | None = None) -> dict[str, str]:
+    """config.json and run.sh for a run (for the process of ``rank`` on its own host,
+    in tmux session ``session``), from its stored config."""
+    config = part_config(config, rank)
     trainer = copy.deepcopy(config["trainer"])
     if serialized_warmup is not None:
         trainer["compile"]["serialized_warmup"] = serialized_warmup
@@ -148,7 +171,7 @@ def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
             config["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, gpus)):
         trainer = renumber_placement(trainer, gpus)
     script = render_run_script(run_id, run_dir, config["python"], config.get("env", {}),
-                               config.get("compile_cache"), run_id, socket)
+                               config.get("compile_cache"), session or run_id, socket, rank)
     return {contract.CONFIG_FILE: deploy.config_json(trainer), RUN_SCRIPT: script}
 
 
@@ -193,7 +216,7 @@ def probe_run(transport: "Transport", run: Run, *, offset: int = 0, inode: int |
     from dflashctl.probe import ProbeArgs, ProbeError, parse_probe_host, probe_command
 
     args = ProbeArgs(run_dir=run.run_dir, session=run.tmux_session, socket=run.tmux_socket or socket_name(),
-                     metrics_offset=offset, metrics_inode=inode, nvidia_smi=False, pane_lines=40)
+                     metrics_offset=offset, metrics_inode=inode, nvidia_smi=False, pane_lines=40, rank=run.rank)
     result = transport.run(probe_command(transport.host.python, [args]), timeout=timeout or 30)
     host = parse_probe_host(result.stdout)
     if isinstance(host, ProbeError):
@@ -253,8 +276,8 @@ def _record_end(store: Store, run: Run, probe: "ProbeResult", clock, say, why: s
 # The trainer named in status.json, but only while that pid really is this run's
 # trainer (pids are reused): `ours` is true while it lives.
 _TRAINER_PID = r"""
-d=$1
-pid=$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' "$d/status.json" 2>/dev/null | head -n 1)
+d=$1; st=${3:-status.json}
+pid=$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' "$d/$st" 2>/dev/null | head -n 1)
 ours() { [ -n "$pid" ] && [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -qF -- "$d"; }
 """
 
@@ -277,14 +300,15 @@ echo "killed $pid"
 """
 
 
-def signal_trainer_argv(run_dir: str, signal_name: str = "TERM") -> list[str]:
-    """The host command sending ``signal_name`` to the run's trainer (see _SIGNAL_TRAINER)."""
-    return ["sh", "-c", _SIGNAL_TRAINER, "dflashctl-signal", run_dir, signal_name]
+def signal_trainer_argv(run_dir: str, signal_name: str = "TERM", rank: int = 0) -> list[str]:
+    """The host command sending ``signal_name`` to the run's trainer (see _SIGNAL_TRAINER);
+    ``rank``: which process of a multi-host run (its status file names its pid)."""
+    return ["sh", "-c", _SIGNAL_TRAINER, "dflashctl-signal", run_dir, signal_name, contract.status_file(rank)]
 
 
-def reap_trainer_argv(run_dir: str) -> list[str]:
+def reap_trainer_argv(run_dir: str, rank: int = 0) -> list[str]:
     """The host command killing a trainer that outlived its session (see _REAP_TRAINER)."""
-    return ["sh", "-c", _REAP_TRAINER, "dflashctl-reap", run_dir]
+    return ["sh", "-c", _REAP_TRAINER, "dflashctl-reap", run_dir, "", contract.status_file(rank)]
 
 
 # --------------------------------------------------------------------------- stop
@@ -309,30 +333,36 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     finished meanwhile; ``failed`` if it had crashed before the stop, unseen)."""
     say = progress or quiet
     run = store.get_run(run_id)
-    host = inventory.get(run.host)
-    transport = host_transport(host.name, inventory)
-    tmux = Tmux(host, inventory, run.tmux_socket or socket_name())
+    parts = [(p, host_transport(p.host, inventory), Tmux(inventory.get(p.host), inventory, run.tmux_socket or socket_name()))
+             for p in run.parts()]  # a multi-host run: every host's process, rank 0 first
     stop_supervisor(run, inventory)
     if run.state not in FINAL_STATES:
-        store.add_event(run.id, "stop_requested", "stop requested by the operator", clock())
-    probe = probe_run(transport, run)
-    ended_before = _ended(probe)
-    if ended_before:
+        store.add_event(run.id, "stop_requested", "stop requested by the operator"
+                        + (f" (hosts {', '.join(run.host_names)})" if run.hosts else ""), clock())
+    probes = [probe_run(transport, part) for part, transport, _ in parts]
+    ended_before = _ended(probes[0])  # rank 0's process says how the run ended
+    if all(_ended(p) for p in probes):
         say("stop", "the trainer is not running")
     else:
-        answer = transport.run(signal_trainer_argv(run.run_dir), check=False)
-        if answer.stdout.startswith("signalled"):
-            say("stop", f"sent SIGTERM to the trainer ({answer.stdout.split()[-1]}); waiting for its checkpoint")
-        else:
-            tmux.send_keys(run.tmux_session, "C-c")
-            say("stop", "sent Ctrl-C to the trainer's tmux pane; waiting for its checkpoint")
+        for (part, transport, tmux), probe in zip(parts, probes):
+            if _ended(probe):
+                continue
+            where = f" on {part.host}" if run.hosts else ""
+            answer = transport.run(signal_trainer_argv(part.run_dir, rank=part.rank), check=False)
+            if answer.stdout.startswith("signalled"):
+                say("stop", f"sent SIGTERM to the trainer{where} ({answer.stdout.split()[-1]}); waiting for its checkpoint")
+            else:
+                tmux.send_keys(part.tmux_session, "C-c")
+                say("stop", f"sent Ctrl-C to the trainer's tmux pane{where}; waiting for its checkpoint")
         deadline = time.monotonic() + timeout
-        while not _ended(probe) and time.monotonic() < deadline:
+        while not all(_ended(p) for p in probes) and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
-            probe = probe_run(transport, run)
+            probes = [p if _ended(p) else probe_run(transport, part) for (part, transport, _), p in zip(parts, probes)]
     killed = False
-    if probe.session_alive:
-        killed = tmux.kill(run.tmux_session)
+    for (part, _, tmux), probe in zip(parts, probes):
+        if probe.session_alive:
+            killed = tmux.kill(part.tmux_session) or killed
+    probe, transport = probes[0], parts[0][1]
     run = store.get_run(run.id)
     if run.state in FINAL_STATES:
         say("stop", f"run {run.id} was already {run.state}")
@@ -407,54 +437,81 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     config.json. The run's state is the caller's business (it does not change here)."""
     say = progress or quiet
     run = store.get_run(run_id)
-    host = inventory.get(run.host)
-    transport = host_transport(host.name, inventory)
     socket = run.tmux_socket or socket_name()
-    tmux = Tmux(host, inventory, socket)
-    killed = tmux.kill(run.tmux_session)
-    if killed:
-        say("restart", f"killed the previous tmux session {run.tmux_session}")
-    reaped = transport.run(reap_trainer_argv(run.run_dir), timeout=30, check=False)
-    if not reaped.ok:
-        raise LaunchError(f"the previous trainer of {run.id} on {host.name} does not die "
-                          f"({reaped.stdout.strip() or reaped.stderr.strip()}); not starting a second one",
-                          hint="look at the process on the host (uninterruptible I/O? a stuck GPU driver?)")
-    if reaped.stdout.startswith("killed"):
-        say("restart", f"the previous trainer outlived its session: {reaped.stdout.strip()}")
-    state = deploy.check(transport, run.config.get("workdir") or host.workdir, run.bundle_hash or "")
-    redeployed = False
-    config, bundle_hash = run.config, run.bundle_hash
-    if state["bundle"] != "present":
-        # The bundle directory was removed on the host: the current bundle replaces it.
-        bundle = build_bundle()
-        result = deploy.deploy_bundle(transport, bundle, state["workdir"])
-        config = copy.deepcopy(run.config)
-        bundle_dir = result.bundle_dir
-        config["env"]["PYTHONPATH"] = ":".join([bundle_dir, *config["env"]["PYTHONPATH"].split(":")[1:]])
-        store.update_run(run.id, bundle_hash=bundle.hash, config=config)
-        bundle_hash = bundle.hash
-        store.add_event(run.id, "deploy", f"bundle {run.bundle_hash and run.bundle_hash[:12]} missing on the host; "
-                        f"deployed {bundle.short}", clock(), severity="warning", detail=result.to_dict())
-        redeployed = True
+    parts = [(p, host_transport(p.host, inventory), Tmux(inventory.get(p.host), inventory, socket))
+             for p in run.parts()]  # a multi-host run: every host's process, rank 0 first
+    killed = False
+    for part, transport, tmux in parts:  # every previous process is gone before any new one starts
+        killed = _end_previous(run, part, transport, tmux, say) or killed
+    config, bundle_hash, redeployed = run.config, run.bundle_hash, False
+    for part, transport, _ in parts:
+        config, bundle_hash, again = _bundle_in_place(store, run, part, transport, config, bundle_hash, clock)
+        redeployed = redeployed or again
     wanted = bool(serialized_warmup) or config["trainer"]["compile"].get("serialized_warmup", True)
-    files = run_files(run.id, run.run_dir, config, socket, serialized_warmup=wanted)
-    # The previous process's exit code and status go before the new session starts,
-    # so nobody reads them as the new process's (run.sh removes them too).
-    deploy.write_run_files(transport, run.run_dir, files, remove=[contract.EXIT_CODE_FILE, contract.STATUS_FILE])
-    _provide_compile_cache(store, run, transport, json.loads(files[contract.CONFIG_FILE]), config, bundle_hash, say,
-                           clock)
-    tmux.start(run.tmux_session, start_command(run.run_dir))
+    for part, transport, _ in parts:
+        files = run_files(run.id, part.run_dir, config, socket, serialized_warmup=wanted, rank=part.rank,
+                          session=part.tmux_session)
+        # The previous process's exit code and status go before the new session starts,
+        # so nobody reads them as the new process's (run.sh removes them too).
+        deploy.write_run_files(transport, part.run_dir, files,
+                               remove=[contract.EXIT_CODE_FILE, contract.status_file(part.rank)])
+        _provide_compile_cache(store, part, transport, json.loads(files[contract.CONFIG_FILE]),
+                               part_config(config, part.rank), bundle_hash, say, clock)
+    for part, _, tmux in parts:
+        tmux.start(part.tmux_session, start_command(part.run_dir))
     # The restart is issued from here on: a store that cannot take its record (disk
     # full) must not make the caller believe it was not, and issue a second one.
     message = "trainer started again (resume from the last checkpoint" + (
-        ", serialized warm-up)" if serialized_warmup else ")")
+        ", serialized warm-up)" if serialized_warmup else ")") + (
+        f" on {', '.join(run.host_names)}" if run.hosts else "")
     try:
         store.add_event(run.id, "process", message, clock(),
                         detail={"serialized_warmup": bool(serialized_warmup), "killed_previous": killed})
     except (sqlite3.Error, StoreError) as e:
         say("restart", f"{message}; not recorded in the run store: {first_line(e)}")
-    say("restart", f"tmux session {run.tmux_session} started again")
+    say("restart", f"tmux session {run.tmux_session} started again" + (
+        f" (and on {', '.join(run.host_names[1:])})" if run.hosts else ""))
     return RestartResult(run.id, run.tmux_session, bundle_hash, bool(serialized_warmup), killed, redeployed)
+
+
+def _end_previous(run: Run, part: Run, transport: "Transport", tmux: Tmux, say: Progress) -> bool:
+    """Kill the part's previous session and any trainer that outlived it; True if a session was killed."""
+    killed = tmux.kill(part.tmux_session)
+    if killed:
+        say("restart", f"killed the previous tmux session {part.tmux_session}" + (f" on {part.host}" if run.hosts else ""))
+    reaped = transport.run(reap_trainer_argv(part.run_dir, part.rank), timeout=30, check=False)
+    if not reaped.ok:
+        raise LaunchError(f"the previous trainer of {run.id} on {part.host} does not die "
+                          f"({reaped.stdout.strip() or reaped.stderr.strip()}); not starting a second one",
+                          hint="look at the process on the host (uninterruptible I/O? a stuck GPU driver?)")
+    if reaped.stdout.startswith("killed"):
+        say("restart", f"the previous trainer on {part.host} outlived its session: {reaped.stdout.strip()}")
+    return killed
+
+
+def _bundle_in_place(store: Store, run: Run, part: Run, transport: "Transport", config: dict[str, Any],
+                     bundle_hash: str | None, clock: Callable[[], float]) -> tuple[dict[str, Any], str | None, bool]:
+    """The run's bundle on the part's host: (config, bundle hash, redeployed). A bundle
+    removed from the host is replaced by this checkout's; every host of a multi-host run
+    must run the same code, so there only the very same bundle may replace it."""
+    host = transport.host
+    own = part_config(config, part.rank)
+    state = deploy.check(transport, own.get("workdir") or host.workdir, bundle_hash or "")
+    if state["bundle"] == "present":
+        return config, bundle_hash, False
+    bundle = build_bundle()
+    if run.hosts and bundle.hash != bundle_hash:
+        raise LaunchError(f"the bundle of run {run.id} ({(bundle_hash or '?')[:12]}) is gone from {part.host}, and "
+                          f"this checkout builds another ({bundle.short}); the hosts of one run must run the same code",
+                          hint=f"launch a new run: dflashctl launch {shlex.quote(run.playbook)}")
+    result = deploy.deploy_bundle(transport, bundle, state["workdir"])
+    config = copy.deepcopy(config)
+    env = config["distributed"]["hosts"][part.rank]["env"] if run.hosts else config["env"]
+    env["PYTHONPATH"] = ":".join([result.bundle_dir, *env["PYTHONPATH"].split(":")[1:]])
+    store.update_run(run.id, bundle_hash=bundle.hash, config=config)
+    store.add_event(run.id, "deploy", f"bundle {bundle_hash and bundle_hash[:12]} missing on {part.host}; "
+                    f"deployed {bundle.short}", clock(), severity="warning", detail=result.to_dict())
+    return config, bundle.hash, True
 
 
 def _provide_compile_cache(store: Store, run: Run, transport: "Transport", trainer: dict[str, Any],
@@ -520,27 +577,38 @@ exit 0
 
 
 def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False, n: int = 50,
-         poll: float = POLL_SECONDS) -> Iterator[str]:
+         poll: float = POLL_SECONDS, host: str | None = None) -> Iterator[str]:
     """The last ``n`` lines of the run's trainer.log; with ``follow``, then what is
-    appended, until the trainer has ended (or the caller stops iterating)."""
+    appended, until the trainer has ended (or the caller stops iterating). A
+    multi-host run: every host's log, each line prefixed with ``[host]``, or only
+    ``host``'s (unprefixed)."""
     run = store.get_run(run_id)
-    transport = host_transport(run.host, inventory)
-    log_path = posixpath_join(run.run_dir, contract.LOG_FILE)
-    ec_path = posixpath_join(run.run_dir, contract.EXIT_CODE_FILE)
-    offset = -1
+    parts = run.parts()
+    if host is not None:
+        parts = [p for p in parts if p.host == host]
+        if not parts:
+            from dflashctl.errors import ConfigError
+
+            raise ConfigError(f"run {run.id} has no process on host '{host}'",
+                              hint=f"its hosts: {', '.join(run.host_names)}")
+    prefix = len(parts) > 1
+    readers = [(p, host_transport(p.host, inventory)) for p in parts]
+    offsets, ended = [-1] * len(readers), [False] * len(readers)
     while True:
-        answer = transport.run(["sh", "-c", _READ_LOG, "dflashctl-logs", log_path, str(offset), str(int(n)),
-                                ec_path])
-        head, _, text = answer.stdout.partition("\n")
-        size, ended = (int(x) for x in head.split())
-        if text:
-            yield text
-        if not follow:
+        for i, (part, transport) in enumerate(readers):
+            if ended[i] and offsets[i] >= 0 and follow:
+                continue
+            answer = transport.run(["sh", "-c", _READ_LOG, "dflashctl-logs", posixpath_join(part.run_dir, contract.LOG_FILE),
+                                    str(offsets[i]), str(int(n)), posixpath_join(part.run_dir, contract.EXIT_CODE_FILE)])
+            head, _, text = answer.stdout.partition("\n")
+            size, done = (int(x) for x in head.split())
+            if text:
+                yield "".join(f"[{part.host}] {line}" for line in text.splitlines(keepends=True)) if prefix else text
+            # Nothing more will come once the exit code is written and the log has been read.
+            ended[i] = bool(done) and offsets[i] == size
+            offsets[i] = size
+        if not follow or all(ended):
             return
-        # Nothing more will come once the exit code is written and the log has been read.
-        if ended and offset == size:
-            return
-        offset = size
         time.sleep(poll)
 
 

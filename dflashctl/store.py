@@ -30,7 +30,7 @@ import statistics
 import threading
 import time
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 if TYPE_CHECKING:
@@ -128,10 +128,34 @@ class Run:
     metrics_offset: int = 0
     metrics_inode: int | None = None
     updated: float | None = None
+    hosts: list[dict[str, Any]] = field(default_factory=list)  # a multi-host run's rows (run_hosts), by rank
 
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def world(self) -> int:
+        """Processes of the run: one per host (1 for a single-host run)."""
+        return max(1, len(self.hosts))
+
+    def parts(self) -> list["Run"]:
+        """The run as each of its hosts holds it, rank 0 first: the same run with that
+        host's ``host``, ``run_dir`` and ``tmux_session`` (a single-host run: itself)."""
+        if not self.hosts:
+            return [self]
+        return [replace(self, host=h["host"], run_dir=h["run_dir"], tmux_session=h["tmux_session"], hosts=[],
+                        config={**self.config, "rank": h["rank"]})
+                for h in sorted(self.hosts, key=lambda h: h["rank"])]
+
+    @property
+    def rank(self) -> int:
+        """Which process of the run this view is (``parts``); 0 for the run itself."""
+        return int((self.config or {}).get("rank", 0))
+
+    @property
+    def host_names(self) -> list[str]:
+        return [h["host"] for h in sorted(self.hosts, key=lambda h: h["rank"])] or [self.host]
 
     @property
     def gpus(self) -> list[int]:
@@ -382,8 +406,20 @@ def _m0006(db: Database) -> None:
     db["evals"].create_index(["run_id", "time"])
 
 
+@migrations(name="0007_run_hosts")
+def _m0007(db: Database) -> None:
+    # A run on several hosts (torch.distributed): a row per host and rank, with what
+    # the supervisor last saw of that host's process (``seen``: local time of the answer).
+    db["run_hosts"].create(
+        {"run_id": str, "rank": int, "host": str, "run_dir": str, "tmux_session": str, "seen": float,
+         "phase": str, "step": int, "pid": int, "alive": int, "exit_code": int, "error": str},
+        pk=("run_id", "rank"), foreign_keys=[("run_id", "runs", "id")],
+    )
+    db["run_hosts"].create_index(["host"])
+
+
 _SAMPLE_NUMBERS = ("tok_s", "loss", "acc", "accept_len", "eta_s", "mfu")
-SCHEMA_VERSION = 6  # the number of migrations above; recorded as PRAGMA user_version
+SCHEMA_VERSION = 7  # the number of migrations above; recorded as PRAGMA user_version
 
 
 def _number(value: Any) -> float | None:
@@ -608,22 +644,26 @@ class Store:
         tmux_socket: str | None = None,
         message: str = "launch requested",
         claim_gpus: bool = True,
+        hosts: list[dict[str, Any]] | None = None,
     ) -> Run:
         """A new run in state ``launching`` (with its first event).
 
         ``config["gpus"]`` lists the physical GPUs the run will hold. With
         ``claim_gpus``, a GPU already held by an active run on the same host raises
         GpuConflict; the check and the insert are one transaction, so two launches
-        racing for one GPU cannot both win.
+        racing for one GPU cannot both win. ``hosts``: a multi-host run's processes
+        (``rank``, ``host``, ``run_dir``, ``tmux_session``; rank 0 on ``host``), each
+        holding the same GPU indices on its own host.
         """
         run_id = run_id or new_run_id(playbook, now)
         config = config or {}
         with self._write() as db:
             if claim_gpus:
-                held = self.gpus_held(host)
-                taken = {g: held[g] for g in config.get("gpus", []) if g in held}
-                if taken:
-                    raise GpuConflict(host, taken)
+                for name in [h["host"] for h in hosts or ()] or [host]:
+                    held = self.gpus_held(name)
+                    taken = {g: held[g] for g in config.get("gpus", []) if g in held}
+                    if taken:
+                        raise GpuConflict(name, taken)
             db["runs"].insert(
                 {
                     "id": run_id,
@@ -640,8 +680,40 @@ class Store:
                     "updated": now,
                 }
             )
+            if hosts:
+                db["run_hosts"].insert_all(
+                    [{"run_id": run_id, "rank": int(h["rank"]), "host": h["host"], "run_dir": h["run_dir"],
+                      "tmux_session": h["tmux_session"]} for h in hosts], pk=("run_id", "rank"))
             self._insert_event(run_id, EVENT_STATE, message, now, "info", {"from": None, "to": LAUNCHING})
         return self.get_run(run_id)
+
+    def update_run_hosts(self, run_id: str, rows: list[dict[str, Any]], now: float) -> None:
+        """What the supervisor saw of each host's process (``rank`` plus any of phase,
+        step, pid, alive, exit_code, error); ``seen`` is ``now`` for a host that answered
+        (a row with ``answered: False`` keeps its last ``seen``, so its age shows)."""
+        with self._write() as db:
+            for row in rows:
+                values = {k: row[k] for k in ("phase", "step", "pid", "exit_code", "error") if k in row}
+                if "alive" in row:
+                    values["alive"] = None if row["alive"] is None else int(bool(row["alive"]))
+                if row.get("answered", True):
+                    values["seen"] = now
+                if values:
+                    db["run_hosts"].update((run_id, int(row["rank"])), values)
+
+    def _with_hosts(self, runs: list[Run]) -> list[Run]:
+        if not runs:
+            return runs
+        by_run: dict[str, list[dict[str, Any]]] = {}
+        for i in range(0, len(runs), 500):  # SQLite's limit on bound parameters
+            chunk = [r.id for r in runs[i:i + 500]]
+            for row in self._query(f"SELECT * FROM run_hosts WHERE run_id IN ({', '.join('?' for _ in chunk)}) "
+                                   "ORDER BY rank", chunk):
+                row["alive"] = None if row["alive"] is None else bool(row["alive"])
+                by_run.setdefault(row.pop("run_id"), []).append(row)
+        for run in runs:
+            run.hosts = by_run.get(run.id, [])
+        return runs
 
     def update_run(self, run_id: str, **values: Any) -> Run:
         """Set descriptive fields (run_dir, tmux_session, bundle_hash, config, ...).
@@ -673,7 +745,7 @@ class Store:
                 "SELECT * FROM runs WHERE id LIKE ? ESCAPE '\\' ORDER BY created DESC, id DESC LIMIT 6", [escaped + "%"]
             )
         if len(rows) == 1:
-            return _row_to(Run, rows[0])
+            return self._with_hosts([_row_to(Run, rows[0])])[0]
         if not rows:
             recent = [r["id"] for r in self._query("SELECT id FROM runs ORDER BY created DESC LIMIT 500")]
             raise ConfigError(
@@ -707,10 +779,12 @@ class Store:
         sql += " ORDER BY created DESC, id DESC"
         if limit:
             sql += f" LIMIT {int(limit)}"
-        return [_row_to(Run, r) for r in self._query(sql, params)]
+        return self._with_hosts([_row_to(Run, r) for r in self._query(sql, params)])
 
     def active_runs_on_host(self, host: str) -> list[Run]:
-        return self.list_runs(host=host, active_only=True)
+        """Active runs with a process on ``host`` (rank 0's host, or any of a multi-host run's)."""
+        ids = {r["run_id"] for r in self._query("SELECT run_id FROM run_hosts WHERE host = ?", [host])}
+        return [r for r in self.list_runs(active_only=True) if r.host == host or r.id in ids]
 
     def gpus_held(self, host: str, exclude_run: str | None = None) -> dict[int, str]:
         """GPU index -> id of the active run holding it, on one host."""

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from dflashctl.config import Alerts, Inventory
 
 PANE_LINES = 100
+MEMBER_METRICS_BYTES = 64 * 1024  # per poll, of another rank's metrics file (only read to move past it)
 
 # Before a restart: the previous process's answers (exit_code, status.json) must not
 # be read as the next one's, and trainer.log (appended to by every process of the
@@ -104,6 +105,14 @@ class Watched:
     alerter: alerts_mod.Alerter
     job: Future | None = None
     detached: str | None = None  # why it is no longer watched here
+    member_args: dict[int, ProbeArgs] = field(default_factory=dict)  # a multi-host run's other ranks
+
+    def probes(self) -> list[tuple[str, int]]:
+        """(host, rank) of every process this run has: rank 0 first."""
+        return [(self.run.host, 0)] + [(p.host, p.rank) for p in self.run.parts()[1:]]
+
+    def args_of(self, rank: int) -> ProbeArgs:
+        return self.state.args if rank == 0 else self.member_args[rank]
 
     @property
     def id(self) -> str:
@@ -270,6 +279,12 @@ class Supervisor:
         last_event = self.store.events(run.id, limit=1)
         self._cursor[run.id] = (last_event[0].id, last_event[0].time) if last_event else (0, 0.0)
         w = Watched(state=state, policy=run_policy, alerter=self._alerter(run_policy.alerts))
+        # The other ranks' metrics are their own figures (rank 0's are the run's): only
+        # their liveness and status are looked at, so a small bounded chunk per poll.
+        w.member_args = {p.rank: ProbeArgs(run_dir=p.run_dir or "", session=p.tmux_session, rank=p.rank,
+                                           socket=run.tmux_socket or _tmux_socket(), pane_lines=PANE_LINES,
+                                           nvidia_smi=bool(run.gpus), metrics_max_bytes=MEMBER_METRICS_BYTES)
+                         for p in run.parts()[1:]}
         self.runs[run.id] = w
         if not self.claim:  # looking once (`watch --once`) is not watching: nothing to record on the run
             if warning:
@@ -412,14 +427,18 @@ class Supervisor:
             if w.job is None:
                 host_up = self.hosts.get(w.run.host, _HostState()).down_since is None  # else: when it is back
                 self._step(w, core.Clock(host_up=host_up), now, t)
-        by_host: dict[str, list[Watched]] = {}
+        by_host: dict[str, list[tuple[Watched, int]]] = {}  # (run, rank): every process of every run
         for w in self.active():
             if w.job is None and w.state.job is None:  # a restart or kill in flight: look again when it is done
-                by_host.setdefault(w.run.host, []).append(w)
+                for host, rank in w.probes():
+                    by_host.setdefault(host, []).append((w, rank))
         answers = fanout(list(by_host), lambda tr: self._probe(tr, by_host[tr.name]), inventory=self.inventory)
         report = TickReport(now, 0.0, {}, {})
+        members: dict[str, list[core.Member]] = {}  # run id -> its other ranks, gathered before rank 0 is stepped
         for host, answer in answers.items():
-            self._host_answer(host, by_host[host], answer, report, t)
+            self._members(host, by_host[host], answer, members)
+        for host, answer in answers.items():
+            self._host_answer(host, by_host[host], answer, report, t, members)
         self._store_tick(t)
         self._act(t)
         for run_id, m in t.metrics:
@@ -430,7 +449,7 @@ class Supervisor:
                                     and e.kind in _FINDING_KINDS]
                            for run_id in report.findings}
         if not self.claim:
-            for w in [w for ws in by_host.values() for w in ws]:
+            for w in [w for ws in by_host.values() for w, rank in ws if rank == 0]:
                 self.emit("observation", self._observation(w, report))
         report.seconds = time.monotonic() - t0
         self.last_report = report
@@ -461,14 +480,32 @@ class Supervisor:
 
     # ----------------------------------------------------------------- probe
 
-    def _probe(self, transport, watched: list[Watched]):
+    def _probe(self, transport, watched: list[tuple[Watched, int]]):
         limit = self.probe_timeout or min(float(transport.host.command_timeout), max(10.0, 3 * self.interval))
-        argv = probe_command(transport.host.python, [w.state.args for w in watched])
+        argv = probe_command(transport.host.python, [w.args_of(rank) for w, rank in watched])
         sent = self.clock()
         result = transport.run(argv, timeout=limit, check=False)
         return result, sent, self.clock()
 
-    def _host_answer(self, host: str, watched: list[Watched], answer: Any, report: TickReport, t: _Tick) -> None:
+    def _members(self, host: str, entries: list[tuple[Watched, int]], answer: Any,
+                 members: dict[str, list[core.Member]]) -> None:
+        """The processes of ranks > 0 in one host's answer (or its failure)."""
+        if all(rank == 0 for _, rank in entries):
+            return
+        parsed = None if isinstance(answer, Exception) else parse_probe_host(answer[0].stdout)
+        error = first_line(answer) if isinstance(answer, Exception) else (
+            parsed.message if isinstance(parsed, ProbeError) else None)
+        for i, (w, rank) in enumerate(entries):
+            if rank == 0:
+                continue
+            pr = None if error is not None else parsed.runs[i]
+            if pr is not None:
+                w.member_args[rank] = pr.next_args(w.member_args[rank])
+            members.setdefault(w.id, []).append(core.Member(rank, host, pr, error))
+
+    def _host_answer(self, host: str, entries: list[tuple[Watched, int]], answer: Any, report: TickReport, t: _Tick,
+                     members: dict[str, list[core.Member]]) -> None:
+        watched = [w for w, rank in entries if rank == 0]
         if isinstance(answer, Exception):
             report.hosts[host] = first_line(answer)
             self._host_failed(host, watched, report.hosts[host], t)
@@ -489,11 +526,14 @@ class Supervisor:
         back = (hs.down_since, hs.polls) if hs.down_since is not None else None
         hs.down_since, hs.polls, hs.severity = None, 0, None
         now = self.clock()
-        for w, pr in zip(watched, parsed.runs):
+        for (w, rank), pr in zip(entries, parsed.runs):
+            if rank != 0:
+                continue
             report.findings[w.id] = []
             chunk = read_metrics_chunk(pr.metrics_chunk)
             lines = chunk.rows
-            obs = core.Probed(pr, hs.skew, tuple(lines), tuple(chunk.rejected), back)
+            obs = core.Probed(pr, hs.skew, tuple(lines), tuple(chunk.rejected), back,
+                              tuple(sorted(members.get(w.id, ()), key=lambda m: m.rank)))
             try:
                 self._step(w, obs, now, t)
             except Exception as e:  # noqa: BLE001  (one run's trouble must not stop the watch of the others)
@@ -600,6 +640,8 @@ class Supervisor:
                                    step_before=x.step_before, detect_delay_s=x.detect_delay_s, outcome=x.outcome)
         elif isinstance(x, core.RestartUpdate):
             self.store.update_latest_restart(run_id, **x.changes)
+        elif isinstance(x, core.HostRows):
+            self.store.update_run_hosts(run_id, list(x.rows), now)
         else:
             raise TypeError(f"not a write: {x!r}")
 
@@ -628,15 +670,17 @@ class Supervisor:
         current = self.store.get_run(run.id)
         if current.state in FINAL_STATES:  # `dflashctl stop` won the race: never start what was stopped
             raise RestartCancelled(f"restart not issued: the run is {current.state} meanwhile")
-        transport = connect(run.host, self.inventory)
+        parts = [(part, connect(part.host, self.inventory)) for part in run.parts()]  # every host's process
         if hung:
             # Before the hung process is killed, its threads' stacks go into trainer.log
             # (the trainer's faulthandler on SIGUSR1): where it hung is the diagnosis.
-            transport.run(signal_trainer_argv(run.run_dir, "USR1"), timeout=15, check=False)
+            for part, transport in parts:
+                transport.run(signal_trainer_argv(part.run_dir, "USR1", part.rank), timeout=15, check=False)
             time.sleep(STACK_DUMP_WAIT_S)
-        transport.run(
-            ["sh", "-c", _PREPARE_RESTART, "dflashctl-restart", run.run_dir, contract.EXIT_CODE_FILE,
-             contract.STATUS_FILE, marker, contract.LOG_FILE], timeout=30)
+        for part, transport in parts:
+            transport.run(
+                ["sh", "-c", _PREPARE_RESTART, "dflashctl-restart", part.run_dir, contract.EXIT_CODE_FILE,
+                 contract.status_file(part.rank), marker, contract.LOG_FILE], timeout=30)
         issued = self.clock()
         if self.restart_fn is not None:
             self.restart_fn(run.id, serialized, self.store, self.inventory)
@@ -663,7 +707,8 @@ class Supervisor:
     def _kill_session(self, run: Run) -> None:
         from dflashctl.tmux import Tmux
 
-        Tmux(self.inventory.get(run.host), self.inventory, run.tmux_socket or _tmux_socket()).kill(run.tmux_session)
+        for part in run.parts():
+            Tmux(self.inventory.get(part.host), self.inventory, run.tmux_socket or _tmux_socket()).kill(part.tmux_session)
 
     def _collect_jobs(self, t: _Tick) -> None:
         now = self.clock()

@@ -171,6 +171,7 @@ class RunState:
     state_before_lost: str | None = None
     compile_cache: str | None = None  # the current process's compile_cache outcome, from its metrics lines
     cache_fetch: bool = False  # the current process's compile artifacts were asked for (FetchCompileCache)
+    ranks_ended: frozenset = frozenset()  # a multi-host run: ranks > 0 whose end was written (this process)
 
     @property
     def id(self) -> str:
@@ -184,14 +185,27 @@ class RunState:
 
 
 @dataclass(frozen=True)
+class Member:
+    """A multi-host run's process on another host (rank > 0), as this tick saw it."""
+
+    rank: int
+    host: str
+    result: ProbeResult | None  # None: its host did not answer (``error`` says why)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Probed:
-    """The host answered: this run's part of the probe, its new metrics lines parsed."""
+    """The host answered: this run's part of the probe, its new metrics lines parsed.
+    A multi-host run: ``result`` is rank 0's (its metrics are the run's global
+    figures) and ``members`` the other hosts' processes."""
 
     result: ProbeResult
     skew: float = 0.0  # host clock - local clock
     lines: tuple[contract.Metrics, ...] = ()
     rejected: tuple[Rejected, ...] = ()  # bad lines of the chunk (line numbers within it), skipped
     host_back: tuple[float, int] | None = None  # (down since, failed polls) when the host was unreachable until now
+    members: tuple[Member, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -274,6 +288,13 @@ class RestartRow:
 
 
 @dataclass(frozen=True)
+class HostRows:
+    """A multi-host run: what each host's process showed this tick (store.update_run_hosts)."""
+
+    rows: tuple[dict, ...]
+
+
+@dataclass(frozen=True)
 class RestartUpdate:
     """Fill in the run's latest restart row."""
 
@@ -313,7 +334,7 @@ class Alert:
     detail: dict | None = None
 
 
-Write = Union[Event, Transition, Samples, RestartRow, RestartUpdate]
+Write = Union[Event, Transition, Samples, RestartRow, RestartUpdate, HostRows]
 Action = Union[IssueRestart, KillSession, RunEval, FetchCompileCache, Alert]
 
 
@@ -374,11 +395,13 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
         s.step_max = status.step
     _track_phase(s, pr, now, skew, out)
 
+    if s.run.hosts:
+        _members(s, obs, out)
     started = status is not None and pr.exit_code is None and status.phase not in contract.FINAL_PHASES
     if started and pol.act and s.run.state == LAUNCHING:
         _transition(s, out, RUNNING, f"trainer started (pid {status.pid}, phase {status.phase})")
     elif started and pol.act and s.run.state == RESTARTING and s.restart_issued:
-        s.restart_issued = False
+        s.restart_issued, s.ranks_ended = False, frozenset()
         _transition(s, out, RUNNING, f"trainer running again (pid {status.pid}, phase {status.phase})")
     if s.run.state == RESTARTING and (s.pending is not None or not s.restart_issued):
         return  # a restart is coming: ours after its backoff, or an operator's
@@ -397,8 +420,80 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
         s.conflict_seen = s.conflict_seen or local
         if local - s.conflict_seen < SETTLE_S:
             findings = [f for f in findings if f.kind != detectors.CONFLICT]
+    if s.run.hosts:
+        findings = [_name_host(f, s, pr, obs.members) for f in findings]
     _act(s, pr, findings, local, skew, pol, out)
     _fetch_compile_cache(s, local, pol, out)
+
+
+# --------------------------------------------------------------------------- several hosts
+
+
+def _gone(pr: ProbeResult) -> bool:
+    return pr.exit_code is not None or pr.session_alive is False or (pr.process is not None and not pr.process.alive)
+
+
+def _host_row(rank: int, host: str, pr: ProbeResult | None, error: str | None = None) -> dict:
+    if pr is None:
+        return {"rank": rank, "host": host, "answered": False, "error": error}
+    st = pr.status
+    return {"rank": rank, "host": host, "phase": st.phase if st else None, "step": st.step if st else None,
+            "pid": st.pid if st else None, "alive": None if pr.process is None else pr.process.alive,
+            "exit_code": pr.exit_code, "error": "; ".join(pr.errors[:2]) or None}
+
+
+def _members(s: RunState, obs: Probed, out: _Out) -> None:
+    """Each host's row, and the end of a process on another host, written once. Its
+    end alone changes nothing: rank 0 fails within distributed.timeout when a peer is
+    gone (and names it), or stops making steps; that confirms it."""
+    out.writes.append(HostRows((_host_row(0, s.run.host, obs.result),
+                                *(_host_row(m.rank, m.host, m.result, m.error) for m in obs.members))))
+    for m in obs.members:
+        if m.result is None or not _gone(m.result) or m.rank in s.ranks_ended or s.run.state not in (RUNNING, STALLED):
+            continue
+        s.ranks_ended = s.ranks_ended | {m.rank}
+        code = m.result.exit_code
+        how = contract.describe_exit(code) if code is not None else "its process is gone"
+        out.event("rank", "warning", f"rank {m.rank} on {m.host} ended ({how}); rank 0 confirms it within "
+                  "distributed.timeout, then the run is restarted on every host",
+                  {"rank": m.rank, "host": m.host, "exit_code": code})
+
+
+def _suspect(s: RunState, members: tuple[Member, ...]) -> Member | None:
+    """The host a stall or crash of a multi-host run most likely started on: one not
+    answering, then one whose process ended or is stopped (T, D, Z), then the one
+    furthest behind."""
+    def step_of(m: Member) -> int:
+        return (m.result.status.step or 0) if m.result is not None and m.result.status else 0
+
+    for test in (lambda m: m.result is None, lambda m: _gone(m.result),
+                 lambda m: m.result.process is not None and m.result.process.state in ("T", "t", "D", "Z")):
+        found = [m for m in members if test(m)]
+        if found:
+            return found[0]
+    behind = sorted(members, key=step_of)
+    return behind[0] if behind and step_of(behind[0]) < (s.step_max or 0) else None
+
+
+def _name_host(f: Finding, s: RunState, pr: ProbeResult, members: tuple[Member, ...]) -> Finding:
+    """A crash or stall of a multi-host run says which host it started on."""
+    if f.kind not in (detectors.CRASH, detectors.STALL):
+        return f
+    detail = (pr.status.detail if pr.status is not None and isinstance(pr.status.detail, dict) else {}) or {}
+    if f.kind == detectors.CRASH and detail.get("failed_host") is not None:
+        rank, host = detail.get("failed_rank"), detail["failed_host"]
+        why = "failed first (rank 0's report)"
+    else:
+        m = _suspect(s, members)
+        if m is None:
+            rank, host, why = 0, s.run.host, "rank 0's host; every other host looks healthy"
+        else:
+            rank, host = m.rank, m.host
+            why = ("not answering" if m.result is None else "its process ended" if _gone(m.result)
+                   else "its process is stopped" if m.result.process and m.result.process.state in ("T", "t")
+                   else "furthest behind")
+    return replace(f, message=f"{f.message} [host {host}, rank {rank}: {why}]",
+                   detail={**f.detail, "host": host, "rank": rank})
 
 
 def _ingest_metrics(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> None:

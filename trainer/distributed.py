@@ -46,6 +46,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dflashctl import contract
+
 ENV_KEYS = ("RANK", "WORLD_SIZE")
 HEARTBEAT_S = 1.0
 STALE_S = 4.0  # a heartbeat this old: that process is gone or frozen
@@ -57,12 +59,13 @@ def requested() -> bool:
     return all(os.environ.get(k) for k in ENV_KEYS) and int(os.environ["WORLD_SIZE"]) > 1
 
 
-def status_file(rank: int) -> str:
-    return "status.json" if rank == 0 else f"status.rank{rank}.json"
+status_file, metrics_file = contract.status_file, contract.metrics_file
 
 
-def metrics_file(rank: int) -> str:
-    return "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
+def host_name() -> str:
+    """The name failures are reported with: the inventory's name of this host when
+    dflashctl started the process (``DFLASHCTL_HOST``), else the machine's."""
+    return os.environ.get(contract.HOST_ENV) or socket.gethostname()
 
 
 def env_rank() -> int:
@@ -95,7 +98,7 @@ class Group:
     backend: str
     timeout_s: float
     device: "torch.device"  # noqa: F821 - torch is imported lazily
-    host: str = field(default_factory=socket.gethostname)
+    host: str = field(default_factory=host_name)
     step: int = 0  # last finished step, published in the heartbeat
     last_allreduce_s: float = 0.0
     extras: list = field(default_factory=list)  # per step: values summed over ranks with the gradients

@@ -157,6 +157,8 @@ def logs_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new output until the trainer ends."),
     n: int = typer.Option(50, "-n", "--lines", min=0, help="Lines of the log to show first."),
+    host: Optional[str] = typer.Option(None, "--host", help="A multi-host run: only this host's log "
+                                       "(default: every host's, each line prefixed with [host])."),
 ) -> None:
     """Print the run's trainer log (stdout and stderr of every process of the run).
 
@@ -165,7 +167,7 @@ def logs_command(
     from dflashctl.runhost import logs
 
     try:
-        for chunk in logs(run, _store(), _inventory(), follow=follow, n=n):
+        for chunk in logs(run, _store(), _inventory(), follow=follow, n=n, host=host):
             sys.stdout.write(printable(chunk))
             sys.stdout.flush()
     except KeyboardInterrupt:

@@ -7,7 +7,9 @@ The argument is one JSON value: a list of run specs, or
 ``{"runs": [...], "nvidia_smi": bool, "step_timeout": seconds}``. A run spec:
 ``run_dir`` (required; ``~`` expands here), ``session``, ``socket``,
 ``metrics_offset``, ``metrics_inode``, ``pane_lines``, ``nvidia_smi``,
-``pid_hint``, ``step_timeout``, ``metrics_max_bytes``.
+``pid_hint``, ``step_timeout``, ``metrics_max_bytes``, ``rank`` (a multi-host
+run's process on this host: rank q > 0 writes ``status.rank<q>.json`` and
+``metrics.rank<q>.jsonl``).
 
 The answer is exactly one JSON line:
 ``{"probe": 1, "hostname", "python", "host_time", "elapsed", "errors", "smi", "runs"}``
@@ -333,9 +335,12 @@ def probe_run(spec, default_timeout):
         out["session_alive"] = step(errors, "tmux has-session", timeout, tmux_alive, sock, session, timeout)
         if out["session_alive"]:
             out["pane"] = step(errors, "tmux capture-pane", timeout, tmux_pane, sock, session, lines, timeout)
-    status = step(errors, STATUS_FILE, timeout, read_status, os.path.join(run_dir, STATUS_FILE))
+    rank = spec_number(spec, "rank", 0, 0, 1 << 20, errors)
+    status_name = STATUS_FILE if rank == 0 else "status.rank%d.json" % rank
+    metrics_name = METRICS_FILE if rank == 0 else "metrics.rank%d.jsonl" % rank
+    status = step(errors, status_name, timeout, read_status, os.path.join(run_dir, status_name))
     out["status_text"] = status["text"] if status else None
-    out["metrics"] = step(errors, METRICS_FILE, timeout, read_metrics, os.path.join(run_dir, METRICS_FILE),
+    out["metrics"] = step(errors, metrics_name, timeout, read_metrics, os.path.join(run_dir, metrics_name),
                           spec_number(spec, "metrics_offset", 0, 0, 2**63, errors),
                           spec.get("metrics_inode"),
                           spec_number(spec, "metrics_max_bytes", METRICS_DEFAULT_BYTES, 1, METRICS_MAX_BYTES, errors))
