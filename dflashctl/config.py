@@ -1068,8 +1068,13 @@ def _inventory_from_text(text: str, source: str, base_dir: Optional[str]) -> Inv
 
     found: list[tuple[str, str, str]] = []
     for key in raw:
-        if key not in ("hosts", "defaults"):
-            found.append((str(key), "extra_forbidden", f"unknown key{did_you_mean(key, ['hosts', 'defaults'])}"))
+        if key not in ("hosts", "defaults", "groups"):
+            found.append((str(key), "extra_forbidden", f"unknown key{did_you_mean(key, ['hosts', 'defaults', 'groups'])}"))
+    groups = raw.get("groups") or {}
+    if not isinstance(groups, dict) or not all(
+            isinstance(v, list) and all(isinstance(h, str) for h in v) for v in groups.values()):
+        found.append(("groups", "type", "expected a mapping of group names to lists of host names"))
+        groups = {}
 
     defaults = raw.get("defaults") or {}
     if not isinstance(defaults, dict):
@@ -1138,7 +1143,7 @@ def _inventory_from_text(text: str, source: str, base_dir: Optional[str]) -> Inv
     if lines:
         raise ConfigError(lines, source=source)
     try:
-        return Inventory(hosts=hosts, source=source,
+        return Inventory(hosts=hosts, source=source, groups={str(k): v for k, v in groups.items()},
                          defaults=_local_paths(defaults, base_dir) if not bad_defaults else {})
     except ValidationError as e:  # a cycle through jumps that the ssh config's ProxyJump named
         raise ConfigError(_lines(_translate(e, Inventory)), source=source) from None
@@ -1228,17 +1233,28 @@ def _playbook_from_text(text: str, name: str, source: str, inventory: Optional[I
         found += _translate(e, Playbook)
 
     hint = None
-    host_name = raw.get("host")
-    if inventory is not None and isinstance(host_name, str):
+    listed = raw.get("hosts") if isinstance(raw.get("hosts"), list) else None
+    names = [(f"hosts[{i}]", h) for i, h in enumerate(listed)] if listed else [("host", raw.get("host"))]
+    for where, host_name in names:
+        if inventory is None or not isinstance(host_name, str):
+            continue
+        if host_name in inventory.groups:
+            if where == "host":
+                found.append(("host", "route", f"'{host_name}' is a group of hosts: write hosts: [{host_name}]"))
+            continue
         if not inventory.knows(host_name):
-            suggestion = did_you_mean(host_name, list(inventory.hosts))
-            found.append(("host", "route", f"unknown host '{host_name}'{suggestion}"))
+            suggestion = did_you_mean(host_name, list(inventory.hosts) + list(inventory.groups))
+            found.append((where, "route", f"unknown host '{host_name}'{suggestion}"))
             hint = (
                 f"hosts in {inventory.source}: {', '.join(inventory.hosts)}; add a '{host_name}' entry under "
-                "hosts: in the inventory (the shipped inventory.yaml has a commented example) or change host:"
+                f"hosts: in the inventory (the shipped inventory.yaml has a commented example) or change {where}:"
             )
-        elif playbook is not None:
+    if inventory is not None and playbook is not None and not any(kind == "route" for _, kind, _ in found):
+        expanded = playbook.host_names(inventory)
+        for host_name in expanded:
             found += _gpu_problems(playbook, inventory.get(host_name))
+        if listed and len(expanded) == 1:
+            found.append(("hosts", "route", "a multi-host run needs two or more hosts (one host: write host:)"))
 
     lines = _lines(found)
     if lines:

@@ -34,6 +34,7 @@ class Freshness:
     live: bool  # supervised, its host answering recently: what is shown is current
     note: str  # one line for the operator ("" when live)
     fix: str | None  # the command that fixes it
+    stale_after_s: float | None = None  # a host answer older than this is not live (None: a finished run)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,7 +64,7 @@ def freshness(run: Any, heartbeats: Sequence[dict], newest_sample: Any, now: flo
         note = f"unsupervised since {_ago(now, since)}: nobody watches this run"
         fix = f"dflashctl watch {run.id}"
         return Freshness(False, (beat or {}).get("pid"), (beat or {}).get("last_tick"), since, last_answer,
-                         down_since, error, data_time, data_age, False, note, fix)
+                         down_since, error, data_time, data_age, False, note, fix, window)
     if down_since is not None:
         note = f"host {run.host} unreachable since {_ago(now, down_since)}" + (f": {error}" if error else "")
     elif not answering:
@@ -72,7 +73,7 @@ def freshness(run: Any, heartbeats: Sequence[dict], newest_sample: Any, now: flo
     else:
         note = ""
     return Freshness(True, beat.get("pid"), beat.get("last_tick"), None, last_answer, down_since, error, data_time,
-                     data_age, answering, note, None)
+                     data_age, answering, note, None, window)
 
 
 def _ago(now: float, then: float) -> str:

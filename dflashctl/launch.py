@@ -359,7 +359,7 @@ class _Launcher:
         trainer = pb.trainer.to_dict()
         wanted = wanted_gpus(trainer)
         gpus = []
-        for host, transport in zip(hosts, transports):
+        for host, transport in zip(hosts, transports) if wanted else zip(hosts[:1], transports[:1]):
             self._at(host, transport)
             gpus = self._check_gpus(wanted)  # the same indices on every host
         run_id = new_run_id(pb.name, self.clock())

@@ -133,6 +133,14 @@ BUILTIN_SIGNATURES: tuple[Signature, ...] = (
         "the GPU may need a reset or replacement",
     ),
     Signature(
+        "rank_failed",
+        _re(r"DistributedError: [^\n]*failed first"),
+        RESTART,
+        "error",
+        "a process of the multi-host run failed or vanished (its host is named); every host is restarted "
+        "from the last checkpoint",
+    ),
+    Signature(
         "nccl_timeout",
         _re(r"Watchdog caught collective operation timeout|NCCL[^\n]*\b[Tt]ime(d)?\s?out"),
         RESTART,

@@ -451,6 +451,8 @@ def _members(s: RunState, obs: Probed, out: _Out) -> None:
     for m in obs.members:
         if m.result is None or not _gone(m.result) or m.rank in s.ranks_ended or s.run.state not in (RUNNING, STALLED):
             continue
+        if m.result.status is not None and m.result.status.phase in (contract.PHASE_DONE, contract.PHASE_STOPPED):
+            continue  # it finished (or was stopped) with the others: rank 0 says the run's end
         s.ranks_ended = s.ranks_ended | {m.rank}
         code = m.result.exit_code
         how = contract.describe_exit(code) if code is not None else "its process is gone"

@@ -23,6 +23,9 @@ NCCL = (
     "WorkNCCL(SeqNum=4821, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600039 milliseconds "
     "before timing out."
 )
+# The trainer's own report when a peer of a multi-host run died (tests/test_multihost.py).
+RANK_FAILED = ("error: DistributedError: all_reduce failed on rank 0 after step 9: rank 1 on target failed first "
+               "(its heartbeat stopped); torch: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Read error")
 MISSING_LIB = (
     "Traceback (most recent call last):\n"
     '  File "/opt/trainer/__main__.py", line 3, in <module>\n'
@@ -53,6 +56,7 @@ CASES = [
     (CUDA_OOM, None, 1, "cuda_oom"),
     ("", "OutOfMemoryError: CUDA out of memory. Tried to allocate N.N GiB", None, "cuda_oom"),
     (NCCL, None, -6, "nccl_timeout"),
+    (RANK_FAILED, None, 1, "rank_failed"),
     (MISSING_LIB, None, 1, "missing_shared_library"),
     (CUDNN, None, 1, "cudnn_version_mismatch"),
     (CUDNN_SUB, None, 1, "cudnn_version_mismatch"),

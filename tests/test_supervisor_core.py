@@ -493,3 +493,59 @@ def test_each_new_phase_is_an_event_for_the_console():
     assert [kinds for _, kinds, _ in seen] == [["phase"], ["phase"], [], ["phase"], ["phase"]]
     _, seen = run_table([(T0, healthy(T0, 1))])  # re-attached to a training run: no news
     assert seen[0][1] == []
+
+
+# --------------------------------------------------------------------------- a run on several hosts
+
+
+def two_host_state() -> core.RunState:
+    s = make_state()
+    hosts = [{"rank": 0, "host": "gpu1", "run_dir": "/runs/r1", "tmux_session": "r1"},
+             {"rank": 1, "host": "gpu2", "run_dir": "/w2/runs/r1", "tmux_session": "r1-r1"}]
+    return replace(s, run=replace(s.run, hosts=hosts))
+
+
+def with_member(obs: core.Probed, t: float, **member) -> core.Probed:
+    result = None if member.pop("down", False) else probe(t, **member)
+    return replace(obs, members=(core.Member(1, "gpu2", result, "ssh: timed out" if result is None else None),))
+
+
+def test_another_hosts_rank_ending_is_written_once_and_restarts_nothing_until_rank_0_confirms():
+    failed = core.Probed(probe(T0 + 12, "failed", step=10, session=False, alive=False, exit_code=1,
+                               error="DistributedError"))
+    failed = replace(failed, result=replace(failed.result, status=replace(
+        failed.result.status, detail={"failed_rank": 1, "failed_host": "gpu2"})))
+    gone = dict(step=10, session=False, alive=False, exit_code=137)
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10)),
+            (T0 + 1, with_member(healthy(T0 + 1, 10), T0 + 1, **gone)),
+            (T0 + 2, with_member(healthy(T0 + 2, 10), T0 + 2, **gone)),
+            (T0 + 12, with_member(failed, T0 + 12, **gone))]
+    state, seen = run_table(rows, two_host_state())
+    assert seen[1] == ([], ["rank"], []) and seen[2] == ([], [], [])  # one signal: said once, nothing done
+    assert seen[3][0] == ["restarting"] and "IssueRestart" in seen[3][2]  # confirmed by rank 0's own failure
+    _, writes, _ = core.step(run_table(rows[:3], two_host_state())[0], rows[3][1], T0 + 12, make_policy())
+    [crash] = [w for w in writes if isinstance(w, core.Event) and w.kind == "crash"]
+    assert crash.detail["host"] == "gpu2" and crash.detail["rank"] == 1 and "[host gpu2, rank 1" in crash.message
+    [rows_written] = [w for w in writes if isinstance(w, core.HostRows)]
+    assert [(r["rank"], r["host"], r["exit_code"]) for r in rows_written.rows] == [(0, "gpu1", 1), (1, "gpu2", 137)]
+
+
+def test_a_stall_of_a_run_on_two_hosts_names_the_host_whose_process_is_stopped():
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10))]
+    rows += [(T0 + 30 * i, with_member(core.Probed(probe(T0 + 30 * i, step=10)), T0 + 30 * i, step=10, state="T"))
+             for i in (1, 2, 3)]
+    state, stalls = two_host_state(), []
+    for t, obs in rows:
+        state, writes, _ = core.step(state, obs, t, make_policy())
+        stalls += [w for w in writes if isinstance(w, core.Event) and w.kind == "stall"]
+    assert stalls, "no stall after 90 s without a step"
+    assert stalls[0].detail["host"] == "gpu2" and "its process is stopped" in stalls[0].message
+
+
+def test_a_host_that_does_not_answer_keeps_its_row_age_and_a_finished_rank_is_no_failure():
+    done = dict(phase="done", step=10, session=False, alive=False, exit_code=0)
+    _, writes, _ = core.step(two_host_state(), with_member(healthy(T0, 10), T0, down=True), T0, make_policy())
+    [rows] = [w for w in writes if isinstance(w, core.HostRows)]
+    assert rows.rows[1] == {"rank": 1, "host": "gpu2", "answered": False, "error": "ssh: timed out"}
+    _, seen = run_table([(T0, with_member(healthy(T0, 10), T0, **done))], two_host_state())
+    assert "rank" not in seen[0][1]

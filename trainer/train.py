@@ -444,8 +444,12 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         allreduce_s, optim_s, grad_norm = pl.optimizer_step(replicas, drafter_devs, optimizer, scheduler, cfg.optim.grad_clip,
                                                             across=group.allreduce_gradients if group else None)
         step_tokens = sum(r.query_tokens for r in reports)
+        stop_after = stop.is_set()  # one process: its own request, read once per step
         if group:
             loss_sum, step_tokens, stops = group.summed
+            # Every rank decides on the same all-reduced count: a signal that lands after
+            # this step's all-reduce rides the next one, so no rank leaves a collective early.
+            stop_after = stops > 0
             step_tokens = int(round(step_tokens))
             global_loss.append(loss_sum / (len(replicas) * world))
             global_tokens += step_tokens
@@ -506,7 +510,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             save(steps_done)
             last_saved = steps_done
             status.set(contract.PHASE_TRAINING, step=steps_done)
-        if stop.is_set():
+        if stop_after:
             break
 
     # ---------------------------------------------------------------- shutdown

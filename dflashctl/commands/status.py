@@ -75,13 +75,14 @@ def _now() -> float:
 
 def print_status(view, width: int) -> None:
     """The status as text at ``width`` columns: the summary, what needs the operator
-    (with its fix), one line per run (the columns that fit; cells cut, never folded),
-    the selected run's newest events, the GPUs of hosts with active runs."""
+    (with its fix), one line per run (the columns that fit; cells cut, never folded;
+    a multi-host run's hosts indented below it), the selected run's newest events,
+    the GPUs of hosts with active runs."""
     from rich.table import Table
     from rich.text import Text
 
     from dflashctl.tui.model import SEVERITY_STYLE, fit, fit_middle, select_columns
-    from dflashctl.tui.text import gpu_text
+    from dflashctl.tui.text import gpu_text, run_hosts_text
 
     width = max(40, width)
     out.print(Text(printable(view.summary())), highlight=False)
@@ -93,17 +94,32 @@ def print_status(view, width: int) -> None:
                   highlight=False)
     # Run ids are copied into other commands: their column is as wide as the longest.
     columns = select_columns(width, gap=1, run_width=max(len(r.id) for r in view.runs))
-    table = Table(box=None, pad_edge=False, padding=(0, 1), collapse_padding=True, show_edge=False,
-                  header_style="bold")
-    for c in columns:
-        table.add_column(c.header, width=c.width, no_wrap=True, overflow="ellipsis", justify=c.justify)
-    for r in view.runs:
-        cells = []
+
+    def table(runs, header: bool) -> Table:
+        # Fixed column widths: tables printed one after another line up as one.
+        t = Table(box=None, pad_edge=False, padding=(0, 1), collapse_padding=True, show_edge=False,
+                  header_style="bold", show_header=header)
         for c in columns:
-            text = printable(r.cell(c.key))
-            cells.append(Text(fit_middle(text, c.width) if c.key == "run" else fit(text, c.width), style=r.style(c.key)))
-        table.add_row(*cells)
-    out.print(table)
+            t.add_column(c.header, width=c.width, no_wrap=True, overflow="ellipsis", justify=c.justify)
+        for r in runs:
+            cells = []
+            for c in columns:
+                text = printable(r.cell(c.key))
+                cells.append(Text(fit_middle(text, c.width) if c.key == "run" else fit(text, c.width),
+                                  style=r.style(c.key)))
+            t.add_row(*cells)
+        return t
+
+    # A multi-host run's hosts go right under its line: the table is cut there.
+    pending, header = [], True
+    for r in view.runs:
+        pending.append(r)
+        if r.hosts:
+            out.print(table(pending, header))
+            out.print(run_hosts_text(r.hosts, width), highlight=False)
+            pending, header = [], False
+    if pending:
+        out.print(table(pending, header))
     if view.events:
         out.print(Text(f"\nevents of {printable(view.selected)}", style="bold"))
         for e in view.events[-10:]:

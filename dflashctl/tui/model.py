@@ -12,6 +12,8 @@ ones), each with
 - progress, tok/s averaged over ``SMOOTH_WINDOW_S`` and as a share of the
   baseline, an ETA from the step rate over the same window, loss, acceptance
   length (tau), restarts, the event that matters last;
+- for a run on several hosts, each host's process as the supervisor last saw it
+  (``RunHostView``), with how old that is;
 
 the GPUs of every host with an active run (one row per GPU: role, the run that
 holds it, readings and a short history), and the selected run's recent events.
@@ -36,6 +38,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from dflashctl.contract import describe_exit
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.freshness import Freshness, freshness
 from dflashctl.store import ACTIVE_STATES, FINAL_STATES, LAUNCHING, RESTARTING, Event, Run, Sample, Store
@@ -396,6 +399,47 @@ class HostView:
 
 
 @dataclass
+class RunHostView:
+    """One host (rank) of a multi-host run: its process as the supervisor last saw it
+    (``Store.update_run_hosts``), and how old that is. ``stale``: older than the
+    run's freshness window (``Freshness.stale_after_s``), the rule a run's own data
+    is held to; a finished run's rows are shown with their age, never as stale."""
+
+    rank: int
+    host: str
+    phase: str | None = None  # the process's status.json phase
+    step: int | None = None
+    alive: bool | None = None  # the process exists (None: not read)
+    exit_code: int | None = None  # what run.sh wrote: the process ended
+    exit_reason: str | None = None  # the exit code in words (contract.describe_exit)
+    error: str | None = None  # what the probe could not read, or why the host did not answer
+    seen: float | None = None  # when the supervisor last got an answer from it (local clock)
+    age_s: float | None = None  # now - seen; None: never seen
+    stale: bool = False
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any], now: float, stale_after_s: float | None) -> "RunHostView":
+        seen, code = row.get("seen"), row.get("exit_code")
+        age = None if seen is None else max(0.0, now - seen)
+        return cls(row["rank"], row["host"], row.get("phase"), row.get("step"), row.get("alive"), code,
+                   None if code is None else describe_exit(code), row.get("error"), seen, age,
+                   age is not None and stale_after_s is not None and age > stale_after_s)
+
+    def state_text(self) -> str:
+        """What the process is doing: its phase, or that it ended or is gone."""
+        if self.exit_code is not None:
+            return f"ended: {self.exit_reason}"
+        if self.alive is False:
+            return "not alive"
+        return self.phase or NA
+
+    def seen_text(self) -> str:
+        if self.age_s is None:
+            return "no answer yet"
+        return ("stale: " if self.stale else "") + f"seen {short_duration(self.age_s)} ago"
+
+
+@dataclass
 class DirectProbe:
     """What the status console saw itself of a run nobody supervises (one probe round
     trip, in a worker): nothing of it is stored."""
@@ -471,6 +515,7 @@ class RunView:
     exit_reason: str | None = None
     gpus: list[int] = field(default_factory=list)
     roles: dict[int, str] = field(default_factory=dict)
+    hosts: list[RunHostView] = field(default_factory=list)  # a multi-host run's, by rank ([]: one host)
 
     @property
     def active(self) -> bool:
@@ -904,6 +949,7 @@ class StatusReader:
             freshness=fresh, phase=phase, total_steps=total,
             restarts=sum(1 for r in restarts if r.counts), last_event=last_event, exit_reason=run.exit_reason,
             gpus=run.gpus, roles=roles_of(run),
+            hosts=[RunHostView.from_row(h, now, fresh.stale_after_s) for h in run.hosts],
         )
         process = current_process(samples)
         view.tok_s_history = [s.tok_s for s in process if s.tok_s is not None]
@@ -1056,7 +1102,7 @@ JSON_SCHEMA: dict[str, Any] = {
             "type": "object",
             "required": ["id", "playbook", "host", "state", "display_state", "active", "freshness", "phase", "step",
                          "total_steps", "progress_pct", "tok_s", "baseline_pct", "eta_s", "loss", "accept_len",
-                         "restarts", "last_event"],
+                         "restarts", "last_event", "hosts"],
             "properties": {
                 "id": {"type": "string"}, "playbook": {"type": "string"}, "host": {"type": "string"},
                 "state": {"type": "string", "description": "as stored: launching, running, stalled, restarting, "
@@ -1066,7 +1112,8 @@ JSON_SCHEMA: dict[str, Any] = {
                 "active": {"type": "boolean"},
                 "freshness": {"type": "object", "required": ["supervised", "live", "note", "fix", "data_age_s"],
                               "description": "dflashctl.freshness.Freshness: supervised, live, unsupervised_since, "
-                                             "host_down_since, data_age_s, note, fix (the command that fixes it)"},
+                                             "host_down_since, data_age_s, note, fix (the command that fixes it), "
+                                             "stale_after_s (an answer older than this is not live)"},
                 "phase": {"type": "object", "required": ["name", "since", "budget_s", "elapsed_s", "over_budget"]},
                 "step": {"type": ["integer", "null"]}, "total_steps": {"type": ["integer", "null"]},
                 "progress_pct": _NUM,
@@ -1077,6 +1124,21 @@ JSON_SCHEMA: dict[str, Any] = {
                 "mfu": _NUM, "restarts": {"type": "integer"}, "exit_reason": _STR,
                 "last_event": {"type": ["object", "null"]}, "tok_s_history": {"type": "array"},
                 "gpus": {"type": "array"}, "roles": {"type": "object"},
+                "hosts": {"type": "array", "description": "a run on several hosts: one per host, by rank, as the "
+                                                          "supervisor last saw its process; [] for a run on one host",
+                          "items": {"type": "object", "required": [
+                              "rank", "host", "phase", "step", "alive", "exit_code", "exit_reason", "error", "seen",
+                              "age_s", "stale"], "properties": {
+                              "rank": {"type": "integer"}, "host": {"type": "string"}, "phase": _STR,
+                              "step": {"type": ["integer", "null"]}, "alive": {"type": ["boolean", "null"]},
+                              "exit_code": {"type": ["integer", "null"], "description": "the process ended"},
+                              "exit_reason": {**_STR, "description": "the exit code in words"},
+                              "error": {**_STR, "description": "what the probe could not read, or why the host "
+                                                               "did not answer"},
+                              "seen": {**_NUM, "description": "when its host last answered for this run"},
+                              "age_s": {**_NUM, "description": "now - seen; null: never answered"},
+                              "stale": {"type": "boolean", "description": "age_s over freshness.stale_after_s "
+                                                                          "(an active run only)"}}}},
             }}},
         "events": {"type": "array", "description": "the selected run's recent events, oldest first"},
         "hosts": {"type": "array", "items": {"type": "object", "required": ["host", "runs", "last_answer",

@@ -51,6 +51,8 @@ LEGEND = [
     ("age", "how old the newest sample is; rst: restarts"),
     ("GPUs", "per host: role (target / drafter), the run holding it, utilisation and memory bars, temperature, "
              "power, utilisation history"),
+    ("hosts", "a run on several hosts (its detail, and status --once): per rank its host, phase (or how its process "
+              "ended), step and when its host last answered; 'stale:' past three poll intervals"),
 ]
 
 

@@ -1,7 +1,7 @@
 """The status console's text: pure functions from view models
 (``dflashctl.tui.model``) to rich ``Text``, shared by the live screen and
 ``status --once``: notices with their fix, the GPU pane, the highlighted run, a
-run's detail overview.
+multi-host run's hosts, a run's detail overview.
 
 Never here: Textual (``status --once`` draws these without a screen), the store,
 a host.
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from dflashctl.commands._app import printable
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.tui.model import (
-    NA, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, DirectProbe, EventView, HostView, Notice, RunView,
-    bar, fit,
-    fit_middle, spark,
+    NA, PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, DirectProbe, EventView, HostView,
+    Notice, RunHostView, RunView, bar, fit, fit_middle, spark,
 )
 
 def notice_text(notices: list[Notice], width: int, lines: int = 2) -> Text:
@@ -83,6 +83,40 @@ def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = Fals
         for g in h.gpus:
             out.append("\n")
             out.append_text(_gpu_row(g, width, compact, now))
+    return out
+
+
+def _one_line(text: str) -> str:
+    """Text from the store or a host on one line, its control characters shown, not obeyed."""
+    return " ".join(printable(text).split())
+
+
+def run_hosts_text(hosts: list[RunHostView], width: int, indent: str = "  ") -> Text:
+    """A multi-host run's hosts, one line each: rank, host, phase (or that its process
+    ended, or is gone), step, how old that is (``stale:`` when older than the run's
+    freshness window), what could not be read. Lines are cut at ``width``."""
+    out = Text()
+    if not hosts:
+        return out
+    rank_width = max(len(str(h.rank)) for h in hosts)
+    host_width = min(24, max(len(_one_line(h.host)) for h in hosts))
+    for h in hosts:
+        if out:
+            out.append("\n")
+        line = Text(f"{indent}rank {h.rank:<{rank_width}}  {fit(_one_line(h.host), host_width):<{host_width}}  ")
+        if h.exit_code is not None or h.alive is False:
+            state_style = STATE_STYLE["done" if h.exit_code == 0 else "failed"]
+        else:
+            state_style = PHASE_STYLE.get(h.phase or "", "")
+        if h.seen is not None:  # a host never seen has no state to show
+            line.append(f"{_one_line(h.state_text())}  ", style=state_style)
+        if h.step is not None:
+            line.append(f"step {h.step:,}  ")
+        line.append(h.seen_text(), style="yellow" if h.stale or h.seen is None else "dim")
+        if h.error:
+            line.append(f"  {_one_line(h.error)}", style="red")
+        line.truncate(width, overflow="ellipsis")
+        out.append_text(line)
     return out
 
 
@@ -167,6 +201,9 @@ def detail_text(d: DetailView, width: int, now: float) -> Text:
         out.append(d.run.last_event_text(), style=SEVERITY_STYLE.get(d.run.last_event.severity, ""))
     if d.run_dir:
         out.append(f"\nrun directory: {d.run_dir}" + (f" · exit code {d.exit_code}" if d.exit_code is not None else ""))
+    if d.run.hosts:
+        out.append(f"\n\nhosts ({len(d.run.hosts)})\n", style="bold underline")
+        out.append_text(run_hosts_text(d.run.hosts, width))
     span = ""
     if d.series:
         span = f" ({fmt_duration(d.series[-1]['time'] - d.series[0]['time'])} of history, " \
