@@ -791,6 +791,9 @@ class RestartPolicy(BaseModel):
     """Stop after this many restarts in a row without step progress."""
     actions: Annotated[dict[str, Action], _none_is_empty(dict)] = {}
     """Per crash-signature name: what to do instead of the signature's own action."""
+    standby: bool = True
+    """Once a process trains, start the next one's standby beside it (imports done,
+    waiting; no GPU touched): a restart then pays no import of torch and transformers."""
 
     @model_validator(mode="after")
     def _backoff_order(self) -> "RestartPolicy":

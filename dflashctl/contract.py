@@ -39,6 +39,19 @@ METRICS_FILE = "metrics.jsonl"
 LOG_FILE = "trainer.log"
 CHECKPOINT_DIR = "checkpoints"
 EXIT_CODE_FILE = "exit_code"  # the trainer's exit status, written by the launcher's wrapper
+STANDBY_FILE = "standby.json"  # a standby trainer's pid and token, once its imports are done (trainer/standby.py)
+
+
+def standby_go(token: str) -> str:
+    """Made by the controller: the standby ``token`` is to train now."""
+    return f"standby.{token}.go"
+
+
+def standby_went(token: str) -> str:
+    """Made by the standby when it takes over (its exit code is the run's from then on)."""
+    return f"standby.{token}.went"
+
+
 HOST_ENV = "DFLASHCTL_HOST"  # the inventory's name of the host a process runs on (set in run.sh)
 
 

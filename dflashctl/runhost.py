@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from dflashctl.transport import Transport
 
 RUN_SCRIPT = "run.sh"
+STANDBY_SCRIPT = "standby.sh"
 START_TIMEOUT = 120.0  # launch and restart wait this long (at most) for the trainer's first status
 STOP_TIMEOUT = 120.0  # a graceful stop waits this long for the checkpoint before killing
 POLL_SECONDS = 1.0
@@ -105,8 +106,11 @@ def run_environment(host: "Host", playbook_env: dict[str, str], bundle_dir: str,
 
 
 def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str],
-                      compile_cache: str | None, session: str, socket: str, rank: int = 0) -> str:
-    """run.sh: see the module docstring."""
+                      compile_cache: str | None, session: str, socket: str, rank: int = 0,
+                      standby: str | None = None) -> str:
+    """run.sh: see the module docstring. ``standby``: standby.sh instead, the trainer
+    started with ``--standby TOKEN``, which clears nothing before it takes over and
+    whose exit code is written only once it has (trainer/standby.py)."""
     lines = [
         "#!/bin/sh",
         f"# dflashctl run {run_id}: runs in tmux session {session} (tmux -L {socket}).",
@@ -119,17 +123,20 @@ def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str
         lines += [f"export TORCHINDUCTOR_CACHE_DIR={_remote_path_expr(compile_cache)}",
                   'mkdir -p "$TORCHINDUCTOR_CACHE_DIR"']
     trainer = shlex.join([*shlex.split(python), "-m", "trainer", "--config", contract.CONFIG_FILE,
-                          "--run-dir", run_dir, "--resume", "auto"])
+                          "--run-dir", run_dir, "--resume", "auto", *(["--standby", standby] if standby else [])])
     ec, tmp = contract.EXIT_CODE_FILE, contract.EXIT_CODE_FILE + ".tmp"
+    write_ec = f"echo $? > {tmp} && mv -f {tmp} {ec}"
     lines += [
-        # The previous process's answers must not be read as this one's.
-        f"rm -f {ec} {contract.status_file(rank)}",
+        # The previous process's answers must not be read as this one's (a standby's
+        # are cleared by the restart that wakes it).
+        *([] if standby else [f"rm -f {ec} {contract.status_file(rank)}"]),
         "{",
         # Caught here (so the exit code is still written), reset to default for the
         # trainer, which handles SIGINT/SIGTERM itself (checkpoint, exit 4).
         "  trap : INT TERM HUP",
         f"  {trainer} 2>&1",
-        f"  echo $? > {tmp} && mv -f {tmp} {ec}",
+        f"  {write_ec}" if not standby else
+        f"  code=$?; [ -f {shlex.quote(contract.standby_went(standby))} ] && echo $code > {tmp} && mv -f {tmp} {ec}",
         # tee -i: a Ctrl-C for the trainer must not kill the log writer first.
         f"}} | tee -i -a {contract.LOG_FILE}",
         "",
@@ -158,8 +165,13 @@ def part_config(config: dict[str, Any], rank: int) -> dict[str, Any]:
             "env": {**own["env"], **distributed_env(dist, rank)}}
 
 
+def standby_session(session: str) -> str:
+    return f"{session}-standby"
+
+
 def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
-              serialized_warmup: bool | None = None, rank: int = 0, session: str | None = None) -> dict[str, str]:
+              serialized_warmup: bool | None = None, rank: int = 0, session: str | None = None,
+              standby: str | None = None) -> dict[str, str]:
     """config.json and run.sh for a run (for the process of ``rank`` on its own host,
     in tmux session ``session``), from its stored config."""
     config = part_config(config, rank)
@@ -171,7 +183,9 @@ def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
             config["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, gpus)):
         trainer = renumber_placement(trainer, gpus)
     script = render_run_script(run_id, run_dir, config["python"], config.get("env", {}),
-                               config.get("compile_cache"), session or run_id, socket, rank)
+                               config.get("compile_cache"), session or run_id, socket, rank, standby)
+    if standby:
+        return {STANDBY_SCRIPT: script}
     return {contract.CONFIG_FILE: deploy.config_json(trainer), RUN_SCRIPT: script}
 
 
@@ -362,6 +376,7 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     for (part, _, tmux), probe in zip(parts, probes):
         if probe.session_alive:
             killed = tmux.kill(part.tmux_session) or killed
+        tmux.kill(standby_session(part.tmux_session))
     probe, transport = probes[0], parts[0][1]
     run = store.get_run(run.id)
     if run.state in FINAL_STATES:
@@ -440,6 +455,7 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     socket = run.tmux_socket or socket_name()
     parts = [(p, host_transport(p.host, inventory), Tmux(inventory.get(p.host), inventory, socket))
              for p in run.parts()]  # a multi-host run: every host's process, rank 0 first
+    standby = _ready_standby(run, parts)
     killed = False
     for part, transport, tmux in parts:  # every previous process is gone before any new one starts
         killed = _end_previous(run, part, transport, tmux, say) or killed
@@ -447,6 +463,9 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     for part, transport, _ in parts:
         config, bundle_hash, again = _bundle_in_place(store, run, part, transport, config, bundle_hash, clock)
         redeployed = redeployed or again
+    if redeployed or not standby:
+        standby = None  # a standby imported the old bundle: it is not the one to wake
+        end_standby(run, inventory)
     wanted = bool(serialized_warmup) or config["trainer"]["compile"].get("serialized_warmup", True)
     for part, transport, _ in parts:
         files = run_files(run.id, part.run_dir, config, socket, serialized_warmup=wanted, rank=part.rank,
@@ -457,21 +476,81 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
                                remove=[contract.EXIT_CODE_FILE, contract.status_file(part.rank)])
         _provide_compile_cache(store, part, transport, json.loads(files[contract.CONFIG_FILE]),
                                part_config(config, part.rank), bundle_hash, say, clock)
-    for part, _, tmux in parts:
-        tmux.start(part.tmux_session, start_command(part.run_dir))
+    for part, transport, tmux in parts:
+        if standby:  # its session becomes the run's, then it is told to train
+            tmux.rename(standby_session(part.tmux_session), part.tmux_session)
+            transport.run(["sh", "-c", _STANDBY_GO, "dflashctl-go", part.run_dir, contract.standby_go(standby)], timeout=30)
+        else:
+            tmux.start(part.tmux_session, start_command(part.run_dir))
     # The restart is issued from here on: a store that cannot take its record (disk
     # full) must not make the caller believe it was not, and issue a second one.
     message = "trainer started again (resume from the last checkpoint" + (
-        ", serialized warm-up)" if serialized_warmup else ")") + (
+        ", serialized warm-up" if serialized_warmup else "") + (
+        f"; standby {standby} woken, its imports done" if standby else "") + ")" + (
         f" on {', '.join(run.host_names)}" if run.hosts else "")
     try:
         store.add_event(run.id, "process", message, clock(),
-                        detail={"serialized_warmup": bool(serialized_warmup), "killed_previous": killed})
+                        detail={"serialized_warmup": bool(serialized_warmup), "killed_previous": killed,
+                                "standby": standby})
     except (sqlite3.Error, StoreError) as e:
         say("restart", f"{message}; not recorded in the run store: {first_line(e)}")
     say("restart", f"tmux session {run.tmux_session} started again" + (
         f" (and on {', '.join(run.host_names[1:])})" if run.hosts else ""))
     return RestartResult(run.id, run.tmux_session, bundle_hash, bool(serialized_warmup), killed, redeployed)
+
+
+# --------------------------------------------------------------------------- standby
+
+# The standby of a run directory: 'ready PID TOKEN' while its process lives, else why not.
+_STANDBY_STATE = r"""
+f="$1/standby.json"
+[ -f "$f" ] || { echo none; exit 0; }
+pid=$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' "$f" | head -n 1)
+tok=$(sed -n 's/.*"token": *"\([A-Za-z0-9_-]*\)".*/\1/p' "$f" | head -n 1)
+if [ -n "$pid" ] && [ -n "$tok" ] && kill -0 "$pid" 2>/dev/null; then echo "ready $pid $tok"; else echo gone; fi
+"""
+# Wake a standby: its go file, made whole in one rename.
+_STANDBY_GO = 'cd "$1" && : > "$2.tmp" && mv -f "$2.tmp" "$2"'
+
+
+def start_standby(run_id: str, store: Store, inventory: "Inventory", *,
+                  clock: Callable[[], float] = time.time) -> str:
+    """Start the next process's standby on every host of the run, in tmux sessions
+    ``<session>-standby`` (an older one is replaced); returns its token."""
+    import secrets
+
+    run = store.get_run(run_id)
+    token, socket = secrets.token_hex(4), run.tmux_socket or socket_name()
+    for part in run.parts():
+        transport = host_transport(part.host, inventory)
+        tmux = Tmux(inventory.get(part.host), inventory, socket)
+        tmux.kill(standby_session(part.tmux_session))
+        files = run_files(run.id, part.run_dir, run.config, socket, rank=part.rank, session=part.tmux_session,
+                          standby=token)
+        deploy.write_run_files(transport, part.run_dir, files)
+        tmux.start(standby_session(part.tmux_session), shlex.join(["sh", posixpath_join(part.run_dir, STANDBY_SCRIPT)]))
+    store.add_event(run.id, "standby", f"standby {token} started (the next restart's trainer, importing now)"
+                    + (f" on {', '.join(run.host_names)}" if run.hosts else ""), clock(), detail={"token": token})
+    return token
+
+
+def end_standby(run: Run, inventory: "Inventory") -> None:
+    """Kill the run's standby sessions (every host)."""
+    for part in run.parts():
+        Tmux(inventory.get(part.host), inventory, run.tmux_socket or socket_name()).kill(
+            standby_session(part.tmux_session))
+
+
+def _ready_standby(run: Run, parts: list) -> str | None:
+    """The token of a standby ready on every host of the run (one token), else None."""
+    tokens = set()
+    for part, transport, tmux in parts:
+        answer = transport.run(["sh", "-c", _STANDBY_STATE, "dflashctl-standby", part.run_dir], timeout=30, check=False)
+        words = answer.stdout.split()
+        if len(words) != 3 or words[0] != "ready" or not tmux.has_session(standby_session(part.tmux_session)):
+            return None
+        tokens.add(words[2])
+    return tokens.pop() if len(tokens) == 1 else None
 
 
 def _end_previous(run: Run, part: Run, transport: "Transport", tmux: Tmux, say: Progress) -> bool:

@@ -660,6 +660,9 @@ class Supervisor:
             elif isinstance(a, core.FetchCompileCache):
                 self._fetches = [f for f in self._fetches if not f.done()]
                 self._fetches.append(self._workers.submit(self._fetch_compile_cache, w.run))
+            elif isinstance(a, (core.StartStandby, core.EndStandby)):
+                self._fetches = [f for f in self._fetches if not f.done()]
+                self._fetches.append(self._workers.submit(self._standby, w.run, isinstance(a, core.StartStandby)))
 
     # ----------------------------------------------------------------- restarts and kills, on a worker
 
@@ -703,6 +706,17 @@ class Supervisor:
             copy_back(run.id, self.store, self.inventory, clock=self.clock)  # its outcome is an event of the run
         except DflashError as e:
             self.emit("info", f"{run.id}: compile artifacts not copied back: {first_line(e)}")
+
+    def _standby(self, run: Run, start: bool) -> None:
+        from dflashctl.runhost import end_standby, start_standby
+
+        try:
+            if start:
+                start_standby(run.id, self.store, self.inventory, clock=self.clock)  # an event of the run
+            else:
+                end_standby(run, self.inventory)
+        except (DflashError, sqlite3.Error) as e:
+            self.emit("info", f"{run.id}: standby not {'started' if start else 'ended'}: {first_line(e)}")
 
     def _kill_session(self, run: Run) -> None:
         from dflashctl.tmux import Tmux

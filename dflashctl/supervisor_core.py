@@ -172,6 +172,7 @@ class RunState:
     compile_cache: str | None = None  # the current process's compile_cache outcome, from its metrics lines
     cache_fetch: bool = False  # the current process's compile artifacts were asked for (FetchCompileCache)
     ranks_ended: frozenset = frozenset()  # a multi-host run: ranks > 0 whose end was written (this process)
+    standby_for: int | None = None  # pid of the process whose successor's standby was started
 
     @property
     def id(self) -> str:
@@ -322,6 +323,16 @@ class FetchCompileCache:
 
 
 @dataclass(frozen=True)
+class StartStandby:
+    """Start the next process's standby beside the one training now (trainer/standby.py)."""
+
+
+@dataclass(frozen=True)
+class EndStandby:
+    """The run ended: its standby has nothing to wait for."""
+
+
+@dataclass(frozen=True)
 class RunEval:
     """Evaluate the finished run's drafter (speculative decoding on its host)."""
 
@@ -335,7 +346,7 @@ class Alert:
 
 
 Write = Union[Event, Transition, Samples, RestartRow, RestartUpdate, HostRows]
-Action = Union[IssueRestart, KillSession, RunEval, FetchCompileCache, Alert]
+Action = Union[IssueRestart, KillSession, RunEval, FetchCompileCache, StartStandby, EndStandby, Alert]
 
 
 @dataclass
@@ -424,6 +435,20 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
         findings = [_name_host(f, s, pr, obs.members) for f in findings]
     _act(s, pr, findings, local, skew, pol, out)
     _fetch_compile_cache(s, local, pol, out)
+    _standby(s, status, pol, out)
+
+
+def _standby(s: RunState, status: contract.Status | None, pol: Policy, out: _Out) -> None:
+    """Once a process trains, its successor's standby is started beside it (once per
+    process: a standby that took over gets one of its own when it trains)."""
+    if not (pol.act and pol.run.restart.standby and pol.run.restart.enabled) or status is None:
+        return
+    if s.run.state != RUNNING or s.phase != contract.PHASE_TRAINING or s.pending is not None or s.job is not None:
+        return
+    if status.pid is None or status.pid == s.standby_for:
+        return
+    s.standby_for = status.pid
+    out.actions.append(StartStandby())
 
 
 # --------------------------------------------------------------------------- several hosts
@@ -893,6 +918,8 @@ def _transition(s: RunState, out: _Out, to: str, message: str, detail: dict | No
         return False
     out.writes.append(Transition(to, message, jsonable(detail), **kw))
     s.run = replace(s.run, state=to)
+    if to in FINAL_STATES and s.standby_for is not None:
+        out.actions.append(EndStandby())
     return True
 
 

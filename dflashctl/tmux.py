@@ -209,6 +209,11 @@ class Tmux:
             raise self._fail(f"kill-session {name}", proc)
         return True
 
+    def rename(self, name: str, new: str) -> None:
+        proc = self._cmd("rename-session", "-t", f"={name}", new)
+        if proc.returncode:
+            raise self._fail(f"rename-session {name} {new}", proc)
+
     def capture(self, name: str, lines: int = 50) -> str:
         proc = self._cmd("capture-pane", "-p", "-t", f"={name}:", "-S", f"-{lines}")
         if proc.returncode:

@@ -31,7 +31,7 @@ def make_state(state: str = "running", gpus=(), restart_issued: bool = False) ->
 
 
 def make_policy(act: bool = True, **restart) -> core.Policy:
-    restart = {"backoff_initial": 0.0, "jitter": 0.0, **restart}
+    restart = {"backoff_initial": 0.0, "jitter": 0.0, "standby": False, **restart}  # standby: its own tests
     run = core.RunPolicy("pb", Expect(stall_window=60.0, compile_budget=600.0, startup_budget=120.0),
                          RestartPolicy(**restart), Alerts())
     return core.Policy(run, act=act, interval=1.0, rng=random.Random(0))
@@ -549,3 +549,28 @@ def test_a_host_that_does_not_answer_keeps_its_row_age_and_a_finished_rank_is_no
     assert rows.rows[1] == {"rank": 1, "host": "gpu2", "answered": False, "error": "ssh: timed out"}
     _, seen = run_table([(T0, with_member(healthy(T0, 10), T0, **done))], two_host_state())
     assert "rank" not in seen[0][1]
+
+
+# --------------------------------------------------------------------------- the standby
+
+
+def test_a_standby_is_started_once_per_training_process_and_ended_with_the_run():
+    pol = make_policy(standby=True)
+    rows = [(T0, healthy(T0, 1)), (T0 + 1, healthy(T0 + 1, 2))]
+    state, seen = run_table(rows, make_state(), pol)
+    assert [a for _, _, a in seen] == [["StartStandby"], []]  # once for this process
+    assert state.standby_for == PID
+    other = core.Probed(replace(probe(T0 + 2, step=3), status=replace(probe(T0 + 2, step=3).status, pid=PID + 1)),
+                        lines=(metrics(T0 + 2, 3),))
+    state, _, actions = core.step(state, other, T0 + 2, pol)  # a new process (the standby took over)
+    assert [type(a).__name__ for a in actions] == ["StartStandby"]
+    done = core.Probed(probe(T0 + 3, "done", step=3, session=False, alive=False, exit_code=0))
+    state, _, actions = core.step(state, done, T0 + 3, pol)
+    assert "EndStandby" in [type(a).__name__ for a in actions] and state.run.state == "done"
+
+
+def test_no_standby_while_starting_or_when_the_playbook_says_so():
+    _, seen = run_table([(T0, core.Probed(probe(T0, "compiling")))], make_state(), make_policy(standby=True))
+    assert seen[0][2] == []
+    _, seen = run_table([(T0, healthy(T0, 1))], make_state(), make_policy(standby=False))
+    assert seen[0][2] == []

@@ -59,7 +59,21 @@ def parse_args(argv):
                    help="auto: continue from the newest complete checkpoint in the run directory (default); never: start fresh")
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--print-config", action="store_true", help="print the resolved config (defaults filled in) and exit")
+    p.add_argument("--standby", metavar="TOKEN", help="import everything, then wait until RUN_DIR/standby.TOKEN.go "
+                   "appears and train from there (a restart that pays no import; trainer/standby.py)")
     return p.parse_args(argv)
+
+
+def stand_by(args) -> int | None:
+    """``--standby``: None once this process is to train, else its exit code (nothing to wait for)."""
+    from trainer import standby
+
+    run_dir = os.path.abspath(os.path.expanduser(args.run_dir or "."))
+    try:
+        cache_dir = config_mod.load(args.config or os.path.join(run_dir, contract.CONFIG_FILE)).compile.cache_dir
+    except (config_mod.ConfigError, OSError, ValueError):
+        cache_dir = None  # read again, and reported, when it trains
+    return None if standby.wait(run_dir, args.standby, cache_dir) else contract.EXIT_DONE
 
 
 # ---------------------------------------------------------------------------- checkpoint commands
@@ -182,6 +196,8 @@ def main(argv=None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         return run_subcommand(argv)
     args = parse_args(argv)
+    if args.standby and (code := stand_by(args)) is not None:
+        return code
     path = args.config or (os.path.join(args.run_dir, contract.CONFIG_FILE) if args.run_dir else None)
     try:
         if not path:

@@ -162,8 +162,10 @@ class Startup:
     the sum, plus its own detection and relaunch."""
 
     def __init__(self):
+        from trainer import standby
+
         now = time.time()
-        self.start = process_start_time() or now
+        self.start = standby.went_at or process_start_time() or now  # a standby starts when it takes over
         self.last = now
         self.phases: dict[str, float] = {"process": round(now - self.start, 2)}
 

@@ -6,7 +6,8 @@ it starts in a fraction of a second instead of ten.
 It accepts the real trainer's command line, so the launcher's own run.sh can run
 it: with ``python`` set to ``<python> fake_trainer.py`` in a run's stored config,
 run.sh executes ``<python> fake_trainer.py -m trainer --config config.json
---run-dir DIR --resume auto``; ``start_fake_run`` sets a run up that way (and the
+--run-dir DIR --resume auto`` (standby.sh adds ``--standby TOKEN``: it waits as the
+real trainer's standby does); ``start_fake_run`` sets a run up that way (and the
 launcher's restart then restarts it for real). From config.json it reads ``train.steps``,
 ``train.log_every``, ``train.checkpoint_every`` and ``fault`` (kind exit | hang |
 slow, after_steps, message, exit_code, factor, once) with the real trainer's
@@ -39,8 +40,14 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--config")
+    parser.add_argument("--standby")
     args, _ = parser.parse_known_args(argv)
     run_dir = os.path.abspath(args.run_dir)
+    if args.standby:  # as the real trainer's (trainer/standby.py), with nothing to import
+        from trainer import standby
+
+        if not standby.wait_for_go(run_dir, args.standby, 0.0):
+            return contract.EXIT_DONE
     os.makedirs(os.path.join(run_dir, contract.CHECKPOINT_DIR), exist_ok=True)
     try:
         with open(args.config or os.path.join(run_dir, contract.CONFIG_FILE), encoding="utf-8") as f:
