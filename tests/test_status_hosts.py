@@ -188,3 +188,13 @@ def test_the_run_detail_lists_the_hosts(tmp_path):
             assert "rank 1  target  ended: crash  step 118  stale: seen 5m ago  connection refused" in text
 
     run(scenario())
+
+
+def test_a_hosts_error_in_the_gpu_pane_is_shown_not_obeyed():
+    from dflashctl.tui.model import HostView
+    from dflashctl.tui.text import gpu_text
+
+    view = HostView("gpu2", ["r1"], down_since=100.0, error="ssh: \x1b]0;pwned\x07 refused\nsecond line", supervised=True)
+    text = gpu_text([view], 120, 160.0).plain
+    assert "\x1b" not in text and "\x07" not in text and "\n" not in text.split("\n  no GPU")[0]
+    assert "unreachable since 1 m" in text and "\\x1b]0;pwned\\x07 refused second line" in text

@@ -76,7 +76,7 @@ def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = Fals
         if out:
             out.append("\n")
         stale = h.down_since is not None or not h.supervised
-        head = f"{h.host} · {len(h.gpus)} GPU(s) · {h.status_text(now)}"
+        head = _one_line(f"{h.host} · {len(h.gpus)} GPU(s) · {h.status_text(now)}")  # a host's error is its text
         out.append(fit(head, width), style="bold red" if stale else "bold")
         if not h.gpus:
             out.append("\n  no GPU readings (CPU run, or nvidia-smi not read yet)", style="dim")
