@@ -307,14 +307,18 @@ class _Launcher:
             self.store.transition(run_id, FAILED, f"launch failed: {first_line(e)}", self.clock(),
                                   exit_reason="launch failed")
             raise
+        state = self._wait_started(run_id, self.store.get_run(run_id), host.name)
+        return LaunchResult(run_id, state, host.name, run_dir, run_id, deploy=result.to_dict(), findings=findings)
+
+    def _wait_started(self, run_id: str, run: Run, where: str) -> str:
+        """Wait for rank 0's trainer to start (``self.transport`` reaches its host)."""
         try:
-            state = wait_started(self.store, self.store.get_run(run_id), self.transport, self.start_timeout,
-                                 self.clock, self.say)
+            return wait_started(self.store, run, self.transport, self.start_timeout, self.clock, self.say)
         except KeyboardInterrupt:
             self.store.add_event(run_id, "startup", "launch interrupted while waiting for the trainer to start",
                                  self.clock(), severity="warning")
             raise LaunchInterrupted(
-                f"interrupted: run {run_id} was started on {host.name} and goes on, unsupervised",
+                f"interrupted: run {run_id} was started on {where} and goes on, unsupervised",
                 hint=f"`dflashctl watch {shlex.quote(run_id)}` supervises it; "
                      f"`dflashctl stop {shlex.quote(run_id)}` stops it",
             ) from None
@@ -323,8 +327,7 @@ class _Launcher:
             self.store.add_event(run_id, "startup", f"could not confirm the start: {first_line(e)}",
                                  self.clock(), severity="warning")
             self.say("wait", f"warning: could not confirm the start ({first_line(e)})")
-            state = LAUNCHING
-        return LaunchResult(run_id, state, host.name, run_dir, run_id, deploy=result.to_dict(), findings=findings)
+            return LAUNCHING
 
     # ----------------------------------------------------------------- several hosts
 
@@ -411,13 +414,7 @@ class _Launcher:
                                   exit_reason="launch failed")
             raise
         self._at(hosts[0], transports[0])
-        try:
-            state = wait_started(self.store, self.store.get_run(run_id).parts()[0], transports[0], self.start_timeout,
-                                 self.clock, self.say)
-        except DflashError as e:
-            self.store.add_event(run_id, "startup", f"could not confirm the start: {first_line(e)}",
-                                 self.clock(), severity="warning")
-            state = LAUNCHING
+        state = self._wait_started(run_id, self.store.get_run(run_id).parts()[0], names)
         return LaunchResult(run_id, state, hosts[0].name, parts[0]["run_dir"], run_id,
                             deploy=result.to_dict() if result else None, findings=findings)
 

@@ -18,6 +18,18 @@ auto`` with its output appended to trainer.log, and writes the exit status to
 same script again in the same run directory: the trainer resumes from its last
 checkpoint and the compile cache is still warm.
 
+``standby.sh`` is run.sh for the next process, started early (``start_standby``,
+session ``<session>-standby``): its trainer imports and waits (trainer/standby.py).
+A restart that finds it ready on every host renames its session to the run's and
+wakes it, instead of starting run.sh; it clears nothing when it starts and writes
+an exit code only once its trainer has taken over.
+
+A multi-host run (``Run.hosts``) is a run directory and session per host
+(``Run.parts``: rank 0's session is the run id, rank q's ``<run id>-r<q>``); each
+host's run.sh exports that host's python and environment and the rendezvous
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Stop, restart and logs act on every
+host; a restart ends every old process before it starts any new one.
+
 When the run owns GPUs, CUDA_VISIBLE_DEVICES is set to exactly those (physical
 indices, as nvidia-smi numbers them) and the placement written to config.json is
 renumbered to match, so the trainer cannot touch (or create a stray CUDA context
@@ -125,7 +137,6 @@ def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str
     trainer = shlex.join([*shlex.split(python), "-m", "trainer", "--config", contract.CONFIG_FILE,
                           "--run-dir", run_dir, "--resume", "auto", *(["--standby", standby] if standby else [])])
     ec, tmp = contract.EXIT_CODE_FILE, contract.EXIT_CODE_FILE + ".tmp"
-    write_ec = f"echo $? > {tmp} && mv -f {tmp} {ec}"
     lines += [
         # The previous process's answers must not be read as this one's (a standby's
         # are cleared by the restart that wakes it).
@@ -135,7 +146,7 @@ def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str
         # trainer, which handles SIGINT/SIGTERM itself (checkpoint, exit 4).
         "  trap : INT TERM HUP",
         f"  {trainer} 2>&1",
-        f"  {write_ec}" if not standby else
+        f"  echo $? > {tmp} && mv -f {tmp} {ec}" if not standby else
         f"  code=$?; [ -f {shlex.quote(contract.standby_went(standby))} ] && echo $code > {tmp} && mv -f {tmp} {ec}",
         # tee -i: a Ctrl-C for the trainer must not kill the log writer first.
         f"}} | tee -i -a {contract.LOG_FILE}",
