@@ -401,6 +401,7 @@ class _Launcher:
                 message=f"launch of playbook {pb.name} on {names}" + (" (forced)" if self.force else ""),
                 hosts=[{k: p[k] for k in ("rank", "host", "run_dir", "tmux_session")} for p in parts])
         self.say("record", f"run {run_id} on {names} (GPUs {', '.join(map(str, gpus)) or 'none'} on each)")
+        started: list[tuple["Host", str]] = []
         try:
             for rank, (host, transport, part) in enumerate(zip(hosts, transports, parts)):
                 self._at(host, transport)
@@ -409,7 +410,13 @@ class _Launcher:
             for host, transport, part in zip(hosts, transports, parts):
                 self._at(host, transport)
                 self._start(run_id, part["run_dir"], part["tmux_session"])
+                started.append((host, part["tmux_session"]))
         except BaseException as e:
+            for host, session in started:  # no process is left waiting at the rendezvous
+                try:
+                    Tmux(host, self.inventory, self.socket).kill(session)
+                except DflashError as again:
+                    self.say("start", f"warning: could not end tmux session {session} on {host.name}: {first_line(again)}")
             self.store.transition(run_id, FAILED, f"launch failed: {first_line(e)}", self.clock(),
                                   exit_reason="launch failed")
             raise

@@ -147,3 +147,38 @@ def test_stop_ends_the_process_on_every_host_with_a_checkpoint(ssh_env, pair):
             _status(d, rank), Path(d, contract.LOG_FILE).read_text()[-3000:])
         assert Path(d, contract.EXIT_CODE_FILE).read_text().strip() == str(contract.EXIT_STOPPED)
     assert _checkpoints(dirs[0])[-1] == _status(dirs[0], 0)["step"]  # the last one: where they stopped
+
+
+def test_a_start_that_fails_on_one_host_leaves_no_process_waiting_on_the_others(tmp_path, monkeypatch):
+    from dflashctl.config import load_inventory
+    from dflashctl.errors import DflashError
+    from dflashctl.tmux import Tmux, TmuxError
+
+    (tmp_path / "inventory.yaml").write_text(yaml.safe_dump({"hosts": {
+        "one": {"transport": "local", "workdir": str(tmp_path / "w1")},
+        "two": {"transport": "local", "workdir": str(tmp_path / "w2")}}}))
+    inventory = load_inventory(str(tmp_path / "inventory.yaml"))
+    path = _playbook(tmp_path / "playbooks", free_port("127.0.0.1"))
+    path.write_text(path.read_text().replace("- target2\n- target\n", "- one\n- two\n"))
+    playbook = load_playbook(str(path), inventory=inventory)
+    real_start = Tmux.start
+
+    def start(self, name, command, cwd=None):
+        # Stands in for a tmux that fails on the second host only (a real one cannot be
+        # made to fail for one of two hosts of this machine): the first start is real.
+        if name.endswith("-r1"):
+            raise TmuxError("two: could not start tmux session (no server)")
+        return real_start(self, name, command, cwd)
+
+    monkeypatch.setattr(Tmux, "start", start)
+    store = Store(str(tmp_path / "runs.db"))
+    with environ(**{SOCKET_ENV: SOCKET}):
+        with pytest.raises(DflashError, match="could not start tmux session"):
+            launch_run(playbook, inventory, store, bundle=build_bundle())
+        [run] = store.list_runs()
+        tmux = Tmux(inventory.get("one"), inventory, SOCKET)
+        try:
+            assert run.state == "failed" and "launch failed" in run.exit_reason
+            assert not tmux.has_session(run.id)  # rank 0's session, started, was ended again
+        finally:
+            tmux.kill(run.id)

@@ -241,7 +241,7 @@ def runs_command(
         cells = [Text(printable(cell)) for cell in (
             r.id,
             r.state,
-            r.host,
+            ",".join(r.host_names),  # a multi-host run: every host, rank 0 first
             _when(r.created, short=True),
             _when(r.ended, short=True),
             r.exit_reason or ("-" if r.exit_code is None else str(r.exit_code)),
