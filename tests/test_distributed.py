@@ -142,3 +142,22 @@ def test_a_killed_rank_ends_the_other_naming_it(tmp_path):
     assert status["detail"]["failed_rank"] == 1, status
     assert "rank 1 on" in status["detail"]["message"] and "DistributedError" in status["error"]
     assert "rank 1 on" in output
+
+
+def test_a_stop_asked_by_another_rank_is_no_signal_the_operators_first_still_checkpoints(tmp_path):
+    # The operator's stop signals every host; a rank may already be stopping because a
+    # peer's stop came through the all-reduce. That first signal of its own must not
+    # count as the "second signal: exit at once" (no status, no final line).
+    script = (
+        "import signal, sys\n"
+        "from trainer.train import StatusFile, StopRequest\n"
+        f"stop = StopRequest(StatusFile({str(tmp_path)!r}, 'status.rank1.json'))\n"
+        "stop.event.set()  # as train() does when the all-reduced stop count says so\n"
+        "stop._handle(signal.SIGTERM, None)\n"
+        "print('still here', stop.signal_name)\n"
+        "stop._handle(signal.SIGTERM, None)  # a second signal of its own: out at once\n"
+        "print('not reached')\n"
+    )
+    answer = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "still here SIGTERM" in answer.stdout and "not reached" not in answer.stdout, answer.stderr[-2000:]
+    assert answer.returncode == contract.EXIT_STOPPED

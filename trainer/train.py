@@ -80,6 +80,7 @@ class StopRequest:
 
     def __init__(self, status: StatusFile):
         self.event = threading.Event()
+        self.signals = 0  # SIGTERM/SIGINT received by this process
         self.signal_name: Optional[str] = None
         self.status = status
         self.pipeline = None  # stopped by run() when training ends in an exception
@@ -90,7 +91,8 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame) -> None:
-        if self.event.is_set():
+        self.signals += 1
+        if self.signals > 1:  # this process's second signal (a stop asked by another rank is no signal)
             self.status.set(contract.PHASE_STOPPED, blocking=False,
                             detail={"signal": signal.Signals(signum).name, "checkpoint": False})
             os._exit(contract.EXIT_STOPPED)
