@@ -79,7 +79,9 @@ def launch_command(
 ) -> None:
     """Audit the host, deploy the trainer, start the run in tmux, record and supervise it.
 
-    The supervisor runs in a local tmux session; --foreground stays attached instead."""
+    The supervisor runs in a local tmux session; --foreground stays attached instead.
+    A playbook with `hosts: [a, b]` starts one torch.distributed process on each host
+    (rank 0 on the first) and records them as one run (README: Past one host)."""
     from dflashctl.config import load_playbook
     from dflashctl.launch import HandOverSignals, launch_run, start_supervisor, supervise_here
     from dflashctl.store import FAILED, FINAL_STATES
