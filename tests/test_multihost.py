@@ -182,3 +182,26 @@ def test_a_start_that_fails_on_one_host_leaves_no_process_waiting_on_the_others(
             assert not tmux.has_session(run.id)  # rank 0's session, started, was ended again
         finally:
             tmux.kill(run.id)
+
+
+def test_a_dry_run_on_two_hosts_shows_each_hosts_run_files_and_changes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "inventory.yaml").write_text(yaml.safe_dump({
+        "hosts": {"one": {"transport": "local", "workdir": str(tmp_path / "w1")},
+                  "two": {"transport": "local", "workdir": str(tmp_path / "w2")}},
+        "groups": {"pair": ["one", "two"]}}))
+    path = _playbook(tmp_path / "playbooks", 29517)
+    path.write_text(path.read_text().replace("- target2\n- target\n", "- pair\n"))
+    env = {**{k: v for k, v in os.environ.items() if k not in ("DFLASHCTL_INVENTORY", "DFLASHCTL_PLAYBOOKS")},
+           "DFLASHCTL_STORE": str(tmp_path / "runs.db"), SOCKET_ENV: SOCKET}
+    out = subprocess.run([sys.executable, "-m", "dflashctl", "launch", "pair", "--dry-run"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    text = out.stderr
+    for needle in ("env-audit of one", "env-audit of two", "would check that port 29517 is free on one",
+                   "rendezvous at 127.0.0.1:29517 (rank 0 on one); 2 processes", "export RANK=1", "export WORLD_SIZE=2",
+                   "export DFLASHCTL_HOST=two", "rm -f exit_code status.rank1.json", "-r1 on two"):
+        assert needle in text, needle
+    assert not (tmp_path / "runs.db").exists() and not (tmp_path / "w1").exists() and not (tmp_path / "w2").exists()
