@@ -212,7 +212,7 @@ class Supervisor:
         self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflashctl-act")
         self._cursor: dict[str, tuple[int, float]] = {}  # run -> (last event id, its time) emitted
         self._evals: list[Future] = []  # evaluations of finished runs, on the workers
-        self._fetches: list[Future] = []  # compile artifacts being copied back, on the workers
+        self._side_jobs: list[Future] = []  # compile-artifact copies back and standby starts/ends, on the workers
         self._carry: list[tuple[str, Any]] = []  # writes still to store (after a tick's transaction, or failed)
         self._store_down: float | None = None  # since when the store refuses writes
         self._store_alerted: float | None = None
@@ -372,7 +372,7 @@ class Supervisor:
                     w.job.result(timeout=max(0.1, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001  (recorded as the job's outcome)
                     pass
-        for job in self._fetches:  # a copy back stores its own outcome; it is not waited for past the deadline
+        for job in self._side_jobs:  # each records its own outcome; none is waited for past the deadline
             try:
                 job.result(timeout=max(0.1, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001  (a copy back that fails or takes too long is only a cold start later)
@@ -434,11 +434,14 @@ class Supervisor:
                     by_host.setdefault(host, []).append((w, rank))
         answers = fanout(list(by_host), lambda tr: self._probe(tr, by_host[tr.name]), inventory=self.inventory)
         report = TickReport(now, 0.0, {}, {})
-        members: dict[str, list[core.Member]] = {}  # run id -> its other ranks, gathered before rank 0 is stepped
+        # Each answer parsed once; the other ranks of every run gathered before any rank 0 is stepped.
+        parsed = {host: None if isinstance(answer, Exception) else parse_probe_host(answer[0].stdout)
+                  for host, answer in answers.items()}
+        members: dict[str, list[core.Member]] = {}  # run id -> its other ranks
         for host, answer in answers.items():
-            self._members(host, by_host[host], answer, members)
+            self._members(host, by_host[host], answer, parsed[host], members)
         for host, answer in answers.items():
-            self._host_answer(host, by_host[host], answer, report, t, members)
+            self._host_answer(host, by_host[host], answer, parsed[host], report, t, members)
         self._store_tick(t)
         self._act(t)
         for run_id, m in t.metrics:
@@ -487,24 +490,24 @@ class Supervisor:
         result = transport.run(argv, timeout=limit, check=False)
         return result, sent, self.clock()
 
-    def _members(self, host: str, entries: list[tuple[Watched, int]], answer: Any,
+    def _members(self, host: str, entries: list[tuple[Watched, int]], answer: Any, parsed: Any,
                  members: dict[str, list[core.Member]]) -> None:
         """The processes of ranks > 0 in one host's answer (or its failure)."""
-        if all(rank == 0 for _, rank in entries):
-            return
-        parsed = None if isinstance(answer, Exception) else parse_probe_host(answer[0].stdout)
         error = first_line(answer) if isinstance(answer, Exception) else (
             parsed.message if isinstance(parsed, ProbeError) else None)
         for i, (w, rank) in enumerate(entries):
             if rank == 0:
                 continue
-            pr = None if error is not None else parsed.runs[i]
-            if pr is not None:
+            pr = None
+            if error is None and i >= len(parsed.runs):  # an answer that lists fewer runs than it was asked for
+                error = f"the probe's answer from {host} has no entry for this run"
+            elif error is None:
+                pr = parsed.runs[i]
                 w.member_args[rank] = pr.next_args(w.member_args[rank])
             members.setdefault(w.id, []).append(core.Member(rank, host, pr, error))
 
-    def _host_answer(self, host: str, entries: list[tuple[Watched, int]], answer: Any, report: TickReport, t: _Tick,
-                     members: dict[str, list[core.Member]]) -> None:
+    def _host_answer(self, host: str, entries: list[tuple[Watched, int]], answer: Any, parsed: Any,
+                     report: TickReport, t: _Tick, members: dict[str, list[core.Member]]) -> None:
         watched = [w for w, rank in entries if rank == 0]
         if isinstance(answer, Exception):
             report.hosts[host] = first_line(answer)
@@ -513,7 +516,6 @@ class Supervisor:
         result, sent, received = answer
         for note in getattr(result, "notes", None) or ():  # e.g. a wedged connection replaced
             t.writes.extend((w.id, core.Event("transport", "warning", f"host {host}: {note}")) for w in watched)
-        parsed = parse_probe_host(result.stdout)
         if isinstance(parsed, ProbeError):
             tail = (result.stderr.strip() or parsed.output_tail.strip())[-300:]
             report.hosts[host] = f"the probe failed (exit {result.exit_code}): {parsed.message}: {tail}"
@@ -658,11 +660,13 @@ class Supervisor:
             elif isinstance(a, core.RunEval):
                 self._evals.append(self._workers.submit(self._eval, w.run, w.policy.eval))
             elif isinstance(a, core.FetchCompileCache):
-                self._fetches = [f for f in self._fetches if not f.done()]
-                self._fetches.append(self._workers.submit(self._fetch_compile_cache, w.run))
+                self._side_job(self._fetch_compile_cache, w.run)
             elif isinstance(a, (core.StartStandby, core.EndStandby)):
-                self._fetches = [f for f in self._fetches if not f.done()]
-                self._fetches.append(self._workers.submit(self._standby, w.run, isinstance(a, core.StartStandby)))
+                self._side_job(self._standby, w.run, isinstance(a, core.StartStandby))
+
+    def _side_job(self, fn: Callable, *args: Any) -> None:
+        self._side_jobs = [f for f in self._side_jobs if not f.done()]
+        self._side_jobs.append(self._workers.submit(fn, *args))
 
     # ----------------------------------------------------------------- restarts and kills, on a worker
 

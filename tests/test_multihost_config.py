@@ -101,3 +101,28 @@ def test_the_probe_reads_a_ranks_own_status_and_metrics(tmp_path):
     answer = subprocess.run([sys.executable, "-I", "-S", "-c", PROBE_SOURCE, args], capture_output=True, text=True)
     [result] = parse_probe_host(answer.stdout).runs
     assert (result.status.phase, result.status.step) == ("training", 7) and '"step": 7' in result.metrics_chunk
+
+
+def test_an_answer_listing_fewer_runs_than_asked_marks_the_rank_unanswered(tmp_path):
+    from dflashctl.probe import probe_command
+    from dflashctl.store import Store
+    from dflashctl.supervisor import Supervisor
+    from dflashctl.transport import connect
+
+    (tmp_path / "inventory.yaml").write_text("hosts:\n  a: {transport: local}\n  b: {transport: local}\n")
+    inventory = load_inventory(str(tmp_path / "inventory.yaml"))
+    store = Store(str(tmp_path / "runs.db"))
+    store.create_run("pb", "a", {}, 1.0, run_id="r", run_dir="/w/a/r", tmux_session="r",
+                     hosts=[{"rank": 0, "host": "a", "run_dir": "/w/a/r", "tmux_session": "r"},
+                            {"rank": 1, "host": "b", "run_dir": "/w/b/r", "tmux_session": "r-r1"}])
+    sup = Supervisor(store, inventory, claim=False)
+    try:
+        w = sup.attach("r")
+        # Host b's real probe, asked for no run: an answer that lost the one it was asked for.
+        result = connect("b", inventory).run(probe_command(sys.executable, []))
+        members: dict = {}
+        sup._members("b", [(w, 1)], (result, 0.0, 0.1), parse_probe_host(result.stdout), members)
+        [member] = members["r"]
+        assert member.result is None and "no entry for this run" in member.error
+    finally:
+        sup.close()
