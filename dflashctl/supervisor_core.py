@@ -60,6 +60,7 @@ REPEAT_FINDING_S = 600.0  # a lasting finding is written (and alerted) again thi
 CLOCK_PAST_MARGIN_S = 600.0
 CLOCK_FUTURE_MARGIN_S = 120.0
 RESTART_MARKER = "--- dflashctl:"  # the trainer.log line written before each restart
+ROW_ERROR_CHARS = 500  # of a host's probe errors kept in its run_hosts row (host text: bounded)
 
 KILL = "kill"
 RESTART = "restart"
@@ -171,7 +172,7 @@ class RunState:
     state_before_lost: str | None = None
     compile_cache: str | None = None  # the current process's compile_cache outcome, from its metrics lines
     cache_fetch: bool = False  # the current process's compile artifacts were asked for (FetchCompileCache)
-    ranks_ended: frozenset = frozenset()  # a multi-host run: ranks > 0 whose end was written (this process)
+    ranks_ended: frozenset = frozenset()  # a multi-host run: (rank, pid) of the processes whose end was written
     standby_for: int | None = None  # pid of the process whose successor's standby was started
 
     @property
@@ -412,7 +413,7 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
     if started and pol.act and s.run.state == LAUNCHING:
         _transition(s, out, RUNNING, f"trainer started (pid {status.pid}, phase {status.phase})")
     elif started and pol.act and s.run.state == RESTARTING and s.restart_issued:
-        s.restart_issued, s.ranks_ended = False, frozenset()
+        s.restart_issued = False
         _transition(s, out, RUNNING, f"trainer running again (pid {status.pid}, phase {status.phase})")
     if s.run.state == RESTARTING and (s.pending is not None or not s.restart_issued):
         return  # a restart is coming: ours after its backoff, or an operator's
@@ -460,11 +461,11 @@ def _gone(pr: ProbeResult) -> bool:
 
 def _host_row(rank: int, host: str, pr: ProbeResult | None, error: str | None = None) -> dict:
     if pr is None:
-        return {"rank": rank, "host": host, "answered": False, "error": error}
+        return {"rank": rank, "host": host, "answered": False, "error": (error or "")[:ROW_ERROR_CHARS] or None}
     st = pr.status
     return {"rank": rank, "host": host, "phase": st.phase if st else None, "step": st.step if st else None,
             "pid": st.pid if st else None, "alive": None if pr.process is None else pr.process.alive,
-            "exit_code": pr.exit_code, "error": "; ".join(pr.errors[:2]) or None}
+            "exit_code": pr.exit_code, "error": "; ".join(pr.errors[:2])[:ROW_ERROR_CHARS] or None}
 
 
 def _members(s: RunState, obs: Probed, out: _Out) -> None:
@@ -474,11 +475,15 @@ def _members(s: RunState, obs: Probed, out: _Out) -> None:
     out.writes.append(HostRows((_host_row(0, s.run.host, obs.result),
                                 *(_host_row(m.rank, m.host, m.result, m.error) for m in obs.members))))
     for m in obs.members:
-        if m.result is None or not _gone(m.result) or m.rank in s.ranks_ended or s.run.state not in (RUNNING, STALLED):
+        if m.result is None or not _gone(m.result) or s.run.state not in (RUNNING, STALLED):
             continue
-        if m.result.status is not None and m.result.status.phase in (contract.PHASE_DONE, contract.PHASE_STOPPED):
+        status = m.result.status
+        if status is not None and status.phase in (contract.PHASE_DONE, contract.PHASE_STOPPED):
             continue  # it finished (or was stopped) with the others: rank 0 says the run's end
-        s.ranks_ended = s.ranks_ended | {m.rank}
+        process = (m.rank, status.pid if status is not None else None)
+        if process in s.ranks_ended:
+            continue
+        s.ranks_ended = s.ranks_ended | {process}
         code = m.result.exit_code
         how = contract.describe_exit(code) if code is not None else "its process is gone"
         out.event("rank", "warning", f"rank {m.rank} on {m.host} ended ({how}); rank 0 confirms it within "
@@ -486,20 +491,28 @@ def _members(s: RunState, obs: Probed, out: _Out) -> None:
                   {"rank": m.rank, "host": m.host, "exit_code": code})
 
 
-def _suspect(s: RunState, members: tuple[Member, ...]) -> Member | None:
-    """The host a stall or crash of a multi-host run most likely started on: one not
-    answering, then one whose process ended or is stopped (T, D, Z), then the one
-    furthest behind."""
+_STOPPED_STATES = {"T": "its process is stopped", "t": "its process is stopped",
+                   "D": "its process waits in uninterruptible I/O", "Z": "its process is a zombie"}
+
+
+def _suspect(s: RunState, members: tuple[Member, ...]) -> tuple[Member, str] | None:
+    """The host a stall or crash of a multi-host run most likely started on, and why:
+    one not answering, then one whose process ended, then one whose process is stopped
+    (T, D, Z), then the one furthest behind."""
     def step_of(m: Member) -> int:
         return (m.result.status.step or 0) if m.result is not None and m.result.status else 0
 
-    for test in (lambda m: m.result is None, lambda m: _gone(m.result),
-                 lambda m: m.result.process is not None and m.result.process.state in ("T", "t", "D", "Z")):
-        found = [m for m in members if test(m)]
-        if found:
-            return found[0]
-    behind = sorted(members, key=step_of)
-    return behind[0] if behind and step_of(behind[0]) < (s.step_max or 0) else None
+    for m in members:
+        if m.result is None:
+            return m, "not answering"
+    for m in members:
+        if _gone(m.result):
+            return m, "its process ended"
+    for m in members:
+        if m.result.process is not None and m.result.process.state in _STOPPED_STATES:
+            return m, _STOPPED_STATES[m.result.process.state]
+    behind = min(members, key=step_of, default=None)
+    return (behind, "furthest behind") if behind is not None and step_of(behind) < (s.step_max or 0) else None
 
 
 def _name_host(f: Finding, s: RunState, pr: ProbeResult, members: tuple[Member, ...]) -> Finding:
@@ -507,18 +520,13 @@ def _name_host(f: Finding, s: RunState, pr: ProbeResult, members: tuple[Member, 
     if f.kind not in (detectors.CRASH, detectors.STALL):
         return f
     detail = (pr.status.detail if pr.status is not None and isinstance(pr.status.detail, dict) else {}) or {}
+    suspect = _suspect(s, members)
     if f.kind == detectors.CRASH and detail.get("failed_host") is not None:
-        rank, host = detail.get("failed_rank"), detail["failed_host"]
-        why = "failed first (rank 0's report)"
+        rank, host, why = detail.get("failed_rank"), detail["failed_host"], "failed first (rank 0's report)"
+    elif suspect is None:
+        rank, host, why = 0, s.run.host, "rank 0's host; every other host looks healthy"
     else:
-        m = _suspect(s, members)
-        if m is None:
-            rank, host, why = 0, s.run.host, "rank 0's host; every other host looks healthy"
-        else:
-            rank, host = m.rank, m.host
-            why = ("not answering" if m.result is None else "its process ended" if _gone(m.result)
-                   else "its process is stopped" if m.result.process and m.result.process.state in ("T", "t")
-                   else "furthest behind")
+        (m, why), rank, host = suspect, suspect[0].rank, suspect[0].host
     return replace(f, message=f"{f.message} [host {host}, rank {rank}: {why}]",
                    detail={**f.detail, "host": host, "rank": rank})
 

@@ -542,6 +542,32 @@ def test_a_stall_of_a_run_on_two_hosts_names_the_host_whose_process_is_stopped()
     assert stalls[0].detail["host"] == "gpu2" and "its process is stopped" in stalls[0].message
 
 
+def test_a_stall_names_a_process_in_uninterruptible_io_as_such():
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10))]
+    rows += [(T0 + 30 * i, with_member(core.Probed(probe(T0 + 30 * i, step=10)), T0 + 30 * i, step=10, state="D"))
+             for i in (1, 2, 3)]
+    state, stalls = two_host_state(), []
+    for t, obs in rows:
+        state, writes, _ = core.step(state, obs, t, make_policy())
+        stalls += [w for w in writes if isinstance(w, core.Event) and w.kind == "stall"]
+    assert stalls and "[host gpu2, rank 1: its process waits in uninterruptible I/O]" in stalls[0].message
+
+
+def test_each_process_of_a_rank_has_its_end_written_once_and_a_hosts_error_is_bounded():
+    gone = dict(step=10, session=False, alive=False, exit_code=137)
+    first = with_member(healthy(T0, 10), T0, **gone)
+    again = with_member(healthy(T0 + 1, 10), T0 + 1, **gone)
+    member = again.members[0]
+    other = replace(again, members=(replace(member, result=replace(
+        member.result, status=replace(member.result.status, pid=PID + 7))),))  # rank 1 started again by an operator
+    _, seen = run_table([(T0, first), (T0 + 1, again), (T0 + 2, other)], two_host_state())
+    assert [kinds.count("rank") for _, kinds, _ in seen] == [1, 0, 1]
+    _, writes, _ = core.step(two_host_state(), replace(first, members=(core.Member(1, "gpu2", None, "x" * 10_000),)),
+                             T0, make_policy())
+    [rows] = [w for w in writes if isinstance(w, core.HostRows)]
+    assert len(rows.rows[1]["error"]) == core.ROW_ERROR_CHARS
+
+
 def test_a_host_that_does_not_answer_keeps_its_row_age_and_a_finished_rank_is_no_failure():
     done = dict(phase="done", step=10, session=False, alive=False, exit_code=0)
     _, writes, _ = core.step(two_host_state(), with_member(healthy(T0, 10), T0, down=True), T0, make_policy())
