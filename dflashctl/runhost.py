@@ -358,8 +358,7 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     finished meanwhile; ``failed`` if it had crashed before the stop, unseen)."""
     say = progress or quiet
     run = store.get_run(run_id)
-    parts = [(p, host_transport(p.host, inventory), Tmux(inventory.get(p.host), inventory, run.tmux_socket or socket_name()))
-             for p in run.parts()]  # a multi-host run: every host's process, rank 0 first
+    parts = _on_hosts(run, inventory)  # a multi-host run: every host's process, rank 0 first
     stop_supervisor(run, inventory)
     if run.state not in FINAL_STATES:
         store.add_event(run.id, "stop_requested", "stop requested by the operator"
@@ -464,8 +463,7 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     say = progress or quiet
     run = store.get_run(run_id)
     socket = run.tmux_socket or socket_name()
-    parts = [(p, host_transport(p.host, inventory), Tmux(inventory.get(p.host), inventory, socket))
-             for p in run.parts()]  # a multi-host run: every host's process, rank 0 first
+    parts = _on_hosts(run, inventory)  # a multi-host run: every host's process, rank 0 first
     standby = _ready_standby(run, parts)
     killed = False
     for part, transport, tmux in parts:  # every previous process is gone before any new one starts
@@ -512,13 +510,20 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
 
 # --------------------------------------------------------------------------- standby
 
-# The standby of a run directory: 'ready PID TOKEN' while its process lives, else why not.
+# The standby of a run directory: 'ready PID TOKEN' while the pid standby.json names
+# is really that standby (its command line names the run directory and the token:
+# standby.json is a file on the host, and pids are reused), else why not.
 _STANDBY_STATE = r"""
-f="$1/standby.json"
+d=$1; f="$d/standby.json"
 [ -f "$f" ] || { echo none; exit 0; }
 pid=$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' "$f" | head -n 1)
 tok=$(sed -n 's/.*"token": *"\([A-Za-z0-9_-]*\)".*/\1/p' "$f" | head -n 1)
-if [ -n "$pid" ] && [ -n "$tok" ] && kill -0 "$pid" 2>/dev/null; then echo "ready $pid $tok"; else echo gone; fi
+if [ -n "$pid" ] && [ -n "$tok" ] && [ -r "/proc/$pid/cmdline" ] && cmd=$(tr '\0' ' ' < "/proc/$pid/cmdline") \
+    && case "$cmd" in *"$d"*"--standby $tok"*|*"--standby $tok"*"$d"*) true;; *) false;; esac; then
+  echo "ready $pid $tok"
+else
+  echo gone
+fi
 """
 # Wake a standby: its go file, made whole in one rename.
 _STANDBY_GO = 'cd "$1" && : > "$2.tmp" && mv -f "$2.tmp" "$2"'
@@ -532,9 +537,7 @@ def start_standby(run_id: str, store: Store, inventory: "Inventory", *,
 
     run = store.get_run(run_id)
     token, socket = secrets.token_hex(4), run.tmux_socket or socket_name()
-    for part in run.parts():
-        transport = host_transport(part.host, inventory)
-        tmux = Tmux(inventory.get(part.host), inventory, socket)
+    for part, transport, tmux in _on_hosts(run, inventory):
         tmux.kill(standby_session(part.tmux_session))
         files = run_files(run.id, part.run_dir, run.config, socket, rank=part.rank, session=part.tmux_session,
                           standby=token)
@@ -548,8 +551,17 @@ def start_standby(run_id: str, store: Store, inventory: "Inventory", *,
 def end_standby(run: Run, inventory: "Inventory") -> None:
     """Kill the run's standby sessions (every host)."""
     for part in run.parts():
-        Tmux(inventory.get(part.host), inventory, run.tmux_socket or socket_name()).kill(
-            standby_session(part.tmux_session))
+        part_tmux(part, inventory).kill(standby_session(part.tmux_session))
+
+
+def part_tmux(part: Run, inventory: "Inventory") -> Tmux:
+    """The tmux server of a run's process on its host (``Run.parts``)."""
+    return Tmux(inventory.get(part.host), inventory, part.tmux_socket or socket_name())
+
+
+def _on_hosts(run: Run, inventory: "Inventory") -> list[tuple[Run, "Transport", Tmux]]:
+    """(part, its host's transport, its tmux) for every process of the run, rank 0 first."""
+    return [(p, host_transport(p.host, inventory), part_tmux(p, inventory)) for p in run.parts()]
 
 
 def _ready_standby(run: Run, parts: list) -> str | None:
@@ -686,7 +698,7 @@ def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False
     offsets, ended = [-1] * len(readers), [False] * len(readers)
     while True:
         for i, (part, transport) in enumerate(readers):
-            if ended[i] and offsets[i] >= 0 and follow:
+            if ended[i]:  # (follow only: without it there is one pass)
                 continue
             answer = transport.run(["sh", "-c", _READ_LOG, "dflashctl-logs", posixpath_join(part.run_dir, contract.LOG_FILE),
                                     str(offsets[i]), str(int(n)), posixpath_join(part.run_dir, contract.EXIT_CODE_FILE)])

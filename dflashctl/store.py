@@ -134,11 +134,6 @@ class Run:
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
 
-    @property
-    def world(self) -> int:
-        """Processes of the run: one per host (1 for a single-host run)."""
-        return max(1, len(self.hosts))
-
     def parts(self) -> list["Run"]:
         """The run as each of its hosts holds it, rank 0 first: the same run with that
         host's ``host``, ``run_dir`` and ``tmux_session`` (a single-host run: itself)."""

@@ -723,10 +723,10 @@ class Supervisor:
             self.emit("info", f"{run.id}: standby not {'started' if start else 'ended'}: {first_line(e)}")
 
     def _kill_session(self, run: Run) -> None:
-        from dflashctl.tmux import Tmux
+        from dflashctl.runhost import part_tmux
 
         for part in run.parts():
-            Tmux(self.inventory.get(part.host), self.inventory, run.tmux_socket or _tmux_socket()).kill(part.tmux_session)
+            part_tmux(part, self.inventory).kill(part.tmux_session)
 
     def _collect_jobs(self, t: _Tick) -> None:
         now = self.clock()

@@ -112,3 +112,33 @@ def test_a_crash_is_restarted_by_waking_the_standby(local_env):
         background.close()
         env.tmux.kill(run.tmux_session)
         env.tmux.kill(standby_session(run.tmux_session))
+
+
+def test_a_standby_is_ready_only_when_the_pid_it_names_is_that_standby(local_env, tmp_path):
+    import subprocess
+    import sys
+
+    from dflashctl.runhost import _on_hosts, _ready_standby
+    from dflashctl.store import Run
+
+    env, run_dir = local_env, str(tmp_path / "runs" / "r")
+    os.makedirs(run_dir)
+    run = Run(id="r", playbook="pb", host="local", state="running", created=0.0, run_dir=run_dir,
+              tmux_session="r", tmux_socket=SOCKET)
+    env.tmux.start(standby_session("r"), "sleep 60")
+    standby = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--run-dir", run_dir,
+                                "--standby", "ab12"])
+    try:
+        def claims(pid: int) -> str | None:
+            Path(run_dir, contract.STANDBY_FILE).write_text(json.dumps({"pid": pid, "token": "ab12"}))
+            return _ready_standby(run, _on_hosts(run, env.inventory))
+
+        assert claims(standby.pid) == "ab12"
+        assert claims(os.getpid()) is None  # a live process, but not this run's standby (a reused pid, a lie)
+        standby.kill()
+        standby.wait()
+        assert claims(standby.pid) is None  # gone
+    finally:
+        if standby.poll() is None:
+            standby.kill()
+        env.tmux.kill(standby_session("r"))
