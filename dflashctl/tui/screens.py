@@ -194,7 +194,7 @@ class DetailScreen(Screen):
     @work(thread=True, exclusive=True, group="log")
     def follow_log(self) -> None:
         """The trainer's log, read on the run's host and followed until the trainer ends."""
-        from dflashctl.commands._app import printable
+        from dflashctl.terminal import printable
         from dflashctl.runhost import logs
 
         self.following = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from dflashctl.commands._app import printable
+from dflashctl.terminal import printable
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.tui.model import (
     NA, PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, DirectProbe, EventView, HostView,
