@@ -279,8 +279,8 @@ class _Launcher:
 
         if self.dry_run:
             self.say("record", f"would record run {run_id} (state launching, GPUs {gpus or 'none'})")
-            self._configure(run_id, run_dir, config)
-            self._provide_compile_cache(run_id, run_dir, config, bundle.hash, gpus)
+            files = self._configure(run_id, run_dir, config)
+            self._provide_compile_cache(run_id, run_dir, files, config, bundle.hash, gpus)
             self._start(run_id, run_dir)
             return LaunchResult(run_id, "dry-run", host.name, run_dir, run_id, dry_run=True, findings=findings)
 
@@ -300,8 +300,8 @@ class _Launcher:
                                  detail=drift.detail)
             self.say("preflight", f"warning: {drift.message}")
         try:
-            self._configure(run_id, run_dir, config)
-            self._provide_compile_cache(run_id, run_dir, config, bundle.hash, gpus)
+            files = self._configure(run_id, run_dir, config)
+            self._provide_compile_cache(run_id, run_dir, files, config, bundle.hash, gpus)
             self._start(run_id, run_dir)
         except BaseException as e:
             self.store.transition(run_id, FAILED, f"launch failed: {first_line(e)}", self.clock(),
@@ -405,8 +405,8 @@ class _Launcher:
         try:
             for rank, (host, transport, part) in enumerate(zip(hosts, transports, parts)):
                 self._at(host, transport)
-                self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"])
-                self._provide_compile_cache(run_id, part["run_dir"], config, bundle.hash, gpus, rank)
+                files = self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"])
+                self._provide_compile_cache(run_id, part["run_dir"], files, config, bundle.hash, gpus, rank)
             for host, transport, part in zip(hosts, transports, parts):
                 self._at(host, transport)
                 self._start(run_id, part["run_dir"], part["tmux_session"])
@@ -493,17 +493,19 @@ class _Launcher:
         }
 
     def _configure(self, run_id: str, run_dir: str, config: dict[str, Any], rank: int = 0,
-                   session: str | None = None) -> None:
+                   session: str | None = None) -> dict[str, str]:
+        """Write (or, in a dry run, show) the run files; returns them."""
         files = run_files(run_id, run_dir, config, self.socket, rank=rank, session=session)
         if self.dry_run:
             self.show_remote("configure", deploy.run_files_argv(run_dir), deploy.tar_of(files))
             self.say("configure", f"{RUN_SCRIPT}:\n" + files[RUN_SCRIPT])
-            return
+            return files
         deploy.write_run_files(self.transport, run_dir, files)
         self.say("configure", f"{run_dir}: {', '.join(sorted(files))}")
+        return files
 
-    def _provide_compile_cache(self, run_id: str, run_dir: str, config: dict[str, Any], bundle_hash: str,
-                               gpus: list[int], rank: int = 0) -> None:
+    def _provide_compile_cache(self, run_id: str, run_dir: str, files: dict[str, str], config: dict[str, Any],
+                               bundle_hash: str, gpus: list[int], rank: int = 0) -> None:
         """Before the start: a held compile artifact that fits the run goes into its
         run directory (dflashctl.compile_cache), said and recorded."""
         from dflashctl import compile_cache, contract
@@ -514,8 +516,8 @@ class _Launcher:
                 self.say("configure", f"would put a held compile artifact that fits the run (of {held} held) into "
                          f"{run_dir}/{compile_cache.trainer_cache.CACHE_DIR}/")
             return
-        trainer = json.loads(run_files(run_id, run_dir, config, self.socket, rank=rank)[contract.CONFIG_FILE])
-        compile_cache.provide_for_run(  # (the config.json the trainer reads)
+        trainer = json.loads(files[contract.CONFIG_FILE])  # the config.json the trainer reads
+        compile_cache.provide_for_run(
             self.transport, run_dir, trainer, compile_cache.bundle_of(part_config(config, rank).get("env"), bundle_hash),
             compile_cache.gpu_name(self.gpu_readings, gpus),
             lambda message: self.say("configure", message),
