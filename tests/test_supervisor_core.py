@@ -530,27 +530,18 @@ def test_another_hosts_rank_ending_is_written_once_and_restarts_nothing_until_ra
     assert [(r["rank"], r["host"], r["exit_code"]) for r in rows_written.rows] == [(0, "gpu1", 1), (1, "gpu2", 137)]
 
 
-def test_a_stall_of_a_run_on_two_hosts_names_the_host_whose_process_is_stopped():
+@pytest.mark.parametrize("letter, why", [("T", "its process is stopped"),
+                                         ("D", "its process waits in uninterruptible I/O")])
+def test_a_stall_of_a_run_on_two_hosts_names_the_host_whose_process_is_stuck(letter, why):
     rows = [(T0, with_member(healthy(T0, 10), T0, step=10))]
-    rows += [(T0 + 30 * i, with_member(core.Probed(probe(T0 + 30 * i, step=10)), T0 + 30 * i, step=10, state="T"))
+    rows += [(T0 + 30 * i, with_member(core.Probed(probe(T0 + 30 * i, step=10)), T0 + 30 * i, step=10, state=letter))
              for i in (1, 2, 3)]
     state, stalls = two_host_state(), []
     for t, obs in rows:
         state, writes, _ = core.step(state, obs, t, make_policy())
         stalls += [w for w in writes if isinstance(w, core.Event) and w.kind == "stall"]
     assert stalls, "no stall after 90 s without a step"
-    assert stalls[0].detail["host"] == "gpu2" and "its process is stopped" in stalls[0].message
-
-
-def test_a_stall_names_a_process_in_uninterruptible_io_as_such():
-    rows = [(T0, with_member(healthy(T0, 10), T0, step=10))]
-    rows += [(T0 + 30 * i, with_member(core.Probed(probe(T0 + 30 * i, step=10)), T0 + 30 * i, step=10, state="D"))
-             for i in (1, 2, 3)]
-    state, stalls = two_host_state(), []
-    for t, obs in rows:
-        state, writes, _ = core.step(state, obs, t, make_policy())
-        stalls += [w for w in writes if isinstance(w, core.Event) and w.kind == "stall"]
-    assert stalls and "[host gpu2, rank 1: its process waits in uninterruptible I/O]" in stalls[0].message
+    assert stalls[0].detail["host"] == "gpu2" and f"[host gpu2, rank 1: {why}]" in stalls[0].message
 
 
 def test_each_process_of_a_rank_has_its_end_written_once_and_a_hosts_error_is_bounded():
