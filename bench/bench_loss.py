@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer.loss import dflash_loss  # noqa: E402
+from trainer.loss import dflash_loss, resolve_kernel  # noqa: E402
 
 
 def checkpointed_loss(hidden_XH, weight_VH, labels_X, weight_X, chunk):
@@ -63,7 +63,12 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--compiled", action="store_true", help="also time the compiled per-chunk softmax (GPU)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time the compiled per-chunk softmax (GPU): with the inductor expression and, where "
+                        "triton is installed, the triton kernel (trainer.loss_kernel)")
+    p.add_argument("--chunk-only", action="store_true",
+                   help="with --compiled: also time one chunk's softmax/top-1/gradient alone (triton.testing.do_bench) "
+                        "and compare every output with the eager reference")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -71,23 +76,55 @@ def main(argv=None) -> int:
     head = (torch.randn(args.vocab, args.hidden, device=args.device) * 0.05).to(dtype)
     labels = torch.randint(0, args.vocab, (1, args.positions), device=args.device)
     weight = torch.rand(1, args.positions, device=args.device)
-    def ours(compiled):
-        return lambda h: dflash_loss(h, head, labels, weight, args.chunk, block_size=16, compiled=compiled)[0]
+    def ours(compiled, kernel="inductor"):
+        return lambda h: dflash_loss(h, head, labels, weight, args.chunk, block_size=16, compiled=compiled,
+                                     kernel=kernel)[0]
 
     ckpt_s, ckpt_grad = timed(
         lambda h: checkpointed_loss(h.reshape(-1, args.hidden), head, labels.reshape(-1), weight.reshape(-1),
                                     args.chunk), hidden, args.repeat, args.device)
     row = {"bench": "loss", **vars(args), "torch": torch.__version__, "checkpointed_s": round(ckpt_s, 4)}
     flops = 4 * args.positions * args.hidden * args.vocab
-    for name, compiled in (("fused", False),) + ((("compiled", True),) if args.compiled else ()):
+    kernels = [("fused", False, "inductor")]
+    if args.compiled:
+        kernels.append(("compiled", True, "inductor"))
+        if resolve_kernel("auto", torch.device(args.device)) == "triton":
+            kernels.append(("triton", True, "triton"))
+    for name, compiled, kernel in kernels:
         if compiled:
-            timed(ours(True), hidden, 1, args.device)  # the compile
-        seconds, grad = timed(ours(compiled), hidden, args.repeat, args.device)
+            timed(ours(True, kernel), hidden, 1, args.device)  # the compile
+        seconds, grad = timed(ours(compiled, kernel), hidden, args.repeat, args.device)
         row.update({f"{name}_s": round(seconds, 4), f"{name}_speedup": round(ckpt_s / seconds, 2),
                     f"{name}_tflops": round(flops / seconds / 1e12, 1),
                     f"{name}_max_grad_diff": float((grad.float() - ckpt_grad.float()).abs().max())})
+    if args.chunk_only and len(kernels) > 1:
+        row["chunk"] = chunk_alone(args, head, dtype, [k for _, _, k in kernels[1:]])
     print(json.dumps(row))
     return 0
+
+
+def chunk_alone(args, head, dtype, kernels: list[str]) -> dict:
+    """One chunk of logits through each compiled kernel: median milliseconds and the
+    largest difference of loss, top-1 and gradient from the eager reference."""
+    from triton.testing import do_bench
+
+    from trainer.loss import chunk_cross_entropy, compiled_chunk_cross_entropy
+
+    logits = (torch.randn(args.chunk, args.hidden, device=args.device, dtype=dtype) @ head.T).contiguous()
+    labels = torch.randint(0, args.vocab, (args.chunk,), device=args.device)
+    labels[:64] = logits[:64].float().argmax(dim=-1)  # some rows whose top-1 is right
+    weight = torch.rand(args.chunk, device=args.device)
+    ref_loss, ref_top1, ref_grad = chunk_cross_entropy(logits.clone(), labels, weight, True)
+    out = {"floor_ms_3_passes": round(3 * logits.numel() * logits.element_size() / 4.8e12 * 1e3, 3)}
+    for kernel in kernels:
+        fn = compiled_chunk_cross_entropy(kernel)
+        loss, top1, grad = fn(logits, labels, weight, True)
+        out[kernel] = {"ms": round(do_bench(lambda: fn(logits, labels, weight, True)), 3),
+                       "loss_rel_diff": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+                       "top1_differs": int((top1 != ref_top1).sum()),
+                       "top1_right": int(top1.sum()),
+                       "grad_max_diff": float((grad.float() - ref_grad.float()).abs().max())}
+    return out
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ def reference_config(args) -> dict:
         cfg.setdefault("compile", {})["target"] = args.target_compile == "on"
     if args.loss_chunk:
         cfg["train"]["loss_chunk"] = args.loss_chunk
+    if getattr(args, "loss_kernel", None):
+        cfg["train"]["loss_kernel"] = args.loss_kernel
     if args.profile:
         cfg["train"].update({"profile_steps": args.profile, "profile_after": 5})
     return cfg
@@ -207,6 +209,8 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager-layers", action="store_true",
                    help="compile only flex_attention and the loss, not whole drafter layers (compile.drafter_layers: false)")
     p.add_argument("--loss-chunk", type=int, help="query positions per loss chunk (default: the trainer's)")
+    p.add_argument("--loss-kernel", choices=["auto", "triton", "inductor"],
+                   help="each compiled loss chunk's kernel (default: the trainer's, auto)")
     p.add_argument("--target-compile", choices=["on", "off"],
                    help="compile the target's decoder layers (compile.target; default: the trainer's default)")
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")

@@ -137,7 +137,14 @@ class Entry:
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "fields": dict(self.fields), "bytes": self.bytes, "created": self.created,
                 "last_used": self.last_used, "sha256": self.manifest["sha256"],
-                "artifacts": self.manifest.get("artifacts"), "path": self.path}
+                "artifacts": self.manifest.get("artifacts"), "parts": self.manifest.get("parts"), "path": self.path}
+
+    @property
+    def bytecode_bytes(self) -> Optional[int]:
+        """Size of the Python bytecode that travels inside it (None: none does)."""
+        parts = self.manifest.get("parts")
+        size = parts.get("bytecode", {}).get("bytes") if isinstance(parts, dict) else None
+        return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def store_dir() -> str:

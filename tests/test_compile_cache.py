@@ -207,8 +207,8 @@ def test_save_then_load_in_a_fresh_process_with_a_wiped_cache(tmp_path):
 _BYTECODE = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[2])
-    from trainer.train import keep_bytecode
-    path = keep_bytecode(sys.argv[1], package="fakepkg")
+    from trainer.bytecode import keep
+    path = keep(sys.argv[1], package="fakepkg")
     import fakepkg
     print(json.dumps(path))
 """)

@@ -10,7 +10,8 @@ this host's inductor and triton caches, so the warm-up finds its kernels there.
 Layout, in the run directory::
 
     compile_cache/compile_cache.json   the manifest, written last (atomically)
-    compile_cache/<key>.bin            the artifact bytes
+    compile_cache/<key>.bin            the artifact bytes, then (version 2) the
+                                       bytecode archive (``trainer.bytecode``)
 
 Manifest (JSON object)::
 
@@ -25,6 +26,13 @@ Manifest (JSON object)::
     sha256     its sha256 (hex)
     created    unix time it was written
     artifacts  {kind: count}: what it holds (inductor, aot_autograd, autotune, ...)
+    parts      (version 2) {"artifacts": {offset, bytes}, "bytecode": {offset, bytes,
+               python, magic, files}}: where each part lies in the file; without
+               ``parts`` (version 1) the whole file is the artifacts. The bytecode
+               part is present when the start that wrote it kept bytecode of its own
+               (an image without any): it is unpacked before torch is imported,
+               when its Python's magic number is this one's, whatever the key says
+               (each file is checked against its source at import time).
 
 Whoever puts an artifact into a run directory (the controller, when it starts a run
 on a host whose cache lacks it) copies both files; the trainer decides. Outcomes
@@ -43,10 +51,12 @@ bundle it runs), and never read or write through a symbolic link.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import platform
 import re
+import tarfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,7 +66,7 @@ from dflashctl import contract
 
 CACHE_DIR = "compile_cache"
 MANIFEST_FILE = "compile_cache.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 # In the order they are compared: the first that differs names the mismatch.
 FIELDS = ("torch", "triton", "cuda", "gpu", "python", "bundle", "config")
 BUNDLE_ENV = "DFLASH_BUNDLE_HASH"
@@ -81,7 +91,7 @@ def shape_config(cfg) -> dict[str, Any]:
                   "block_size": m.block_size, "layer_types": m.layer_types, "sliding_window": m.sliding_window,
                   "dtype": m.dtype},
         "data": {"buckets": sorted(d.buckets), "max_anchors": d.max_anchors, "batch_size": d.batch_size},
-        "train": {"loss_chunk": cfg.train.loss_chunk},
+        "train": {"loss_chunk": cfg.train.loss_chunk, "loss_kernel": cfg.train.loss_kernel},
         "placement": {"device": cfg.placement.device, "target": list(cfg.placement.target),
                       "drafter": list(cfg.placement.drafter)},
         "compile": {"enabled": c.enabled, "drafter_layers": c.drafter_layers, "target": c.target,
@@ -200,14 +210,19 @@ def read_manifest(run_dir: str) -> Optional[dict]:
     return manifest
 
 
-def _local_marker(sha256: str) -> Optional[str]:
-    """Path of this host's marker for an artifact, in the inductor cache in use."""
+def _inductor_cache_dir() -> Optional[str]:
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        base = cache_dir()
-    except Exception:  # noqa: BLE001 - no marker: the artifact is simply loaded again
-        base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        return cache_dir()
+    except Exception:  # noqa: BLE001 - torch absent or older: the environment's, if any
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def _local_marker(sha256: str) -> Optional[str]:
+    """Path of this host's marker for an artifact, in the inductor cache in use (no
+    marker: the artifact is simply loaded again)."""
+    base = _inductor_cache_dir()
     return os.path.join(base, _LOCAL_MARKERS, sha256) if base else None
 
 
@@ -233,6 +248,7 @@ class Outcome:
     key: str = ""
     sha256: str = ""
     saved: Optional[dict] = None  # the manifest this start wrote, if any
+    bytecode: Optional[dict] = None  # what load_bytecode did at this start, if anything
     save_s: float = 0.0
     note: str = ""
     details: dict = field(default_factory=dict)
@@ -245,6 +261,8 @@ class Outcome:
                             "save_s": round(self.save_s, 2)}
         if self.note:
             out["note"] = self.note
+        if self.bytecode:
+            out["bytecode"] = self.bytecode
         return out
 
 
@@ -278,6 +296,11 @@ def load(run_dir: str, fields: dict[str, str]) -> Outcome:
         out.status, out.note = "mismatch:sha256", f"{manifest['file']} has sha256 {sha[:16]}, manifest {manifest['sha256'][:16]}"
         return out
     out.status, out.bytes, out.sha256 = "hit", len(data), sha
+    try:
+        data = part(manifest, data, "artifacts")
+    except ValueError as e:
+        out.status, out.note = "mismatch:manifest", str(e)
+        return out
     marker = _local_marker(sha)
     if marker and os.path.exists(marker):
         out.note = "already in this host's compile cache"
@@ -291,6 +314,55 @@ def load(run_dir: str, fields: dict[str, str]) -> Outcome:
     out.details = _artifact_counts(info)
     _mark_local(sha)
     return out
+
+
+def part(manifest: dict, data: bytes, name: str) -> bytes:
+    """Part ``name`` of an artifact file (the whole file is the artifacts in version 1);
+    ValueError when the manifest places it outside the file."""
+    parts = manifest.get("parts")
+    if parts is None and name == "artifacts":
+        return data
+    where = parts.get(name) if isinstance(parts, dict) else None
+    if not isinstance(where, dict):
+        raise ValueError(f"manifest has no part {name!r}")
+    offset, size = where.get("offset"), where.get("bytes")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, size)) \
+            or offset + size > len(data):
+        raise ValueError(f"manifest places part {name!r} outside the file ({offset!r}+{size!r} of {len(data)})")
+    return data[offset:offset + size]
+
+
+def load_bytecode(run_dir: str, prefix: Optional[str]) -> Optional[dict]:
+    """Before torch is imported: unpack the run directory's travelled bytecode into
+    ``prefix`` (``trainer.bytecode.keep``'s directory; None: this host has bytecode of
+    its own, nothing to do). Returns what happened, or None when there was nothing
+    to consider."""
+    from trainer import bytecode
+
+    if not prefix:
+        return None
+    try:
+        manifest = read_manifest(run_dir)
+    except ValueError as e:
+        return {"status": "refused", "note": str(e)}
+    where = (manifest or {}).get("parts", {}).get("bytecode") if isinstance((manifest or {}).get("parts"), dict) else None
+    if not isinstance(where, dict):
+        return None
+    magic = importlib.util.MAGIC_NUMBER.hex()
+    if where.get("magic") != magic:
+        return {"status": "mismatch:python", "note": f"bytecode of Python {str(where.get('python'))[:20]} "
+                                                     f"(magic {str(where.get('magic'))[:12]}), this one {magic}"}
+    if os.path.exists(bytecode.unpacked_marker(prefix, manifest["sha256"])):
+        return {"status": "present"}
+    t0 = time.monotonic()
+    try:
+        data = _read_no_follow(os.path.join(run_dir, CACHE_DIR, manifest["file"]))
+        if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+            return {"status": "mismatch:sha256"}
+        counts = bytecode.unpack(part(manifest, data, "bytecode"), prefix, manifest["sha256"])
+    except (OSError, ValueError, EOFError, tarfile.TarError) as e:
+        return {"status": "refused", "note": f"{type(e).__name__}: {e}"[:300]}
+    return {"status": "unpacked", "seconds": round(time.monotonic() - t0, 2), **counts}
 
 
 def _artifact_counts(info) -> dict:
@@ -310,17 +382,27 @@ def serialize() -> Optional[tuple[bytes, dict]]:
     return data, _artifact_counts(info)
 
 
-def write(run_dir: str, fields: dict[str, str], cfg, data: bytes, counts: dict) -> dict:
-    """Write ``data`` and its manifest into ``run_dir/compile_cache`` (bytes first, the
-    manifest last, each atomically); older artifact files there are removed."""
+def write(run_dir: str, fields: dict[str, str], cfg, data: bytes, counts: dict,
+          bytecode_part: Optional[tuple[bytes, dict]] = None) -> dict:
+    """Write ``data`` (and the bytecode archive after it, when given) and the manifest
+    into ``run_dir/compile_cache`` (bytes first, the manifest last, each atomically);
+    older artifact files there are removed."""
+    from trainer import bytecode
+
     directory = os.path.join(run_dir, CACHE_DIR)
     os.makedirs(directory, exist_ok=True)
     key = key_of(fields)
     name = f"{key}.bin"
+    parts = {"artifacts": {"offset": 0, "bytes": len(data)}}
+    if bytecode_part is not None:
+        archive, stats = bytecode_part
+        parts["bytecode"] = {"offset": len(data), "bytes": len(archive), "python": platform.python_version(),
+                             "magic": importlib.util.MAGIC_NUMBER.hex(), "files": stats["files"]}
+        data = data + archive
     manifest = {
         "v": MANIFEST_VERSION, "key": key, "fields": dict(fields), "shape": shape_config(cfg), "file": name,
         "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "created": time.time(),
-        "artifacts": counts,
+        "artifacts": counts, "parts": parts,
     }
     contract.atomic_write_bytes(os.path.join(directory, name), data)
     contract.atomic_write_bytes(os.path.join(directory, MANIFEST_FILE), json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -341,24 +423,33 @@ def should_save(outcome: Outcome, fxgraph_misses: int) -> bool:
 
 
 def save_in_background(run_dir: str, fields: dict[str, str], cfg, outcome: Outcome,
-                       log: Callable[[str], None]) -> Optional[threading.Thread]:
-    """Serialize now (nothing compiles any more), hash and write in a daemon thread, off
-    the way to the first step. Records the manifest in ``outcome.saved``."""
+                       log: Callable[[str], None], bytecode_prefix: Optional[str] = None) -> Optional[threading.Thread]:
+    """Serialize now (nothing compiles any more), pack the bytecode (when this process
+    keeps its own, ``bytecode_prefix``), hash and write in a daemon thread, off the way
+    to the first step. Records the manifest in ``outcome.saved``."""
+    from trainer import bytecode
+
     t0 = time.monotonic()
     result = serialize()
     if result is None:
         log("compile_cache: nothing to save (no artifacts recorded)")
         return None
     data, counts = result
+    sources = bytecode.imported_sources() if bytecode_prefix else []
+    generated = [os.environ.get("TORCHINDUCTOR_CACHE_DIR"), _inductor_cache_dir()]
 
     def work():
         try:
-            manifest = write(run_dir, fields, cfg, data, counts)
+            packed = bytecode.pack(sources, exclude=generated) if sources else None
+            manifest = write(run_dir, fields, cfg, data, counts, packed)
             _mark_local(manifest["sha256"])  # this host's cache holds every entry of it
+            if packed is not None:  # and its bytecode
+                bytecode.mark_unpacked(bytecode_prefix, manifest["sha256"])
             outcome.save_s = time.monotonic() - t0
             outcome.saved = manifest
-            log(f"compile_cache: saved {manifest['bytes'] / 2**20:.1f} MiB ({counts}) as {CACHE_DIR}/{manifest['file']} "
-                f"in {outcome.save_s:.1f}s")
+            log(f"compile_cache: saved {manifest['bytes'] / 2**20:.1f} MiB ({counts}"
+                + (f", bytecode of {packed[1]['files']} modules in {len(packed[0]) / 2**20:.1f} MiB" if packed else "")
+                + f") as {CACHE_DIR}/{manifest['file']} in {outcome.save_s:.1f}s")
         except OSError as e:  # a full disk must not stop training; the next start compiles
             log(f"compile_cache: could not save: {e}")
 

@@ -88,6 +88,11 @@ class TrainConfig:
     """Loss decay over block slots; default 7 for B=16, 4 for B=8, else B/2."""
     loss_chunk: int = 4096
     """Query positions per chunk of the vocabulary projection in the loss."""
+    loss_kernel: Literal["auto", "triton", "inductor"] = "auto"
+    """Each compiled loss chunk's softmax, top-1 and gradient: ``triton``, one kernel
+    that reads the logits twice and writes the gradient once; ``inductor``, the
+    pointwise expression fused by torch.compile; ``auto``, triton on a CUDA device
+    where triton is installed, else inductor."""
     log_every: int = 10
     """Steps per metrics.jsonl line."""
     checkpoint_every: int = 50

@@ -18,6 +18,8 @@ work.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 
 import torch
@@ -70,21 +72,46 @@ def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_
     return total, correct_C, probs_CV.mul_(weight_C[:, None]).to(logits_CV.dtype)
 
 
+LOSS_KERNELS = ("auto", "triton", "inductor")
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_kernel(requested: str, device: torch.device) -> str:
+    """The compiled chunk's kernel: ``triton`` (``trainer.loss_kernel``: one pass for
+    the statistics, one for the gradient) on a CUDA device where triton is installed,
+    else ``inductor`` (the pointwise expression above, fused by the compiler).
+    ``auto`` picks triton where it can; asking for triton where it cannot is an error."""
+    if requested not in LOSS_KERNELS:
+        raise ValueError(f"loss kernel {requested!r} is not one of {', '.join(LOSS_KERNELS)}")
+    installed = importlib.util.find_spec("triton") is not None
+    usable = device.type == "cuda" and installed
+    if requested == "triton" and not usable:
+        raise ValueError("train.loss_kernel: triton needs a CUDA device and the triton package "
+                         f"(device {device}, triton {'installed' if installed else 'missing'}); use auto or inductor")
+    return "triton" if requested in ("auto", "triton") and usable else "inductor"
+
+
 def _fusable_chunk_cross_entropy(logits_CV, labels_C, weight_C, need_grad):
     return chunk_cross_entropy(logits_CV, labels_C, weight_C, need_grad, in_place=False)
 
 
-_compiled_chunk_cross_entropy = None
+def _triton_chunk_cross_entropy(logits_CV, labels_C, weight_C, need_grad):
+    from trainer import loss_kernel
+
+    return loss_kernel.chunk_cross_entropy(logits_CV, labels_C, weight_C, need_grad)
 
 
-def compiled_chunk_cross_entropy():
-    """torch.compile(chunk_cross_entropy without in-place updates), created once (static
-    shapes: one entry per chunk shape and device, compiled in the trainer's warm-up like
-    the attention)."""
-    global _compiled_chunk_cross_entropy
-    if _compiled_chunk_cross_entropy is None:
-        _compiled_chunk_cross_entropy = torch.compile(_fusable_chunk_cross_entropy, dynamic=False)
-    return _compiled_chunk_cross_entropy
+_compiled_chunk_cross_entropy: dict[str, object] = {}
+
+
+def compiled_chunk_cross_entropy(kernel: str = "inductor"):
+    """torch.compile of one chunk's loss with ``kernel`` (``resolve_kernel``), created
+    once per kernel (static shapes: one entry per chunk shape and device, compiled in
+    the trainer's warm-up like the attention)."""
+    if kernel not in _compiled_chunk_cross_entropy:
+        fn = _triton_chunk_cross_entropy if kernel == "triton" else _fusable_chunk_cross_entropy
+        _compiled_chunk_cross_entropy[kernel] = torch.compile(fn, dynamic=False)
+    return _compiled_chunk_cross_entropy[kernel]
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -93,9 +120,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
     gradient: it is frozen."""
 
     @staticmethod
-    def forward(ctx, hidden_XH, weight_VH, labels_X, weight_X, chunk, compiled):
+    def forward(ctx, hidden_XH, weight_VH, labels_X, weight_X, chunk, kernel):
         need_grad = ctx.needs_input_grad[0]
-        ce = compiled_chunk_cross_entropy() if compiled else chunk_cross_entropy
+        ce = compiled_chunk_cross_entropy(kernel) if kernel else chunk_cross_entropy
         grad_XH = torch.empty_like(hidden_XH) if need_grad else None
         correct_X = torch.empty_like(labels_X, dtype=torch.bool)
         total = hidden_XH.new_zeros((), dtype=torch.float32)
@@ -126,9 +153,11 @@ def dflash_loss(
     *,
     block_size: int,
     compiled: bool = False,
+    kernel: str = "inductor",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted CE over query positions, ``chunk`` positions per vocabulary projection;
-    ``compiled`` runs each chunk's softmax and gradient as compiled kernels (GPU).
+    ``compiled`` runs each chunk's softmax and gradient as compiled kernels (GPU), with
+    ``kernel`` (``resolve_kernel``: triton or inductor).
 
     Returns (loss, stats); stats are detached tensors (no host sync here):
       tokens       supervised positions (weight > 0)
@@ -149,7 +178,7 @@ def dflash_loss(
     # A label of -100 (the cross-entropy convention for "none") carries no weight.
     weight_X = torch.where(labels_X >= 0, weight_BQ.reshape(-1).to(torch.float32), 0.0)
     total, correct_X = _ChunkedLinearCE.apply(hidden_XH, lm_head_weight.detach(), labels_X, weight_X, chunk,
-                                              compiled)
+                                              kernel if compiled else None)
 
     weight_sum = weight_X.sum()
     loss = total / weight_sum.clamp(min=1e-6)  # an all-invalid batch gives 0, not NaN

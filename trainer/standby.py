@@ -58,10 +58,10 @@ def _current(run_dir: str) -> str | None:
 def wait(run_dir: str, token: str, cache_dir: str | None, log=print) -> bool:
     """Import, say ready, wait: True once the go file is taken (this process is the
     trainer now), False when there is nothing to wait for."""
-    from trainer.train import keep_bytecode
+    from trainer import bytecode
 
     t0 = time.monotonic()
-    keep_bytecode(cache_dir)
+    bytecode.keep(cache_dir)
     for name in MODULES:
         importlib.import_module(name)
     return wait_for_go(run_dir, token, round(time.monotonic() - t0, 2), log)

@@ -15,7 +15,7 @@ import torch
 from trainer.anchors import build_block_inputs, sample_anchors
 from trainer.attention import FLEX_COMPILED, AttentionPath, build_layer_masks
 from trainer.config import TrainerConfig
-from trainer.loss import default_gamma, dflash_loss, slot_weights
+from trainer.loss import default_gamma, dflash_loss, resolve_kernel, slot_weights
 from trainer.model import Drafter
 
 
@@ -53,7 +53,7 @@ def compute_loss(
     weight_BQ = slot_weights(label_mask_BQ, block_size, gamma)
     loss, stats = dflash_loss(
         hidden_BQH, drafter.lm_head.weight, labels_BQ, weight_BQ, cfg.train.loss_chunk, block_size=block_size,
-        compiled=attention_path.name == FLEX_COMPILED,
+        compiled=attention_path.name == FLEX_COMPILED, kernel=resolve_kernel(cfg.train.loss_kernel, hidden_BQH.device),
     )
     stats["anchors"] = valid_BN.sum().float()
     stats["query_tokens"] = stats["anchors"] * block_size

@@ -122,41 +122,6 @@ def process_start_time() -> Optional[float]:
     return started if 0 <= time.time() - started < 3600 else None
 
 
-def keep_bytecode(cache_dir: Optional[str], package: str = "torch") -> Optional[str]:
-    """Give Python a bytecode cache it can write when ``package`` (torch) ships none.
-
-    A start imports a few thousand modules (torch, its compiler, transformers). When
-    the installed packages carry no bytecode and none can be written beside them (a
-    read-only image, PYTHONDONTWRITEBYTECODE), every start compiles all of them from
-    source again, and a restart pays that each time. Then bytecode goes to
-    ``<cache>/pycache`` (``cache_dir``, else the inductor cache, else
-    ``~/.cache/dflashctl``), never beside the sources. Returns that directory, or
-    None when nothing had to change (bytecode present, or Python writes it itself).
-    """
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    if os.path.exists(importlib.util.cache_from_source(spec.origin)):
-        return None
-    pycache = os.path.join(os.path.dirname(spec.origin), "__pycache__")
-    if not sys.dont_write_bytecode and os.access(pycache if os.path.isdir(pycache) else os.path.dirname(pycache), os.W_OK):
-        return None
-    base = cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join("~", ".cache", "dflashctl")
-    path = os.path.join(os.path.abspath(os.path.expanduser(base)), "pycache")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
-        return None
-    sys.pycache_prefix = path
-    sys.dont_write_bytecode = False
-    return path
-
-
 class Startup:
     """Where the time from process start to the first training step goes: seconds per
     phase, in order (``process``: interpreter start and the trainer's argument and
@@ -263,13 +228,19 @@ def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals:
 def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, stop: StopRequest) -> int:
     # ---------------------------------------------------------------- torch, devices, seeds
     startup = Startup()
-    bytecode = keep_bytecode(cfg.compile.cache_dir)  # before the imports it speeds up
+    from trainer import bytecode as bytecode_mod, compile_cache
+
+    bytecode = bytecode_mod.keep(cfg.compile.cache_dir)  # before the imports it speeds up
+    travelled = compile_cache.load_bytecode(run_dir, bytecode) if cfg.compile.artifacts else None
+    if travelled:
+        log(f"compile_cache: bytecode {travelled}")
     import torch
 
-    from trainer import checkpoint, compile as compile_mod, compile_cache, distributed, pipeline as pl
+    from trainer import checkpoint, compile as compile_mod, distributed, pipeline as pl
     from trainer.anchors import sample_anchors
     from trainer.attention import FLEX_COMPILED, paths_ran, select_attention_path
     from trainer.data import build_source
+    from trainer.loss import resolve_kernel
     from trainer.optim import build_optimizer, build_scheduler
     from trainer.profiling import StepProfiler
     from trainer.step import compute_loss
@@ -290,8 +261,12 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     torch.manual_seed(cfg.train.seed)
     path = select_attention_path(main_dev, cfg.compile.enabled, cfg.compile.allow_eager,
                                  cfg.compile.mask_builder)
+    try:
+        loss_kernel = resolve_kernel(cfg.train.loss_kernel, main_dev) if path.name == FLEX_COMPILED else "eager"
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
     log(f"devices: target {[str(d) for d in target_devs]}, drafter {[str(d) for d in drafter_devs]}; "
-        f"compute {compute_dtype}; attention {path.name}; compile cache {cache}"
+        f"compute {compute_dtype}; attention {path.name}; loss {loss_kernel}; compile cache {cache}"
         + (f"; bytecode cache {bytecode}" if bytecode else ""))
     startup.mark("devices")
 
@@ -363,12 +338,13 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
 
     # ---------------------------------------------------------------- compile: artifacts, then warm-up before threads run free
     discipline.enter_thread()
-    artifacts = compile_cache.Outcome()
+    artifacts = compile_cache.Outcome(bytecode=travelled)
     cache_fields: dict = {}
     if path.name == FLEX_COMPILED and cfg.compile.artifacts:
         status.set(contract.PHASE_COMPILING, detail={"mode": discipline.mode, "compile_cache": "loading"})
         cache_fields = compile_cache.key_fields(cfg, target_devs + drafter_devs)
         artifacts = compile_cache.load(run_dir, cache_fields)
+        artifacts.bytecode = travelled
         log(f"compile_cache: {artifacts.status}"
             + (f" (loaded {artifacts.bytes / 2**20:.1f} MiB in {artifacts.load_s:.1f}s)" if artifacts.loaded else "")
             + (f" ({artifacts.note})" if artifacts.note else "")
@@ -389,7 +365,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             return
         save_pending = False
         if compile_cache.should_save(artifacts, compile_mod.dynamo_counters()["fxgraph_cache_miss"]):
-            compile_cache.save_in_background(run_dir, cache_fields, cfg, artifacts, log)
+            compile_cache.save_in_background(run_dir, cache_fields, cfg, artifacts, log, bytecode_prefix=bytecode)
 
     save_artifacts_once_locked()
 

@@ -55,7 +55,8 @@ def ls_command(
         f = e.fields
         cells = [e.key, f.get("torch"), f.get("triton"), f.get("cuda"), f.get("gpu"), str(f.get("bundle") or "")[:12],
                  f.get("config")]
-        table.add_row(*(escape(c if c is not None else "-") for c in cells), _size(e.bytes),
+        size = _size(e.bytes) + (f" (bytecode {_size(e.bytecode_bytes)})" if e.bytecode_bytes else "")
+        table.add_row(*(escape(c if c is not None else "-") for c in cells), size,
                       _when(e.created), _when(e.last_used))
     out.print(table)
 
