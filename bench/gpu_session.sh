@@ -16,10 +16,14 @@
 #   bash bench/gpu_session.sh 7   # 2 GPUs at once: 5 fresh-cache threaded cold starts with the discipline
 #                                 # (GPU 0); where import time goes, 3 cold starts without the discipline
 #                                 # and restart downtime, small preset (GPU 1)
-# Parts 6-7 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
+#   bash bench/gpu_session.sh 8   # 1 GPU: the loss chunk's kernels (triton, inductor) alone; compile artifacts
+#                                 # with bytecode (cold, warm, artifact on a wiped cache); reference size,
+#                                 # 30 steps, loss kernel triton (profile) then inductor; where import time goes
+#   bash bench/gpu_session.sh 9   # 1 GPU: 5 fresh-cache threaded cold starts with the discipline, then 2 without
+# Parts 6-9 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6|7" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6|7|8|9" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -134,6 +138,30 @@ PY
         --work-dir "$work/restart" 2>&1 | tee "$work/restart.log"
     ) &
     wait
+    pack "$work"
+    ;;
+  8)
+    work=$(mktemp -d)
+    timeout 120 python3 bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 \
+      --vocab 151936 --chunk 4096 --compiled --chunk-only 2>&1 | tee "$work/loss.log"
+    grep -q '"triton_s"' "$work/loss.log" || { echo "the triton loss kernel did not run: stopping" >&2; pack "$work"; exit 1; }
+    timeout 260 python3 bench/bench_trainer.py --runs cold,warm,artifact --steps 8 --timeout 120 \
+      --work-dir "$work/artifacts" --cache-dir "$work/cache-ref" 2>&1 | tee "$work/artifacts.log"
+    timeout 100 python3 bench/bench_trainer.py --loss-kernel triton --runs warm --steps 30 --profile 3 --timeout 90 \
+      --work-dir "$work/ref-triton" --cache-dir "$work/cache-ref" 2>&1 | tee "$work/ref-triton.log"
+    timeout 110 python3 bench/bench_trainer.py --loss-kernel inductor --runs warm --steps 30 --timeout 100 \
+      --work-dir "$work/ref-inductor" --cache-dir "$work/cache-ref" 2>&1 | tee "$work/ref-inductor.log"
+    python3 -X importtime -X pycache_prefix="$work/cache-ref/pycache" -c "import torch, torch._dynamo, \
+      torch._inductor.compile_fx, torch.nn.attention.flex_attention, transformers.models.qwen3.modeling_qwen3" \
+      2> "$work/importtime.txt"
+    pack "$work"
+    ;;
+  9)
+    work=$(mktemp -d)
+    timeout 330 python3 bench/bench_coldstart.py --cold 5 --warm 0 --steps 6 --timeout 90 \
+      --work-dir "$work/safe" 2>&1 | tee "$work/coldstart.log"
+    timeout 200 python3 bench/bench_coldstart.py --unsafe --cold 2 --warm 0 --steps 6 --timeout 75 \
+      --work-dir "$work/unsafe" 2>&1 | tee "$work/coldstart-unsafe.log"
     pack "$work"
     ;;
 esac
