@@ -20,10 +20,12 @@
 #                                 # with bytecode (cold, warm, artifact on a wiped cache); reference size,
 #                                 # 30 steps, loss kernel triton (profile) then inductor; where import time goes
 #   bash bench/gpu_session.sh 9   # 1 GPU: 5 fresh-cache threaded cold starts with the discipline, then 2 without
+#   bash bench/gpu_session.sh 10  # 1 GPU: warm and artifact starts alternated (3 each, reference size) after a
+#                                 # cold one; the bytecode unpack with 1 and 8 writers; restart, small preset
 # Parts 6-9 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6|7|8|9" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6|7|8|9|10" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -162,6 +164,29 @@ PY
       --work-dir "$work/safe" 2>&1 | tee "$work/coldstart.log"
     timeout 200 python3 bench/bench_coldstart.py --unsafe --cold 2 --warm 0 --steps 6 --timeout 75 \
       --work-dir "$work/unsafe" 2>&1 | tee "$work/coldstart-unsafe.log"
+    pack "$work"
+    ;;
+  10)
+    work=$(mktemp -d)
+    timeout 330 python3 bench/bench_trainer.py --runs cold,warm,artifact,warm,artifact,warm,artifact --steps 6 \
+      --timeout 110 --work-dir "$work/artifacts" --cache-dir "$work/cache-ref" 2>&1 | tee "$work/artifacts.log"
+    python3 - "$work" <<'PY' 2>&1 | tee "$work/unpack.log"
+import glob, json, os, shutil, sys, time
+from trainer import bytecode, compile_cache as cc
+run = sorted(d for d in glob.glob(os.path.join(sys.argv[1], "artifacts", "*-warm")))[-1]
+manifest = cc.read_manifest(run)
+data = open(os.path.join(run, cc.CACHE_DIR, manifest["file"]), "rb").read()
+archive = cc.part(manifest, data, "bytecode")
+for writers in (1, 8, 1, 8):
+    prefix = os.path.join(sys.argv[1], f"unpack-{writers}")
+    shutil.rmtree(prefix, ignore_errors=True)
+    t = time.monotonic()
+    counts = bytecode.unpack(archive, prefix, "x" * 64, writers=writers)
+    print(json.dumps({"writers": writers, "seconds": round(time.monotonic() - t, 3), **counts}))
+PY
+    timeout 150 python3 bench/bench_trainer.py --preset small --bucket 1024 --anchors 64 --batch-size 2 \
+      --drafter-layers 2 --layer-types full,sliding --runs cold,resume,resume --steps 10 --timeout 60 \
+      --work-dir "$work/restart" 2>&1 | tee "$work/restart.log"
     pack "$work"
     ;;
 esac

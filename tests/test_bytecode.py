@@ -84,12 +84,12 @@ def test_a_fresh_cache_compiles_nothing_the_artifact_brought(tmp_path):
     with tarfile.open(fileobj=io.BytesIO(cc.part(saved["manifest"], blob, "bytecode")), mode="r:gz") as tar:
         names = tar.getnames()
     ours = sorted(n for n in names if "/fakepkg/" in n)
-    assert len(ours) == 4 and all(n.startswith(str(site).lstrip("/")) for n in ours)
+    assert ours == sorted(str(site / m).lstrip("/") for m in MODULES)  # named by their sources
     assert part["files"] == len(names) == saved["counts"]["files"]
 
     fresh = _child("load", tmp_path / "cache2", site, run_dir)
     assert fresh["travelled"]["status"] == "unpacked" and fresh["travelled"]["written"] >= 4
-    assert fresh["travelled"]["refused"] == 0
+    assert fresh["travelled"]["refused"] == fresh["travelled"]["stale"] == 0
     assert fresh["compiled"] == []  # every module's bytecode came with the artifact
     assert fresh["values"] == ["init", "b1", "c"]
 
@@ -105,7 +105,7 @@ def test_a_module_whose_source_differs_is_compiled_from_its_source(tmp_path):
     _child("save", tmp_path / "cache1", site, run_dir)
     (site / "fakepkg" / "b.py").write_text("VALUE = 'b2, patched here'\n")
     fresh = _child("load", tmp_path / "cache2", site, run_dir)
-    assert fresh["travelled"]["status"] == "unpacked"
+    assert fresh["travelled"]["status"] == "unpacked" and fresh["travelled"]["stale"] == 1
     assert fresh["compiled"] == ["fakepkg/b.py"]
     assert fresh["values"] == ["init", "b2, patched here", "c"]
 
@@ -140,24 +140,41 @@ def _member(tar, name, data=b"", kind=tarfile.REGTYPE, target=""):
     tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
 
 
-def test_unpack_refuses_members_that_are_not_checked_bytecode_inside_the_prefix(tmp_path):
-    good = importlib.util.MAGIC_NUMBER + (3).to_bytes(4, "little") + b"h" * 8 + b"code"
-    unchecked = importlib.util.MAGIC_NUMBER + (1).to_bytes(4, "little") + b"h" * 8 + b"code"  # hash, never checked
-    timestamp = importlib.util.MAGIC_NUMBER + bytes(12) + b"code"
+def test_unpack_writes_only_bytecode_of_the_sources_here_inside_the_prefix(tmp_path):
+    site = tmp_path / "srv"
+    site.mkdir()
+    sources = {name: f"NAME = {name!r}\n".encode() for name in ("ok", "other", "old", "unchecked")}
+    for name, text in sources.items():
+        (site / f"{name}.py").write_bytes(text)
+    body = b"code"
+    magic = importlib.util.MAGIC_NUMBER
+
+    def checked(text, flags=3):
+        return magic + flags.to_bytes(4, "little") + importlib.util.source_hash(text) + body
+
+    rel = str(site).lstrip("/")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        _member(tar, "srv/lib/ok.cpython-312.pyc", good)
-        _member(tar, "../escape.cpython-312.pyc", good)
-        _member(tar, "/abs/x.cpython-312.pyc", good)
-        _member(tar, "srv/lib/readme.txt", good)
-        _member(tar, "srv/lib/link.cpython-312.pyc", kind=tarfile.SYMTYPE, target="/etc/passwd")
-        _member(tar, "srv/lib/unchecked.cpython-312.pyc", unchecked)
-        _member(tar, "srv/lib/timestamp.cpython-312.pyc", timestamp)
+        _member(tar, f"{rel}/ok.py", checked(sources["ok"]))
+        _member(tar, f"{rel}/other.py", checked(b"made from another source\n"))        # stale here
+        _member(tar, f"{rel}/missing.py", checked(b"X = 1\n"))                           # no such source here
+        _member(tar, f"{rel}/unchecked.py", checked(sources["unchecked"], flags=1))     # hash, never checked
+        _member(tar, f"{rel}/old.py", magic + bytes(12) + body)                         # timestamp bytecode
+        _member(tar, "../escape.py", checked(sources["ok"]))
+        _member(tar, "/abs/x.py", checked(sources["ok"]))
+        _member(tar, f"{rel}/readme.txt", checked(sources["ok"]))
+        _member(tar, f"{rel}/link.py", kind=tarfile.SYMTYPE, target="/etc/passwd")
     prefix = tmp_path / "prefix"
     counts = bytecode.unpack(buf.getvalue(), str(prefix), "a" * 64)
-    assert counts == {"written": 1, "present": 0, "refused": 6}
-    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
-    assert written == ["prefix/.dflash-unpacked/" + "a" * 64, "prefix/srv/lib/ok.cpython-312.pyc"]
+    assert counts == {"written": 1, "present": 0, "stale": 3, "absent": 1, "refused": 4}
+    written = sorted(str(p.relative_to(prefix)) for p in prefix.rglob("*") if p.is_file())
+    assert written == [".dflash-unpacked/" + "a" * 64, bytecode.member_name(str(site / "ok.py"))]
+    pyc = (prefix / bytecode.member_name(str(site / "ok.py"))).read_bytes()
+    st = os.stat(site / "ok.py")  # ordinary bytecode of the source here: Python checks it like its own
+    assert pyc[4:8] == bytes(4) and int.from_bytes(pyc[8:12], "little") == int(st.st_mtime)
+    assert int.from_bytes(pyc[12:16], "little") == st.st_size and pyc[16:] == body
+    again = bytecode.unpack(buf.getvalue(), str(prefix), "a" * 64)
+    assert again["written"] == 0 and again["present"] == 1
 
 
 def test_checked_hash_pyc_rejects_bytecode_of_another_source(tmp_path):

@@ -10,22 +10,29 @@ every imported module also travels inside the compile artifact
 (``trainer.compile_cache``): ``pack`` after the warm-up, ``unpack`` before the first
 import of torch on the next host.
 
-What travels is checked-hash bytecode only (PEP 552): each file carries the hash of
-the source it was compiled from, and Python compares it with the source on this
-host at import time. A file whose source differs here (another torch, a patched
-module) is compiled again from that source, never run in its place; a file whose
-source lies elsewhere here is simply never found.
+What travels is checked-hash bytecode (PEP 552), one archive member per module,
+named by its source's path: each carries the hash of the source it was compiled
+from. ``unpack`` compares that hash with the source at the same path on this host
+and writes the bytecode only where they are equal, as ordinary bytecode of that
+file (its size and modification time in the header, as Python writes it), so the
+imports that follow run exactly as on a warm host. A module whose source differs
+here (another torch, a patched file) or is absent is left to Python, which compiles
+it from its own source: travelled bytecode never runs in place of a source it was
+not made from.
 
 Standard library only: this runs before torch is imported.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import gzip
 import importlib.util
 import io
 import os
 import sys
 import tarfile
+import threading
 from typing import Iterable, Optional
 
 PREFIX_DIR = "pycache"
@@ -90,28 +97,41 @@ def checked_hash_pyc(pyc: bytes, source: bytes, source_stat: os.stat_result) -> 
     return magic + FLAGS_CHECKED_HASH.to_bytes(4, "little") + digest + pyc[16:]
 
 
+def timestamp_pyc(pyc: bytes, source: bytes, source_stat: os.stat_result) -> Optional[bytes]:
+    """Checked-hash ``pyc`` as ordinary (timestamp) bytecode of the local ``source``,
+    or None unless it carries this Python's magic number and ``source``'s hash."""
+    if (len(pyc) < 16 or pyc[:4] != importlib.util.MAGIC_NUMBER
+            or int.from_bytes(pyc[4:8], "little") != FLAGS_CHECKED_HASH
+            or pyc[8:16] != importlib.util.source_hash(source)):
+        return None
+    return (pyc[:4] + bytes(4) + (int(source_stat.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+            + (source_stat.st_size & 0xFFFFFFFF).to_bytes(4, "little") + pyc[16:])
+
+
 def imported_sources(modules: Optional[Iterable] = None) -> list[tuple[str, str]]:
     """(source, bytecode file) of each imported module that was loaded from a .py
-    source with bytecode on disk."""
-    out = []
+    source with bytecode on disk, in import order."""
+    out: dict[tuple[str, str], None] = {}
     for module in list(sys.modules.values()) if modules is None else modules:
         spec = getattr(module, "__spec__", None)
         origin, cached = getattr(spec, "origin", None), getattr(spec, "cached", None)
         if isinstance(origin, str) and origin.endswith(".py") and isinstance(cached, str):
-            out.append((origin, cached))
-    return sorted(set(out))
+            out[(origin, cached)] = None
+    return list(out)
 
 
 def pack(sources: list[tuple[str, str]], exclude: Iterable[str] = ()) -> tuple[bytes, dict]:
-    """A gzip tar of checked-hash bytecode for ``sources`` (``imported_sources``),
-    members named by ``member_name``; sources under an ``exclude`` directory
-    (generated code in a compile cache) are left out. Returns (bytes, counts)."""
+    """A gzip tar of checked-hash bytecode for ``sources`` (``imported_sources``), one
+    member per module named by its source's absolute path (without the leading
+    separator); sources under an ``exclude`` directory (generated code in a compile
+    cache) are left out. Returns (bytes, counts)."""
     excluded = tuple(os.path.join(os.path.abspath(d), "") for d in exclude if d)
     buf = io.BytesIO()
     counts = {"files": 0, "stale": 0, "unreadable": 0, "bytes": 0}
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=1) as tar:
         for source, cached in sources:
-            if excluded and os.path.abspath(source).startswith(excluded):
+            source = os.path.abspath(source)
+            if excluded and source.startswith(excluded):
                 continue
             try:
                 with open(source, "rb") as f:
@@ -128,7 +148,7 @@ def pack(sources: list[tuple[str, str]], exclude: Iterable[str] = ()) -> tuple[b
                 continue
             if counts["bytes"] + len(data) > MAX_TOTAL_BYTES:
                 break
-            info = tarfile.TarInfo(member_name(source))
+            info = tarfile.TarInfo(source.lstrip(os.sep))
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
             counts["files"] += 1
@@ -149,40 +169,58 @@ def mark_unpacked(prefix: str, sha256: str) -> None:
         pass
 
 
-def unpack(data: bytes, prefix: str, sha256: str) -> dict:
-    """Put the archive's bytecode under ``prefix`` where none is yet. Members that are
-    not plain, relative ``.pyc`` files of checked-hash bytecode for this Python are
-    refused; nothing is written outside ``prefix``. Returns counts."""
-    counts = {"written": 0, "present": 0, "refused": 0}
+def unpack(data: bytes, prefix: str, sha256: str, writers: int = 8) -> dict:
+    """Write the archive's bytecode under ``prefix`` for each module whose source on
+    this host is the one it was made from (``timestamp_pyc``), where none is yet.
+    Members that are not relative ``.py`` paths of plain files are refused; nothing
+    is written outside ``prefix``. Sources are read and files written ``writers`` at
+    a time (that waits on the file system, not on Python), each file written whole
+    and renamed into place (Python must never read half a file). Returns counts:
+    written, present (bytecode there already), stale (the source here differs),
+    absent (no such source here), refused."""
+    counts = {"written": 0, "present": 0, "stale": 0, "absent": 0, "refused": 0}
     root = os.path.join(os.path.abspath(prefix), "")
-    header = importlib.util.MAGIC_NUMBER + FLAGS_CHECKED_HASH.to_bytes(4, "little")
-    made: set[str] = set()
     total = 0
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+    raw = gzip.decompress(data)  # whole: zlib lets other threads run meanwhile, tarfile's stream would not
+    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=writers, thread_name_prefix="bytecode") as pool:
+        pending = []
         for member in tar:
             name = os.path.normpath(member.name)
-            target = os.path.join(root, name)
-            if (not member.isfile() or os.path.isabs(name) or name.startswith("..") or not name.endswith(".pyc")
-                    or not target.startswith(root) or member.size > MAX_FILE_BYTES
-                    or total + member.size > MAX_TOTAL_BYTES):
+            if (not member.isfile() or os.path.isabs(name) or name.startswith("..") or not name.endswith(".py")
+                    or member.size > MAX_FILE_BYTES or total + member.size > MAX_TOTAL_BYTES):
+                counts["refused"] += 1
+                continue
+            target = os.path.join(root, member_name(os.sep + name))
+            if not target.startswith(root):
                 counts["refused"] += 1
                 continue
             if os.path.lexists(target):
                 counts["present"] += 1
                 continue
-            body = tar.extractfile(member).read()
-            if body[:8] != header:
-                counts["refused"] += 1
-                continue
-            total += len(body)
-            directory = os.path.dirname(target)
-            if directory not in made:
-                os.makedirs(directory, exist_ok=True)
-                made.add(directory)
-            tmp = f"{target}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(body)
-            os.replace(tmp, target)
-            counts["written"] += 1
+            total += member.size
+            pending.append(pool.submit(_place, os.sep + name, tar.extractfile(member).read(), target))
+        for done in pending:
+            counts[done.result()] += 1
     mark_unpacked(prefix, sha256)
     return counts
+
+
+def _place(source: str, pyc: bytes, target: str) -> str:
+    """Write ``pyc`` at ``target`` as bytecode of the local ``source`` if it was made
+    from it; the count it adds to."""
+    try:
+        with open(source, "rb") as f:
+            st = os.fstat(f.fileno())
+            text = f.read()
+    except OSError:
+        return "absent"
+    body = timestamp_pyc(pyc, text, st)
+    if body is None:
+        return "stale"
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(body)
+    os.replace(tmp, target)
+    return "written"

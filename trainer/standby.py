@@ -27,12 +27,6 @@ import time
 from dflashctl import contract
 
 # What a start imports before its first step (trainer/train.py's train()), heaviest first.
-MODULES = (
-    "torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.nn.attention.flex_attention",
-    "transformers", "trainer.target", "trainer.model", "trainer.pipeline", "trainer.compile",
-    "trainer.compile_cache", "trainer.checkpoint", "trainer.data", "trainer.optim", "trainer.step",
-    "trainer.attention", "trainer.anchors", "trainer.profiling", "trainer.distributed",
-)
 POLL_S = 0.1
 ENDED = (contract.EXIT_DONE, contract.EXIT_STOPPED)
 
@@ -58,11 +52,12 @@ def _current(run_dir: str) -> str | None:
 def wait(run_dir: str, token: str, cache_dir: str | None, log=print) -> bool:
     """Import, say ready, wait: True once the go file is taken (this process is the
     trainer now), False when there is nothing to wait for."""
-    from trainer import bytecode
+    from trainer import bytecode, imports
 
     t0 = time.monotonic()
     bytecode.keep(cache_dir)
-    for name in MODULES:
+    imports.hide_unused()
+    for name in imports.MODULES:
         importlib.import_module(name)
     return wait_for_go(run_dir, token, round(time.monotonic() - t0, 2), log)
 

@@ -228,8 +228,9 @@ def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals:
 def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, stop: StopRequest) -> int:
     # ---------------------------------------------------------------- torch, devices, seeds
     startup = Startup()
-    from trainer import bytecode as bytecode_mod, compile_cache
+    from trainer import bytecode as bytecode_mod, compile_cache, imports
 
+    imports.hide_unused()
     bytecode = bytecode_mod.keep(cfg.compile.cache_dir)  # before the imports it speeds up
     travelled = compile_cache.load_bytecode(run_dir, bytecode) if cfg.compile.artifacts else None
     if travelled:
