@@ -21,7 +21,7 @@
 #                                 # 30 steps, loss kernel triton (profile) then inductor; where import time goes
 #   bash bench/gpu_session.sh 9   # 1 GPU: 5 fresh-cache threaded cold starts with the discipline, then 2 without
 #   bash bench/gpu_session.sh 10  # 1 GPU: warm and artifact starts alternated (3 each, reference size) after a
-#                                 # cold one; the bytecode unpack with 1 and 8 writers; restart, small preset
+#                                 # cold one; the bytecode unpack alone; restart, small preset
 # Parts 6-9 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +37,7 @@ pin() {  # pin CPUS CMD...: run CMD on those CPUs only (the inductor's compile w
 
 pack() {  # the logs of parts 6-7, small enough to come back
   tar czf "$out/logs.tgz" --exclude='*.bin' --exclude='profile.json' --exclude='shards*' --exclude='checkpoints' \
-    --exclude='compile-cache*' --exclude='cache-*' -C "$1" . 2>/dev/null
+    --exclude='compile-cache*' --exclude='cache-*' --exclude='unpack-*' --exclude='pycache' -C "$1" . 2>/dev/null
 }
 
 capture() {  # nvidia-smi under load, for tests/fixtures/nvidia-smi; $1: seconds to wait, $2: name
@@ -177,12 +177,12 @@ run = sorted(d for d in glob.glob(os.path.join(sys.argv[1], "artifacts", "*-warm
 manifest = cc.read_manifest(run)
 data = open(os.path.join(run, cc.CACHE_DIR, manifest["file"]), "rb").read()
 archive = cc.part(manifest, data, "bytecode")
-for writers in (1, 8, 1, 8):
-    prefix = os.path.join(sys.argv[1], f"unpack-{writers}")
+for i in range(3):
+    prefix = os.path.join(sys.argv[1], f"unpack-{i}")
     shutil.rmtree(prefix, ignore_errors=True)
     t = time.monotonic()
-    counts = bytecode.unpack(archive, prefix, "x" * 64, writers=writers)
-    print(json.dumps({"writers": writers, "seconds": round(time.monotonic() - t, 3), **counts}))
+    counts = bytecode.unpack(archive, prefix, "x" * 64)
+    print(json.dumps({"unpack": i, "seconds": round(time.monotonic() - t, 3), **counts}))
 PY
     timeout 150 python3 bench/bench_trainer.py --preset small --bucket 1024 --anchors 64 --batch-size 2 \
       --drafter-layers 2 --layer-types full,sliding --runs cold,resume,resume --steps 10 --timeout 60 \

@@ -25,14 +25,11 @@ Standard library only: this runs before torch is imported.
 
 from __future__ import annotations
 
-import concurrent.futures
-import gzip
 import importlib.util
 import io
 import os
 import sys
 import tarfile
-import threading
 from typing import Iterable, Optional
 
 PREFIX_DIR = "pycache"
@@ -169,22 +166,18 @@ def mark_unpacked(prefix: str, sha256: str) -> None:
         pass
 
 
-def unpack(data: bytes, prefix: str, sha256: str, writers: int = 8) -> dict:
+def unpack(data: bytes, prefix: str, sha256: str) -> dict:
     """Write the archive's bytecode under ``prefix`` for each module whose source on
     this host is the one it was made from (``timestamp_pyc``), where none is yet.
     Members that are not relative ``.py`` paths of plain files are refused; nothing
-    is written outside ``prefix``. Sources are read and files written ``writers`` at
-    a time (that waits on the file system, not on Python), each file written whole
-    and renamed into place (Python must never read half a file). Returns counts:
+    is written outside ``prefix``. Each file is written whole and renamed into place
+    (Python must never read half a file). Returns counts:
     written, present (bytecode there already), stale (the source here differs),
     absent (no such source here), refused."""
     counts = {"written": 0, "present": 0, "stale": 0, "absent": 0, "refused": 0}
     root = os.path.join(os.path.abspath(prefix), "")
     total = 0
-    raw = gzip.decompress(data)  # whole: zlib lets other threads run meanwhile, tarfile's stream would not
-    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tar, \
-            concurrent.futures.ThreadPoolExecutor(max_workers=writers, thread_name_prefix="bytecode") as pool:
-        pending = []
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
         for member in tar:
             name = os.path.normpath(member.name)
             if (not member.isfile() or os.path.isabs(name) or name.startswith("..") or not name.endswith(".py")
@@ -199,9 +192,7 @@ def unpack(data: bytes, prefix: str, sha256: str, writers: int = 8) -> dict:
                 counts["present"] += 1
                 continue
             total += member.size
-            pending.append(pool.submit(_place, os.sep + name, tar.extractfile(member).read(), target))
-        for done in pending:
-            counts[done.result()] += 1
+            counts[_place(os.sep + name, tar.extractfile(member).read(), target)] += 1
     mark_unpacked(prefix, sha256)
     return counts
 
@@ -219,7 +210,7 @@ def _place(source: str, pyc: bytes, target: str) -> str:
     if body is None:
         return "stale"
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp = f"{target}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(body)
     os.replace(tmp, target)
