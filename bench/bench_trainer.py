@@ -79,6 +79,9 @@ def reference_config(args) -> dict:
         cfg["train"]["loss_chunk"] = args.loss_chunk
     if getattr(args, "loss_kernel", None):
         cfg["train"]["loss_kernel"] = args.loss_kernel
+    for role in ("target", "drafter"):
+        if getattr(args, f"{role}_gpus", None):
+            cfg.setdefault("placement", {})[role] = [int(g) for g in getattr(args, f"{role}_gpus").split(",")]
     if args.profile:
         cfg["train"].update({"profile_steps": args.profile, "profile_after": 5})
     return cfg
@@ -209,6 +212,9 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager-layers", action="store_true",
                    help="compile only flex_attention and the loss, not whole drafter layers (compile.drafter_layers: false)")
     p.add_argument("--loss-chunk", type=int, help="query positions per loss chunk (default: the trainer's)")
+    p.add_argument("--target-gpus", metavar="LIST", help="GPU indices of the target threads, e.g. 0 or 0,1 "
+                   "(default 0; the same list as --drafter-gpus shares those GPUs)")
+    p.add_argument("--drafter-gpus", metavar="LIST", help="GPU indices of the drafter replicas (default 0)")
     p.add_argument("--loss-kernel", choices=["auto", "triton", "inductor"],
                    help="each compiled loss chunk's kernel (default: the trainer's, auto)")
     p.add_argument("--target-compile", choices=["on", "off"],

@@ -22,10 +22,12 @@
 #   bash bench/gpu_session.sh 9   # 1 GPU: 5 fresh-cache threaded cold starts with the discipline, then 2 without
 #   bash bench/gpu_session.sh 10  # 1 GPU: warm and artifact starts alternated (3 each, reference size) after a
 #                                 # cold one; the bytecode unpack alone; restart, small preset
+#   bash bench/gpu_session.sh 11  # 2 GPUs: reference size split 1+1, then both GPUs shared (a target and a
+#                                 # drafter on each), 30 steps each; dflashctl's placement advice from each
 # Parts 6-9 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6|7|8|9|10" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -187,6 +189,29 @@ PY
     timeout 150 python3 bench/bench_trainer.py --preset small --bucket 1024 --anchors 64 --batch-size 2 \
       --drafter-layers 2 --layer-types full,sliding --runs cold,resume,resume --steps 10 --timeout 60 \
       --work-dir "$work/restart" 2>&1 | tee "$work/restart.log"
+    pack "$work"
+    ;;
+  11)
+    work=$(mktemp -d)
+    timeout 200 python3 bench/bench_trainer.py --target-gpus 0 --drafter-gpus 1 --runs cold --steps 30 --timeout 180 \
+      --work-dir "$work/split" --cache-dir "$work/cache" 2>&1 | tee "$work/split.log"
+    timeout 200 python3 bench/bench_trainer.py --target-gpus 0,1 --drafter-gpus 0,1 --runs warm --steps 30 \
+      --timeout 180 --work-dir "$work/shared" --cache-dir "$work/cache" 2>&1 | tee "$work/shared.log"
+    python3 - "$work" <<'PY' 2>&1 | tee "$work/advice.log"
+import glob, json, os, statistics, sys
+from dflashctl import contract
+from dflashctl.placement import advise
+for name in ("split", "shared"):
+    path = glob.glob(os.path.join(sys.argv[1], name, "0-*", "metrics.jsonl"))[0]
+    lines = [contract.read_metrics_line(l) for l in open(path) if l.strip()]
+    steady = [m for m in lines if 16 <= m.step <= 27]
+    a = advise([m for m in lines if m.step >= 11], 2)
+    print(json.dumps({"run": name, "measured_seq_tok_s": statistics.median(m.extra["seq_tok_s"] for m in steady),
+                      "measured_query_tok_s": statistics.median(m.tok_s for m in steady),
+                      "mfu": statistics.median(m.extra["mfu"] for m in steady),
+                      "mfu_drafter": statistics.median(m.extra["mfu_drafter"] for m in steady),
+                      "advice": a.to_dict()}))
+PY
     pack "$work"
     ;;
 esac

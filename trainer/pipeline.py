@@ -584,6 +584,7 @@ def gpu_memory(devices: list[torch.device]) -> dict:
             "alloc_gib": round(torch.cuda.memory_allocated(dev) / 2**30, 2),
             "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2),
             "reserved_gib": round(torch.cuda.memory_reserved(dev) / 2**30, 2),
+            "total_gib": round(torch.cuda.get_device_properties(dev).total_memory / 2**30, 2),
         }
     return out
 

@@ -473,6 +473,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                 **pl.target_stats(pipe, now - train_start), "attention_path": path.name,
                 "attention_calls": paths_ran(), "dynamo": compile_mod.counters_report(discipline),
                 "gpu_mem": pl.gpu_memory(target_devs + drafter_devs), "data_errors": source.dataset.errors.count,
+                "gpus": {"target": [str(d) for d in target_devs], "drafter": [str(d) for d in drafter_devs]},
                 "epoch": source.order.state(replicas_ran(steps_done))["epoch"], "mfu_peak_flops": peak,
                 "mfu_peak": peak_name, "warmup_s": round(discipline.warmup_s, 2), "elapsed_s": round(now - train_start, 2),
                 "compile_cache": artifacts.status, "compile_cache_detail": artifacts.summary(),

@@ -18,12 +18,13 @@ def advise_command(
     lines: int = typer.Option(50, "--lines", min=1, help="Newest metrics lines to take the medians of."),
     as_json: bool = typer.Option(False, "--json", help="Print the advice as JSON."),
 ) -> None:
-    """Say how to split a host's GPUs between target and drafter.
+    """Say where a host's GPUs should run the target and the drafter.
 
     From the run's newest metrics lines: how many sequence tokens per second one
     target GPU makes when always busy, and one drafter GPU takes when it never
-    waits; the split that balances them (rule in dflashctl/placement.py). Run a
-    short calibration on the placement in question (a few log intervals of
+    waits; what every GPU running both (shared) and the best split would make, and
+    whether a target and a drafter fit one GPU's memory (rule in
+    dflashctl/placement.py). Run a short calibration (a few log intervals of
     training), then advise on it."""
     from dflashctl.config import load_inventory
     from dflashctl.paths import store_path
@@ -41,5 +42,9 @@ def advise_command(
     if as_json:
         print(json.dumps(advice.to_dict(), indent=2))
         return
-    out.print(printable(f"{record.id}: {advice.targets} target + {advice.drafters} drafter GPUs"), markup=False)
+    head = (f"share all {advice.total} GPUs (a target and a drafter on each)" if advice.mode == "shared"
+            else f"{advice.targets} target + {advice.drafters} drafter GPUs")
+    out.print(printable(f"{record.id}: {head}"), markup=False)
+    out.print(printable(f"playbook trainer placement: target {advice.placement['target']}, "
+                        f"drafter {advice.placement['drafter']}"), markup=False)
     out.print(printable(advice.reason), markup=False, soft_wrap=True)
