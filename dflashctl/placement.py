@@ -11,13 +11,14 @@ trainer's ``target_tok_s`` and ``target_busy`` per target thread, ``seq_tok_s``,
     shared, G GPUs:                 G x cap_t x cap_d / (cap_t + cap_d)   (each GPU does both in turn)
 
 all in sequence tokens per second. Sharing never does worse than the best split in
-this model (they are equal at an ideal, fractional T; a whole T loses some), and
-measures better, since the two models' kernels also overlap (2 H200s at the
-reference size: 2 shared GPUs 1.8x the 1+1 split, bench/RESULTS.md). So the rule:
-share, unless a target and a drafter do not fit in one GPU's memory (the peaks the
-run reported against the GPU's size); then split at the balancing T. A run that
-was itself shared gives its own per-GPU rate for the shared figure, and capacities
-measured while sharing (lower bounds) for the split.
+this model (they are equal at an ideal, fractional T; a whole T loses some), and the
+model held on 2 H200s at the reference size: from a 1+1 calibration it predicted
+133.7K seq tok/s for both GPUs shared, and they made 133.8K (1.61x the 1+1's
+82.9K, bench/RESULTS.md). So the rule: share, unless a target and a drafter do not
+fit in one GPU's memory (the peaks the run reported against the GPU's size); then
+split at the T that makes the most. A run that was itself shared gives its own
+per-GPU rate for the shared figure, and capacities measured while sharing (lower
+bounds) for the split.
 
 Pure: metrics lines in, an ``Advice`` out. Never here: I/O, or a run changed.
 """
@@ -143,7 +144,7 @@ def advise(lines: Sequence[contract.Metrics], total_gpus: int | None = None) -> 
     caps = (f"one target GPU makes {cap_t / 1000:.1f}K seq tok/s when always busy, one drafter GPU takes "
             f"{cap_d / 1000:.1f}K when it never waits" + (" (measured while sharing: lower bounds)" if shared_run else ""))
     basis = ("this run's rate per GPU" if shared_run
-             else "each GPU doing both in turn, a lower bound: their kernels also overlap")
+             else "each GPU doing both in turn")
     shared_text = f"shared: {shared / 1000:.1f}K ({basis})"
     split_text = f"best split {t_split}+{total - t_split}: {split / 1000:.1f}K" if total >= 2 else "no split of 1 GPU"
     memory = {True: "a target and a drafter fit one GPU", False: "a target and a drafter do not fit one GPU "

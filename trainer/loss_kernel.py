@@ -15,21 +15,29 @@ travels in the compile artifacts like every other. Values equal the eager
 reference: the same log-sum-exp in fp32, the first of tied maxima as the top-1
 (what greedy decoding picks), the gradient rounded once to the logits' dtype.
 
-This module imports triton at import time: import it only where triton is
-installed (``trainer.loss.resolve_kernel`` decides without importing it).
+Without triton (a CPU build of torch) the module imports, and its kernel is never
+chosen (``trainer.loss.resolve_kernel``).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU build of torch: resolve_kernel never picks this kernel
+    triton = tl = None
 
 BLOCK_V = 4096  # columns per iteration of a row's loop
 NUM_WARPS = 8
 
 
-@triton.jit
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
 def _chunk_ce_kernel(logits_ptr, stride_row, labels_ptr, weight_ptr, loss_ptr, correct_ptr, grad_ptr, stride_grad,
                      V, BLOCK: tl.constexpr, NEED_GRAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -69,6 +77,8 @@ def _chunk_ce_kernel(logits_ptr, stride_row, labels_ptr, weight_ptr, loss_ptr, c
 def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_C: torch.Tensor, need_grad: bool):
     """Same contract as ``trainer.loss.chunk_cross_entropy``: (sum of weight x CE,
     top-1 == label, d(sum)/d logits in the logits' dtype or None)."""
+    if triton is None:
+        raise RuntimeError("the triton loss kernel needs the triton package (train.loss_kernel: inductor)")
     rows, vocab = logits_CV.shape
     logits_CV = logits_CV if logits_CV.stride(1) == 1 else logits_CV.contiguous()
     loss_C = torch.empty(rows, dtype=torch.float32, device=logits_CV.device)
