@@ -1,0 +1,102 @@
+"""flex_attention forward and backward on the DFlash mask at the drafter's shape, with
+torch's default kernel configuration against other ``kernel_options`` (tile sizes,
+warps, pipeline stages) and against inductor's autotuning (``max-autotune``).
+
+    python bench/bench_flex.py --device cuda                  # reference size: B=16, 2048 context, 512 anchors
+    python bench/bench_flex.py --device cuda --variants default,bwd-64-128
+
+Prints one JSON line per variant: forward and forward+backward milliseconds
+(``triton.testing.do_bench`` median; the compile, and any autotuning, is not timed)
+and the largest difference of the output and the three gradients from the default
+variant's. A variant that does not compile (a tile too large for shared memory) says
+so and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trainer.anchors import sample_anchors  # noqa: E402
+from trainer.masks import build_block_mask  # noqa: E402
+
+VARIANTS = {
+    "default": ({}, "default"),
+    "bwd-64-128-s3": ({"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                       "bwd_num_warps": 8, "bwd_num_stages": 3}, "default"),
+    "bwd-64-128-s2": ({"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                       "bwd_num_warps": 8, "bwd_num_stages": 2}, "default"),
+    "bwd-32-128": ({"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+                    "bwd_num_warps": 4, "bwd_num_stages": 3}, "default"),
+    "bwd-64-64": ({"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                   "bwd_num_warps": 4, "bwd_num_stages": 3}, "default"),
+    "fwd-128-64": ({"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 3}, "default"),
+    "autotune": ({}, "max-autotune-no-cudagraphs"),
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    args = p.parse_args(argv)
+
+    from torch.nn.attention.flex_attention import flex_attention
+    from triton.testing import do_bench
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    loss_mask = torch.ones(args.batch, args.ctx, dtype=torch.bool, device=device)
+    loss_mask[:, :64] = False
+    anchors, valid = sample_anchors(loss_mask, args.anchors, args.block_size)
+    mask = build_block_mask(anchors, valid, args.ctx, args.block_size, None, builder="direct")
+    q_len, kv_len = mask.seq_lengths
+    q = torch.randn(args.batch, args.heads, q_len, args.head_dim, device=device, dtype=torch.bfloat16)
+    k = torch.randn(args.batch, args.kv_heads, kv_len, args.head_dim, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    grad_out = torch.randn_like(q)
+    reference = None
+    for name in args.variants.split(","):
+        options, mode = VARIANTS[name]
+        torch._dynamo.reset()
+        fn = torch.compile(flex_attention, dynamic=False, mode=None if mode == "default" else mode)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+        def forward():
+            return fn(*leaves, block_mask=mask, enable_gqa=True, kernel_options=options or None)
+
+        def step():
+            out = forward()
+            out.backward(grad_out)
+            return out
+
+        row = {"variant": name, "options": options, "mode": mode, "q_len": q_len, "kv_len": kv_len}
+        try:
+            out = step()
+            got = [out.detach()] + [t.grad.detach().clone() for t in leaves]
+            with torch.no_grad():
+                row["fwd_ms"] = round(do_bench(forward), 3)
+            row["fwd_bwd_ms"] = round(do_bench(step, grad_to_none=leaves), 3)
+            row["bwd_ms"] = round(row["fwd_bwd_ms"] - row["fwd_ms"], 3)
+            reference = reference or got
+            row["max_diff"] = [float((a.float() - b.float()).abs().max()) for a, b in zip(got, reference)]
+        except Exception as e:  # noqa: BLE001 - a tile that does not fit: report it, try the next
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
