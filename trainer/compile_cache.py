@@ -32,7 +32,7 @@ Manifest (JSON object)::
                part is present when the start that wrote it kept bytecode of its own
                (an image without any): it is unpacked before torch is imported,
                when its Python's magic number is this one's, whatever the key says
-               (each file is checked against its source at import time).
+               (each file is checked against this host's source as it is unpacked).
 
 Whoever puts an artifact into a run directory (the controller, when it starts a run
 on a host whose cache lacks it) copies both files; the trainer decides. Outcomes
