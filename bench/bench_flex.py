@@ -22,7 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer.anchors import sample_anchors  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_masks import reference_anchors  # noqa: E402
 from trainer.masks import build_block_mask  # noqa: E402
 
 VARIANTS = {
@@ -57,10 +58,7 @@ def main(argv=None) -> int:
     from triton.testing import do_bench
 
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    loss_mask = torch.ones(args.batch, args.ctx, dtype=torch.bool, device=device)
-    loss_mask[:, :64] = False
-    anchors, valid = sample_anchors(loss_mask, args.anchors, args.block_size)
+    anchors, valid = reference_anchors(args.batch, args.ctx, args.anchors, args.block_size, device)
     mask = build_block_mask(anchors, valid, args.ctx, args.block_size, None, builder="direct")
     q_len, kv_len = mask.seq_lengths
     q = torch.randn(args.batch, args.heads, q_len, args.head_dim, device=device, dtype=torch.bfloat16)

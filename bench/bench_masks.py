@@ -41,6 +41,15 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def reference_anchors(batch: int, ctx: int, anchors: int, block_size: int, device: torch.device):
+    """(anchors, valid) of a batch of full-length sequences (64 prompt tokens, the rest
+    supervised), seeded: the masks every bench builds."""
+    torch.manual_seed(0)
+    loss_mask = torch.ones(batch, ctx, dtype=torch.bool, device=device)
+    loss_mask[:, :64] = False
+    return sample_anchors(loss_mask, anchors, block_size)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
@@ -54,10 +63,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    loss_mask = torch.ones(args.batch, args.ctx, dtype=torch.bool, device=device)
-    loss_mask[:, :64] = False
-    anchors, valid = sample_anchors(loss_mask, args.anchors, args.block_size)
+    anchors, valid = reference_anchors(args.batch, args.ctx, args.anchors, args.block_size, device)
     for layer, window in (("full", None), ("sliding", args.window)):
         reference = None
         for name in args.builders.split(","):

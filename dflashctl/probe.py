@@ -177,6 +177,23 @@ MAX_TAIL_CHARS = 1 << 20  # a pane or log tail (the probe sends at most 64 KiB)
 MAX_CHUNK_CHARS = 1 << 27  # a metrics chunk (the probe sends at most 64 MiB)
 
 
+def pair(asked: list[ProbeArgs], answered: list[ProbeResult], host: str) -> list[ProbeResult | str]:
+    """Each asked run's result, or why there is none: the probe answers in the order it
+    was asked, and an entry whose run directory (or rank) is not the one asked at its
+    place, or a missing entry, is never taken for that run."""
+    out: list[ProbeResult | str] = []
+    for i, args in enumerate(asked):
+        if i >= len(answered):
+            out.append(f"the probe's answer from {host} has no entry for this run "
+                       f"({len(answered)} entries for {len(asked)} runs asked)")
+        elif answered[i].run_dir != args.run_dir:
+            out.append(f"the probe's answer from {host} names {answered[i].run_dir[:200]!r} where "
+                       f"{args.run_dir[:200]!r} was asked: not taken for this run")
+        else:
+            out.append(answered[i])
+    return out
+
+
 def _parse_host(stdout: str) -> HostProbe | ProbeError:
     tail = stdout[-500:]
     raw = _last_json_object(stdout)

@@ -45,7 +45,8 @@ from dflashctl import supervisor_core as core
 from dflashctl.detectors import Finding, Sample
 from dflashctl.errors import DflashError, StoreError, first_line
 from dflashctl.parsers import read_metrics_chunk
-from dflashctl.probe import ProbeArgs, ProbeError, estimate_skew, parse_probe_host, probe_command
+from dflashctl.probe import (ProbeArgs, ProbeError, ProbeResult, estimate_skew, pair, parse_probe_host,
+                             probe_command)
 from dflashctl.store import FINAL_STATES, RESTARTING, InvalidTransition, Run, Store
 from dflashctl.supervisor_core import RESTART_MARKER, WINDOW, RunPolicy  # noqa: F401  (part of this module's API)
 
@@ -495,16 +496,16 @@ class Supervisor:
         """The processes of ranks > 0 in one host's answer (or its failure)."""
         error = first_line(answer) if isinstance(answer, Exception) else (
             parsed.message if isinstance(parsed, ProbeError) else None)
+        paired = pair([w.args_of(rank) for w, rank in entries], parsed.runs, host) if error is None else []
         for i, (w, rank) in enumerate(entries):
             if rank == 0:
                 continue
-            pr = None
-            if error is None and i >= len(parsed.runs):  # an answer that lists fewer runs than it was asked for
-                error = f"the probe's answer from {host} has no entry for this run"
-            elif error is None:
-                pr = parsed.runs[i]
+            pr, why = None, error
+            if error is None:
+                pr, why = (paired[i], None) if isinstance(paired[i], ProbeResult) else (None, paired[i])
+            if pr is not None:
                 w.member_args[rank] = pr.next_args(w.member_args[rank])
-            members.setdefault(w.id, []).append(core.Member(rank, host, pr, error))
+            members.setdefault(w.id, []).append(core.Member(rank, host, pr, why))
 
     def _host_answer(self, host: str, entries: list[tuple[Watched, int]], answer: Any, parsed: Any,
                      report: TickReport, t: _Tick, members: dict[str, list[core.Member]]) -> None:
@@ -528,10 +529,13 @@ class Supervisor:
         back = (hs.down_since, hs.polls) if hs.down_since is not None else None
         hs.down_since, hs.polls, hs.severity = None, 0, None
         now = self.clock()
-        for (w, rank), pr in zip(entries, parsed.runs):
+        for (w, rank), pr in zip(entries, pair([w.args_of(rank) for w, rank in entries], parsed.runs, host)):
             if rank != 0:
                 continue
             report.findings[w.id] = []
+            if not isinstance(pr, ProbeResult):  # not this run's answer: nothing is concluded from it
+                t.writes.append((w.id, core.Event("supervisor", "warning", pr)))
+                continue
             chunk = read_metrics_chunk(pr.metrics_chunk)
             lines = chunk.rows
             obs = core.Probed(pr, hs.skew, tuple(lines), tuple(chunk.rejected), back,

@@ -103,11 +103,12 @@ def test_the_probe_reads_a_ranks_own_status_and_metrics(tmp_path):
     assert (result.status.phase, result.status.step) == ("training", 7) and '"step": 7' in result.metrics_chunk
 
 
-def test_an_answer_listing_fewer_runs_than_asked_marks_the_rank_unanswered(tmp_path):
-    from dflashctl.probe import probe_command
+@pytest.fixture()
+def two_host_run(tmp_path):
+    """A supervisor (not claiming) attached to run r: rank 0 on local host a, rank 1 on
+    local host b; yields (supervisor, watched run, inventory)."""
     from dflashctl.store import Store
     from dflashctl.supervisor import Supervisor
-    from dflashctl.transport import connect
 
     (tmp_path / "inventory.yaml").write_text("hosts:\n  a: {transport: local}\n  b: {transport: local}\n")
     inventory = load_inventory(str(tmp_path / "inventory.yaml"))
@@ -117,12 +118,73 @@ def test_an_answer_listing_fewer_runs_than_asked_marks_the_rank_unanswered(tmp_p
                             {"rank": 1, "host": "b", "run_dir": "/w/b/r", "tmux_session": "r-r1"}])
     sup = Supervisor(store, inventory, claim=False)
     try:
+        yield sup, sup.attach("r"), inventory
+    finally:
+        sup.close()
+
+
+def test_an_answer_listing_fewer_runs_than_asked_marks_the_rank_unanswered(two_host_run):
+    from dflashctl.probe import probe_command
+    from dflashctl.transport import connect
+
+    sup, w, inventory = two_host_run
+    # Host b's real probe, asked for no run: an answer that lost the one it was asked for.
+    result = connect("b", inventory).run(probe_command(sys.executable, []))
+    members: dict = {}
+    sup._members("b", [(w, 1)], (result, 0.0, 0.1), parse_probe_host(result.stdout), members)
+    [member] = members["r"]
+    assert member.result is None and "no entry for this run" in member.error
+
+
+def test_an_answer_naming_another_run_directory_is_not_taken_for_the_rank(tmp_path, two_host_run):
+    from dflashctl.probe import probe_command
+    from dflashctl.transport import connect
+
+    sup, w, inventory = two_host_run
+    # Host b's real probe, asked about another directory: an answer out of order.
+    other = ProbeArgs(run_dir=str(tmp_path / "other"), nvidia_smi=False, rank=1)
+    result = connect("b", inventory).run(probe_command(sys.executable, [other]))
+    members: dict = {}
+    sup._members("b", [(w, 1)], (result, 0.0, 0.1), parse_probe_host(result.stdout), members)
+    [member] = members["r"]
+    assert member.result is None and "where '/w/b/r' was asked" in member.error
+    assert w.member_args[1].run_dir == "/w/b/r"  # its next poll still asks about its own files
+
+
+def test_pair_takes_an_entry_only_for_the_run_it_names():
+    from dflashctl.probe import ProbeResult, pair
+
+    asked = [ProbeArgs(run_dir="/r/a"), ProbeArgs(run_dir="/r/b"), ProbeArgs(run_dir="/r/c")]
+    answered = [ProbeResult(run_dir="/r/a", session=None, host_time=1.0),
+                ProbeResult(run_dir="/r/x", session=None, host_time=1.0)]
+    got = pair(asked, answered, "h")
+    assert got[0] is answered[0]
+    assert "names '/r/x' where '/r/b' was asked" in got[1]
+    assert "no entry for this run (2 entries for 3 runs asked)" in got[2]
+
+
+def test_a_rank0_answer_naming_another_run_directory_is_reported_and_not_acted_on(tmp_path):
+    from dflashctl import supervisor_core as core
+    from dflashctl.probe import probe_command
+    from dflashctl.store import Store
+    from dflashctl.supervisor import Supervisor, TickReport, _Tick
+    from dflashctl.transport import connect
+
+    (tmp_path / "inventory.yaml").write_text("hosts:\n  a: {transport: local}\n")
+    inventory = load_inventory(str(tmp_path / "inventory.yaml"))
+    store = Store(str(tmp_path / "runs.db"))
+    store.create_run("pb", "a", {}, 1.0, run_id="r", run_dir=str(tmp_path / "r"), tmux_session="r")
+    sup = Supervisor(store, inventory, claim=False)
+    try:
         w = sup.attach("r")
-        # Host b's real probe, asked for no run: an answer that lost the one it was asked for.
-        result = connect("b", inventory).run(probe_command(sys.executable, []))
-        members: dict = {}
-        sup._members("b", [(w, 1)], (result, 0.0, 0.1), parse_probe_host(result.stdout), members)
-        [member] = members["r"]
-        assert member.result is None and "no entry for this run" in member.error
+        before = w.state
+        # Host a's real probe, asked about another directory (its answer names that one).
+        other = ProbeArgs(run_dir=str(tmp_path / "other"), nvidia_smi=False)
+        result = connect("a", inventory).run(probe_command(sys.executable, [other]))
+        report, t = TickReport(0.0, 0.0, {}, {}), _Tick()
+        sup._host_answer("a", [(w, 0)], (result, 0.0, 0.1), parse_probe_host(result.stdout), report, t, {})
+        events = [x for _, x in t.writes if isinstance(x, core.Event)]
+        assert len(events) == 1 and events[0].severity == "warning" and "was asked: not taken" in events[0].message
+        assert not t.actions and w.state is before  # nothing concluded from another run's answer
     finally:
         sup.close()
