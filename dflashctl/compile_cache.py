@@ -142,8 +142,7 @@ class Entry:
     @property
     def bytecode_bytes(self) -> Optional[int]:
         """Size of the Python bytecode that travels inside it (None: none does)."""
-        parts = self.manifest.get("parts")
-        size = parts.get("bytecode", {}).get("bytes") if isinstance(parts, dict) else None
+        size = (trainer_cache.part_info(self.manifest, "bytecode") or {}).get("bytes")
         return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 

@@ -194,3 +194,26 @@ def test_checked_hash_pyc_rejects_bytecode_of_another_source(tmp_path):
     later = os.stat_result((*st[:8], st.st_mtime + 10, st.st_ctime))
     assert bytecode.checked_hash_pyc(stamp, source.read_bytes(), later) is None  # a stale timestamp
     assert bytecode.checked_hash_pyc(b"\0\0\0\0" + stamp[4:], source.read_bytes(), st) is None  # another Python
+
+
+def test_the_artifact_read_twice_at_a_start_is_hashed_again_once_it_changed(tmp_path):
+    """The bytecode is read before torch is imported and the compiled artifacts after;
+    the second read reuses the first's sha256 only for the very same file."""
+    site, run_dir = _site(tmp_path), tmp_path / "run"
+    saved = _child("save", tmp_path / "cache1", site, run_dir)
+    assert cc.load_bytecode(str(run_dir), str(tmp_path / "cache2" / "pycache"))["status"] == "unpacked"
+    blob = run_dir / cc.CACHE_DIR / saved["manifest"]["file"]
+    tampered = tmp_path / "tampered.bin"
+    tampered.write_bytes(b"ARTIFACT BYTES" + blob.read_bytes()[len(b"artifact bytes"):])  # same size
+    os.replace(tampered, blob)
+    out = cc.load(str(run_dir), FIELDS)
+    assert out.status == "mismatch:sha256" and not out.loaded
+
+
+def test_the_controller_reads_the_bytecode_size_of_a_manifest_it_was_sent(tmp_path):
+    from dflashctl.compile_cache import Entry
+
+    good = {"parts": {"artifacts": {"offset": 0, "bytes": 5}, "bytecode": {"offset": 5, "bytes": 7}}}
+    assert Entry("k", good, str(tmp_path)).bytecode_bytes == 7
+    for parts in ({"bytecode": "7"}, {"bytecode": {"bytes": True}}, ["bytecode"], None):
+        assert Entry("k", {"parts": parts}, str(tmp_path)).bytecode_bytes is None

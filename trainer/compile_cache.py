@@ -191,6 +191,25 @@ def _read_no_follow(path: str, limit: Optional[int] = None) -> bytes:
     return data
 
 
+# The last artifact file hashed by this process: (its identity, sha256). The trainer
+# reads it twice at a start, for the bytecode before torch is imported and for the
+# compiled artifacts after; the second read does not hash it again.
+_hashed: Optional[tuple[tuple, str]] = None
+
+
+def _read_artifact(run_dir: str, manifest: dict) -> tuple[bytes, str]:
+    """The artifact file a manifest names, and its sha256 (OSError when unreadable)."""
+    global _hashed
+    fd = os.open(os.path.join(run_dir, CACHE_DIR, manifest["file"]), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        data = f.read()
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, len(data))
+    if _hashed is None or _hashed[0] != identity:
+        _hashed = (identity, hashlib.sha256(data).hexdigest())
+    return data, _hashed[1]
+
+
 def read_manifest(run_dir: str) -> Optional[dict]:
     """The manifest in ``run_dir``, None when there is none; ValueError when it is unusable."""
     path = os.path.join(run_dir, CACHE_DIR, MANIFEST_FILE)
@@ -287,11 +306,10 @@ def load(run_dir: str, fields: dict[str, str]) -> Outcome:
         return out
     t0 = time.monotonic()
     try:
-        data = _read_no_follow(os.path.join(run_dir, CACHE_DIR, manifest["file"]))
+        data, sha = _read_artifact(run_dir, manifest)
     except OSError as e:
         out.status, out.note = "mismatch:file", f"cannot read {manifest['file']}: {e}"
         return out
-    sha = hashlib.sha256(data).hexdigest()
     if sha != manifest["sha256"]:
         out.status, out.note = "mismatch:sha256", f"{manifest['file']} has sha256 {sha[:16]}, manifest {manifest['sha256'][:16]}"
         return out
@@ -316,14 +334,21 @@ def load(run_dir: str, fields: dict[str, str]) -> Outcome:
     return out
 
 
+def part_info(manifest: dict, name: str) -> Optional[dict]:
+    """The manifest's entry for part ``name`` (offset, bytes, ...), None when it has
+    none or it is not an object."""
+    parts = manifest.get("parts")
+    where = parts.get(name) if isinstance(parts, dict) else None
+    return where if isinstance(where, dict) else None
+
+
 def part(manifest: dict, data: bytes, name: str) -> bytes:
     """Part ``name`` of an artifact file (the whole file is the artifacts in version 1);
     ValueError when the manifest places it outside the file."""
-    parts = manifest.get("parts")
-    if parts is None and name == "artifacts":
+    if manifest.get("parts") is None and name == "artifacts":
         return data
-    where = parts.get(name) if isinstance(parts, dict) else None
-    if not isinstance(where, dict):
+    where = part_info(manifest, name)
+    if where is None:
         raise ValueError(f"manifest has no part {name!r}")
     offset, size = where.get("offset"), where.get("bytes")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, size)) \
@@ -345,8 +370,8 @@ def load_bytecode(run_dir: str, prefix: Optional[str]) -> Optional[dict]:
         manifest = read_manifest(run_dir)
     except ValueError as e:
         return {"status": "refused", "note": str(e)}
-    where = (manifest or {}).get("parts", {}).get("bytecode") if isinstance((manifest or {}).get("parts"), dict) else None
-    if not isinstance(where, dict):
+    where = part_info(manifest, "bytecode") if manifest else None
+    if where is None:
         return None
     magic = importlib.util.MAGIC_NUMBER.hex()
     if where.get("magic") != magic:
@@ -356,8 +381,8 @@ def load_bytecode(run_dir: str, prefix: Optional[str]) -> Optional[dict]:
         return {"status": "present"}
     t0 = time.monotonic()
     try:
-        data = _read_no_follow(os.path.join(run_dir, CACHE_DIR, manifest["file"]))
-        if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+        data, sha = _read_artifact(run_dir, manifest)
+        if sha != manifest["sha256"]:
             return {"status": "mismatch:sha256"}
         counts = bytecode.unpack(part(manifest, data, "bytecode"), prefix, manifest["sha256"])
     except (OSError, ValueError, EOFError, tarfile.TarError) as e:
@@ -387,8 +412,6 @@ def write(run_dir: str, fields: dict[str, str], cfg, data: bytes, counts: dict,
     """Write ``data`` (and the bytecode archive after it, when given) and the manifest
     into ``run_dir/compile_cache`` (bytes first, the manifest last, each atomically);
     older artifact files there are removed."""
-    from trainer import bytecode
-
     directory = os.path.join(run_dir, CACHE_DIR)
     os.makedirs(directory, exist_ok=True)
     key = key_of(fields)
@@ -436,7 +459,7 @@ def save_in_background(run_dir: str, fields: dict[str, str], cfg, outcome: Outco
         return None
     data, counts = result
     sources = bytecode.imported_sources() if bytecode_prefix else []
-    generated = [os.environ.get("TORCHINDUCTOR_CACHE_DIR"), _inductor_cache_dir()]
+    generated = [_inductor_cache_dir()]
 
     def work():
         try:
