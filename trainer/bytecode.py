@@ -131,9 +131,7 @@ def pack(sources: list[tuple[str, str]], exclude: Iterable[str] = ()) -> tuple[b
             if excluded and source.startswith(excluded):
                 continue
             try:
-                with open(source, "rb") as f:
-                    st = os.fstat(f.fileno())
-                    text = f.read()
+                text, st = _read_source(source)
                 with open(cached, "rb") as f:
                     pyc = f.read(MAX_FILE_BYTES + 1)
             except OSError:
@@ -201,17 +199,23 @@ def _place(source: str, pyc: bytes, target: str) -> str:
     """Write ``pyc`` at ``target`` as bytecode of the local ``source`` if it was made
     from it; the count it adds to."""
     try:
-        with open(source, "rb") as f:
-            st = os.fstat(f.fileno())
-            text = f.read()
+        text, st = _read_source(source)
     except OSError:
         return "absent"
     body = timestamp_pyc(pyc, text, st)
     if body is None:
         return "stale"
+    # Written like Python writes its own bytecode (a cache, not synced to disk:
+    # contract.atomic_write_bytes's fsync per file would cost seconds here).
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
         f.write(body)
     os.replace(tmp, target)
     return "written"
+
+
+def _read_source(path: str) -> tuple[bytes, os.stat_result]:
+    """A source file's bytes and the status of the file they were read from."""
+    with open(path, "rb") as f:
+        return f.read(), os.fstat(f.fileno())

@@ -26,8 +26,7 @@ import time
 
 from dflashctl import contract
 
-# What a start imports before its first step (trainer/train.py's train()), heaviest first.
-POLL_S = 0.1
+POLL_S = 0.1  # seconds between looks for the go file
 ENDED = (contract.EXIT_DONE, contract.EXIT_STOPPED)
 
 went_at: float | None = None  # unix time the standby became the trainer (train.Startup counts from it)

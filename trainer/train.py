@@ -339,17 +339,17 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
 
     # ---------------------------------------------------------------- compile: artifacts, then warm-up before threads run free
     discipline.enter_thread()
-    artifacts = compile_cache.Outcome(bytecode=travelled)
+    artifacts = compile_cache.Outcome()
     cache_fields: dict = {}
     if path.name == FLEX_COMPILED and cfg.compile.artifacts:
         status.set(contract.PHASE_COMPILING, detail={"mode": discipline.mode, "compile_cache": "loading"})
         cache_fields = compile_cache.key_fields(cfg, target_devs + drafter_devs)
         artifacts = compile_cache.load(run_dir, cache_fields)
-        artifacts.bytecode = travelled
         log(f"compile_cache: {artifacts.status}"
             + (f" (loaded {artifacts.bytes / 2**20:.1f} MiB in {artifacts.load_s:.1f}s)" if artifacts.loaded else "")
             + (f" ({artifacts.note})" if artifacts.note else "")
             + ("" if artifacts.status == "hit" else f"; key {artifacts.key}, {cache_fields}"))
+    artifacts.bytecode = travelled
     startup.mark("compile_cache")
     status.set(contract.PHASE_COMPILING, detail={"mode": discipline.mode, "compile_cache": artifacts.status})
     discipline.warmup(pl.warmup_jobs(pipe), lambda progress: status.set(
