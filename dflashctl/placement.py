@@ -97,8 +97,8 @@ def best_split(total: int, cap_t: float, cap_d: float) -> tuple[int, float]:
 def advise(lines: Sequence[contract.Metrics], total_gpus: int | None = None) -> Advice:
     """The placement of ``total_gpus`` (default: the measured run's count) that makes the
     most; raises PlacementError when the lines cannot say."""
-    caps_t, caps_d, shapes, per_gpu, fits, used = [], [], [], [], [], []
-    shared_run = False
+    caps_t, caps_d, shapes, per_gpu = [], [], [], []
+    shared_run, used, fits_shared = False, 0, None  # as the newest usable line says
     for m in lines:
         x = m.extra or {}
         made, busy = _floats(x.get("target_tok_s")), _floats(x.get("target_busy"))
@@ -116,18 +116,18 @@ def advise(lines: Sequence[contract.Metrics], total_gpus: int | None = None) -> 
         shapes.append((T, D))
         targets, drafters = _devices(x)
         shared_run = bool(targets) and targets == drafters
-        used.append(len(targets | drafters) if targets else T + D)
-        per_gpu.append(seq[0] / max(1, used[-1]))
-        fits.append(True if shared_run else _fits_shared(x, targets, drafters))
+        # Each thread runs on one device: a line naming more devices than threads is not believed.
+        used = min(len(targets | drafters), T + D) if targets else T + D
+        per_gpu.append(seq[0] / max(1, used))
+        fits_shared = True if shared_run else _fits_shared(x, targets, drafters)
     if not caps_t or not any(caps_t):
         raise PlacementError("no training metrics line carries the target and drafter figures "
                              "(target_tok_s, target_busy, seq_tok_s, step_ms): let the run train a few log intervals")
     T, D = max(set(shapes), key=shapes.count)
     cap_t, cap_d = statistics.median(caps_t), statistics.median(caps_d)
-    total = int(total_gpus or used[-1])
+    total = int(total_gpus or used)
     if total < 1:
         raise PlacementError(f"{total} GPUs: nothing to place")
-    fits_shared = fits[-1]
     shared = (total * statistics.median(per_gpu) if shared_run
               else total * cap_t * cap_d / (cap_t + cap_d) if cap_t + cap_d > 0 else 0.0)
     t_split, split = best_split(total, cap_t, cap_d) if total >= 2 else (0, 0.0)

@@ -85,6 +85,12 @@ def test_a_shared_run_gives_its_own_rate_and_lower_bounds_for_a_split():
     assert (alone.mode, alone.total, alone.placement) == ("shared", 1, {"target": [0], "drafter": [0]})
 
 
+def test_a_line_naming_more_devices_than_threads_is_not_believed():
+    lying = {"target": [f"cuda:{i}" for i in range(1000)], "drafter": [f"cuda:{i}" for i in range(1000)]}
+    a = advise([line(s, **FIGURES["balanced"], gpus=lying) for s in range(1, 4)])
+    assert a.total == 2 and a.current == (1, 1)  # one target thread and one drafter replica: 2 GPUs at most
+
+
 def test_no_figures_no_advice():
     with pytest.raises(PlacementError, match="let the run train"):
         advise([contract.Metrics(time=T0, step=1, total_steps=10, tok_s=1.0, phase="training")])
