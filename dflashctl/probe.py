@@ -179,8 +179,8 @@ MAX_CHUNK_CHARS = 1 << 27  # a metrics chunk (the probe sends at most 64 MiB)
 
 def pair(asked: list[ProbeArgs], answered: list[ProbeResult], host: str) -> list[ProbeResult | str]:
     """Each asked run's result, or why there is none: the probe answers in the order it
-    was asked, and an entry whose run directory (or rank) is not the one asked at its
-    place, or a missing entry, is never taken for that run."""
+    was asked, and an entry whose run directory is not the one asked at its place, or
+    a missing entry, is never taken for that run."""
     out: list[ProbeResult | str] = []
     for i, args in enumerate(asked):
         if i >= len(answered):

@@ -435,14 +435,17 @@ class Supervisor:
                     by_host.setdefault(host, []).append((w, rank))
         answers = fanout(list(by_host), lambda tr: self._probe(tr, by_host[tr.name]), inventory=self.inventory)
         report = TickReport(now, 0.0, {}, {})
-        # Each answer parsed once; the other ranks of every run gathered before any rank 0 is stepped.
+        # Each answer parsed and paired with what was asked once; the other ranks of
+        # every run gathered before any rank 0 is stepped.
         parsed = {host: None if isinstance(answer, Exception) else parse_probe_host(answer[0].stdout)
                   for host, answer in answers.items()}
+        paired = {host: pair([w.args_of(rank) for w, rank in by_host[host]], p.runs, host)
+                  for host, p in parsed.items() if p is not None and not isinstance(p, ProbeError)}
         members: dict[str, list[core.Member]] = {}  # run id -> its other ranks
         for host, answer in answers.items():
-            self._members(host, by_host[host], answer, parsed[host], members)
+            self._members(host, by_host[host], answer, parsed[host], paired.get(host), members)
         for host, answer in answers.items():
-            self._host_answer(host, by_host[host], answer, parsed[host], report, t, members)
+            self._host_answer(host, by_host[host], answer, parsed[host], paired.get(host), report, t, members)
         self._store_tick(t)
         self._act(t)
         for run_id, m in t.metrics:
@@ -492,11 +495,11 @@ class Supervisor:
         return result, sent, self.clock()
 
     def _members(self, host: str, entries: list[tuple[Watched, int]], answer: Any, parsed: Any,
-                 members: dict[str, list[core.Member]]) -> None:
-        """The processes of ranks > 0 in one host's answer (or its failure)."""
+                 paired: list | None, members: dict[str, list[core.Member]]) -> None:
+        """The processes of ranks > 0 in one host's answer (``paired``: its entries for
+        ``entries``, ``probe.pair``), or its failure."""
         error = first_line(answer) if isinstance(answer, Exception) else (
             parsed.message if isinstance(parsed, ProbeError) else None)
-        paired = pair([w.args_of(rank) for w, rank in entries], parsed.runs, host) if error is None else []
         for i, (w, rank) in enumerate(entries):
             if rank == 0:
                 continue
@@ -508,7 +511,7 @@ class Supervisor:
             members.setdefault(w.id, []).append(core.Member(rank, host, pr, why))
 
     def _host_answer(self, host: str, entries: list[tuple[Watched, int]], answer: Any, parsed: Any,
-                     report: TickReport, t: _Tick, members: dict[str, list[core.Member]]) -> None:
+                     paired: list | None, report: TickReport, t: _Tick, members: dict[str, list[core.Member]]) -> None:
         watched = [w for w, rank in entries if rank == 0]
         if isinstance(answer, Exception):
             report.hosts[host] = first_line(answer)
@@ -529,7 +532,7 @@ class Supervisor:
         back = (hs.down_since, hs.polls) if hs.down_since is not None else None
         hs.down_since, hs.polls, hs.severity = None, 0, None
         now = self.clock()
-        for (w, rank), pr in zip(entries, pair([w.args_of(rank) for w, rank in entries], parsed.runs, host)):
+        for (w, rank), pr in zip(entries, paired):
             if rank != 0:
                 continue
             report.findings[w.id] = []

@@ -103,6 +103,14 @@ def test_the_probe_reads_a_ranks_own_status_and_metrics(tmp_path):
     assert (result.status.phase, result.status.step) == ("training", 7) and '"step": 7' in result.metrics_chunk
 
 
+def parsed_and_paired(result, entries, host):
+    """A host's answer as the supervisor's tick reads it: parsed, and paired with what was asked."""
+    from dflashctl.probe import pair
+
+    parsed = parse_probe_host(result.stdout)
+    return parsed, pair([w.args_of(rank) for w, rank in entries], parsed.runs, host)
+
+
 @pytest.fixture()
 def two_host_run(tmp_path):
     """A supervisor (not claiming) attached to run r: rank 0 on local host a, rank 1 on
@@ -131,7 +139,7 @@ def test_an_answer_listing_fewer_runs_than_asked_marks_the_rank_unanswered(two_h
     # Host b's real probe, asked for no run: an answer that lost the one it was asked for.
     result = connect("b", inventory).run(probe_command(sys.executable, []))
     members: dict = {}
-    sup._members("b", [(w, 1)], (result, 0.0, 0.1), parse_probe_host(result.stdout), members)
+    sup._members("b", [(w, 1)], (result, 0.0, 0.1), *parsed_and_paired(result, [(w, 1)], "b"), members)
     [member] = members["r"]
     assert member.result is None and "no entry for this run" in member.error
 
@@ -145,7 +153,7 @@ def test_an_answer_naming_another_run_directory_is_not_taken_for_the_rank(tmp_pa
     other = ProbeArgs(run_dir=str(tmp_path / "other"), nvidia_smi=False, rank=1)
     result = connect("b", inventory).run(probe_command(sys.executable, [other]))
     members: dict = {}
-    sup._members("b", [(w, 1)], (result, 0.0, 0.1), parse_probe_host(result.stdout), members)
+    sup._members("b", [(w, 1)], (result, 0.0, 0.1), *parsed_and_paired(result, [(w, 1)], "b"), members)
     [member] = members["r"]
     assert member.result is None and "where '/w/b/r' was asked" in member.error
     assert w.member_args[1].run_dir == "/w/b/r"  # its next poll still asks about its own files
@@ -182,7 +190,7 @@ def test_a_rank0_answer_naming_another_run_directory_is_reported_and_not_acted_o
         other = ProbeArgs(run_dir=str(tmp_path / "other"), nvidia_smi=False)
         result = connect("a", inventory).run(probe_command(sys.executable, [other]))
         report, t = TickReport(0.0, 0.0, {}, {}), _Tick()
-        sup._host_answer("a", [(w, 0)], (result, 0.0, 0.1), parse_probe_host(result.stdout), report, t, {})
+        sup._host_answer("a", [(w, 0)], (result, 0.0, 0.1), *parsed_and_paired(result, [(w, 0)], "a"), report, t, {})
         events = [x for _, x in t.writes if isinstance(x, core.Event)]
         assert len(events) == 1 and events[0].severity == "warning" and "was asked: not taken" in events[0].message
         assert not t.actions and w.state is before  # nothing concluded from another run's answer
