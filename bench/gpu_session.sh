@@ -24,10 +24,14 @@
 #                                 # cold one; the bytecode unpack alone; restart, small preset
 #   bash bench/gpu_session.sh 11  # 2 GPUs: reference size split 1+1, then both GPUs shared (a target and a
 #                                 # drafter on each), 30 steps each; dflashctl's placement advice from each
+#   bash bench/gpu_session.sh 12 [MIN] [OLD]  # 1 GPU: the soak (bench_soak.py), MIN minutes (default 8.5): the small
+#                                 # preset with 2 drafter threads and the qwen3-0.6b preset with 3 drafter threads
+#                                 # and two buckets, at once; with OLD (another checkout), the small preset on
+#                                 # OLD's trainer beside them (the proof that the soak fails where it should)
 # Parts 6-9 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|3|4|5|6|7|8|9|10|11" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|12" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -213,5 +217,19 @@ for name in ("split", "shared"):
                       "advice": a.to_dict()}))
 PY
     pack "$work"
+    ;;
+  12)
+    min=${2:-8.5}
+    if [ -n "${3:-}" ]; then
+      python3 bench/bench_soak.py --preset small --drafters 2 --buckets 1024 --minutes "$min" --repo "$3" \
+        --work-dir /tmp/soak-old > "$out/soak-small-old.log" 2>&1 &
+    fi
+    python3 bench/bench_soak.py --preset small --drafters 2 --buckets 1024 --minutes "$min" \
+      --work-dir /tmp/soak-small > "$out/soak-small.log" 2>&1 &
+    python3 bench/bench_soak.py --preset qwen3-0.6b --drafters 3 --buckets 512,1024 --minutes "$min" \
+      --work-dir /tmp/soak-qwen > "$out/soak-qwen.log" 2>&1 &
+    capture 120 soak
+    wait
+    tail -n 2 "$out"/soak-*.log
     ;;
 esac

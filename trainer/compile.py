@@ -19,6 +19,13 @@ forward and backward in several threads deadlock with no error. So:
    same three only); what the warm-up compiled also travels with the run directory
    (trainer/compile_cache.py), loaded before the warm-up on a host whose key matches.
 
+7. every thread (a "lane": one target or drafter thread, named as the thread) calls
+   compiled code of its own (``PerLane``): Dynamo keeps its cache entries in a list on
+   the code object and reorders it on every hit, with no lock, so two threads looking
+   up one code object can each skip the entry the other just moved and recompile (then
+   ``fail_on_recompile`` raises) long after the warm-up. One code object per lane means
+   no two threads ever share that list.
+
 ``compile.unsafe_parallel_warmup`` replaces 2 with every thread's first forward +
 backward at the same moment, skips 4, and exists to reproduce the deadlock on a
 GPU. Never use it in production.
@@ -26,12 +33,15 @@ GPU. Never use it in production.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
 import time
+import types
 import warnings
-from typing import Callable, Optional
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -70,6 +80,96 @@ def setup_cache(cache_dir: Optional[str], device: torch.device) -> Optional[str]
     return path
 
 
+# ---------------------------------------------------------------------------- one code object per lane
+
+_lane = threading.local()
+
+
+@contextlib.contextmanager
+def lane(name: str) -> Iterator[None]:
+    """Run the block as lane ``name``: the warm-up compiles, in the main thread, the
+    code that the thread of that name runs later."""
+    prior = getattr(_lane, "name", None)
+    _lane.name = name
+    try:
+        yield
+    finally:
+        _lane.name = prior
+
+
+def current_lane() -> str:
+    return getattr(_lane, "name", None) or threading.current_thread().name
+
+
+def own_code(fn: Callable, tag: str) -> types.FunctionType:
+    """A copy of the function ``fn`` whose code object is its own (named ``<name>__<tag>``)."""
+    tag = re.sub(r"[^A-Za-z0-9_]+", "_", tag)
+    code = fn.__code__
+    changes: dict[str, Any] = {"co_name": f"{code.co_name}__{tag}"}
+    if hasattr(code, "co_qualname"):  # Python 3.11+
+        changes["co_qualname"] = f"{code.co_qualname}__{tag}"
+    copy = types.FunctionType(code.replace(**changes), fn.__globals__, changes["co_name"], fn.__defaults__,
+                              fn.__closure__)
+    copy.__kwdefaults__ = getattr(fn, "__kwdefaults__", None)
+    copy.__dict__.update(getattr(fn, "__dict__", {}))
+    return copy
+
+
+class PerLane:
+    """``torch.compile(fn, **options)`` once per lane, each on a code object of its own.
+
+    Call it as ``fn``; the lane is ``lane()``'s, else the calling thread's name. A lane's
+    compiled copy is made at its first call (under a lock) and kept."""
+
+    def __init__(self, fn: Callable, **options):
+        self.fn, self.options = fn, options
+        self._compiled: dict[str, Callable] = {}
+        self._lock = threading.Lock()
+
+    def for_lane(self, name: str) -> Callable:
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            with self._lock:
+                compiled = self._compiled.get(name)
+                if compiled is None:
+                    compiled = torch.compile(own_code(self.fn, name), **self.options)
+                    self._compiled[name] = compiled
+        return compiled
+
+    def __call__(self, *args, **kwargs):
+        return self.for_lane(current_lane())(*args, **kwargs)
+
+    @property
+    def lanes(self) -> list[str]:
+        return sorted(self._compiled)
+
+
+# ---------------------------------------------------------------------------- settings in every thread
+
+
+def set_everywhere(module, name: str, value: Any) -> None:
+    """Set a torch config value for this thread and every other one.
+
+    Up to torch 2.11 a config assignment is process-wide; from 2.12 it is a per-thread
+    override (a ContextVar), invisible to worker threads and to autograd's backward
+    threads, which then read the default. So the default is changed too."""
+    setattr(module, name, value)
+    entry = getattr(module, "_config", {}).get(name)
+    if entry is not None and isinstance(getattr(entry, "user_override", None), ContextVar):
+        entry.default = value
+        if hasattr(entry, "env_value_default"):  # an environment default outranks the default
+            entry.env_value_default = value
+
+
+def seen_in_new_thread(read: Callable[[], Any]) -> Any:
+    """What ``read()`` returns in a thread that set nothing itself."""
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(read()), name="settings-check", daemon=True)
+    thread.start()
+    thread.join(30)
+    return out[0] if out else None
+
+
 # ---------------------------------------------------------------------------- limits, stance
 
 
@@ -91,15 +191,33 @@ class Discipline:
         self.frames_ok_after_warmup: Optional[int] = None
         self.warmup_s = 0.0
 
+    def settings(self) -> dict[str, Any]:
+        """The Dynamo settings the discipline relies on, by name."""
+        return {"recompile_limit": self.limit, "accumulated_recompile_limit": max(256, self.limit * 8),
+                # Past the limit Dynamo would silently run the frame eagerly (dense attention).
+                "fail_on_recompile_limit_hit": True}
+
     def enter_thread(self) -> None:
-        """Apply the per-thread settings; call first thing in every thread (and in main)."""
+        """Apply the settings for every thread, this one and those torch starts itself
+        (autograd's backward threads); call in main before any thread starts. Calling it
+        again in a thread is harmless."""
         cfg = torch._dynamo.config
-        cfg.recompile_limit = self.limit
-        cfg.accumulated_recompile_limit = max(256, self.limit * 8)
-        # Past the limit Dynamo would silently run the frame eagerly (dense attention).
-        cfg.fail_on_recompile_limit_hit = True
+        for name, value in self.settings().items():
+            set_everywhere(cfg, name, value)
         if self.guard_eager_flex:
-            warnings.filterwarnings("error", message=EAGER_FLEX_WARNING)
+            warnings.filterwarnings("error", message=EAGER_FLEX_WARNING)  # the filter list is process-wide
+
+    def check_in_force(self) -> dict[str, Any]:
+        """The settings as a thread that set nothing itself sees them; raises if any is
+        not the discipline's (a worker would silently run with torch's defaults)."""
+        cfg = torch._dynamo.config
+        wanted = self.settings()
+        seen = seen_in_new_thread(lambda: {name: getattr(cfg, name) for name in wanted}) or {}
+        wrong = {k: seen.get(k) for k, v in wanted.items() if seen.get(k) != v}
+        if wrong:
+            raise RuntimeError(f"compile discipline: a new thread sees {wrong} instead of "
+                               f"{ {k: wanted[k] for k in wrong} } (torch {torch.__version__})")
+        return seen
 
     def lock_recompiles(self) -> None:
         """After the warm-up: any new compile raises instead of racing other threads."""
@@ -131,7 +249,8 @@ class Discipline:
                 break
             t0 = time.monotonic()
             report({"device": device, "bucket": bucket, "seconds": 0.0, "done": i, "total": len(jobs)})
-            fn()
+            with lane(device):  # compiles the code that thread runs later
+                fn()
             report({"device": device, "bucket": bucket, "seconds": round(time.monotonic() - t0, 2),
                     "done": i + 1, "total": len(jobs)})
         self.warmup_s = time.monotonic() - start
@@ -148,20 +267,21 @@ class Discipline:
             mine = [(name, fn) for name, b, fn in jobs if b == bucket]
             for name, fn in mine:
                 if name.startswith("target"):
-                    fn()
+                    with lane(name):
+                        fn()
             rest = [(name, fn) for name, fn in mine if not name.startswith("target")]
             gate = threading.Barrier(len(rest))
             errors: list[BaseException] = []
 
-            def first_call(fn):
-                self.enter_thread()
+            def first_call(name, fn):
                 gate.wait()
                 try:
-                    fn()
+                    with lane(name):
+                        fn()
                 except BaseException as e:  # re-raised below, in the calling thread
                     errors.append(e)
 
-            threads = [threading.Thread(target=first_call, args=(fn,), name=f"warmup-{name}", daemon=True)
+            threads = [threading.Thread(target=first_call, args=(name, fn), name=f"warmup-{name}", daemon=True)
                        for name, fn in rest]
             for t in threads:
                 t.start()

@@ -25,6 +25,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from trainer.compile import PerLane
+
 
 def default_gamma(block_size: int) -> float:
     """The published decay: 7 for B=16, 4 for B=8, else B/2."""
@@ -106,11 +108,11 @@ _compiled_chunk_cross_entropy: dict[str, object] = {}
 
 def compiled_chunk_cross_entropy(kernel: str = "inductor"):
     """torch.compile of one chunk's loss with ``kernel`` (``resolve_kernel``), created
-    once per kernel (static shapes: one entry per chunk shape and device, compiled in
+    once per kernel and thread (static shapes: one entry per chunk shape and device, compiled in
     the trainer's warm-up like the attention)."""
     if kernel not in _compiled_chunk_cross_entropy:
         fn = _triton_chunk_cross_entropy if kernel == "triton" else _fusable_chunk_cross_entropy
-        _compiled_chunk_cross_entropy[kernel] = torch.compile(fn, dynamic=False)
+        _compiled_chunk_cross_entropy[kernel] = PerLane(fn, dynamic=False)  # a compiled copy per thread
     return _compiled_chunk_cross_entropy[kernel]
 
 

@@ -100,7 +100,9 @@ def compiled_block_mask_builder(backend: str = "inductor") -> Callable[..., Bloc
     so one compiled entry per (bucket, device) serves every batch: the anchor values
     and the number of valid anchors are data, not shapes, and do not recompile.
     """
-    return torch.compile(create_block_mask, backend=backend, dynamic=False)
+    from trainer.compile import PerLane
+
+    return PerLane(create_block_mask, backend=backend, dynamic=False)  # a compiled copy per thread
 
 
 _compiled_create_block_mask: Optional[Callable[..., BlockMask]] = None

@@ -15,6 +15,7 @@ F fused features (K*H), h heads, D head dim.
 
 from __future__ import annotations
 
+import types
 from typing import Iterator
 
 import torch
@@ -207,6 +208,10 @@ class Drafter(nn.Module):
         """Compile each decoder layer whole (norms, projections, rotary, attention, MLP:
         one graph forward, one backward), static shapes. Layers share compiled graphs
         (their weights are inputs, not constants): one per layer type, plus one for
-        the first layer, whose input needs no gradient."""
+        the first layer, whose input needs no gradient. Each thread calls a compiled
+        copy of its own (``compile.PerLane``: threads never share Dynamo's cache)."""
+        from trainer.compile import PerLane
+
+        forward = PerLane(DrafterLayer.forward, dynamic=False, **options)
         for layer in self.layers:
-            layer.compile(dynamic=False, **options)
+            layer.forward = types.MethodType(forward, layer)

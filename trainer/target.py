@@ -14,6 +14,7 @@ trainer's serialized warm-up). The target is frozen: nothing here may keep a gra
 from __future__ import annotations
 
 import threading
+import types
 from typing import Union
 
 import torch
@@ -126,8 +127,12 @@ class Target:
         entry per device and length bucket. Only ``forward`` is compiled: the capture
         hooks stay outside, in the module's call, so the forward still ends at the
         last captured layer."""
-        for layer in self._base.layers[: max(self.layer_ids) + 1]:
-            layer.forward = torch.compile(layer.forward, dynamic=False, **options)
+        from trainer.compile import PerLane
+
+        layers = self._base.layers[: max(self.layer_ids) + 1]
+        forward = PerLane(type(layers[0]).forward, dynamic=False, **options)  # a copy per thread
+        for layer in layers:
+            layer.forward = types.MethodType(forward, layer)
 
     def features(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
         """[B, S, K*H]: the captured layers' outputs, concatenated in layer order.
