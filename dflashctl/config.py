@@ -778,7 +778,10 @@ class RestartPolicy(BaseModel):
 
     enabled: bool = True
     max_restarts: int = Field(5, ge=0)
-    """At most this many restarts within ``window``; then the run is stopped."""
+    """At most this many restarts that made no progress within ``window``; then the run
+    is stopped. A restart made progress when the attempt it started got past the step
+    where the attempt before it failed; such restarts are not counted, so a long run
+    that crashes now and then is never given up on."""
     window: Duration = Field(6 * 3600.0, gt=0)
     backoff_initial: Duration = Field(10.0, ge=0)
     backoff_max: Duration = Field(600.0, ge=0)

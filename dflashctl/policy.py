@@ -65,9 +65,13 @@ def backoff(policy: "RestartPolicy", attempt: int, rng: random.Random) -> float:
 def counted_restarts(
     history: Sequence[Restart], policy: "RestartPolicy", now: float, healthy_since: float | None = None
 ) -> list[Restart]:
-    """Restarts that count against ``max_restarts``: inside the window, and after
-    the last stretch of healthy training that lasted ``healthy_after``."""
-    counted = [r for r in history if r.time > now - policy.window]
+    """Restarts that count against ``max_restarts``: those that made no progress (the
+    attempt they started never passed the step where the one before it failed), inside
+    the window, and after the last stretch of healthy training that lasted
+    ``healthy_after``. A restart that got further than any attempt before it costs
+    nothing: a run of days that crashes now and then is never given up on, while a
+    crash loop still ends fast (``crash_loop_k``)."""
+    counted = [r for r in history if r.time > now - policy.window and not r.progressed]
     if healthy_since is not None and now - healthy_since >= policy.healthy_after:
         counted = [r for r in counted if r.time >= healthy_since]
     return counted
@@ -157,7 +161,7 @@ def _decide_trigger(
     counted = counted_restarts(history, policy, now, healthy_since)
     if len(counted) >= policy.max_restarts:
         return stop(
-            f"restart limit reached: {len(counted)} restarts in the last {fmt_duration(policy.window)} "
+            f"restart limit reached: {len(counted)} restarts without progress in the last {fmt_duration(policy.window)} "
             f"(restart.max_restarts {policy.max_restarts})",
             "critical",
         )

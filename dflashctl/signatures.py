@@ -117,6 +117,68 @@ BUILTIN_SIGNATURES: tuple[Signature, ...] = (
         "(one thread compiles first, the compile cache stays warm)",
     ),
     Signature(
+        "recompile_limit",
+        _re(r"FailOnRecompileLimitHit|fail_on_recompile_limit_hit|hit config\.(?:accumulated_)?recompile_limit"),
+        STOP,
+        "error",
+        "a compiled function needed more variants than the recompile limit allows (devices x buckets x 3 "
+        "+ compile.recompile_margin); raise compile.recompile_margin in the playbook and relaunch "
+        "(TORCH_LOGS=recompiles names each variant); past the limit it would have run uncompiled, several times slower",
+    ),
+    Signature(
+        "recompile_after_warmup",
+        _re(r"Detected recompile when torch\.compile stance is 'fail_on_recompile'"),
+        RESTART,
+        "warning",
+        "a compiled function recompiled after the warm-up (a guard failed: a shape, dtype or grad mode the "
+        "warm-up did not cover), and the trainer refuses to compile while other threads run; restarting "
+        "from the last checkpoint. If it repeats, the log's guard-failure lines name what changed: report them",
+    ),
+    Signature(
+        "compile_guard",
+        _re(r"GuardOnDataDependentSymNode|torch\._dynamo\.exc\.RecompileError"),
+        STOP,
+        "error",
+        "torch.compile could not guard the trainer's code (a value read from a tensor decides a branch); "
+        "a restart would fail the same way: report the log tail with the trainer version",
+    ),
+    Signature(
+        "eager_flex_fallback",
+        _re(r"flex_attention called without torch\.compile"),
+        STOP,
+        "error",
+        "the compiled attention fell back to flex_attention's unfused path (it materialises every score: "
+        "O(S^2) memory and several times slower), which the trainer refuses; usually a recompile limit or a "
+        "graph break: see the log's Dynamo warnings. compile.allow_eager: true accepts the slow path",
+    ),
+    Signature(
+        "nan_loss",
+        _re(r"FloatingPointError: loss is (?:nan|inf|-inf)\b"),
+        STOP,
+        "error",
+        "the loss diverged (NaN/inf): lower optim.lr or lengthen optim.warmup_frac, keep optim.grad_clip on, "
+        "and check the batch the error names for broken records; a restart resumes the same data from the "
+        "last checkpoint and would diverge again",
+    ),
+    Signature(
+        "cuda_device_assert",
+        _re(r"device-side assert triggered"),
+        STOP,
+        "error",
+        "a GPU kernel's assertion failed, usually an index out of range (a token id at or past the target's "
+        "vocabulary, a label outside it): check the data and model.mask_token_id; the failure is deterministic, "
+        "so a restart only fails again (the assertion line above the error names the kernel)",
+    ),
+    Signature(
+        "cuda_illegal_memory_access",
+        _re(r"an illegal memory access was encountered|cudaErrorIllegalAddress"),
+        RESTART,
+        "error",
+        "a GPU kernel read or wrote outside its memory (a kernel bug or a failing GPU); restarting from the last "
+        "checkpoint. If it repeats at the same step, run once with CUDA_LAUNCH_BLOCKING=1 to name the kernel, "
+        "and check `dmesg | grep -i xid` on the host",
+    ),
+    Signature(
         "cuda_oom",
         _re(r"CUDA out of memory|OutOfMemoryError"),
         STOP,
@@ -162,6 +224,14 @@ BUILTIN_SIGNATURES: tuple[Signature, ...] = (
         "error",
         "two cuDNN versions are mixed on the host (another stack's wheels beside torch's); "
         "run `dflashctl env-audit` and keep the one torch was built with",
+    ),
+    Signature(
+        "cublas_failure",
+        _re(r"CUBLAS_STATUS_\w+|CUDNN_STATUS_(?:EXECUTION_FAILED|INTERNAL_ERROR|MAPPING_ERROR)"),
+        RESTART,
+        "error",
+        "a cuBLAS/cuDNN call failed on the GPU (often a transient device fault, sometimes memory pressure); "
+        "restarting from the last checkpoint. If it repeats, check `nvidia-smi -q -d ECC` and `dmesg` on the host",
     ),
     Signature(
         "import_error",

@@ -32,6 +32,12 @@ def restarts(*ages_h: float, progressed: bool = True) -> list[Restart]:
     return [Restart(NOW - a * H, 1000, 1500 if progressed else 1000) for a in ages_h]
 
 
+def alternating(*ages_h: float) -> list[Restart]:
+    """Restarts ``age`` hours before NOW, oldest first: the first, third, ... made no
+    progress, the others did (never three in a row without: no crash loop)."""
+    return [Restart(NOW - a * H, 1000, 1000 if i % 2 == 0 else 1500) for i, a in enumerate(ages_h)]
+
+
 # (id, findings, classification, policy, history, healthy_since, expected [(kind, reason, delay)] of the decision)
 CASES = [
     ("healthy", [], None, P, [], None, [("none", "healthy", 0.0)]),
@@ -60,7 +66,7 @@ CASES = [
         [CRASH],
         UNKNOWN,
         P,
-        restarts(3, 2),
+        restarts(3, 2, progressed=False),
         None,
         [("restart", "crash (unknown): trainer process 4242 is gone; restart 3/5 in 40 s", 40.0)],
     ),
@@ -68,8 +74,8 @@ CASES = [
         "backoff-capped",
         [CRASH],
         UNKNOWN,
-        RestartPolicy(jitter=0, max_restarts=20),
-        restarts(5, 4.5, 4, 3.5, 3, 2.5, 2, 1.5),
+        RestartPolicy(jitter=0, max_restarts=20, crash_loop_k=10),
+        restarts(5, 4.5, 4, 3.5, 3, 2.5, 2, 1.5, progressed=False),
         None,
         [("restart", "crash (unknown): trainer process 4242 is gone; restart 9/20 in 10 m", 600.0)],
     ),
@@ -134,7 +140,7 @@ CASES = [
         P,
         [Restart(NOW - 0.3 * H, 1000, 1000), Restart(NOW - 0.2 * H, 1000, 1200), Restart(NOW - 0.1 * H, 1200, None)],
         None,
-        [("restart", "crash (unknown): trainer process 4242 is gone; restart 4/5 in 1.3 m", 80.0)],
+        [("restart", "crash (unknown): trainer process 4242 is gone; restart 3/5 in 40 s", 40.0)],
     ),
     (
         "never-stepped-is-no-progress",
@@ -150,16 +156,34 @@ CASES = [
         [CRASH],
         UNKNOWN,
         P,
-        restarts(5, 4, 3, 2, 1),
+        alternating(5, 4.5, 4, 3.5, 3, 2.5, 2, 1.5, 1),
         None,
-        [("stop", "crash (unknown): trainer process 4242 is gone; restart limit reached: 5 restarts in the last 6 h (restart.max_restarts 5)", 0.0)],
+        [("stop", "crash (unknown): trainer process 4242 is gone; restart limit reached: 5 restarts without progress in the last 6 h (restart.max_restarts 5)", 0.0)],
+    ),
+    (
+        "restarts-that-made-progress-cost-nothing",
+        [CRASH],
+        UNKNOWN,
+        RestartPolicy(jitter=0, max_restarts=3),
+        restarts(3, 2, 1),
+        None,
+        [("restart", "crash (unknown): trainer process 4242 is gone; restart 1/3 in 10 s", 10.0)],
+    ),
+    (
+        "three-restarts-without-progress-stop",
+        [CRASH],
+        UNKNOWN,
+        RestartPolicy(jitter=0, max_restarts=3, crash_loop_k=10),
+        restarts(3, 2, 1, progressed=False),
+        None,
+        [("stop", "crash (unknown): trainer process 4242 is gone; restart limit reached: 3 restarts without progress in the last 6 h (restart.max_restarts 3)", 0.0)],
     ),
     (
         "old-restarts-leave-the-window",
         [CRASH],
         UNKNOWN,
         P,
-        restarts(9, 8, 7, 6.5, 6.1),
+        alternating(9, 8, 7, 6.5, 6.1),
         None,
         [("restart", "crash (unknown): trainer process 4242 is gone; restart 1/5 in 10 s", 10.0)],
     ),
@@ -168,7 +192,7 @@ CASES = [
         [CRASH],
         UNKNOWN,
         P,
-        restarts(2, 1.5, 1, 0.5),
+        alternating(2, 1.5, 1, 0.5),
         NOW - 1000,
         [("restart", "crash (unknown): trainer process 4242 is gone; restart 1/5 in 10 s", 10.0)],
     ),
@@ -177,9 +201,9 @@ CASES = [
         [CRASH],
         UNKNOWN,
         P,
-        restarts(2, 1.5, 1, 0.5),
+        alternating(2.5, 2, 1.5, 1, 0.5),
         NOW - 500,
-        [("restart", "crash (unknown): trainer process 4242 is gone; restart 5/5 in 2.7 m", 160.0)],
+        [("restart", "crash (unknown): trainer process 4242 is gone; restart 4/5 in 1.3 m", 80.0)],
     ),
     (
         "no-restarts-allowed",
@@ -188,7 +212,7 @@ CASES = [
         RestartPolicy(max_restarts=0),
         [],
         None,
-        [("stop", "crash (unknown): trainer process 4242 is gone; restart limit reached: 0 restarts in the last 6 h (restart.max_restarts 0)", 0.0)],
+        [("stop", "crash (unknown): trainer process 4242 is gone; restart limit reached: 0 restarts without progress in the last 6 h (restart.max_restarts 0)", 0.0)],
     ),
     (
         "stall-restarts",
@@ -265,7 +289,8 @@ def test_backoff_jitter_uses_the_given_rng() -> None:
 
 
 def test_counted_restarts() -> None:
-    history = restarts(7, 3, 1)
+    assert counted_restarts(restarts(3, 2, 1), P, NOW) == []  # each got further than the one before
+    history = restarts(7, 3, 1, progressed=False)
     assert counted_restarts(history, P, NOW) == history[1:]
     assert counted_restarts(history, P, NOW, healthy_since=NOW - 2 * H) == history[2:]
     assert counted_restarts(history, P, NOW, healthy_since=NOW - 60) == history[1:]  # not healthy long enough

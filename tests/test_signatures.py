@@ -47,6 +47,26 @@ KILLED = "step 400 loss 2.1\nKilled\n"
 FX_RACE_H200 = (Path(__file__).parent / "fixtures" / "trainer-logs" / "h200-fx-race-tail.txt").read_text()
 FX_RACE_H200_STATUS = ("RuntimeError: Detected that you are using FX to symbolically trace a dynamo-optimized function. "
                        "This is not supported at the moment.")
+LOGS = Path(__file__).parent / "fixtures" / "trainer-logs"
+# Captured (tests/fixtures/trainer-logs/README.md says how): real torch and trainer output.
+RECOMPILE_CPU = (LOGS / "cpu-fail-on-recompile.txt").read_text()
+RECOMPILE_H200 = (LOGS / "h200-soak-recompile.txt").read_text()
+RECOMPILE_LIMIT = (LOGS / "cpu-recompile-limit.txt").read_text()
+EAGER_FLEX = (LOGS / "cpu-eager-flex-fallback.txt").read_text()
+NAN_LOSS = (LOGS / "cpu-nan-loss.txt").read_text()
+
+
+def cuda_errors() -> list[tuple[str, str]]:
+    """(signature, text) blocks of cuda-errors.txt."""
+    blocks, name = [], None
+    for line in (LOGS / "cuda-errors.txt").read_text().splitlines():
+        if line.startswith("# name: "):
+            name = line.removeprefix("# name: ").strip()
+            blocks.append((name, ""))
+        elif name:
+            blocks[-1] = (name, blocks[-1][1] + line + "\n")
+    return blocks
+
 
 # (text, status error, exit code) -> expected signature name; one or more per shipped entry.
 CASES = [
@@ -70,6 +90,15 @@ CASES = [
     ("", None, 137, "killed_by_signal"),
     ("ValueError: shard 3 is truncated", None, contract.EXIT_DATA_ERROR, "data_error"),
     ("trainer.model.preset: unknown", None, contract.EXIT_CONFIG_ERROR, "config_error"),
+    (RECOMPILE_CPU, None, 1, "recompile_after_warmup"),
+    (RECOMPILE_H200, None, 1, "recompile_after_warmup"),
+    ("", RECOMPILE_H200.strip(), 1, "recompile_after_warmup"),
+    (RECOMPILE_LIMIT, None, 1, "recompile_limit"),
+    (EAGER_FLEX, None, 1, "eager_flex_fallback"),
+    (NAN_LOSS, "FloatingPointError: loss is nan at step 2 (replica 0, batch 1)", 1, "nan_loss"),
+    ("torch._dynamo.exc.GuardOnDataDependentSymNode: Could not guard on data-dependent expression u0 > 3",
+     None, 1, "compile_guard"),
+    *[(text, None, 1, name) for name, text in cuda_errors()],
     ("RuntimeError: something new", None, 1, "unknown"),
     ("", None, None, "unknown"),
 ]
@@ -138,3 +167,9 @@ def test_playbook_signatures_come_first() -> None:
     assert classify(DISK, None, 1, extra).name == "disk_full"  # the table still applies
     assert signature_names(extra)[:3] == ["flaky_fs", "our_oom", "fx_race"]
     assert signature_names()[-1] == "unknown"
+
+
+def test_the_readme_lists_every_shipped_signature() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    missing = [name for name in signature_names() if f"`{name}`" not in readme]
+    assert not missing, f"README.md's signature table lacks {missing}"

@@ -20,6 +20,7 @@ import json
 import sys
 import threading
 import time
+import traceback
 import types
 
 
@@ -31,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval: smaller switches threads more often (more chances to race)")
+    ap.add_argument("--traceback", action="store_true", help="print the first failure's traceback to stderr")
     args = ap.parse_args(argv)
 
     import torch
@@ -89,6 +91,8 @@ def main(argv=None) -> int:
             try:
                 step(r, shapes[i % 2])
             except Exception as e:  # counted and reported, as the soak counts them
+                if args.traceback and not errors:
+                    traceback.print_exc()
                 errors.append(str(e).splitlines()[0][:200])
                 return
             done[r] += 1
