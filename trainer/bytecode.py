@@ -30,12 +30,16 @@ import io
 import os
 import sys
 import tarfile
+import zlib
 from typing import Iterable, Optional
 
 PREFIX_DIR = "pycache"
 FLAGS_CHECKED_HASH = 0b11  # hash-based, check the source (PEP 552)
 MAX_FILE_BYTES = 64 << 20
 MAX_TOTAL_BYTES = 1 << 30
+# Decompressed bytes per compressed byte past which an archive is refused unread
+# (bytecode compresses about 3:1 at level 1; a gzip bomb, a thousand to one).
+MAX_EXPANSION = 16
 _UNPACKED = ".dflash-unpacked"  # in the prefix: one empty file per archive unpacked there
 
 
@@ -175,7 +179,7 @@ def unpack(data: bytes, prefix: str, sha256: str) -> dict:
     counts = {"written": 0, "present": 0, "stale": 0, "absent": 0, "refused": 0}
     root = os.path.join(os.path.abspath(prefix), "")
     total = 0
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+    with tarfile.open(fileobj=io.BytesIO(decompress(data)), mode="r:") as tar:
         for member in tar:
             name = os.path.normpath(member.name)
             if (not member.isfile() or os.path.isabs(name) or name.startswith("..") or not name.endswith(".py")
@@ -193,6 +197,20 @@ def unpack(data: bytes, prefix: str, sha256: str) -> dict:
             counts[_place(os.sep + name, tar.extractfile(member).read(), target)] += 1
     mark_unpacked(prefix, sha256)
     return counts
+
+
+def decompress(data: bytes) -> bytes:
+    """The gzip archive ``data`` decompressed, never past MAX_EXPANSION times its size
+    (nor MAX_TOTAL_BYTES): ValueError for a bomb, before it costs more than that."""
+    limit = min(MAX_TOTAL_BYTES, MAX_EXPANSION * len(data) + (1 << 20))
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = inflate.decompress(data, limit + 1)
+    except zlib.error as e:
+        raise ValueError(f"bytecode archive is not gzip: {e}") from None
+    if len(out) > limit:
+        raise ValueError(f"bytecode archive of {len(data)} bytes expands past {limit} bytes: refused")
+    return out
 
 
 def _place(source: str, pyc: bytes, target: str) -> str:

@@ -232,7 +232,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
 
     imports.hide_unused()
     bytecode = bytecode_mod.keep(cfg.compile.cache_dir)  # before the imports it speeds up
-    travelled = compile_cache.load_bytecode(run_dir, bytecode) if cfg.compile.artifacts else None
+    travelled = (compile_cache.load_bytecode(run_dir, bytecode, compile_cache.pre_import_fields(cfg))
+                 if cfg.compile.artifacts else None)
     if travelled:
         log(f"compile_cache: bytecode {travelled}")
     import torch
