@@ -4,7 +4,7 @@ put into the run directory of a later start whose key matches.
 A trainer that compiled cold saves what it compiled in its run directory
 (``trainer.compile_cache``: ``compile_cache/compile_cache.json``, the manifest, and
 ``compile_cache/<key>.bin``). After the run's first healthy minutes the supervisor
-copies both back here (``copy_back``, once per key); ``launch`` and ``restart`` put
+copies both back here (``copy_back``); ``launch`` and ``restart`` put
 a held artifact into the run directory before the trainer starts (``provide``), so
 a host whose own cache was wiped, a new container or a new host skips the compile.
 
@@ -13,6 +13,8 @@ Layout, under the controller's data directory (``dflashctl.paths.data_dir``)::
     compile-cache/<key>/compile_cache.json   the manifest, as the trainer wrote it
     compile-cache/<key>/<key>.bin            the artifact bytes
     compile-cache/<key>/.used                touched each time it is put into a run
+    compile-cache/<key>/origin.json          the controller's record: trust domain, host, run,
+                                             when it was received (its clock), what it expected
     compile-cache/.tmp-*                     an entry being written (or a stale one)
 
 An entry is written into a temporary directory and renamed into place whole; its
@@ -29,9 +31,15 @@ deployed, and its ``fields.gpu`` the host's GPU name when nvidia-smi told it. Th
 torch, triton, CUDA and Python fields are not known before the trainer starts: the
 trainer refuses an artifact whose key differs (it reports ``mismatch:<field>``).
 
+Trust: an artifact holds pickles and bytecode, so it is put only into runs on hosts
+of the trust domain it was copied back from (``Host.trust_domain``: the inventory's
+``trust_group``, else the host itself); a copy-back is taken only when its config,
+bundle and GPU fields are the ones the controller computes for the run, streamed
+into the store with its size and sha256 checked as it arrives, within a quota.
+
 This module never imports torch, never uploads an artifact whose key, size or
-sha256 does not check out, and never decides when to copy back (the supervisor's
-core does).
+sha256 does not check out or that came from another trust domain, and never decides
+when to copy back (the supervisor's core does).
 """
 
 from __future__ import annotations

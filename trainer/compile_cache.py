@@ -31,8 +31,10 @@ Manifest (JSON object)::
                ``parts`` (version 1) the whole file is the artifacts. The bytecode
                part is present when the start that wrote it kept bytecode of its own
                (an image without any): it is unpacked before torch is imported,
-               when its Python's magic number is this one's, whatever the key says
-               (each file is checked against this host's source as it is unpacked).
+               when the key fields known then (``pre_import_fields``) and its
+               Python's magic number are this one's (each file is checked against
+               this host's source hash as it is unpacked; what it runs is trusted
+               because the controller moves artifacts only inside a trust domain).
 
 Whoever puts an artifact into a run directory (the controller, when it starts a run
 on a host whose cache lacks it) copies both files; the trainer decides. Outcomes
@@ -45,7 +47,9 @@ check out), ``off`` (``compile.artifacts: false`` or no compiled path).
 This module must never import torch at import time (the controller imports it for
 the key's config digest), never load an artifact whose key or sha256 differs (the
 bytes are pickles and compiled code: a run directory must be as trusted as the
-bundle it runs), and never read or write through a symbolic link.
+bundle it runs; the controller puts only artifacts of the host's trust domain there),
+never load one with an entry whose key is not a path inside this host's caches
+(``load_checked``), and never read or write through a symbolic link.
 """
 
 from __future__ import annotations

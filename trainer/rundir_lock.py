@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from typing import Optional
 
 from dflashctl import contract
 
+WAIT_S = 10.0  # how long a start waits for the previous owner to end before it gives up
 _held: dict[str, int] = {}  # path -> fd of a lock this process holds (kept open for its life)
 
 
@@ -40,16 +42,23 @@ def _owner(fd: int) -> Optional[str]:
         return None
 
 
-def take(run_dir: str, rank: int = 0) -> str:
+def take(run_dir: str, rank: int = 0, wait: float = WAIT_S) -> str:
     """Lock ``run_dir`` for this process (idempotent); ``Busy`` naming the owner's pid
-    when another process holds it."""
+    when another process still holds it after ``wait`` seconds (a restart's previous
+    process may take a moment to end after its session was killed)."""
     path = lock_path(run_dir, rank)
     if path in _held:
         return path
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
         owner = _owner(fd)
         os.close(fd)
         raise Busy(f"run directory {run_dir} is owned by another trainer (pid {owner or 'unknown'}, "
