@@ -362,3 +362,82 @@ def test_a_second_trainer_in_a_live_run_directory_never_starts(tmp_path):
         assert classify(second.output, exit_code=code).name == "run_dir_busy"
     finally:
         first.kill()
+
+
+def test_a_go_file_from_another_process_does_not_wake_a_standby_beside_the_live_trainer(tmp_path):
+    run_dir = tmp_path / "run"
+    first = Trainer(tiny_config(train={"steps": 100000, "log_every": 1}), run_dir)
+    try:
+        first.wait_for_step(1)
+        token = "t1"
+        standby = Trainer(tiny_config(train={"steps": 5}), run_dir, "--standby", token)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # the standby has imported everything and waits
+            try:
+                if json.loads((run_dir / contract.STANDBY_FILE).read_text()).get("token") == token:
+                    break
+            except (OSError, ValueError):
+                pass
+            assert standby.proc.poll() is None, standby.output[-2000:]
+            time.sleep(0.1)
+        (run_dir / contract.standby_go(token)).write_text("")  # written by anyone who can write the run dir
+        code = standby.wait(120)
+        assert code == contract.EXIT_RUN_DIR_BUSY, standby.output[-2000:]
+        # Its went file is taken back: run.sh writes no exit code for the live run.
+        assert not (run_dir / contract.standby_went(token)).exists()
+        assert read_status(str(run_dir))["pid"] == first.proc.pid and first.proc.poll() is None
+    finally:
+        first.kill()
+
+
+@pytest.fixture
+def private_tmux(monkeypatch):
+    from dflashctl.tmux import SOCKET_ENV
+    from tests.test_supervisor import kill_tmux_servers
+
+    socket = f"dflash-trust-{os.getpid()}"
+    monkeypatch.setenv(SOCKET_ENV, socket)
+    yield socket
+    inventory = load_inventory(None)
+    kill_tmux_servers([(inventory.get("local"), inventory, socket)])
+
+
+def test_a_miss_a_host_writes_in_its_metrics_does_not_make_the_supervisor_copy_back(tmp_path, private_tmux,
+                                                                                       monkeypatch):
+    from dflashctl.config import load_playbook
+    from dflashctl.runhost import run_files
+    from dflashctl.store import Store
+    from dflashctl.supervisor import Supervisor
+    from dflashctl.tmux import Tmux
+    from tests.harness.fake_trainer import start_fake_run
+    from tests.test_supervisor import wait_for, write_playbook
+
+    monkeypatch.setenv("DFLASHCTL_HOME", str(tmp_path / "home"))
+    inventory = load_inventory(None)
+    store = Store(str(tmp_path / "runs.db"))
+    playbooks = tmp_path / "playbooks"
+    pb = load_playbook(str(write_playbook(playbooks, "warm", "local", {"train": {"steps": 100000, "log_every": 2}},
+                                          poll_interval=0.2, expect={"compile_cache_after": "1s"})),
+                       inventory=inventory)
+    # The host's process says "miss" (and saves an artifact of its own) though the
+    # controller holds one of the host's domain that fits the run.
+    run_id = start_fake_run(store, inventory, "local", pb.trainer.to_dict(), playbook=pb.name,
+                            playbook_source=pb.source, socket=private_tmux, env={"FAKE_TRAINER_COMPILE_CACHE": "miss",
+                                                                                 "FAKE_TRAINER_GPU": "cpu"})
+    run = store.get_run(run_id)
+    trainer = json.loads(run_files(run.id, run.run_dir, run.config, private_tmux)["config.json"])
+    held = _fields(config=cc.config_digest(trainer), bundle=run.bundle_hash, torch="held")
+    cache = cc.LocalCache()
+    cache.put(*_as_manifest(held, b"held" * 100), {"domain": "host:local"})
+    sup = Supervisor(store, inventory, interval=0.2, playbooks_dir=str(playbooks))
+    sup.attach(run_id)
+    try:
+        def answered():
+            return [e for e in store.events(run_id, kind="compile_cache") if e.detail and e.detail.get("status")]
+
+        [event] = wait_for(answered, 30, "the copy-back answered", tick=sup.tick)
+        assert event.detail["status"] == "refused" and "did not expect" in event.message, event.message
+        assert [e.key for e in cache.entries()] == [trainer_cache.key_of(held)]
+    finally:
+        Tmux(inventory.get("local"), inventory, private_tmux).kill(run_id)
+        sup.close()
