@@ -238,9 +238,11 @@ class LocalCache:
     def receiver(self, manifest: dict, origin: Optional[dict] = None,
                  clock: Callable[[], float] = time.time) -> "Receiver":
         """Where an artifact is written as it arrives (``Receiver``): the manifest is
-        checked, and room made within the quota, before the first byte."""
+        checked, and its size against the quota and the free disk, before the first
+        byte; room is made in the quota only once it verified (a host that claims a
+        large size and sends garbage evicts nothing)."""
         manifest = check_manifest(manifest)
-        self.make_room(manifest["bytes"], keep=manifest["key"])
+        self.check_room(manifest["bytes"])
         return Receiver(self, manifest, dict(origin or {}), clock)
 
     def quota(self) -> int:
@@ -250,25 +252,30 @@ class LocalCache:
             raise CacheError(f"${QUOTA_ENV} is not a number of bytes: {os.environ[QUOTA_ENV][:40]!r}",
                              hint=f"unset it, or give bytes (e.g. {DEFAULT_QUOTA})") from None
 
-    def make_room(self, size: int, keep: Optional[str] = None) -> None:
-        """Remove the least recently used entries until ``size`` more bytes fit the
-        quota and leave MIN_FREE_BYTES on the disk; CacheError when they cannot."""
+    def check_room(self, size: int) -> None:
+        """CacheError unless ``size`` bytes fit the quota and leave MIN_FREE_BYTES free
+        on the controller's disk."""
         quota = self.quota()
         if size > quota:
             raise CacheError(f"an artifact of {_mib(size)} is over the compile cache's quota of {_mib(quota)}",
                              hint=f"raise ${QUOTA_ENV}, or `dflashctl cache rm --older-than 30d`")
-        entries = [e for e in self.entries() if e.key != keep]
-        held = sum(e.bytes for e in entries)
-        while entries and held + size > quota:
-            oldest = entries.pop()
-            self.remove(oldest.key)
-            held -= oldest.bytes
         os.makedirs(self.root, exist_ok=True)
         free = shutil.disk_usage(self.root).free
         if free - size < MIN_FREE_BYTES:
             raise CacheError(f"an artifact of {_mib(size)} would leave {_mib(max(0, free - size))} free on the disk "
                              f"of {self.root} (at least {_mib(MIN_FREE_BYTES)} is kept free)",
                              hint="free disk space, or `dflashctl cache rm --older-than 30d`")
+
+    def make_room(self, size: int, keep: str) -> None:
+        """Remove the least recently used entries (never ``keep``'s) until ``size``
+        more bytes fit the quota."""
+        quota = self.quota()
+        entries = [e for e in self.entries() if e.key != keep]
+        held = sum(e.bytes for e in entries)
+        while entries and held + size > quota:
+            oldest = entries.pop()
+            self.remove(oldest.key)
+            held -= oldest.bytes
 
     def _install(self, key: str, tmp: str) -> None:
         """Rename the written directory ``tmp`` into place as ``key``'s entry; an entry
@@ -381,6 +388,7 @@ class Receiver:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+            self.cache.make_room(self.size, keep=key)
             origin = {**self.origin, "received": self.clock(), "sha256": sha}
             for name, content in ((trainer_cache.MANIFEST_FILE, json.dumps(self.manifest, indent=1, sort_keys=True)),
                                   (ORIGIN_FILE, json.dumps(origin, indent=1, sort_keys=True))):

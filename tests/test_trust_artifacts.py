@@ -301,6 +301,10 @@ def test_the_store_quota_is_kept(hosts, tmp_path, monkeypatch):
     assert [e.fields["gpu"] for e in cache.entries()] == ["b"]
     with pytest.raises(cc.CacheError, match="quota"):
         cache.put(*_as_manifest(_fields(gpu="c"), b"c" * 6000))
+    claimed, _ = _as_manifest(_fields(gpu="d"), b"d" * 4000)
+    with pytest.raises(cc.CacheError, match="sha256"):  # a large claim with other bytes behind it evicts nothing
+        cache.put(claimed, b"x" * 4000)
+    assert [e.fields["gpu"] for e in cache.entries()] == ["b"]
 
 
 # --------------------------------------------------------------------------- manifests of any shape
