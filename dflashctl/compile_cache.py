@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
 STORE_DIR = "compile-cache"
 USED_FILE = ".used"
+GENERATION_FILE = ".generation"  # bumped by `cache rm` (LocalCache.generation)
 ORIGIN_FILE = "origin.json"  # the controller's own record of an entry: where, when, what it expected
 MAX_ARTIFACT_BYTES = 8 << 30  # larger than any real artifact; a manifest claiming more is not believed
 QUOTA_ENV = "DFLASHCTL_COMPILE_CACHE_QUOTA"  # bytes the store may hold in all (default DEFAULT_QUOTA)
@@ -309,6 +310,22 @@ class LocalCache:
             pass
         when = time.time() if now is None else now
         os.utime(path, (when, when))
+
+    def generation(self) -> int:
+        """How many times entries were removed by the operator (``cache rm``): a run's
+        trainer that sees it grow drops the bytecode it unpacked (``contract.ARTIFACT_GENERATION_ENV``)."""
+        try:
+            with open(os.path.join(self.root, GENERATION_FILE)) as f:
+                return max(0, int(f.read(32).strip() or 0))
+        except (OSError, ValueError):
+            return 0
+
+    def bump_generation(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        path = os.path.join(self.root, GENERATION_FILE)
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{self.generation() + 1}\n")
+        os.replace(path + ".tmp", path)
 
     def remove(self, key: str) -> bool:
         directory = self._dir(key)

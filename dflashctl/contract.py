@@ -42,6 +42,12 @@ EXIT_CODE_FILE = "exit_code"  # the trainer's exit status, written by the launch
 STANDBY_FILE = "standby.json"  # a standby trainer's pid and token, once its imports are done (trainer/standby.py)
 
 
+# The controller's compile-cache generation, in a run's environment: it grows with every
+# `dflashctl cache rm`, and a trainer that sees it grow drops the bytecode cache it keeps
+# (travelled bytecode unpacked there included) before its imports (trainer/bytecode.py).
+ARTIFACT_GENERATION_ENV = "DFLASH_ARTIFACT_GENERATION"
+
+
 def lock_file(rank: int = 0) -> str:
     """The file whose flock makes one trainer the owner of a run directory (trainer/rundir_lock.py)."""
     return "trainer.lock" if rank == 0 else f"trainer.rank{rank}.lock"

@@ -176,6 +176,12 @@ def part_config(config: dict[str, Any], rank: int) -> dict[str, Any]:
             "env": {**own["env"], **distributed_env(dist, rank)}}
 
 
+def _artifact_generation() -> int:
+    from dflashctl.compile_cache import LocalCache
+
+    return LocalCache().generation()
+
+
 def standby_session(session: str) -> str:
     return f"{session}-standby"
 
@@ -193,7 +199,8 @@ def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
     if gpus and "CUDA_VISIBLE_DEVICES" in config.get("env", {}) and \
             config["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, gpus)):
         trainer = renumber_placement(trainer, gpus)
-    script = render_run_script(run_id, run_dir, config["python"], config.get("env", {}),
+    env = {**config.get("env", {}), contract.ARTIFACT_GENERATION_ENV: str(_artifact_generation())}
+    script = render_run_script(run_id, run_dir, config["python"], env,
                                config.get("compile_cache"), session or run_id, socket, rank, standby)
     if standby:
         return {STANDBY_SCRIPT: script}

@@ -344,7 +344,7 @@ def test_cache_ls_and_rm_all_survive_any_held_manifest(tmp_path, monkeypatch):
     assert runner.invoke(app, ["cache", "ls", "--json"]).exit_code == 0
     removed = runner.invoke(app, ["cache", "rm", "--all"])
     assert removed.exit_code == 0, removed.output
-    assert sorted(os.listdir(cache.root)) == []  # the unreadable entry too
+    assert sorted(os.listdir(cache.root)) == [cc.GENERATION_FILE]  # the unreadable entry too
 
 
 # --------------------------------------------------------------------------- one trainer per run directory
@@ -445,3 +445,53 @@ def test_a_miss_a_host_writes_in_its_metrics_does_not_make_the_supervisor_copy_b
     finally:
         Tmux(inventory.get("local"), inventory, private_tmux).kill(run_id)
         sup.close()
+
+
+_AFTER_RM = textwrap.dedent("""
+    import json, os, sys
+    prefix, site = sys.argv[1:3]
+    sys.pycache_prefix, sys.dont_write_bytecode = prefix, False
+    sys.path.insert(0, site)
+    from dflashctl import contract
+    from trainer import bytecode
+    dropped = bytecode.drop_if_outdated(prefix, os.environ.get(contract.ARTIFACT_GENERATION_ENV))
+    import victim
+    print(json.dumps({"dropped": dropped, "value": victim.VALUE}))
+""")
+
+
+def test_bytecode_unpacked_on_a_host_does_not_survive_cache_rm_all(tmp_path, monkeypatch):
+    """Bytecode an earlier start unpacked into the host's bytecode cache (the compile
+    cache's ``pycache``), here a poisoned copy: after ``cache rm --all`` the next start
+    the controller makes drops it before its imports."""
+    monkeypatch.setenv("DFLASHCTL_HOME", str(tmp_path / "home"))
+    from dflashctl.cli import _load_commands
+    from dflashctl.commands._app import app
+    from dflashctl.runhost import RUN_SCRIPT, run_files
+
+    site, prefix = tmp_path / "site", tmp_path / "cache" / "pycache"
+    site.mkdir()
+    (site / "victim.py").write_text("VALUE = 'honest'\n")
+    st = os.stat(site / "victim.py")
+    import marshal
+
+    poisoned = (importlib.util.MAGIC_NUMBER + bytes(4) + (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+                + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little") + marshal.dumps(compile("VALUE = 'payload'\n", "v", "exec")))
+    target = prefix / bytecode.member_name(str(site / "victim.py"))
+    target.parent.mkdir(parents=True)
+    target.write_bytes(poisoned)
+    bytecode.mark_unpacked(str(prefix), "a" * 64)
+
+    _load_commands()
+    assert CliRunner().invoke(app, ["cache", "rm", "--all"]).exit_code == 0
+    config = {"trainer": _trainer(), "gpus": [], "env": {}, "python": "python3", "compile_cache": "/c"}
+    script = run_files("r", "/r", config, "s")[RUN_SCRIPT]
+    [line] = [x for x in script.splitlines() if contract.ARTIFACT_GENERATION_ENV in x]
+    generation = line.split("=", 1)[1].strip("'")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    env.update(PYTHONPATH=REPO, **{contract.ARTIFACT_GENERATION_ENV: generation})
+    out = subprocess.run([sys.executable, "-c", _AFTER_RM, str(prefix), str(site)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"dropped": True, "value": "honest"}
+    assert not os.path.exists(bytecode.unpacked_marker(str(prefix), "a" * 64))

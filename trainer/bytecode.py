@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import shutil
 import sys
 import tarfile
 import zlib
@@ -70,6 +71,40 @@ def keep(cache_dir: Optional[str], package: str = "torch") -> Optional[str]:
     sys.pycache_prefix = path
     sys.dont_write_bytecode = False
     return path
+
+
+GENERATION_FILE = ".dflash-generation"  # in the prefix: the controller generation it was kept under
+
+
+def drop_if_outdated(prefix: Optional[str], generation: Optional[str]) -> bool:
+    """Empty the bytecode cache ``prefix`` when the controller's artifact generation
+    (``contract.ARTIFACT_GENERATION_ENV``) grew since it was kept: the operator removed
+    artifacts (``dflashctl cache rm``), so nothing unpacked from them may stay. Python
+    writes its own bytecode there again. True when it was emptied."""
+    if not prefix or generation is None or not generation.strip().isdigit():
+        return False
+    path = os.path.join(prefix, GENERATION_FILE)
+    try:
+        with open(path) as f:
+            kept = int(f.read(32).strip() or 0)
+    except (OSError, ValueError):
+        kept = 0
+    wanted = int(generation)
+    dropped = wanted > kept
+    if dropped:
+        for name in os.listdir(prefix):
+            target = os.path.join(prefix, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target, ignore_errors=True)
+            elif name != GENERATION_FILE:
+                try:
+                    os.unlink(target)
+                except OSError:
+                    pass
+    if dropped or not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(f"{max(wanted, kept)}\n")
+    return dropped
 
 
 def member_name(source: str) -> str:

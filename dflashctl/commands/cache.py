@@ -90,6 +90,9 @@ def rm_command(
         removed = cache.clear()
     else:
         removed = cache.prune(parse_duration_option(older_than, "--older-than"))
+    if key is not None or all_:
+        # The next start on every host drops the bytecode it unpacked from artifacts.
+        cache.bump_generation()
     for k in removed:
         out.print(f"removed {escape(k)}", highlight=False)
     if not removed:
