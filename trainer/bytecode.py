@@ -20,6 +20,14 @@ here (another torch, a patched file) or is absent is left to Python, which compi
 it from its own source: travelled bytecode never runs in place of a source it was
 not made from.
 
+What the source hash does not prove is what the code object does: a crafted member
+with the true hash runs at ``import torch``. So bytecode travels only inside the
+operator's trust domain (the controller puts an artifact only on hosts of the domain
+it came from), is unpacked only when the artifact's key fields known before the
+imports match (``trainer.compile_cache.load_bytecode``), never decompressed past
+MAX_EXPANSION times its size, and is dropped from this host's cache when the
+operator removes artifacts (``drop_if_outdated``).
+
 Standard library only: this runs before torch is imported.
 """
 
