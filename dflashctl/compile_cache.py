@@ -4,7 +4,7 @@ put into the run directory of a later start whose key matches.
 A trainer that compiled cold saves what it compiled in its run directory
 (``trainer.compile_cache``: ``compile_cache/compile_cache.json``, the manifest, and
 ``compile_cache/<key>.bin``). After the run's first healthy minutes the supervisor
-copies both back here (``copy_back``, once per key); ``launch`` and ``restart`` put
+copies both back here (``copy_back``); ``launch`` and ``restart`` put
 a held artifact into the run directory before the trainer starts (``provide``), so
 a host whose own cache was wiped, a new container or a new host skips the compile.
 
@@ -13,6 +13,8 @@ Layout, under the controller's data directory (``dflashctl.paths.data_dir``)::
     compile-cache/<key>/compile_cache.json   the manifest, as the trainer wrote it
     compile-cache/<key>/<key>.bin            the artifact bytes
     compile-cache/<key>/.used                touched each time it is put into a run
+    compile-cache/<key>/origin.json          the controller's record: trust domain, host, run,
+                                             when it was received (its clock), what it expected
     compile-cache/.tmp-*                     an entry being written (or a stale one)
 
 An entry is written into a temporary directory and renamed into place whole; its
@@ -29,15 +31,22 @@ deployed, and its ``fields.gpu`` the host's GPU name when nvidia-smi told it. Th
 torch, triton, CUDA and Python fields are not known before the trainer starts: the
 trainer refuses an artifact whose key differs (it reports ``mismatch:<field>``).
 
+Trust: an artifact holds pickles and bytecode, so it is put only into runs on hosts
+of the trust domain it was copied back from (``Host.trust_domain``: the inventory's
+``trust_group``, else the host itself); a copy-back is taken only when its config,
+bundle and GPU fields are the ones the controller computes for the run, streamed
+into the store with its size and sha256 checked as it arrives, within a quota.
+
 This module never imports torch, never uploads an artifact whose key, size or
-sha256 does not check out, and never decides when to copy back (the supervisor's
-core does).
+sha256 does not check out or that came from another trust domain, and never decides
+when to copy back (the supervisor's core does).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -58,7 +67,12 @@ if TYPE_CHECKING:
 
 STORE_DIR = "compile-cache"
 USED_FILE = ".used"
+GENERATION_FILE = ".generation"  # bumped by `cache rm` (LocalCache.generation)
+ORIGIN_FILE = "origin.json"  # the controller's own record of an entry: where, when, what it expected
 MAX_ARTIFACT_BYTES = 8 << 30  # larger than any real artifact; a manifest claiming more is not believed
+QUOTA_ENV = "DFLASHCTL_COMPILE_CACHE_QUOTA"  # bytes the store may hold in all (default DEFAULT_QUOTA)
+DEFAULT_QUOTA = 64 << 30
+MIN_FREE_BYTES = 2 << 30  # what a copy-back leaves free on the controller's disk (it holds runs.db)
 TRANSFER_TIMEOUT = 1800.0  # seconds for one artifact to travel either way
 EVENT_KIND = "compile_cache"
 # The key fields the controller can know before a start, in the order they are compared.
@@ -95,6 +109,17 @@ def check_manifest(manifest: Any, where: str = "manifest") -> dict:
     return manifest
 
 
+def parse_manifest(text: str, where: str) -> dict:
+    """A manifest's text (a host's, or a held entry's) -> the checked manifest, with
+    the contract's size and depth bounds (CacheError only)."""
+    from dflashctl import contract
+
+    try:
+        return check_manifest(contract.load_json_object(text, where), where)
+    except contract.ContractError as e:
+        raise CacheError(str(e)) from None
+
+
 def verify(manifest: dict, data: bytes, where: str = "artifact") -> None:
     """CacheError unless ``data`` has the manifest's size and sha256."""
     if len(data) != manifest["bytes"]:
@@ -115,6 +140,8 @@ class Entry:
     manifest: dict
     path: str  # its directory
     last_used: Optional[float] = None  # when it was last put into a run
+    origin: dict = field(default_factory=dict)  # the controller's record (ORIGIN_FILE); {} for an entry without
+    received: Optional[float] = None  # when this controller took it in (its clock, never the host's 'created')
 
     @property
     def fields(self) -> dict:
@@ -125,9 +152,14 @@ class Entry:
         return self.manifest["bytes"]
 
     @property
+    def domain(self) -> Optional[str]:
+        """The trust domain it came from (``Host.trust_domain``); None: not recorded, never provided."""
+        domain = self.origin.get("domain")
+        return domain if isinstance(domain, str) else None
+
+    @property
     def created(self) -> Optional[float]:
-        created = self.manifest.get("created")
-        return float(created) if isinstance(created, (int, float)) else None
+        return self.received
 
     @property
     def age_reference(self) -> float:
@@ -136,7 +168,8 @@ class Entry:
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "fields": dict(self.fields), "bytes": self.bytes, "created": self.created,
-                "last_used": self.last_used, "sha256": self.manifest["sha256"],
+                "last_used": self.last_used, "sha256": self.manifest["sha256"], "domain": self.domain,
+                "host": self.origin.get("host"), "run": self.origin.get("run"),
                 "artifacts": self.manifest.get("artifacts"), "parts": self.manifest.get("parts"), "path": self.path}
 
     @property
@@ -168,18 +201,19 @@ class LocalCache:
         """The entry for ``key`` when its manifest reads and checks out (its bytes are
         checked by ``read``)."""
         directory = self._dir(key)
+        path = os.path.join(directory, trainer_cache.MANIFEST_FILE)
         try:
-            with open(os.path.join(directory, trainer_cache.MANIFEST_FILE), "rb") as f:
-                manifest = check_manifest(json.loads(f.read(trainer_cache.MAX_MANIFEST_BYTES + 1)), key)
-        except (OSError, ValueError, CacheError):
+            with open(path, "rb") as f:
+                manifest = parse_manifest(f.read(trainer_cache.MAX_MANIFEST_BYTES + 1).decode("utf-8", "replace"), key)
+            received: Optional[float] = os.stat(path).st_mtime  # written by this controller
+        except (OSError, CacheError):
             return None
         if manifest["key"] != key:
             return None
-        try:
-            used: Optional[float] = os.stat(os.path.join(directory, USED_FILE)).st_mtime
-        except OSError:
-            used = None
-        return Entry(key, manifest, directory, used)
+        origin = _read_origin(directory)
+        if isinstance(origin.get("received"), (int, float)) and math.isfinite(origin["received"]):
+            received = float(origin["received"])
+        return Entry(key, manifest, directory, _mtime(os.path.join(directory, USED_FILE)), origin, received)
 
     def entries(self) -> list[Entry]:
         """Every usable entry, the most recently used (else created) first."""
@@ -193,32 +227,68 @@ class LocalCache:
     def has(self, key: str) -> bool:
         return self.get(key) is not None
 
-    def put(self, manifest: dict, data: bytes) -> Entry:
-        """Hold ``data`` under its manifest's key (checked first); an entry already
-        held for the key is kept as it is."""
+    def put(self, manifest: dict, data: bytes, origin: Optional[dict] = None, now: Optional[float] = None) -> Entry:
+        """Hold ``data`` under its manifest's key (checked first), replacing an entry
+        held for the key (a newer verified copy wins). ``origin``: the controller's
+        record of where it came from (``domain``, ``host``, ``run``); ``now``: when it
+        was received (default: now)."""
+        receiver = self.receiver(manifest, origin, time.time if now is None else (lambda: now))
+        receiver.write(data)
+        return receiver.commit()
+
+    def receiver(self, manifest: dict, origin: Optional[dict] = None,
+                 clock: Callable[[], float] = time.time) -> "Receiver":
+        """Where an artifact is written as it arrives (``Receiver``): the manifest is
+        checked, and its size against the quota and the free disk, before the first
+        byte; room is made in the quota only once it verified (a host that claims a
+        large size and sends garbage evicts nothing)."""
         manifest = check_manifest(manifest)
-        verify(manifest, data)
-        key = manifest["key"]
-        held = self.get(key)
-        if held is not None:
-            return held
-        os.makedirs(self.root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=self.root)
+        self.check_room(manifest["bytes"])
+        return Receiver(self, manifest, dict(origin or {}), clock)
+
+    def quota(self) -> int:
         try:
-            text = json.dumps(manifest, indent=1, sort_keys=True).encode()
-            for name, content in ((manifest["file"], data), (trainer_cache.MANIFEST_FILE, text)):
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(content)
-                    f.flush()
-                    os.fsync(f.fileno())
-            final = self._dir(key)
-            if os.path.lexists(final):  # a broken entry (no usable manifest): replaced
-                shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return self.get(key) or Entry(key, manifest, final)
+            return max(0, int(os.environ.get(QUOTA_ENV, DEFAULT_QUOTA)))
+        except ValueError:
+            raise CacheError(f"${QUOTA_ENV} is not a number of bytes: {os.environ[QUOTA_ENV][:40]!r}",
+                             hint=f"unset it, or give bytes (e.g. {DEFAULT_QUOTA})") from None
+
+    def check_room(self, size: int) -> None:
+        """CacheError unless ``size`` bytes fit the quota and leave MIN_FREE_BYTES free
+        on the controller's disk."""
+        quota = self.quota()
+        if size > quota:
+            raise CacheError(f"an artifact of {_mib(size)} is over the compile cache's quota of {_mib(quota)}",
+                             hint=f"raise ${QUOTA_ENV}, or `dflashctl cache rm --older-than 30d`")
+        os.makedirs(self.root, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        if free - size < MIN_FREE_BYTES:
+            raise CacheError(f"an artifact of {_mib(size)} would leave {_mib(max(0, free - size))} free on the disk "
+                             f"of {self.root} (at least {_mib(MIN_FREE_BYTES)} is kept free)",
+                             hint="free disk space, or `dflashctl cache rm --older-than 30d`")
+
+    def make_room(self, size: int, keep: str) -> None:
+        """Remove the least recently used entries (never ``keep``'s) until ``size``
+        more bytes fit the quota."""
+        quota = self.quota()
+        entries = [e for e in self.entries() if e.key != keep]
+        held = sum(e.bytes for e in entries)
+        while entries and held + size > quota:
+            oldest = entries.pop()
+            self.remove(oldest.key)
+            held -= oldest.bytes
+
+    def _install(self, key: str, tmp: str) -> None:
+        """Rename the written directory ``tmp`` into place as ``key``'s entry; an entry
+        held for the key goes only once the new one is there."""
+        final = self._dir(key)
+        old = None
+        if os.path.lexists(final):
+            old = tempfile.mkdtemp(prefix=f".tmp-{key}-old-", dir=self.root)
+            os.rename(final, os.path.join(old, "entry"))
+        os.rename(tmp, final)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
 
     def read(self, key: str) -> tuple[dict, bytes]:
         """The entry's manifest and bytes, checked against each other (CacheError when
@@ -241,6 +311,22 @@ class LocalCache:
         when = time.time() if now is None else now
         os.utime(path, (when, when))
 
+    def generation(self) -> int:
+        """How many times entries were removed by the operator (``cache rm``): a run's
+        trainer that sees it grow drops the bytecode it unpacked (``contract.ARTIFACT_GENERATION_ENV``)."""
+        try:
+            with open(os.path.join(self.root, GENERATION_FILE)) as f:
+                return max(0, int(f.read(32).strip() or 0))
+        except (OSError, ValueError):
+            return 0
+
+    def bump_generation(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        path = os.path.join(self.root, GENERATION_FILE)
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{self.generation() + 1}\n")
+        os.replace(path + ".tmp", path)
+
     def remove(self, key: str) -> bool:
         directory = self._dir(key)
         if not os.path.lexists(directory):
@@ -257,15 +343,99 @@ class LocalCache:
             self.remove(key)
         for name in _listdir(self.root):
             path = os.path.join(self.root, name)
-            if name.startswith(".tmp-") and now - os.stat(path).st_mtime > older_than:
+            if name.startswith(".tmp-") and now - (_mtime(path) or now) > older_than:
                 shutil.rmtree(path, ignore_errors=True)
         return removed
 
     def clear(self) -> list[str]:
-        removed = [e.key for e in self.entries()]
-        for key in removed:
-            self.remove(key)
+        """Remove every entry, whatever its manifest holds (unreadable ones too), and
+        every write in progress or left over."""
+        removed = []
+        for name in sorted(_listdir(self.root)):
+            path = os.path.join(self.root, name)
+            if _KEY.fullmatch(name) or name.startswith(".tmp-"):
+                shutil.rmtree(path, ignore_errors=True)
+                if _KEY.fullmatch(name):
+                    removed.append(name)
         return removed
+
+
+class Receiver:
+    """One artifact written into the store as it arrives: hashed and counted while it
+    is written, refused the moment it is more than its manifest says, installed by
+    ``commit`` only when its size and sha256 are the manifest's."""
+
+    def __init__(self, cache: LocalCache, manifest: dict, origin: dict, clock: Callable[[], float]):
+        self.cache, self.manifest, self.origin, self.clock = cache, manifest, origin, clock
+        self.size, self.over = 0, False
+        self._sha = hashlib.sha256()
+        self.tmp = tempfile.mkdtemp(prefix=f".tmp-{manifest['key']}-", dir=cache.root)
+        self._file = open(os.path.join(self.tmp, manifest["file"]), "wb")
+
+    def write(self, chunk: bytes) -> bool:
+        """Take ``chunk``; False (and nothing more is kept) once the bytes are more than
+        the manifest's ``bytes``."""
+        if self.over:
+            return False
+        if self.size + len(chunk) > self.manifest["bytes"]:
+            self.over = True
+            self.abort()
+            return False
+        self._sha.update(chunk)
+        self._file.write(chunk)
+        self.size += len(chunk)
+        return True
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def commit(self) -> Entry:
+        key, where = self.manifest["key"], f"artifact {self.manifest['key']}"
+        try:
+            if self.over:
+                raise CacheError(f"{where}: more than the {self.manifest['bytes']} bytes its manifest says: refused "
+                                 "at that size")
+            if self.size != self.manifest["bytes"]:
+                raise CacheError(f"{where}: {self.size} bytes, the manifest says {self.manifest['bytes']}")
+            sha = self._sha.hexdigest()
+            if sha != self.manifest["sha256"]:
+                raise CacheError(f"{where}: sha256 {sha[:16]}..., the manifest says {self.manifest['sha256'][:16]}...")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self.cache.make_room(self.size, keep=key)
+            origin = {**self.origin, "received": self.clock(), "sha256": sha}
+            for name, content in ((trainer_cache.MANIFEST_FILE, json.dumps(self.manifest, indent=1, sort_keys=True)),
+                                  (ORIGIN_FILE, json.dumps(origin, indent=1, sort_keys=True))):
+                with open(os.path.join(self.tmp, name), "w") as f:
+                    f.write(content)
+                    f.flush()
+                    os.fsync(f.fileno())
+            self.cache._install(key, self.tmp)
+        except BaseException:
+            self.abort()
+            raise
+        return self.cache.get(key) or Entry(key, self.manifest, self.cache._dir(key), origin=origin,
+                                            received=origin["received"])
+
+
+def _read_origin(directory: str) -> dict:
+    from dflashctl import contract
+
+    try:
+        with open(os.path.join(directory, ORIGIN_FILE), "rb") as f:
+            return contract.load_json_object(f.read(1 << 16).decode("utf-8", "replace"), ORIGIN_FILE)
+    except (OSError, ValueError):
+        return {}
+
+
+def _mtime(path: str) -> Optional[float]:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
 
 
 def _listdir(path: str) -> list[str]:
@@ -431,8 +601,8 @@ def look(transport: "Transport", run_dir: str, model_path: Optional[str] = None,
             view.model_config_sha256 = line.split("=", 1)[1].strip() or None
     if marker:
         try:
-            view.manifest = check_manifest(json.loads(text), f"{run_dir}/compile_cache/{trainer_cache.MANIFEST_FILE}")
-        except (ValueError, CacheError) as e:
+            view.manifest = parse_manifest(text, f"{run_dir}/compile_cache/{trainer_cache.MANIFEST_FILE}")
+        except CacheError as e:
             view.problem = str(e)
     return view
 
@@ -462,9 +632,12 @@ def provide(transport: "Transport", run_dir: str, trainer: dict, bundle: str, gp
     config.json; ``bundle``: ``bundle_of`` the run. Never raises for the artifact's
     sake: a start without it compiles cold."""
     cache = cache or LocalCache()
-    entries = cache.entries()
+    domain = transport.host.trust_domain
+    held = cache.entries()
+    entries = [e for e in held if e.domain == domain]  # never an artifact from outside the host's trust domain
     if not entries:
-        return Outcome("none", "no compile artifacts held")
+        return Outcome("none", f"no compile artifacts held from {domain}" if held else "no compile artifacts held",
+                       detail={"domain": domain, "outside_domain": len(held)})
     model_path = (trainer.get("model") or {}).get("path")
     try:
         view = look(transport, run_dir, model_path)
@@ -505,40 +678,83 @@ def provide(transport: "Transport", run_dir: str, trainer: dict, bundle: str, gp
                    severity="warning", detail={**detail, "damaged": damaged})
 
 
-def fetch(transport: "Transport", run_dir: str, cache: Optional[LocalCache] = None) -> Outcome:
-    """Copy the run directory's artifact into the local store, unless its key is held."""
+def expected_fields(trainer: dict, bundle: str, gpu: Optional[str], model_config_sha256: Optional[str]) -> Wanted:
+    """The key fields a run's artifact must carry, from the run's own configuration
+    (``trainer``: its config.json), the bundle the controller deployed and the GPU
+    name its probes saw; never from what the host's manifest claims."""
+    return Wanted(config_digest(trainer, model_config_sha256), bundle, gpu)
+
+
+def fetch(transport: "Transport", run_dir: str, trainer: dict, bundle: str, gpu: Optional[str] = None,
+          claim: str = "", run_id: str = "", cache: Optional[LocalCache] = None,
+          clock: Callable[[], float] = time.time) -> Outcome:
+    """Copy the run directory's artifact into the local store when it is what the
+    controller expects: its config, bundle and GPU fields are the run's own
+    (``expected_fields``), and a start that says ``miss`` (``claim``) found no held
+    artifact of its trust domain that fits. The bytes are streamed into the store,
+    hashed as they arrive and cut off past the manifest's size (itself within the
+    store's quota); the entry records the host's trust domain and the controller's
+    time. A held entry of the key is replaced by the newer verified copy, unless it
+    is that copy already."""
     cache = cache or LocalCache()
+    domain = transport.host.trust_domain
+    model_path = (trainer.get("model") or {}).get("path")
     try:
-        view = look(transport, run_dir)
-    except DflashError as e:
+        view = look(transport, run_dir, model_path)
+        wanted = expected_fields(trainer, bundle, gpu, view.model_config_sha256)
+    except (DflashError, ValueError) as e:
         return Outcome("failed", f"could not look into the run directory: {first_line(e)}", severity="warning")
     if view.problem:
         return Outcome("failed", f"not copied back: {view.problem}", severity="warning")
     manifest = view.manifest
     if manifest is None:
         return Outcome("absent", "no compile artifacts in the run directory (none saved yet?)", severity="warning")
-    key = manifest["key"]
-    if cache.has(key):
-        return Outcome("held", f"compile artifact {key} is held already", key, manifest["bytes"])
+    key, detail = manifest["key"], {"expected": wanted.to_dict(), "domain": domain}
+    wrong = differs(manifest["fields"], wanted)
+    if wrong is not None:
+        return Outcome("refused", f"compile artifact {key} not copied back: its {wrong} "
+                       f"{str(manifest['fields'].get(wrong))[:40]!r} is not this run's {getattr(wanted, wrong)!r}",
+                       key, severity="warning", detail=detail)
+    same_domain = [e for e in cache.entries() if e.domain == domain]
+    if claim == "miss" and choose(same_domain, wanted)[0]:
+        return Outcome("refused", f"compile artifact {key} not copied back: the run says it found none, but a held "
+                       f"artifact of {domain} fits it (the controller did not expect a cold start)", key,
+                       severity="warning", detail=detail)
+    held = cache.get(key)
+    if held is not None and held.domain == domain and held.manifest["sha256"] == manifest["sha256"]:
+        return Outcome("held", f"compile artifact {key} is held already", key, manifest["bytes"], detail=detail)
     t0 = time.monotonic()
     try:
-        data = transport.run(fetch_argv(run_dir, manifest["file"]), timeout=TRANSFER_TIMEOUT).stdout_bytes
-        cache.put(manifest, data)
+        receiver = cache.receiver(manifest, {"domain": domain, "host": transport.host.name, "run": run_id,
+                                             "expected": wanted.to_dict()}, clock)
+    except (CacheError, OSError) as e:
+        return Outcome("failed", f"compile artifact {key} not copied back: {first_line(e)}", key, severity="warning",
+                       detail=detail)
+    try:
+        transport.run(fetch_argv(run_dir, manifest["file"]), timeout=TRANSFER_TIMEOUT, stdout_sink=receiver.write)
+        entry = receiver.commit()
     except (DflashError, OSError) as e:
-        return Outcome("failed", f"compile artifact {key} not copied back: {first_line(e)}", key, severity="warning")
+        receiver.abort()
+        if receiver.over:
+            e = CacheError(f"more than the {manifest['bytes']} bytes its manifest says: refused at that size")
+        return Outcome("failed", f"compile artifact {key} not copied back: {first_line(e)}", key, severity="warning",
+                       detail=detail)
     seconds = time.monotonic() - t0
-    return Outcome("fetched", f"compile artifact {key} copied back ({_mib(len(data))} in {seconds:.1f} s)", key,
-                   len(data), seconds, detail={"fields": manifest["fields"]})
+    replaced = " (replacing the older copy)" if held is not None else ""
+    return Outcome("fetched", f"compile artifact {key} copied back{replaced} ({_mib(entry.bytes)} in {seconds:.1f} s)",
+                   key, entry.bytes, seconds, detail={**detail, "fields": manifest["fields"]})
 
 
-def copy_back(run_id: str, store: "Store", inventory: "Inventory", *,
-              clock: Callable[[], float] = time.time, cache: Optional[LocalCache] = None) -> Outcome:
-    """``fetch`` for a run, its outcome stored as an event on the run."""
+def copy_back(run_id: str, store: "Store", inventory: "Inventory", trainer: dict, bundle: str,
+              gpu: Optional[str] = None, claim: str = "", *, clock: Callable[[], float] = time.time,
+              cache: Optional[LocalCache] = None) -> Outcome:
+    """``fetch`` for a run (``trainer``, ``bundle``, ``gpu``: what its own records
+    say, ``runhost.artifact_inputs``), its outcome stored as an event on the run."""
     from dflashctl.transport import connect
 
     run = store.get_run(run_id)
     try:
-        outcome = fetch(connect(run.host, inventory), run.run_dir, cache)
+        outcome = fetch(connect(run.host, inventory), run.run_dir, trainer, bundle, gpu, claim, run.id, cache, clock)
     except DflashError as e:
         outcome = Outcome("failed", f"not copied back: {first_line(e)}", severity="warning")
     store.add_event(run.id, EVENT_KIND, outcome.message, clock(), outcome.severity, outcome.event_detail())

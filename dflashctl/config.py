@@ -486,6 +486,10 @@ class Host(BaseModel):
     command_timeout: Duration = Field(120.0, gt=0)
     keepalive: Duration = Field(15.0, ge=0)
     """Seconds between SSH keepalives on an idle connection (ServerAliveInterval); 0: none."""
+    trust_group: Optional[str] = None
+    """Hosts that trust each other's compile artifacts and bytecode (they may run each
+    other's code: the same owners, the same image). An artifact copied back from a host
+    is put only into runs on hosts of its group; without a group, only on that host."""
     env: EnvMap = {}
     env_audit: Annotated[dict, _none_is_empty(dict)] = {}
     """Env-audit policy for this host (allow, ignore), merged with a playbook's;
@@ -499,6 +503,18 @@ class Host(BaseModel):
     @property
     def is_local(self) -> bool:
         return self.transport == "local"
+
+    @property
+    def trust_domain(self) -> str:
+        """Where this host's compile artifacts may go: ``group:NAME``, else ``host:NAME``."""
+        return f"group:{self.trust_group}" if self.trust_group else f"host:{self.name}"
+
+    @field_validator("trust_group")
+    @classmethod
+    def _trust_group_ok(cls, group: Optional[str]) -> Optional[str]:
+        if group is not None and not _HOST_NAME.fullmatch(group):
+            raise ValueError(f"trust_group '{group}': use letters, digits, '.', '_' or '-'")
+        return group
 
     @field_validator("name")
     @classmethod

@@ -42,6 +42,17 @@ EXIT_CODE_FILE = "exit_code"  # the trainer's exit status, written by the launch
 STANDBY_FILE = "standby.json"  # a standby trainer's pid and token, once its imports are done (trainer/standby.py)
 
 
+# The controller's compile-cache generation, in a run's environment: it grows with every
+# `dflashctl cache rm`, and a trainer that sees it grow drops the bytecode cache it keeps
+# (travelled bytecode unpacked there included) before its imports (trainer/bytecode.py).
+ARTIFACT_GENERATION_ENV = "DFLASH_ARTIFACT_GENERATION"
+
+
+def lock_file(rank: int = 0) -> str:
+    """The file whose flock makes one trainer the owner of a run directory (trainer/rundir_lock.py)."""
+    return "trainer.lock" if rank == 0 else f"trainer.rank{rank}.lock"
+
+
 def standby_go(token: str) -> str:
     """Made by the controller: the standby ``token`` is to train now."""
     return f"standby.{token}.go"
@@ -92,6 +103,7 @@ EXIT_CRASH = 1
 EXIT_CONFIG_ERROR = 2
 EXIT_DATA_ERROR = 3
 EXIT_STOPPED = 4  # stopped by SIGINT/SIGTERM after writing a checkpoint
+EXIT_RUN_DIR_BUSY = 5  # another live trainer owns the run directory: this one never started
 
 EXIT_MEANINGS = {
     EXIT_DONE: "done",
@@ -99,6 +111,7 @@ EXIT_MEANINGS = {
     EXIT_CONFIG_ERROR: "configuration error",
     EXIT_DATA_ERROR: "data error",
     EXIT_STOPPED: "stopped on request",
+    EXIT_RUN_DIR_BUSY: "run directory owned by another trainer",
 }
 
 

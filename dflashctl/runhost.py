@@ -176,6 +176,12 @@ def part_config(config: dict[str, Any], rank: int) -> dict[str, Any]:
             "env": {**own["env"], **distributed_env(dist, rank)}}
 
 
+def _artifact_generation() -> int:
+    from dflashctl.compile_cache import LocalCache
+
+    return LocalCache().generation()
+
+
 def standby_session(session: str) -> str:
     return f"{session}-standby"
 
@@ -193,7 +199,8 @@ def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
     if gpus and "CUDA_VISIBLE_DEVICES" in config.get("env", {}) and \
             config["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, gpus)):
         trainer = renumber_placement(trainer, gpus)
-    script = render_run_script(run_id, run_dir, config["python"], config.get("env", {}),
+    env = {**config.get("env", {}), contract.ARTIFACT_GENERATION_ENV: str(_artifact_generation())}
+    script = render_run_script(run_id, run_dir, config["python"], env,
                                config.get("compile_cache"), session or run_id, socket, rank, standby)
     if standby:
         return {STANDBY_SCRIPT: script}
@@ -625,9 +632,7 @@ def _provide_compile_cache(store: Store, run: Run, transport: "Transport", train
     from dflashctl import compile_cache
 
     try:
-        last = store.gpu_samples(run.id, 1)  # nvidia-smi's names of the run's GPUs, as last seen
-        gpu = compile_cache.gpu_name(last[0].gpu if last and isinstance(last[0].gpu, list) else [],
-                                     config.get("gpus") or [])
+        gpu = _seen_gpu_name(store, run, config)
         compile_cache.provide_for_run(
             transport, run.run_dir, trainer, compile_cache.bundle_of(config.get("env"), bundle_hash), gpu,
             lambda message: say("restart", message),
@@ -635,6 +640,30 @@ def _provide_compile_cache(store: Store, run: Run, transport: "Transport", train
                                       o.event_detail()))
     except (sqlite3.Error, DflashError, OSError) as e:
         say("restart", f"compile artifacts not provided: {first_line(e)}")
+
+
+def _seen_gpu_name(store: Store, run: Run, config: dict[str, Any]) -> str | None:
+    """The key's ``gpu`` field for the run's GPUs, from nvidia-smi's names as the
+    supervisor last stored them (None: not known)."""
+    from dflashctl import compile_cache
+
+    last = store.gpu_samples(run.id, 1)
+    return compile_cache.gpu_name(last[0].gpu if last and isinstance(last[0].gpu, list) else [],
+                                  config.get("gpus") or [])
+
+
+def artifact_inputs(store: Store, run: Run) -> tuple[dict[str, Any], str, str | None]:
+    """What the run's compile artifact must have been made for, from the controller's
+    own records: the trainer configuration its config.json holds, the bundle deployed,
+    the GPU name seen (``compile_cache.copy_back``'s trainer, bundle, gpu)."""
+    from dflashctl import compile_cache
+
+    config = run.config
+    files = run_files(run.id, run.run_dir, config, run.tmux_socket or "dflash", rank=0,
+                      session=run.tmux_session)
+    return (json.loads(files[contract.CONFIG_FILE]),
+            compile_cache.bundle_of(part_config(config, 0).get("env"), run.bundle_hash),
+            _seen_gpu_name(store, run, part_config(config, 0)))
 
 
 def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup: bool = False,

@@ -264,6 +264,15 @@ BUILTIN_SIGNATURES: tuple[Signature, ...] = (
         exit_code=_by_signal,
     ),
     Signature(
+        "run_dir_busy",
+        _re(r"RunDirBusy: run directory .* is owned by another trainer"),
+        STOP,
+        "error",
+        "another trainer owns the run directory (its lock file): a second one never starts beside it; "
+        "find what started it (a go file, a run.sh by hand) before any restart",
+        exit_code=lambda c: c == contract.EXIT_RUN_DIR_BUSY,
+    ),
+    Signature(
         "data_error",
         None,
         STOP,

@@ -667,7 +667,7 @@ class Supervisor:
             elif isinstance(a, core.RunEval):
                 self._evals.append(self._workers.submit(self._eval, w.run, w.policy.eval))
             elif isinstance(a, core.FetchCompileCache):
-                self._side_job(self._fetch_compile_cache, w.run)
+                self._side_job(self._fetch_compile_cache, w.run, a.outcome)
             elif isinstance(a, (core.StartStandby, core.EndStandby)):
                 self._side_job(self._standby, w.run, isinstance(a, core.StartStandby))
 
@@ -710,12 +710,15 @@ class Supervisor:
         except DflashError as e:
             self.emit("info", f"{run.id}: {first_line(e)}")  # stored with the run by eval_run
 
-    def _fetch_compile_cache(self, run: Run) -> None:
+    def _fetch_compile_cache(self, run: Run, claim: str) -> None:
         from dflashctl.compile_cache import copy_back
+        from dflashctl.runhost import artifact_inputs
 
         try:
-            copy_back(run.id, self.store, self.inventory, clock=self.clock)  # its outcome is an event of the run
-        except DflashError as e:
+            trainer, bundle, gpu = artifact_inputs(self.store, self.store.get_run(run.id))
+            copy_back(run.id, self.store, self.inventory, trainer, bundle, gpu, claim,
+                      clock=self.clock)  # its outcome is an event of the run
+        except (DflashError, ValueError, KeyError, OSError, sqlite3.Error) as e:
             self.emit("info", f"{run.id}: compile artifacts not copied back: {first_line(e)}")
 
     def _standby(self, run: Run, start: bool) -> None:

@@ -253,12 +253,16 @@ class Transport(ABC):
         env: dict[str, str] | None = None,
         check: bool = True,
         cwd: str | None = None,
+        stdout_sink: Callable[[bytes], bool] | None = None,
     ) -> Result:
         """Run ``argv`` on the host (inside its wrapper). ``env`` adds to the host's
         ``env`` from the inventory. ``input`` is sent as stdin, then EOF; without it
         stdin is empty. ``timeout`` (default: the host's command_timeout) kills the
         command on the host and raises CommandTimeout. ``check`` raises
-        TransportError on a non-zero exit."""
+        TransportError on a non-zero exit. ``stdout_sink``: stdout is handed to it
+        piece by piece as it arrives (never held: ``Result.stdout_bytes`` is empty); a
+        sink that returns False ends the command at once (it was sent more than it
+        takes; the sink knows, the exit code is then the kill's)."""
         limit = float(timeout if timeout is not None else self.host.command_timeout)
         merged_env = {**(self.host.env or {}), **(env or {})}
         shown = shown_argv(argv)
@@ -268,7 +272,7 @@ class Transport(ABC):
             raise TransportError(self.name, shown, str(e)) from None
         started = time.monotonic()
         deadline = limit + KILL_AFTER + CLIENT_SLACK
-        outcome = self._execute(command, input, deadline, shown)
+        outcome = self._execute(command, input, deadline, shown, stdout_sink)
         duration = time.monotonic() - started
         code = outcome.exit_code
         result = Result(self.name, list(argv), command, code, outcome.stdout, outcome.stderr, duration, outcome.notes)
@@ -301,7 +305,8 @@ class Transport(ABC):
         return self.run([self.host.python, "-c", source, *args], **kwargs)
 
     @abstractmethod
-    def _execute(self, command: str, input: bytes | None, deadline: float, shown: str) -> _Outcome:
+    def _execute(self, command: str, input: bytes | None, deadline: float, shown: str,
+                 stdout_sink: Callable[[bytes], bool] | None = None) -> _Outcome:
         """Run one command line; give up after ``deadline`` seconds."""
 
     def close(self) -> None:
@@ -325,7 +330,7 @@ _CONTROLLER_ONLY_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFE
 class LocalTransport(Transport):
     """This machine: the same command line, run by /bin/sh as sshd would."""
 
-    def _execute(self, command, input, deadline, shown):
+    def _execute(self, command, input, deadline, shown, stdout_sink=None):
         proc = subprocess.Popen(
             ["/bin/sh", "-c", command],
             env={k: v for k, v in os.environ.items() if k not in _CONTROLLER_ONLY_ENV},
@@ -334,6 +339,8 @@ class LocalTransport(Transport):
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group, so a give-up kills it all
         )
+        if stdout_sink is not None:
+            return _stream_local(proc, input, deadline, stdout_sink)
         try:
             out, err = proc.communicate(input, timeout=deadline)
             return _Outcome(True, proc.returncode, out, err)
@@ -344,6 +351,50 @@ class LocalTransport(Transport):
                 pass
             out, err = proc.communicate()
             return _Outcome(False, proc.returncode, out, err)
+
+
+def _stream_local(proc: subprocess.Popen, input: bytes | None, deadline: float,
+                  sink: Callable[[bytes], bool]) -> _Outcome:
+    """``LocalTransport._execute`` with stdout handed to ``sink`` as it arrives."""
+    err: list[bytes] = []
+    readers = [threading.Thread(target=lambda: err.append(proc.stderr.read()), name="local-stderr", daemon=True)]
+    if input is not None:
+        def feed() -> None:
+            try:
+                proc.stdin.write(input)
+                proc.stdin.close()
+            except OSError:
+                pass
+        readers.append(threading.Thread(target=feed, name="local-stdin", daemon=True))
+    for t in readers:
+        t.start()
+    end, finished = time.monotonic() + deadline, True
+    timer = threading.Timer(deadline, lambda: _kill_group(proc))
+    timer.daemon = True
+    timer.start()
+    try:
+        while True:
+            chunk = proc.stdout.read1(65536)
+            if not chunk:
+                break
+            if not sink(chunk):
+                _kill_group(proc)
+                break
+    finally:
+        timer.cancel()
+    finished = time.monotonic() < end
+    proc.stdout.close()
+    code = proc.wait()
+    for t in readers:
+        t.join(1.0)
+    return _Outcome(finished, code, b"", b"".join(err))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 # --------------------------------------------------------------------------- host keys
@@ -790,14 +841,14 @@ class SSHTransport(Transport):
                 else:
                     reopened = True  # connection() reconnects on the next turn
 
-    def _execute(self, command, input, deadline, shown):
+    def _execute(self, command, input, deadline, shown, stdout_sink=None):
         if not self._sessions.acquire(timeout=deadline):
             return _Outcome(False, -1, b"", b"waited in vain for a free session on the connection")
         try:
             chan, notes = self._open_session(deadline)
             try:
                 chan.exec_command(command)
-                finished, code, out, err = _pump(chan, input, deadline)
+                finished, code, out, err = _pump(chan, input, deadline, stdout_sink)
             except (paramiko.SSHException, OSError, EOFError) as e:
                 raise TransportError(self.name, shown, f"connection lost: {e or type(e).__name__}") from None
             finally:
@@ -830,7 +881,8 @@ def _cause(e: BaseException) -> str:
     return text or type(e).__name__
 
 
-def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float) -> tuple[bool, int, bytes, bytes]:
+def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float,
+          stdout_sink: Callable[[bytes], bool] | None = None) -> tuple[bool, int, bytes, bytes]:
     """Feed stdin (then EOF) and drain stdout/stderr of one exec channel until
     the remote side closes them, or ``deadline`` seconds pass.
 
@@ -843,8 +895,9 @@ def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float) -> tuple
     from ~50 ms to ~6 ms on loopback."""
     out: list[bytes] = []
     err: list[bytes] = []
+    refused: list[bool] = []  # the stdout sink took no more
 
-    def drain(recv: Callable[[int], bytes], sink: list[bytes]) -> None:
+    def drain(recv: Callable[[int], bytes], sink: list[bytes], take: Callable[[bytes], bool] | None = None) -> None:
         while True:
             data = recv(65536)
             try:
@@ -853,7 +906,12 @@ def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float) -> tuple
                 pass  # a dead connection shows up on the channel itself
             if not data:
                 return
-            sink.append(data)
+            if take is None:
+                sink.append(data)
+            elif not take(data):
+                refused.append(True)
+                chan.close()  # the command is sent SIGHUP by sshd; nothing more is read
+                return
 
     def feed() -> None:
         try:
@@ -866,7 +924,7 @@ def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float) -> tuple
             pass  # the command exited without reading all of it; its exit code says so
 
     threads = [
-        threading.Thread(target=drain, args=(chan.recv, out), name="ssh-stdout", daemon=True),
+        threading.Thread(target=drain, args=(chan.recv, out, stdout_sink), name="ssh-stdout", daemon=True),
         threading.Thread(target=drain, args=(chan.recv_stderr, err), name="ssh-stderr", daemon=True),
         threading.Thread(target=feed, name="ssh-stdin", daemon=True),
     ]
@@ -875,6 +933,9 @@ def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float) -> tuple
     end = time.monotonic() + deadline
     for t in threads[:2]:
         t.join(max(0.0, end - time.monotonic()))
+        if refused:
+            chan.close()
+            return True, -1, b"", b"".join(err)
     finished = not any(t.is_alive() for t in threads[:2]) and chan.status_event.wait(max(0.0, end - time.monotonic()))
     if not finished:
         chan.close()  # unblocks the threads

@@ -32,7 +32,7 @@ _CHILD = textwrap.dedent("""
     from trainer.config import TrainerConfig
     report = {"prefix": bytecode.keep(cache, package="fakepkg")}
     if mode == "load":
-        report["travelled"] = cc.load_bytecode(run_dir, report["prefix"])
+        report["travelled"] = cc.load_bytecode(run_dir, report["prefix"], json.loads(sys.argv[5]))
     compiled = []
     original = be.SourceLoader.source_to_code
     def spy(self, data, path, *args, **kwargs):  # every module Python compiles from source
@@ -119,19 +119,19 @@ def test_bytecode_of_another_python_or_bytes_that_do_not_check_out_are_not_unpac
     other["parts"]["bytecode"]["magic"] = "00000000"
     manifest_path.write_text(json.dumps(other))
     prefix = tmp_path / "cache2" / "pycache"
-    out = cc.load_bytecode(str(run_dir), str(prefix))
+    out = cc.load_bytecode(str(run_dir), str(prefix), FIELDS)
     assert out["status"] == "mismatch:python" and not prefix.exists()
 
     manifest_path.write_text(json.dumps(manifest))
     blob = run_dir / cc.CACHE_DIR / manifest["file"]
     blob.write_bytes(blob.read_bytes()[:-1] + b"x")
-    assert cc.load_bytecode(str(run_dir), str(prefix))["status"] == "mismatch:sha256" and not prefix.exists()
+    assert cc.load_bytecode(str(run_dir), str(prefix), FIELDS)["status"] == "mismatch:sha256" and not prefix.exists()
 
     outside = json.loads(json.dumps(manifest))
     outside["parts"]["bytecode"]["bytes"] = manifest["bytes"] * 2
     with pytest.raises(ValueError, match="outside the file"):
         cc.part(outside, blob.read_bytes(), "bytecode")
-    assert cc.load_bytecode(str(run_dir), None) is None  # a host with bytecode of its own: nothing to do
+    assert cc.load_bytecode(str(run_dir), None, FIELDS) is None  # a host with bytecode of its own: nothing to do
 
 
 def _member(tar, name, data=b"", kind=tarfile.REGTYPE, target=""):
@@ -201,7 +201,7 @@ def test_the_artifact_read_twice_at_a_start_is_hashed_again_once_it_changed(tmp_
     the second read reuses the first's sha256 only for the very same file."""
     site, run_dir = _site(tmp_path), tmp_path / "run"
     saved = _child("save", tmp_path / "cache1", site, run_dir)
-    assert cc.load_bytecode(str(run_dir), str(tmp_path / "cache2" / "pycache"))["status"] == "unpacked"
+    assert cc.load_bytecode(str(run_dir), str(tmp_path / "cache2" / "pycache"), FIELDS)["status"] == "unpacked"
     blob = run_dir / cc.CACHE_DIR / saved["manifest"]["file"]
     tampered = tmp_path / "tampered.bin"
     tampered.write_bytes(b"ARTIFACT BYTES" + blob.read_bytes()[len(b"artifact bytes"):])  # same size

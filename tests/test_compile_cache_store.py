@@ -33,6 +33,7 @@ from trainer import compile_cache as trainer_cache
 from trainer import config as trainer_config
 
 SOCKET = f"dflash-cc-{os.getpid()}"
+LOCAL = {"domain": "host:local", "host": "local"}  # an entry copied back from the local host
 TRAINER = {"model": {"preset": "tiny"}, "data": {"buckets": [256], "batch_size": 1, "max_anchors": 16},
            "placement": {"device": "cpu", "target": [0], "drafter": [0]}}
 
@@ -89,9 +90,9 @@ def test_an_entry_is_checked_on_the_way_in_and_out_and_kept_whole(tmp_path):
         cache.put(forged, data)
     assert cache.entries() == [] and cc._listdir(cache.root) == []  # nothing half-written left behind
     entry = cache.put(manifest, data)
-    assert sorted(os.listdir(entry.path)) == sorted([manifest["file"], trainer_cache.MANIFEST_FILE])
+    assert sorted(os.listdir(entry.path)) == sorted([manifest["file"], trainer_cache.MANIFEST_FILE, cc.ORIGIN_FILE])
     assert cache.read(manifest["key"]) == (manifest, data)
-    assert cache.put(manifest, data).path == entry.path  # held already: kept
+    assert cache.put(manifest, data, LOCAL).domain == "host:local"  # a newer verified copy replaces the older
     # A damaged entry reads as damaged, never as its manifest's bytes.
     Path(entry.path, manifest["file"]).write_bytes(data[:-1] + b"X")
     with pytest.raises(cc.CacheError, match="sha256"):
@@ -103,12 +104,11 @@ def test_an_entry_is_checked_on_the_way_in_and_out_and_kept_whole(tmp_path):
 def test_prune_removes_what_was_neither_used_nor_created_lately(tmp_path):
     cache = cc.LocalCache(str(tmp_path / "cache"))
     old, data = artifact("1" * 16)
-    old["created"] = time.time() - 40 * 86400
     used, _ = artifact("2" * 16)
-    used["created"] = old["created"]
     new, _ = artifact("3" * 16)
-    for m in (old, used, new):
-        cache.put(m, data)
+    long_ago = time.time() - 40 * 86400  # the controller's date of receipt, never the manifest's 'created'
+    for m, when in ((old, long_ago), (used, long_ago), (new, None)):
+        cache.put(m, data, now=when)
     cache.touch(used["key"], now=time.time() - 86400)
     assert cache.prune(30 * 86400) == [old["key"]]
     assert [e.key for e in cache.entries()] == [new["key"], used["key"]]  # most recently used or created first
@@ -162,13 +162,13 @@ def test_provide_uploads_the_artifact_that_fits_manifest_last_and_only_once(tmp_
     run_dir = tmp_path / "run"
     assert cc.provide(transport, str(run_dir), config, "b" * 64, cache=cache).status == "none"  # nothing held
     other, data = artifact(digest, bundle="e" * 64)
-    cache.put(other, data)
+    cache.put(other, data, LOCAL)
     outcome = cc.provide(transport, str(run_dir), config, "b" * 64, cache=cache)
     assert outcome.status == "none" and f"{other['key']} (bundle differs)" in outcome.message
     assert not (run_dir / "compile_cache").exists()  # a mismatched key is never uploaded
 
     manifest, data = artifact(digest)
-    cache.put(manifest, data)
+    cache.put(manifest, data, LOCAL)
     outcome = cc.provide(transport, str(run_dir), config, "b" * 64, cache=cache)
     assert (outcome.status, outcome.key, outcome.bytes) == ("uploaded", manifest["key"], len(data))
     directory = run_dir / "compile_cache"
@@ -187,7 +187,7 @@ def test_a_corrupted_held_artifact_is_never_uploaded(tmp_path):
     cache = cc.LocalCache(str(tmp_path / "cache"))
     config = written(run_config())
     manifest, data = artifact(cc.config_digest(config))
-    entry = cache.put(manifest, data)
+    entry = cache.put(manifest, data, LOCAL)
     Path(entry.path, manifest["file"]).write_bytes(b"\0" * len(data))  # bit rot: same size, other bytes
     outcome = cc.provide(transport, str(tmp_path / "run"), config, "b" * 64, cache=cache)
     assert outcome.status == "none" and "damaged" in outcome.message and "sha256" in outcome.message
@@ -211,19 +211,20 @@ def test_fetch_copies_a_run_directorys_artifact_back_once_per_key(tmp_path):
     transport = connect("local", load_inventory(None))
     cache = cc.LocalCache(str(tmp_path / "cache"))
     run_dir = tmp_path / "run"
-    assert cc.fetch(transport, str(run_dir), cache).status == "absent"
     cfg = trainer_config.from_dict(TRAINER)
+    trainer, bundle = cfg.to_dict(), "b" * 64  # the run's own config and bundle: what the controller expects
+    assert cc.fetch(transport, str(run_dir), trainer, bundle, cache=cache).status == "absent"
     fields = artifact(trainer_cache.config_digest(cfg))[0]["fields"]
     data = os.urandom(3 << 20)
     written = trainer_cache.write(str(run_dir), fields, cfg, data, {"inductor": 1})  # as the trainer saves it
-    outcome = cc.fetch(transport, str(run_dir), cache)
+    outcome = cc.fetch(transport, str(run_dir), trainer, bundle, cache=cache)
     assert (outcome.status, outcome.key, outcome.bytes) == ("fetched", written["key"], len(data))
     assert cache.read(written["key"]) == (written, data)
-    assert cc.fetch(transport, str(run_dir), cache).status == "held"
+    assert cc.fetch(transport, str(run_dir), trainer, bundle, cache=cache).status == "held"
     # A manifest whose bytes were swapped underneath it is not taken.
     cache.remove(written["key"])
     Path(run_dir, "compile_cache", written["file"]).write_bytes(os.urandom(len(data)))
-    outcome = cc.fetch(transport, str(run_dir), cache)
+    outcome = cc.fetch(transport, str(run_dir), trainer, bundle, cache=cache)
     assert outcome.status == "failed" and "sha256" in outcome.message and cache.entries() == []
 
 
@@ -250,7 +251,7 @@ def test_a_restart_puts_the_held_artifact_into_a_wiped_run_directory_before_the_
     try:
         first = _trainer_pid(run.run_dir)
         manifest, data = artifact(cc.config_digest(written(run.config)), bundle=run.bundle_hash)
-        cc.LocalCache().put(manifest, data)
+        cc.LocalCache().put(manifest, data, LOCAL)
         said: list[str] = []
         restart_run(run_id, False, store, inventory, progress=lambda step, message: said.append(message))
         directory = Path(run.run_dir, "compile_cache")
@@ -278,7 +279,7 @@ def test_launch_uploads_the_held_artifact_and_says_so(tmp_path, home):
     config = {"trainer": pb.trainer.to_dict(), "gpus": [], "env": {}, "python": "python3", "compile_cache": None}
     manifest, data = artifact(cc.config_digest(written(config)), bundle=bundle.hash)
     cache = cc.LocalCache()
-    cache.put(manifest, data)
+    cache.put(manifest, data, LOCAL)
     said: list[tuple[str, str]] = []
     result = launch.launch_run(pb, inventory, store, progress=lambda step, message: said.append((step, message)),
                                start_timeout=0.1, bundle=bundle)
@@ -340,9 +341,8 @@ def test_cache_ls_and_rm(tmp_path, home):
     _load_commands()
     cache = cc.LocalCache()
     old, data = artifact("1" * 16, gpu="NVIDIA H200\x1b[31m")
-    old["created"] = time.time() - 40 * 86400
     new, _ = artifact("2" * 16)
-    cache.put(old, data)
+    cache.put(old, data, now=time.time() - 40 * 86400)
     cache.put(new, data)
     runner = CliRunner()
     listed = runner.invoke(app, ["cache", "ls", "--json"])

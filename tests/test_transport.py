@@ -182,6 +182,25 @@ def test_stdin_bytes_arrive_exactly_then_eof(ssh_env, name):
     assert t.run(["cat"], timeout=10).stdout_bytes == b""
 
 
+@pytest.mark.parametrize("name", ["local", "target"])
+def test_stdout_goes_to_a_sink_as_it_arrives_and_a_full_sink_ends_the_command(ssh_env, name):
+    t = connect(name, ssh_env.inventory)
+    data = os.urandom(2 * 1024 * 1024)
+    pieces: list[bytes] = []
+    result = t.run(["cat"], input=data, stdout_sink=lambda chunk: pieces.append(chunk) is None)
+    assert b"".join(pieces) == data and result.stdout_bytes == b"" and len(pieces) > 1
+    taken = [0]
+
+    def up_to_1mib(chunk: bytes) -> bool:
+        taken[0] += len(chunk)
+        return taken[0] <= 1 << 20
+
+    started = time.monotonic()
+    result = t.run(["sh", "-c", "exec cat /dev/zero"], timeout=60, check=False, stdout_sink=up_to_1mib)
+    assert result.exit_code != 0 and time.monotonic() - started < 20  # ended at once, not at the timeout
+    assert taken[0] < 4 << 20
+
+
 # --------------------------------------------------------------------------- failures carry data
 
 

@@ -191,6 +191,26 @@ SUBCOMMANDS = ("info", "export", "eval")
 # ---------------------------------------------------------------------------- training
 
 
+def own_run_dir(run_dir: str, standby_token) -> int | None:
+    """Take the run directory's lock (trainer/rundir_lock.py): None once this process
+    owns it, else EXIT_RUN_DIR_BUSY, having written nothing of the live trainer's. A
+    standby woken beside a live trainer also takes back its went file, so its wrapper
+    does not write an exit code for the run."""
+    from trainer import distributed, rundir_lock
+
+    try:
+        rundir_lock.take(run_dir, distributed.env_rank())
+    except rundir_lock.Busy as e:
+        if standby_token:
+            try:
+                os.unlink(os.path.join(run_dir, contract.standby_went(standby_token)))
+            except OSError:
+                pass
+        print(f"error: RunDirBusy: {e}", file=sys.stderr, flush=True)
+        return contract.EXIT_RUN_DIR_BUSY
+    return None
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SUBCOMMANDS:
@@ -215,6 +235,8 @@ def main(argv=None) -> int:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
         return contract.EXIT_DONE
     os.makedirs(run_dir, exist_ok=True)
+    if (code := own_run_dir(run_dir, args.standby)) is not None:
+        return code
     if not os.path.exists(os.path.join(run_dir, contract.CONFIG_FILE)):
         config_mod.save(cfg, os.path.join(run_dir, contract.CONFIG_FILE))
 

@@ -20,6 +20,14 @@ here (another torch, a patched file) or is absent is left to Python, which compi
 it from its own source: travelled bytecode never runs in place of a source it was
 not made from.
 
+What the source hash does not prove is what the code object does: a crafted member
+with the true hash runs at ``import torch``. So bytecode travels only inside the
+operator's trust domain (the controller puts an artifact only on hosts of the domain
+it came from), is unpacked only when the artifact's key fields known before the
+imports match (``trainer.compile_cache.load_bytecode``), never decompressed past
+MAX_EXPANSION times its size, and is dropped from this host's cache when the
+operator removes artifacts (``drop_if_outdated``).
+
 Standard library only: this runs before torch is imported.
 """
 
@@ -28,14 +36,19 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import shutil
 import sys
 import tarfile
+import zlib
 from typing import Iterable, Optional
 
 PREFIX_DIR = "pycache"
 FLAGS_CHECKED_HASH = 0b11  # hash-based, check the source (PEP 552)
 MAX_FILE_BYTES = 64 << 20
 MAX_TOTAL_BYTES = 1 << 30
+# Decompressed bytes per compressed byte past which an archive is refused unread
+# (bytecode compresses about 3:1 at level 1; a gzip bomb, a thousand to one).
+MAX_EXPANSION = 16
 _UNPACKED = ".dflash-unpacked"  # in the prefix: one empty file per archive unpacked there
 
 
@@ -66,6 +79,40 @@ def keep(cache_dir: Optional[str], package: str = "torch") -> Optional[str]:
     sys.pycache_prefix = path
     sys.dont_write_bytecode = False
     return path
+
+
+GENERATION_FILE = ".dflash-generation"  # in the prefix: the controller generation it was kept under
+
+
+def drop_if_outdated(prefix: Optional[str], generation: Optional[str]) -> bool:
+    """Empty the bytecode cache ``prefix`` when the controller's artifact generation
+    (``contract.ARTIFACT_GENERATION_ENV``) grew since it was kept: the operator removed
+    artifacts (``dflashctl cache rm``), so nothing unpacked from them may stay. Python
+    writes its own bytecode there again. True when it was emptied."""
+    if not prefix or generation is None or not generation.strip().isdigit():
+        return False
+    path = os.path.join(prefix, GENERATION_FILE)
+    try:
+        with open(path) as f:
+            kept = int(f.read(32).strip() or 0)
+    except (OSError, ValueError):
+        kept = 0
+    wanted = int(generation)
+    dropped = wanted > kept
+    if dropped:
+        for name in os.listdir(prefix):
+            target = os.path.join(prefix, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target, ignore_errors=True)
+            elif name != GENERATION_FILE:
+                try:
+                    os.unlink(target)
+                except OSError:
+                    pass
+    if dropped or not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(f"{max(wanted, kept)}\n")
+    return dropped
 
 
 def member_name(source: str) -> str:
@@ -175,7 +222,7 @@ def unpack(data: bytes, prefix: str, sha256: str) -> dict:
     counts = {"written": 0, "present": 0, "stale": 0, "absent": 0, "refused": 0}
     root = os.path.join(os.path.abspath(prefix), "")
     total = 0
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+    with tarfile.open(fileobj=io.BytesIO(decompress(data)), mode="r:") as tar:
         for member in tar:
             name = os.path.normpath(member.name)
             if (not member.isfile() or os.path.isabs(name) or name.startswith("..") or not name.endswith(".py")
@@ -193,6 +240,20 @@ def unpack(data: bytes, prefix: str, sha256: str) -> dict:
             counts[_place(os.sep + name, tar.extractfile(member).read(), target)] += 1
     mark_unpacked(prefix, sha256)
     return counts
+
+
+def decompress(data: bytes) -> bytes:
+    """The gzip archive ``data`` decompressed, never past MAX_EXPANSION times its size
+    (nor MAX_TOTAL_BYTES): ValueError for a bomb, before it costs more than that."""
+    limit = min(MAX_TOTAL_BYTES, MAX_EXPANSION * len(data) + (1 << 20))
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = inflate.decompress(data, limit + 1)
+    except zlib.error as e:
+        raise ValueError(f"bytecode archive is not gzip: {e}") from None
+    if len(out) > limit:
+        raise ValueError(f"bytecode archive of {len(data)} bytes expands past {limit} bytes: refused")
+    return out
 
 
 def _place(source: str, pyc: bytes, target: str) -> str:

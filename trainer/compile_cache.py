@@ -31,8 +31,10 @@ Manifest (JSON object)::
                ``parts`` (version 1) the whole file is the artifacts. The bytecode
                part is present when the start that wrote it kept bytecode of its own
                (an image without any): it is unpacked before torch is imported,
-               when its Python's magic number is this one's, whatever the key says
-               (each file is checked against this host's source as it is unpacked).
+               when the key fields known then (``pre_import_fields``) and its
+               Python's magic number are this one's (each file is checked against
+               this host's source hash as it is unpacked; what it runs is trusted
+               because the controller moves artifacts only inside a trust domain).
 
 Whoever puts an artifact into a run directory (the controller, when it starts a run
 on a host whose cache lacks it) copies both files; the trainer decides. Outcomes
@@ -45,7 +47,9 @@ check out), ``off`` (``compile.artifacts: false`` or no compiled path).
 This module must never import torch at import time (the controller imports it for
 the key's config digest), never load an artifact whose key or sha256 differs (the
 bytes are pickles and compiled code: a run directory must be as trusted as the
-bundle it runs), and never read or write through a symbolic link.
+bundle it runs; the controller puts only artifacts of the host's trust domain there),
+never load one with an entry whose key is not a path inside this host's caches
+(``load_checked``), and never read or write through a symbolic link.
 """
 
 from __future__ import annotations
@@ -216,10 +220,11 @@ def read_manifest(run_dir: str) -> Optional[dict]:
     if not os.path.lexists(path):
         return None
     try:
-        manifest = json.loads(_read_no_follow(path, MAX_MANIFEST_BYTES))
+        manifest = contract.load_json_object(_read_no_follow(path, MAX_MANIFEST_BYTES).decode("utf-8", "replace"),
+                                             MANIFEST_FILE)
     except (OSError, ValueError) as e:
         raise ValueError(f"unreadable manifest: {e}") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("fields"), dict):
+    if not isinstance(manifest.get("fields"), dict):
         raise ValueError("manifest is not an object with 'fields'")
     name = manifest.get("file")
     if not isinstance(name, str) or os.path.basename(name) != name or name.startswith("."):
@@ -324,14 +329,50 @@ def load(run_dir: str, fields: dict[str, str]) -> Outcome:
         out.note = "already in this host's compile cache"
         out.load_s = time.monotonic() - t0
         return out
-    import torch
-
-    info = torch.compiler.load_cache_artifacts(data)
+    try:
+        info = load_checked(data)
+    except ValueError as e:
+        out.status, out.note = "mismatch:entry", str(e)[:300]
+        return out
     out.loaded = True
     out.load_s = time.monotonic() - t0
     out.details = _artifact_counts(info)
     _mark_local(sha)
     return out
+
+
+def entry_key_problem(key: Any) -> Optional[str]:
+    """Why an artifact entry's key cannot be a path inside this host's caches (inductor
+    and autotune entries are written at ``<cache dir>/<key>``), or None."""
+    if not isinstance(key, str) or not key or len(key) > 4096:
+        return "is not a non-empty string"
+    if "\0" in key or "\\" in key or os.path.isabs(key) or key.startswith("~"):
+        return "is an absolute path"
+    if ".." in key.split("/"):
+        return "leaves the cache directory"
+    return None
+
+
+def load_checked(data: bytes):
+    """``torch.compiler.load_cache_artifacts(data)``, with every entry's key checked
+    first: the format (torch.compiler._cache) is parsed without writing anything, and
+    one entry whose key would write outside this host's caches refuses the whole
+    artifact (ValueError). Inductor entries stay pickles: only an artifact from the
+    operator's trust domain reaches this (the controller's copy-back and upload)."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+    except ImportError as e:  # another torch: its entries cannot be inspected, so none is loaded
+        raise ValueError(f"cannot inspect the artifact's entries with this torch: {e}") from None
+    artifacts = CacheArtifactManager.deserialize(data)
+    if artifacts is None:
+        raise ValueError("not a torch compile artifact (it does not parse)")
+    for kind, entries in artifacts.items():
+        for entry in entries:
+            problem = entry_key_problem(getattr(entry, "key", None))
+            if problem:
+                raise ValueError(f"{str(kind)[:40]} entry key {str(getattr(entry, 'key', None))[:80]!r} {problem}: "
+                                 "the artifact is refused")
+    return CacheArtifactManager.populate_caches(artifacts)
 
 
 def part_info(manifest: dict, name: str) -> Optional[dict]:
@@ -357,11 +398,34 @@ def part(manifest: dict, data: bytes, name: str) -> bytes:
     return data[offset:offset + size]
 
 
-def load_bytecode(run_dir: str, prefix: Optional[str]) -> Optional[dict]:
+def torch_version_unimported() -> Optional[str]:
+    """torch's version as ``torch.__version__`` will say it, read from the copy that
+    ``import torch`` would load, without importing it (None: no torch found)."""
+    try:
+        spec = importlib.util.find_spec("torch")
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        with open(os.path.join(locations[0], "version.py"), encoding="utf-8") as f:
+            text = f.read(1 << 16)
+    except (ImportError, ValueError, OSError, IndexError):
+        return None
+    found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def pre_import_fields(cfg) -> dict[str, Optional[str]]:
+    """The key fields this process knows before torch is imported (``key_fields`` less
+    triton, CUDA and the GPU): what a travelled bytecode part must have been made for."""
+    return {"torch": torch_version_unimported(), "python": platform.python_version(), "bundle": bundle_hash(),
+            "config": config_digest(cfg)}
+
+
+def load_bytecode(run_dir: str, prefix: Optional[str], expected: dict) -> Optional[dict]:
     """Before torch is imported: unpack the run directory's travelled bytecode into
     ``prefix`` (``trainer.bytecode.keep``'s directory; None: this host has bytecode of
-    its own, nothing to do). Returns what happened, or None when there was nothing
-    to consider."""
+    its own, nothing to do), only when the artifact's key fields are ``expected``'s
+    (``pre_import_fields``) and its bytes check out. An archive refused for its bytes
+    is marked as considered, so later starts do not pay for it again. Returns what
+    happened, or None when there was nothing to consider."""
     from trainer import bytecode
 
     if not prefix:
@@ -373,6 +437,12 @@ def load_bytecode(run_dir: str, prefix: Optional[str]) -> Optional[dict]:
     where = part_info(manifest, "bytecode") if manifest else None
     if where is None:
         return None
+    for name, value in expected.items():
+        if manifest["fields"].get(name) != value:
+            return {"status": f"mismatch:{name}", "note": f"artifact {name} {str(manifest['fields'].get(name))[:80]!r}, "
+                                                          f"this process {str(value)[:80]!r}: bytecode not unpacked"}
+    if manifest.get("key") != key_of(manifest["fields"]):
+        return {"status": "mismatch:key", "note": "the manifest's key is not the key of its fields"}
     magic = importlib.util.MAGIC_NUMBER.hex()
     if where.get("magic") != magic:
         return {"status": "mismatch:python", "note": f"bytecode of Python {str(where.get('python'))[:20]} "
@@ -386,6 +456,10 @@ def load_bytecode(run_dir: str, prefix: Optional[str]) -> Optional[dict]:
             return {"status": "mismatch:sha256"}
         counts = bytecode.unpack(part(manifest, data, "bytecode"), prefix, manifest["sha256"])
     except (OSError, ValueError, EOFError, tarfile.TarError) as e:
+        try:
+            bytecode.mark_unpacked(prefix, manifest["sha256"])
+        except OSError:
+            pass
         return {"status": "refused", "note": f"{type(e).__name__}: {e}"[:300]}
     return {"status": "unpacked", "seconds": round(time.monotonic() - t0, 2), **counts}
 

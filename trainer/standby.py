@@ -43,8 +43,8 @@ def _exit_code(run_dir: str) -> int | None:
 def _current(run_dir: str) -> str | None:
     try:
         with open(os.path.join(run_dir, contract.STANDBY_FILE)) as f:
-            return json.load(f).get("token")
-    except (OSError, ValueError, AttributeError):
+            return json.loads(f.read(1 << 16)).get("token")
+    except (OSError, ValueError, AttributeError, RecursionError):  # a file another process wrote: data, bounded
         return None
 
 

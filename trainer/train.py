@@ -232,7 +232,10 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
 
     imports.hide_unused()
     bytecode = bytecode_mod.keep(cfg.compile.cache_dir)  # before the imports it speeds up
-    travelled = compile_cache.load_bytecode(run_dir, bytecode) if cfg.compile.artifacts else None
+    if bytecode_mod.drop_if_outdated(bytecode, os.environ.get(contract.ARTIFACT_GENERATION_ENV)):
+        log(f"compile_cache: bytecode cache {bytecode} emptied (compile artifacts were removed on the controller)")
+    travelled = (compile_cache.load_bytecode(run_dir, bytecode, compile_cache.pre_import_fields(cfg))
+                 if cfg.compile.artifacts else None)
     if travelled:
         log(f"compile_cache: bytecode {travelled}")
     import torch

@@ -26,7 +26,10 @@ app.add_typer(cache_app, name="cache")
 
 
 def _when(t: Optional[float]) -> str:
-    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M") if t else "-"
+    try:
+        return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M") if t else "-"
+    except (OverflowError, OSError, ValueError):  # a date no clock of this controller wrote
+        return "?"
 
 
 def _size(n: int) -> str:
@@ -37,7 +40,8 @@ def _size(n: int) -> str:
 def ls_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """List the held compile artifacts: key, what they were compiled for, size, created, last used."""
+    """List the held compile artifacts: key, the trust domain it came from, what it was compiled for, size, when this
+    controller received it, last used."""
     from dflashctl.compile_cache import LocalCache
 
     cache = LocalCache()
@@ -49,14 +53,15 @@ def ls_command(
         out.print(f"no compile artifacts held in {escape(cache.root)}", highlight=False)
         return
     table = Table(title=f"compile artifacts in {escape(cache.root)}", title_justify="left")
-    for column in ("key", "torch", "triton", "cuda", "gpu", "bundle", "config", "size", "created", "last used"):
+    for column in ("key", "from", "torch", "triton", "cuda", "gpu", "bundle", "config", "size", "received",
+                   "last used"):
         table.add_column(column, overflow="fold")
     for e in entries:
         f = e.fields
-        cells = [e.key, f.get("torch"), f.get("triton"), f.get("cuda"), f.get("gpu"), str(f.get("bundle") or "")[:12],
-                 f.get("config")]
+        cells = [e.key, e.domain or "unrecorded (never provided)", f.get("torch"), f.get("triton"), f.get("cuda"),
+                 f.get("gpu"), str(f.get("bundle") or "")[:12], f.get("config")]
         size = _size(e.bytes) + (f" (bytecode {_size(e.bytecode_bytes)})" if e.bytecode_bytes else "")
-        table.add_row(*(escape(c if c is not None else "-") for c in cells), size,
+        table.add_row(*(escape(str(c)[:80] if c is not None else "-") for c in cells), size,
                       _when(e.created), _when(e.last_used))
     out.print(table)
 
@@ -85,6 +90,9 @@ def rm_command(
         removed = cache.clear()
     else:
         removed = cache.prune(parse_duration_option(older_than, "--older-than"))
+    if key is not None or all_:
+        # The next start on every host drops the bytecode it unpacked from artifacts.
+        cache.bump_generation()
     for k in removed:
         out.print(f"removed {escape(k)}", highlight=False)
     if not removed:
