@@ -67,11 +67,12 @@ def _cell(text: str, c: Col, last: bool) -> str:
 
 def lines(columns: Sequence[Col], rows: Sequence[Mapping[str, str]], width: int, *, gap: int = 2,
           styles: Sequence[Mapping[str, str]] | None = None,
-          details: Sequence[tuple[str, str] | None] | None = None, header: bool = True) -> list[Text]:
+          details: Sequence[tuple[str | None, str] | None] | None = None, header: bool = True) -> list[Text]:
     """The table at ``width`` cells: a header line, then one line per row (its
     cells cut to the chosen columns). A row's detail ``(key, text)`` is printed on
     the line below it, indented and cut to the width, when the cell of column
-    ``key`` does not show that row's text whole (cut, or its column left out)."""
+    ``key`` does not show that row's text whole (cut, or its column left out);
+    always when ``key`` is None."""
     width = max(20, width)
     chosen = choose(widths_for(columns, rows), width, gap)
     result: list[Text] = []
@@ -92,6 +93,6 @@ def lines(columns: Sequence[Col], rows: Sequence[Mapping[str, str]], width: int,
         result.append(line)
         key, text = (details[n] if details else None) or (None, "")
         shown = next((c.width for c in chosen if c.key == key), 0)
-        if text and len(str(row.get(key, ""))) > shown:
+        if text and (key is None or len(str(row.get(key, ""))) > shown):
             result.append(Text(fit("  " + " ".join(text.split()), width), style="dim"))
     return result
