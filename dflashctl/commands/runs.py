@@ -82,7 +82,8 @@ def launch_command(
     foreground: bool = typer.Option(False, "--foreground", help="Supervise here, printing events and metrics until the run ends; exit code 1 if it fails. Ctrl-C, SIGTERM and SIGHUP (terminal closed) hand it to a background supervisor."),
     no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
     force: bool = typer.Option(False, "--force", help="Launch despite env-audit errors or busy / claimed GPUs."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print every step and remote command; change nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print every step and remote command; change nothing. "
+                                 "Exit code 1 when the launch would stop (env-audit or input errors)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Audit the host, deploy the trainer, start the run in tmux, record and supervise it.
@@ -123,6 +124,9 @@ def launch_command(
     elif not dry_run:
         _say(out, result.run_id)
     if FAILED in (result.state, final):  # failed to start, or (followed to its end) failed
+        raise typer.Exit(1)
+    if dry_run and result.blocked:  # a gate: a playbook that cannot launch fails its dry run
+        _say(err, f"dry run: a launch would stop at {result.blocked} error(s) (exit 1)")
         raise typer.Exit(1)
 
 
