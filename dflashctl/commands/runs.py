@@ -148,16 +148,27 @@ def restart_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
     serialized_warmup: bool = typer.Option(False, "--serialized-warmup", help="Warm up compiled kernels one at a time."),
     no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
+    reload: bool = typer.Option(False, "--reload", help="Take the playbook's trainer section again (validated; "
+                                "refused when the model shapes or the placement differ from the run's)."),
 ) -> None:
     """Start a run's trainer again, resuming from its last checkpoint.
 
-    The trainer starts in the same run directory (compile cache kept); then a local
-    tmux session supervises it, as after `launch`."""
+    A running run is stopped first (it checkpoints); its ready standby, when it has
+    one, is kept through the stop and becomes the new process (no import paid). The
+    trainer starts in the same run directory (compile cache kept) with the config
+    recorded at launch: a playbook changed since is said, and `--reload` takes its
+    trainer section (steps, learning rate, data, ...) again. Then a local tmux
+    session supervises it, as after `launch`."""
+    import time
+
     from dflashctl.launch import start_supervisor
+    from dflashctl.recorded import prepare
     from dflashctl.runhost import restart
 
     store, inventory, show = _store(), _inventory(), _progress(False)
-    state = restart(run, store, inventory, serialized_warmup=serialized_warmup, progress=show)
+    record = store.get_run(run)
+    prepare(record, store, inventory, G.playbooks, reload, show, time.time())
+    state = restart(record.id, store, inventory, serialized_warmup=serialized_warmup, progress=show)
     if state == "running" and not no_watch:
         start_supervisor(store.get_run(run).id, False, store, inventory, show,
                          inventory_path=G.inventory, playbooks_dir=G.playbooks)
