@@ -516,13 +516,18 @@ class _Launcher:
         pb = self.playbook
         trainer = copy.deepcopy(trainer)
         trainer["run_dir"] = run_dir
-        if pb.compile_cache and not trainer["compile"].get("cache_dir"):
-            trainer["compile"]["cache_dir"] = pb.compile_cache
+        cache = pb.compile_cache
+        if self.host.is_local and "compile_cache" not in pb.model_fields_set:
+            from dflashctl.paths import local_compile_cache
+
+            cache = local_compile_cache() or cache  # DFLASHCTL_HOME holds a local run's cache too
+        if cache and not trainer["compile"].get("cache_dir"):
+            trainer["compile"]["cache_dir"] = cache
         return {
             "trainer": trainer,  # as in the playbook (physical GPU indices)
             "gpus": gpus,
             "env": env,
-            "compile_cache": pb.compile_cache,
+            "compile_cache": cache,
             "python": self.host.python,
             "workdir": workdir,
             "playbook_source": pb.source,

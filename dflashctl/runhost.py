@@ -391,9 +391,13 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
         if not keep_standby:
             tmux.kill(standby_session(part.tmux_session))
     probe, transport = probes[0], parts[0][1]
+    was_final = run.state in FINAL_STATES
     run = store.get_run(run.id)
     if run.state in FINAL_STATES:
-        say("stop", f"run {run.id} was already {run.state}")
+        # Its supervisor (a `watch`, a `launch --foreground`) may have seen the exit this
+        # stop caused and recorded it first: then the stop did it, and says so.
+        say("stop", f"run {run.id} was already {run.state}" if was_final or ended_before else
+            f"run {run.id} {run.state} (its supervisor recorded the exit first)")
         return run
     code = probe.exit_code
     if code is None and killed:
@@ -815,7 +819,13 @@ def metrics_tail(run_id: str, store: Store, inventory: "Inventory", n: int = 50)
     run = store.get_run(run_id)
     transport = host_transport(run.host, inventory)
     path = posixpath_join(run.run_dir, contract.METRICS_FILE)
-    result = transport.run(["tail", "-n", str(int(n)), path], timeout=30, check=False)
+    # A file not (yet) there is an answer, not tail's error text: the trainer writes it from its first log interval.
+    result = transport.run(["sh", "-c", '[ -e "$2" ] || { echo absent; exit 3; }; tail -n "$1" "$2"', "dflashctl-tail",
+                            str(int(n)), path], timeout=30, check=False)
+    if result.exit_code == 3 and result.stdout.strip() == "absent":
+        raise LaunchError(f"run {run.id} has no metrics yet: {path} is not on {run.host}",
+                          hint="the trainer writes a line every train.log_every steps once it trains: "
+                               f"`dflashctl logs {run.id}` shows how far it got")
     if result.exit_code != 0:
         raise LaunchError(f"cannot read {path} on {run.host}: {(result.stderr or result.stdout).strip()[-200:]}")
     from dflashctl.parsers import read_metrics_chunk
