@@ -3,6 +3,8 @@
 ``launch`` does, in order (each step reported through ``progress``):
 
     preflight   env-audit findings; errors block unless force
+    inputs      the data shards, model directory and free disk on the run host, in
+                one read-only round trip; errors block unless force (nothing deployed)
     bundle      build the trainer bundle (content hash)
     connect     the run host's transport (jump hosts, container wrapper)
     gpus        which physical GPUs the run needs; refuse ones that nvidia-smi shows

@@ -6,9 +6,6 @@ on the local host in real tmux, the real CLI, a real SQLite store."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +14,8 @@ import yaml
 from dflashctl import contract
 from dflashctl.errors import ConfigError
 from dflashctl.recorded import reloaded, trainer_changes
-from dflashctl.tmux import SOCKET_ENV
-from tests.test_supervisor import REPO, SOCKET, LocalEnv, kill_tmux_servers, metrics_lines, wait_for
+from tests.test_small_cli import _cli, local_env  # noqa: F401  (the fixture)
+from tests.test_supervisor import metrics_lines, wait_for
 
 
 def test_changes_leave_out_what_the_launch_set_and_reload_refuses_shapes_and_placement():
@@ -37,19 +34,6 @@ def test_changes_leave_out_what_the_launch_set_and_reload_refuses_shapes_and_pla
     text = str(caught.value)
     assert "trainer.model.preset: 'tiny' -> 'small'" in text and "checkpoint" in text
     assert "trainer.placement.device" in text and "claimed at launch" in text and "dflashctl launch" in caught.value.hint
-
-
-@pytest.fixture
-def local_env(tmp_path):
-    env = LocalEnv(tmp_path)
-    yield env
-    kill_tmux_servers([(env.host, env.inventory, SOCKET)])
-
-
-def _cli(env: LocalEnv, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflashctl", "-i", str(env.inventory_path), "-p", str(env.playbooks),
-                           *args], capture_output=True, text=True, timeout=180, cwd=str(REPO),
-                          env={**os.environ, "DFLASHCTL_STORE": env.store_path, SOCKET_ENV: SOCKET, "COLUMNS": "200"})
 
 
 def _rewrite(path: Path, change) -> None:

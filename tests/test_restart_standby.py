@@ -15,9 +15,8 @@ from dflashctl import contract
 from dflashctl.launch import launch_run
 from dflashctl.runhost import restart, standby_session
 from dflashctl.supervisor import Supervisor
-from dflashctl.tmux import SOCKET_ENV
-from tests.harness import environ
-from tests.test_supervisor import SOCKET, Background, LocalEnv, kill_tmux_servers, kinds, wait_for
+from tests.test_standby import local_env  # noqa: F401  (the fixture: the local host on a private tmux socket)
+from tests.test_supervisor import Background, kinds, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -27,14 +26,6 @@ def _json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-@pytest.fixture
-def local_env(tmp_path):
-    with environ(**{SOCKET_ENV: SOCKET}):
-        env = LocalEnv(tmp_path)
-        yield env
-        kill_tmux_servers([(env.host, env.inventory, SOCKET)])
 
 
 def test_an_operator_restart_of_a_running_run_wakes_its_ready_standby(local_env):

@@ -16,9 +16,9 @@ import yaml
 
 from dflashctl import contract
 from dflashctl.runhost import stop
+from dflashctl.tmux import SOCKET_ENV
 from tests.harness import environ
 from tests.test_supervisor import REPO, SOCKET, LocalEnv, kill_tmux_servers, metrics_lines, wait_for
-from dflashctl.tmux import SOCKET_ENV
 
 
 @pytest.fixture

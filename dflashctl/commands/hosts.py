@@ -78,8 +78,10 @@ def check_command(
     detached process and a tmux session started through the wrapper outlive the
     call (started, then looked at again), the work directory takes a file, python
     has torch, triton, transformers and safetensors at the versions the trainer needs; and it
-    warns when the inventory's `gpus:` differs from what nvidia-smi shows. Each
-    problem is printed with its fix. Exit code 1 when any host failed."""
+    warns when the inventory's `gpus:` differs from what nvidia-smi shows. One line
+    per host (the columns that fit), then the package versions it proved on each
+    run host (`proved: torch 2.6.0, ...`). Each problem is printed with its fix.
+    Exit code 1 when any host failed."""
     from dflashctl.facts import check_hosts
 
     checks = check_hosts(_inventory(), names or None, timeout=parse_duration_option(timeout, "--timeout"))

@@ -237,12 +237,6 @@ def _eval_summary(row: dict | None) -> dict | None:
             "greedy_identical": report.get("greedy_identical")}
 
 
-def _tau(row: dict | None) -> str:
-    if not row or row.get("tau") is None:
-        return "-"
-    return f"{row['tau']:.2f}" + (f" ({row['speedup']:.2f}x)" if row.get("speedup") else "")
-
-
 def _run_columns():
     from dflashctl.tables import Col
 
