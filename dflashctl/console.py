@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from dflashctl import contract
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.supervisor import Supervisor
+from dflashctl.terminal import one_line
 
 if TYPE_CHECKING:
     from dflashctl.config import Inventory
@@ -42,8 +43,13 @@ def format_metrics(m: contract.Metrics) -> str:
     return "  ".join(parts)
 
 
-def format_line(kind: str, payload: Any) -> str:
-    """One line per event (clock time, run, severity, kind, message) or metrics line."""
+def format_line(kind: str, payload: Any, width: int | None = None) -> str:
+    """One line per event (clock time, run, severity, kind, message) or metrics line,
+    safe for a terminal: a message's line breaks shown as ⏎, cut to ``width`` when given."""
+    return one_line(_line(kind, payload), width)
+
+
+def _line(kind: str, payload: Any) -> str:
     if kind == "event":
         e = payload
         return f"{fmt_clock(e.time)}  {e.run_id}  {e.severity:<8} {e.kind:<11} {e.message}"
@@ -53,15 +59,17 @@ def format_line(kind: str, payload: Any) -> str:
     return str(payload)
 
 
-def format_observation(o: dict[str, Any]) -> str:
+def format_observation(o: dict[str, Any], width: int | None = None) -> str:
     """One line for what `watch --once` saw of a run: state, phase, step, speed,
-    how old the newest sample is, and each finding."""
+    how old the newest sample is; then one line per finding (each line cut to
+    ``width`` when given)."""
     step = f"step {o['step']}" + (f"/{o['total_steps']}" if o.get("total_steps") else "") if o.get("step") else "no step yet"
     speed = f", {fmt_tok_s(o['tok_s'])}" if o.get("tok_s") else ""
     age = f", newest sample {fmt_clock(o['sample_time'])}" if o.get("sample_time") else ""
     host = f"; host unreachable: {o['host_error']}" if o.get("host_error") else ""
     line = f"{o['run_id']}  {o['state']}" + (f" ({o['phase']})" if o.get("phase") else "") + f"  {step}{speed}{age}{host}"
-    return "\n".join([line, *(f"  {f['severity']:<8} {f['kind']:<11} {f['message']}" for f in o.get("findings", []))])
+    findings = (f"  {f['severity']:<8} {f['kind']:<11} {f['message']}" for f in o.get("findings", []))
+    return "\n".join(one_line(text, width) for text in [line, *findings])
 
 
 def follow(run_id: str, store: "Store", inventory: "Inventory", emit_line: Callable[[str], None], *,

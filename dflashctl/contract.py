@@ -63,6 +63,16 @@ def standby_went(token: str) -> str:
     return f"standby.{token}.went"
 
 
+STANDBY_HOLD_S = 600.0  # how long a hold keeps a standby through a stop, at most (a restart that died leaves one)
+
+
+def standby_hold(token: str) -> str:
+    """Made by an operator's restart before it stops the trainer: the standby ``token``
+    stays through that stop (exit code 'stopped') to be woken next, while the file is
+    younger than ``STANDBY_HOLD_S``."""
+    return f"standby.{token}.hold"
+
+
 HOST_ENV = "DFLASHCTL_HOST"  # the inventory's name of the host a process runs on (set in run.sh)
 
 

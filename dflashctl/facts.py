@@ -491,3 +491,125 @@ def check_hosts(inventory: "Inventory", names: list[str] | None = None, timeout:
             found.error = f"{name}: {type(error).__name__}: {error}"
         checks.append(found)
     return checks
+
+
+# --------------------------------------------------------------------------- a launch's inputs (before deploying)
+
+MIN_CHECKPOINT_FREE = 1 << 30  # bytes free in the workdir at the least, whatever the estimate
+CHECKPOINT_BYTES_PER_PARAM = 16  # fp32 weights and two fp32 Adam moments, with room for the bf16 copy
+
+
+@dataclass
+class InputsCheck:
+    """What the host said of a launch's inputs (``dflashctl/remote/facts.py`` ``inputs``)."""
+
+    shards: dict[str, Any] | None = None  # path, exists, is_dir, count, first, first_error
+    model: dict[str, Any] | None = None  # path, exists, config, config_error, hidden_size, ...
+    disk_free: int | None = None
+    disk_error: str | None = None
+
+
+def inputs_argument(trainer: dict[str, Any], workdir: str) -> dict[str, Any]:
+    data, model = trainer.get("data") or {}, trainer.get("model") or {}
+    return {"inputs": {"workdir": workdir, "shards": data.get("shards"), "model": model.get("path")}}
+
+
+def parse_inputs(text: str) -> InputsCheck:
+    """The inputs answer -> InputsCheck. ValueError (only) when it is not that JSON,
+    or a value has the wrong type (the message names it)."""
+    raw = _json_line(text, "inputs")
+    found = InputsCheck(disk_free=_opt_int(raw, "disk_free", "'disk_free'", 0),
+                        disk_error=_opt_text(raw, "disk_error", "'disk_error'"))
+    if raw.get("shards") is not None:
+        s = _object(raw["shards"], "'shards'")
+        found.shards = {"path": contract.check_text(s.get("path"), "'shards' path"),
+                        "exists": bool(_opt_bool(s, "exists", "'shards' exists")),
+                        "is_dir": bool(_opt_bool(s, "is_dir", "'shards' is_dir")),
+                        "count": _opt_int(s, "count", "'shards' count", 0) or 0,
+                        "first": _opt_text(s, "first", "'shards' first"),
+                        "first_error": _opt_text(s, "first_error", "'shards' first_error")}
+    if raw.get("model") is not None:
+        m = _object(raw["model"], "'model'")
+        found.model = {"path": contract.check_text(m.get("path"), "'model' path"),
+                       "exists": bool(_opt_bool(m, "exists", "'model' exists")),
+                       "config": bool(_opt_bool(m, "config", "'model' config")),
+                       "config_error": _opt_text(m, "config_error", "'model' config_error"),
+                       **{k: _opt_int(m, k, f"'model' {k}", 1, 2**40)
+                          for k in ("hidden_size", "intermediate_size", "vocab_size")}}
+    return found
+
+
+def check_inputs(transport: Transport, trainer: dict[str, Any], workdir: str,
+                 timeout: float | None = None) -> InputsCheck:
+    """One round trip: the run's data shards, model directory and free disk, as the
+    host sees them. Reads only (nothing is created or deployed)."""
+    result = transport.run_script(FACTS_SCRIPT, [json.dumps(inputs_argument(trainer, workdir))],
+                                  timeout=timeout or DEFAULT_TIMEOUT)
+    try:
+        return parse_inputs(result.stdout)
+    except ValueError as e:
+        raise DflashError(f"{transport.name}: unexpected answer from the facts script: {e}",
+                          hint=f"check that {transport.host.python} runs on {transport.name}") from None
+
+
+def checkpoint_bytes(trainer: dict[str, Any], model: dict[str, Any] | None) -> int | None:
+    """An estimate of one checkpoint's size: the drafter's parameters (each decoder
+    layer ~ 4 h^2 attention + 3 h i MLP, and the K-layer fusion K h^2) at
+    ``CHECKPOINT_BYTES_PER_PARAM``; None when the target's shape is not known here
+    (a preset: its shape lives in the trainer)."""
+    h, i = (model or {}).get("hidden_size"), (model or {}).get("intermediate_size")
+    if not h or not i:
+        return None
+    m = trainer.get("model") or {}
+    layers, k = int(m.get("drafter_layers", 5)), int(m.get("num_target_layers", 5))
+    return CHECKPOINT_BYTES_PER_PARAM * (layers * (4 * h * h + 3 * h * i) + k * h * h)
+
+
+def input_problems(found: InputsCheck, trainer: dict[str, Any], host: str, source: str) -> list[Problem]:
+    """What in a launch's inputs would stop the trainer, each with its fix. The fix is
+    in the playbook (``source``) and needs a new launch: a restart reuses the config
+    recorded at launch."""
+    again = f"in {source}, then launch again (`dflashctl restart` would reuse the config recorded at launch)"
+    problems: list[Problem] = []
+    s = found.shards
+    if s is not None:
+        where = f"data.shards '{s['path']}' on {host}"
+        if not s["exists"]:
+            problems.append(Problem("shards-missing", "error", f"{where} does not exist",
+                                    f"copy the shards there, or correct `trainer.data.shards` {again}"))
+        elif not s["count"]:
+            problems.append(Problem("shards-empty", "error", f"{where} holds no *.jsonl shard",
+                                    f"convert the data set (`python -m trainer.data convert IN.jsonl OUT_DIR "
+                                    f"--tokenizer PATH`), or point `trainer.data.shards` at the shards {again}"))
+        elif s["first_error"]:
+            problems.append(Problem("shard-unreadable", "error",
+                                    f"{where}: the first of {s['count']} shard(s), {s['first']}: {s['first_error']}",
+                                    "fix or re-convert that shard (trainer/data.py describes the format: one JSON "
+                                    "object per line with input_ids and loss_mask), or point `trainer.data.shards` "
+                                    f"at good shards {again}"))
+    m = found.model
+    if m is not None:
+        where = f"model.path '{m['path']}' on {host}"
+        if not m["exists"]:
+            problems.append(Problem("model-missing", "error", f"{where} does not exist (models are never fetched)",
+                                    f"copy the model directory there, or correct `trainer.model.path` {again}"))
+        elif not m["config"]:
+            problems.append(Problem("model-config", "error",
+                                    f"{where} has no readable config.json ({m['config_error'] or 'missing'})",
+                                    "copy the whole Hugging Face model directory (config.json, weights, tokenizer), "
+                                    f"or correct `trainer.model.path` {again}"))
+    if found.disk_error:
+        problems.append(Problem("disk", "error", f"cannot read the free disk of the workdir on {host}: "
+                                f"{found.disk_error}", "check the host's `workdir:` in the inventory"))
+    elif found.disk_free is not None:
+        keep = int((trainer.get("train") or {}).get("keep_checkpoints", 3))
+        one = checkpoint_bytes(trainer, m)
+        need = max(MIN_CHECKPOINT_FREE, (keep + 1) * one) if one else MIN_CHECKPOINT_FREE
+        if found.disk_free < need:
+            what = f"{keep} + 1 checkpoints of ~{one / 2**30:.1f} GiB" if one else "checkpoints and logs"
+            problems.append(Problem("disk-full", "error",
+                                    f"the workdir on {host} has {found.disk_free / 2**30:.1f} GiB free; the run "
+                                    f"needs {need / 2**30:.1f} GiB for {what}",
+                                    "free space there (old runs: `dflashctl runs`, their run directories under the "
+                                    f"workdir), or lower `trainer.train.keep_checkpoints` {again}"))
+    return problems

@@ -3,6 +3,8 @@
 ``launch`` does, in order (each step reported through ``progress``):
 
     preflight   env-audit findings; errors block unless force
+    inputs      the data shards, model directory and free disk on the run host, in
+                one read-only round trip; errors block unless force (nothing deployed)
     bundle      build the trainer bundle (content hash)
     connect     the run host's transport (jump hosts, container wrapper)
     gpus        which physical GPUs the run needs; refuse ones that nvidia-smi shows
@@ -179,6 +181,7 @@ class LaunchResult:
     deploy: dict[str, Any] | None = None
     findings: list[Any] = field(default_factory=list)
     dry_run: bool = False
+    blocked: int = 0  # a dry run: the errors a launch would stop at (the preflight's and the inputs')
 
 
 class _Launcher:
@@ -196,6 +199,7 @@ class _Launcher:
         self.start_timeout = start_timeout
         self.transport: Transport | None = None
         self.gpu_readings: list = []  # nvidia-smi's answer, for the compile cache's GPU name
+        self.blocked = 0  # a dry run: errors a launch would stop at
 
     def show_remote(self, step: str, argv: list[str], input: bytes | None = None) -> None:
         """In a dry run: say exactly what would run on the host."""
@@ -210,6 +214,7 @@ class _Launcher:
             for command in _field(f, "commands") or []:
                 self.say("preflight", f"    {command}")
         if blocking and self.dry_run and not self.force:
+            self.blocked += len(blocking)
             self.say("preflight", f"a launch would stop here: {len(blocking)} error(s) (--force goes past them)")
         elif blocking and not self.force:
             raise LaunchError(
@@ -219,6 +224,39 @@ class _Launcher:
             )
         forced = " (forced past errors)" if blocking and self.force else ""
         self.say("preflight", f"{len(findings)} finding(s){forced}")
+
+    def _check_inputs(self, host: "Host", trainer: dict[str, Any]) -> None:
+        """The run's data shards, model directory and free disk on ``host``, in one
+        read-only round trip before anything is deployed: an error stops the launch
+        (unless forced) with its fix, which is in the playbook and needs a new launch."""
+        from dflashctl.facts import check_inputs, input_problems
+
+        data, model = trainer.get("data") or {}, trainer.get("model") or {}
+        asked = [w for w, v in (("data shards", data.get("shards")), ("model", model.get("path"))) if v]
+        try:
+            found = check_inputs(host_transport(host.name, self.inventory), trainer, host.workdir)
+        except DflashError as e:
+            if not self.dry_run:
+                raise
+            self.say("inputs", f"warning: cannot check the inputs on {host.name}: {first_line(e)}")
+            return
+        problems = input_problems(found, trainer, host.name, self.playbook.source or f"playbook {self.playbook.name}")
+        for p in problems:
+            self.say("inputs", f"{p.severity}: {p.message}")
+            self.say("inputs", f"  fix: {p.fix}")
+        errors = [p for p in problems if p.severity == "error"]
+        if errors and self.dry_run and not self.force:
+            self.blocked += len(errors)
+            self.say("inputs", f"a launch would stop here: {len(errors)} error(s) (--force goes past them)")
+        elif errors and not self.force:
+            raise LaunchError(f"{errors[0].message}; not launching (nothing was deployed)"
+                              + (f"; and {len(errors) - 1} more" if len(errors) > 1 else ""), hint=errors[0].fix)
+        s = found.shards
+        self.say("inputs", f"{host.name}: " + "; ".join(
+            [*([f"{s['count']} shard(s) in {s['path']}"] if s and s["count"] else []),
+             *([f"model {found.model['path']}"] if found.model and found.model["config"] else []),
+             *([f"{found.disk_free / 2**30:.1f} GiB free"] if found.disk_free is not None else [])])
+            + ("" if asked else " (synthetic data, preset model)"))
 
     def _refuse_second_run(self) -> None:
         """A playbook has one active run unless forced: two `launch demo` typed at once
@@ -249,6 +287,7 @@ class _Launcher:
         else:
             findings = preflight(pb, self.inventory, self.store)
             self._preflight_verdict(findings)
+        self._check_inputs(host, pb.trainer.to_dict())
 
         bundle = self.bundle or build_bundle()
         self.say("bundle", f"trainer bundle {bundle.short} ({bundle.size} bytes, {len(bundle.files)} files)")
@@ -282,7 +321,8 @@ class _Launcher:
             files = self._configure(run_id, run_dir, config)
             self._provide_compile_cache(run_id, run_dir, files, config, bundle.hash, gpus)
             self._start(run_id, run_dir)
-            return LaunchResult(run_id, "dry-run", host.name, run_dir, run_id, dry_run=True, findings=findings)
+            return LaunchResult(run_id, "dry-run", host.name, run_dir, run_id, dry_run=True, findings=findings,
+                                blocked=self.blocked)
 
         with self.store.batch():  # checked again with the record: a launch racing this one cannot also pass
             self._refuse_second_run()
@@ -354,6 +394,8 @@ class _Launcher:
                 found = preflight(one, self.inventory, self.store)
             self._preflight_verdict(found)
             findings += found
+        for host in hosts:  # the data and the model are read on every host
+            self._check_inputs(host, pb.trainer.to_dict())
         bundle = self.bundle or build_bundle()
         self.say("bundle", f"trainer bundle {bundle.short} ({bundle.size} bytes, {len(bundle.files)} files)")
         transports = [None if self.dry_run else host_transport(h.name, self.inventory) for h in hosts]
@@ -392,7 +434,7 @@ class _Launcher:
                 self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"])
                 self._start(run_id, part["run_dir"], part["tmux_session"])
             return LaunchResult(run_id, "dry-run", hosts[0].name, parts[0]["run_dir"], run_id, dry_run=True,
-                                findings=findings)
+                                findings=findings, blocked=self.blocked)
         with self.store.batch():
             self._refuse_second_run()
             self.store.create_run(
@@ -476,13 +518,18 @@ class _Launcher:
         pb = self.playbook
         trainer = copy.deepcopy(trainer)
         trainer["run_dir"] = run_dir
-        if pb.compile_cache and not trainer["compile"].get("cache_dir"):
-            trainer["compile"]["cache_dir"] = pb.compile_cache
+        cache = pb.compile_cache
+        if self.host.is_local and "compile_cache" not in pb.model_fields_set:
+            from dflashctl.paths import local_compile_cache
+
+            cache = local_compile_cache() or cache  # DFLASHCTL_HOME holds a local run's cache too
+        if cache and not trainer["compile"].get("cache_dir"):
+            trainer["compile"]["cache_dir"] = cache
         return {
             "trainer": trainer,  # as in the playbook (physical GPU indices)
             "gpus": gpus,
             "env": env,
-            "compile_cache": pb.compile_cache,
+            "compile_cache": cache,
             "python": self.host.python,
             "workdir": workdir,
             "playbook_source": pb.source,

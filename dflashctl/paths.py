@@ -5,7 +5,9 @@
     store_path()   data_dir()/runs.db
 
 DFLASHCTL_HOME replaces both directories with one (tests point it at a temporary
-directory so they never touch the user's files); DFLASHCTL_STORE names the SQLite
+directory so they never touch the user's files), and for runs on this machine
+(the local host) it also holds their compile cache (``local_compile_cache``) in
+place of the playbook default ``~/.cache/dflashctl/compile``; DFLASHCTL_STORE names the SQLite
 file directly. XDG_CONFIG_HOME / XDG_DATA_HOME are honoured as usual. Nothing is
 created here: callers make the directories they write into.
 """
@@ -43,3 +45,11 @@ def store_path() -> str:
     if store:
         return os.path.abspath(os.path.expanduser(store))
     return os.path.join(data_dir(), "runs.db")
+
+
+def local_compile_cache() -> str | None:
+    """The compile cache of runs on the local host when DFLASHCTL_HOME is set
+    (``$DFLASHCTL_HOME/cache/compile``): a playbook that names none keeps nothing
+    under ~/.cache then. None when it is not set."""
+    home = _home_override()
+    return os.path.join(home, "cache", "compile") if home else None

@@ -99,6 +99,7 @@ def advise(lines: Sequence[contract.Metrics], total_gpus: int | None = None) -> 
     most; raises PlacementError when the lines cannot say."""
     caps_t, caps_d, shapes, per_gpu = [], [], [], []
     shared_run, used, fits_shared = False, 0, None  # as the newest usable line says
+    on_cpu = False
     for m in lines:
         x = m.extra or {}
         made, busy = _floats(x.get("target_tok_s")), _floats(x.get("target_busy"))
@@ -115,6 +116,7 @@ def advise(lines: Sequence[contract.Metrics], total_gpus: int | None = None) -> 
         caps_d.append(seq[0] / D * step[0] / working)
         shapes.append((T, D))
         targets, drafters = _devices(x)
+        on_cpu = bool(targets | drafters) and all(d == "cpu" for d in targets | drafters)
         shared_run = bool(targets) and targets == drafters
         # Each thread runs on one device: a line naming more devices than threads is not believed.
         used = min(len(targets | drafters), T + D) if targets else T + D
@@ -123,6 +125,9 @@ def advise(lines: Sequence[contract.Metrics], total_gpus: int | None = None) -> 
     if not caps_t or not any(caps_t):
         raise PlacementError("no training metrics line carries the target and drafter figures "
                              "(target_tok_s, target_busy, seq_tok_s, step_ms): let the run train a few log intervals")
+    if on_cpu:
+        raise PlacementError("the run trained on CPU (its metrics name no GPU): its figures say nothing of how GPUs "
+                             "would split; calibrate on the GPU host (`trainer.placement.device: cuda`), then advise")
     T, D = max(set(shapes), key=shapes.count)
     cap_t, cap_d = statistics.median(caps_t), statistics.median(caps_d)
     total = int(total_gpus or used)

@@ -358,11 +358,13 @@ def stop_supervisor(run: Run, inventory: "Inventory") -> None:
 
 
 def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STOP_TIMEOUT,
-         progress: Progress | None = None, *, clock: Callable[[], float] = time.time) -> Run:
+         progress: Progress | None = None, *, clock: Callable[[], float] = time.time,
+         keep_standby: bool = False) -> Run:
     """Graceful stop: SIGTERM to the trainer (it checkpoints and exits 4), or Ctrl-C
     in its tmux pane when its pid cannot be signalled; wait up to ``timeout`` for it
     to exit; then kill the session. The run ends in ``stopped`` (``done`` if it
-    finished meanwhile; ``failed`` if it had crashed before the stop, unseen)."""
+    finished meanwhile; ``failed`` if it had crashed before the stop, unseen).
+    ``keep_standby``: its standby is left waiting (a restart follows and wakes it)."""
     say = progress or quiet
     run = store.get_run(run_id)
     parts = _on_hosts(run, inventory)  # a multi-host run: every host's process, rank 0 first
@@ -393,11 +395,16 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     for (part, _, tmux), probe in zip(parts, probes):
         if probe.session_alive:
             killed = tmux.kill(part.tmux_session) or killed
-        tmux.kill(standby_session(part.tmux_session))
+        if not keep_standby:
+            tmux.kill(standby_session(part.tmux_session))
     probe, transport = probes[0], parts[0][1]
+    was_final = run.state in FINAL_STATES
     run = store.get_run(run.id)
     if run.state in FINAL_STATES:
-        say("stop", f"run {run.id} was already {run.state}")
+        # Its supervisor (a `watch`, a `launch --foreground`) may have seen the exit this
+        # stop caused and recorded it first: then the stop did it, and says so.
+        say("stop", f"run {run.id} was already {run.state}" if was_final or ended_before else
+            f"run {run.id} {run.state} (its supervisor recorded the exit first)")
         return run
     code = probe.exit_code
     if code is None and killed:
@@ -583,6 +590,25 @@ def _ready_standby(run: Run, parts: list) -> str | None:
     return tokens.pop() if len(tokens) == 1 else None
 
 
+def _hold_standby(run: Run, inventory: "Inventory") -> str | None:
+    """The token of the run's ready standby, held through the stop that follows
+    (``contract.standby_hold`` on every host); None when there is none."""
+    parts = _on_hosts(run, inventory)
+    token = _ready_standby(run, parts)
+    if token:
+        for part, transport, _ in parts:
+            transport.run(["sh", "-c", _STANDBY_GO, "dflashctl-hold", part.run_dir, contract.standby_hold(token)],
+                          timeout=30)
+    return token
+
+
+def _release_standby(run: Run, inventory: "Inventory", token: str) -> None:
+    """Remove the hold files (the standby is the trainer now, or the restart failed)."""
+    for part, transport, _ in _on_hosts(run, inventory):
+        transport.run(["rm", "-f", posixpath_join(part.run_dir, contract.standby_hold(token))], timeout=30,
+                      check=False)
+
+
 def _end_previous(run: Run, part: Run, transport: "Transport", tmux: Tmux, say: Progress) -> bool:
     """Kill the part's previous session and any trainer that outlived it; True if a session was killed."""
     killed = tmux.kill(part.tmux_session)
@@ -675,10 +701,19 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
     if run.state == DONE:
         raise LaunchError(f"run {run.id} is done: it finished all its steps and is not restarted",
                           hint=f"start a new run: dflashctl launch {shlex.quote(run.playbook)}")
+    held = None
     if run.state not in FINAL_STATES:
-        (progress or quiet)("restart", f"run {run.id} is {run.state}: stopping it first (checkpoint)")
-        run = stop(run.id, store, inventory, progress=progress, clock=clock)
+        say = progress or quiet
+        say("restart", f"run {run.id} is {run.state}: stopping it first (checkpoint)")
+        # A ready standby (its imports done) is held through the stop and woken by the
+        # restart, as the supervisor's restart of a crash does; else it would leave
+        # with the stopped trainer and the new process pay every import again.
+        held = _hold_standby(run, inventory)
+        if held:
+            say("restart", f"standby {held} is ready: kept through the stop, woken next")
+        run = stop(run.id, store, inventory, progress=progress, clock=clock, keep_standby=bool(held))
         if run.state == DONE:
+            end_standby(run, inventory)
             return run.state
     store.transition(run.id, RESTARTING, "restart requested by the operator", clock())
     try:
@@ -686,6 +721,9 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
     except BaseException as e:
         store.transition(run.id, FAILED, f"restart failed: {first_line(e)}", clock(), exit_reason="restart failed")
         raise
+    finally:
+        if held:
+            _release_standby(run, inventory, held)
     transport = host_transport(run.host, inventory)
     return wait_started(store, store.get_run(run.id), transport, start_timeout, clock, progress)
 
@@ -810,7 +848,13 @@ def metrics_tail(run_id: str, store: Store, inventory: "Inventory", n: int = 50)
     run = store.get_run(run_id)
     transport = host_transport(run.host, inventory)
     path = posixpath_join(run.run_dir, contract.METRICS_FILE)
-    result = transport.run(["tail", "-n", str(int(n)), path], timeout=30, check=False)
+    # A file not (yet) there is an answer, not tail's error text: the trainer writes it from its first log interval.
+    result = transport.run(["sh", "-c", '[ -e "$2" ] || { echo absent; exit 3; }; tail -n "$1" "$2"', "dflashctl-tail",
+                            str(int(n)), path], timeout=30, check=False)
+    if result.exit_code == 3 and result.stdout.strip() == "absent":
+        raise LaunchError(f"run {run.id} has no metrics yet: {path} is not on {run.host}",
+                          hint="the trainer writes a line every train.log_every steps once it trains: "
+                               f"`dflashctl logs {run.id}` shows how far it got")
     if result.exit_code != 0:
         raise LaunchError(f"cannot read {path} on {run.host}: {(result.stderr or result.stdout).strip()[-200:]}")
     from dflashctl.parsers import read_metrics_chunk

@@ -277,7 +277,8 @@ BUILTIN_SIGNATURES: tuple[Signature, ...] = (
         None,
         STOP,
         "error",
-        "the trainer rejected its data (see the log tail); fix the data set, then `dflashctl restart`",
+        "the trainer rejected its data (see the log tail); shards fixed in place: `dflashctl restart`; a wrong "
+        "`data.shards` in the playbook: fix it and launch again (a restart reuses the config recorded at launch)",
         exit_code=lambda c: c == contract.EXIT_DATA_ERROR,
     ),
     Signature(

@@ -1056,6 +1056,32 @@ class Store:
         rows = self._query("SELECT * FROM evals WHERE error IS NULL ORDER BY time, id")
         return {r["run_id"]: _decode(r) for r in rows}
 
+    def run_outcomes(self, run_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """What each run achieved, from its samples and restarts: the newest step and
+        its sample time, the newest loss and acceptance length recorded, and the
+        restarts that started a process (``Restart.counts``). One query per kind for
+        every run asked, never one per run."""
+        ids = list(run_ids)
+        result: dict[str, dict[str, Any]] = {
+            r: {"step": None, "sample_time": None, "loss": None, "accept_len": None, "restarts": 0} for r in ids}
+        if not ids:
+            return result
+        marks = ", ".join("?" for _ in ids)
+        rows = self._query(f"SELECT run_id, step, time FROM samples WHERE id IN (SELECT max(id) FROM samples "
+                           f"WHERE run_id IN ({marks}) GROUP BY run_id)", ids)
+        for r in rows:
+            result[r["run_id"]].update(step=r["step"], sample_time=r["time"])
+        for column in ("loss", "accept_len"):
+            rows = self._query(f"SELECT run_id, {column} FROM samples WHERE id IN (SELECT max(id) FROM samples "
+                               f"WHERE run_id IN ({marks}) AND {column} IS NOT NULL GROUP BY run_id)", ids)
+            for r in rows:
+                result[r["run_id"]][column] = r[column]
+        rows = self._query(f"SELECT run_id, count(*) AS n FROM restarts WHERE run_id IN ({marks}) AND (outcome IS NULL "
+                           "OR (outcome NOT LIKE 'not issued%' AND outcome NOT LIKE 'cancelled%')) GROUP BY run_id", ids)
+        for r in rows:
+            result[r["run_id"]]["restarts"] = r["n"]
+        return result
+
     # ----------------------------------------------------------------- supervisors
 
     def heartbeat(self, supervisor_id: str, *, pid: int, host: str, started: float, interval: float, now: float,

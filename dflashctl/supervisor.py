@@ -211,7 +211,8 @@ class Supervisor:
         self._alerters: dict[str, alerts_mod.Alerter] = {}
         self._hook_failures: "queue.SimpleQueue[dict]" = queue.SimpleQueue()
         self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dflashctl-act")
-        self._cursor: dict[str, tuple[int, float]] = {}  # run -> (last event id, its time) emitted
+        # run -> {event id: its time} emitted, within EVENT_LOOKBACK_S of the newest
+        self._cursor: dict[str, dict[int, float]] = {}
         self._evals: list[Future] = []  # evaluations of finished runs, on the workers
         self._side_jobs: list[Future] = []  # compile-artifact copies back and standby starts/ends, on the workers
         self._carry: list[tuple[str, Any]] = []  # writes still to store (after a tick's transaction, or failed)
@@ -278,7 +279,8 @@ class Supervisor:
         state.samples = tuple(samples)
         state.baseline = run_policy.expect.baseline_tok_s or self.store.baseline_tok_s(run.playbook, exclude_run=run.id)
         last_event = self.store.events(run.id, limit=1)
-        self._cursor[run.id] = (last_event[0].id, last_event[0].time) if last_event else (0, 0.0)
+        since = (last_event[0].time if last_event else 0.0) - EVENT_LOOKBACK_S
+        self._cursor[run.id] = {e.id: e.time for e in self.store.events(run.id, since=since)} if last_event else {}
         w = Watched(state=state, policy=run_policy, alerter=self._alerter(run_policy.alerts))
         # The other ranks' metrics are their own figures (rank 0's are the run's): only
         # their liveness and status are looked at, so a small bounded chunk per poll.
@@ -448,9 +450,7 @@ class Supervisor:
             self._host_answer(host, by_host[host], answer, parsed[host], paired.get(host), report, t, members)
         self._store_tick(t)
         self._act(t)
-        for run_id, m in t.metrics:
-            self.emit("metrics", (run_id, m))
-        self._emit_new_events()
+        self._emit_new_events([(m.time, "metrics", (run_id, m)) for run_id, m in t.metrics])
         report.findings = {run_id: [Finding(e.kind, e.severity, e.message, e.detail or {})
                                     for rid, e in t.writes if rid == run_id and isinstance(e, core.Event)
                                     and e.kind in _FINDING_KINDS]
@@ -767,16 +767,24 @@ class Supervisor:
                 t.writes.append((failure["run_id"], core.Event(failure["kind"], failure["severity"],
                                                                failure["message"], core.jsonable(detail))))
 
-    def _emit_new_events(self) -> None:
+    def _emit_new_events(self, metrics: Sequence[tuple[float, str, Any]] = ()) -> None:
         """Every event stored for the watched runs since the last call, whoever wrote it
-        (this loop, the launcher's restart, an operator's command)."""
+        (this loop, the launcher's restart, an operator's command), and this tick's
+        metrics records, emitted in time order across runs. An event stored late with
+        an earlier time (another writer's clock, a transaction that waited) is still
+        emitted once: emitted ids are remembered for ``EVENT_LOOKBACK_S``."""
+        pending = list(metrics)
         for w in self.runs.values():
-            last_id, last_time = self._cursor.get(w.id, (0, 0.0))
-            for e in self.store.events(w.id, since=last_time - 60.0):
-                if e.id > last_id:
-                    self.emit("event", e)
-                    last_id, last_time = e.id, max(last_time, e.time)
-            self._cursor[w.id] = (last_id, last_time)
+            emitted = self._cursor.setdefault(w.id, {})
+            since = max(emitted.values(), default=0.0) - EVENT_LOOKBACK_S
+            fresh = [e for e in self.store.events(w.id, since=since) if e.id not in emitted]
+            pending.extend((e.time, "event", e) for e in fresh)
+            emitted.update((e.id, e.time) for e in fresh)
+            since = max(emitted.values(), default=0.0) - EVENT_LOOKBACK_S
+            for old in [i for i, t in emitted.items() if t <= since]:  # the next query cannot return them
+                del emitted[old]
+        for _, kind, payload in sorted(pending, key=lambda item: item[0]):
+            self.emit(kind, payload)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -807,6 +815,7 @@ _attempt_output = core.attempt_output
 
 
 _FINDING_KINDS = (detectors.CRASH, detectors.STALL, detectors.REGRESSION, detectors.FINISHED, detectors.CONFLICT)
+EVENT_LOOKBACK_S = 60.0  # an event stored this much later than a newer one's time is still emitted
 MAX_CARRIED_SAMPLES = 2000  # sample batches kept in memory while the store refuses writes
 
 

@@ -27,3 +27,13 @@ def printable(text: object) -> str:
     sequences, carriage returns, bidirectional overrides) shown as ``\\x1b``-style
     escapes instead of being interpreted; newlines and tabs kept."""
     return str(text).translate(_CONTROL)
+
+
+def one_line(text: object, width: int | None = None) -> str:
+    """``printable`` text on one line (a stream's record: an event, a log excerpt in a
+    message): each line break shown as `` ⏎ `` and tabs as spaces; cut to ``width``
+    characters when given, an ellipsis marking the cut."""
+    flat = " ⏎ ".join(part.strip() for part in printable(text).replace("\t", " ").splitlines() if part.strip())
+    if width is not None and len(flat) > width:
+        return flat[: max(0, width - 1)] + "…"
+    return flat

@@ -328,3 +328,29 @@ def test_launch_preflight_warns_on_the_gpu_count_and_names_absent_gpus(ssh_env, 
     assert "wait for them" not in caught.value.hint and "trainer.placement" in caught.value.hint
     assert any("warning: the inventory says `gpus: 8` for host 'target', but nvidia-smi shows 1 GPU" in s
                for s in said), said
+
+
+def test_check_and_hosts_fit_80_columns_and_check_names_the_versions_it_proved(ssh_env):
+    """Defect: `check` folded its cells over several lines each (the system over three)
+    and never said which torch and transformers it had proved; `hosts` folded routes."""
+    env = {**os.environ, "COLUMNS": "80"}
+    proc = subprocess.run([sys.executable, "-m", "dflashctl", "--inventory", ssh_env.inventory_path, "check", "target",
+                           "direct", "jump2"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert lines[0].split()[:2] == ["host", "result"]
+    rows = [line for line in lines[1:] if not line.startswith("  ")]
+    assert [row.split()[:2] for row in rows] == [["target", "ok"], ["direct", "ok"], ["jump2", "ok"]]
+    report = json.loads(dflashctl(ssh_env, "check", "target", "--json").stdout)
+    versions = report["hosts"][0]["facts"]["launch"]["versions"]
+    proved = lines[lines.index(rows[0]) + 1]  # the run host's versions, on the line below it
+    assert proved.startswith(f"  proved: torch {versions['torch']}") and f"transformers {versions['transformers']}" \
+        in proved
+    assert not any(line.startswith("  proved") for line in lines[lines.index(rows[2]):])  # a jump host proves nothing
+
+    hosts = subprocess.run([sys.executable, "-m", "dflashctl", "--inventory", ssh_env.inventory_path, "hosts"],
+                           capture_output=True, text=True, timeout=120, env=env).stdout.splitlines()
+    assert max(len(line) for line in hosts) <= 80
+    listed = {h["name"] for h in json.loads(dflashctl(ssh_env, "hosts", "--json").stdout)["hosts"]}
+    assert len(hosts) == 2 + len(listed)  # the title, the header, one line per host

@@ -351,6 +351,7 @@ def test_cache_ls_and_rm(tmp_path, home):
     assert [r["key"] for r in rows] == [new["key"], old["key"]] and rows[0]["bytes"] == len(data)
     table = runner.invoke(app, ["cache", "ls"])
     assert table.exit_code == 0 and old["key"] in table.output and "\x1b[31m" not in table.output
+    assert len(table.output.splitlines()) == 4  # the title, the header, a line per artifact: cells cut, never folded
     assert runner.invoke(app, ["cache", "rm", "--older-than", "30d"]).exit_code == 0
     assert [e.key for e in cache.entries()] == [new["key"]]
     missing = runner.invoke(app, ["cache", "rm", "0123456789abcdef"])

@@ -112,7 +112,7 @@ def test_launch_through_jump_into_container_then_logs_stop_and_relaunch(ssh_env,
     assert result.state == "running", seen
     steps = [s for s, _ in seen]
     assert list(dict.fromkeys(steps)) == [
-        "preflight", "bundle", "connect", "gpus", "deploy", "record", "configure", "start", "wait"]
+        "preflight", "inputs", "bundle", "connect", "gpus", "deploy", "record", "configure", "start", "wait"]
     assert any("jump -> target [pct exec 200 --]" in m for s, m in seen if s == "connect")
 
     run = store.get_run(result.run_id)

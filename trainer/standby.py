@@ -12,8 +12,9 @@ it has read nothing of the run but config.json's compile cache, touched no GPU a
 written only ``standby.json``.
 
 A standby leaves by itself, quietly (its script writes no exit code for it), when
-the run ended with nothing to restart (exit code done or stopped), or when a newer
-standby replaced it in ``standby.json``. This module never starts, stops or signals
+the run ended with nothing to restart (exit code done or stopped, unless an
+operator's restart holds it through the stop it makes: ``standby.<TOKEN>.hold``), or
+when a newer standby replaced it in ``standby.json``. This module never starts, stops or signals
 a process; it only waits, and imports what a start would.
 """
 
@@ -48,6 +49,15 @@ def _current(run_dir: str) -> str | None:
         return None
 
 
+def _held(run_dir: str, token: str) -> bool:
+    """Whether a restart holds this standby through the stop it makes (a fresh hold file)."""
+    try:
+        age = time.time() - os.stat(os.path.join(run_dir, contract.standby_hold(token))).st_mtime
+    except OSError:
+        return False
+    return age < contract.STANDBY_HOLD_S
+
+
 def wait(run_dir: str, token: str, cache_dir: str | None, log=print) -> bool:
     """Import, say ready, wait: True once the go file is taken (this process is the
     trainer now), False when there is nothing to wait for."""
@@ -76,6 +86,6 @@ def wait_for_go(run_dir: str, token: str, import_s: float, log=print) -> bool:
             went_at = time.time()
             log(f"standby {token}: taken over as the trainer ({import_s:.1f}s of imports done before)")
             return True
-        if _exit_code(run_dir) in ENDED or _current(run_dir) != token:
+        if (_exit_code(run_dir) in ENDED and not _held(run_dir, token)) or _current(run_dir) != token:
             return False
         time.sleep(POLL_S)

@@ -181,6 +181,22 @@ def escape(text: object) -> str:
     return _TRAILING_BACKSLASHES.sub(lambda m: m.group(0) * 2, text)
 
 
+def stream_width(stream=None) -> int | None:
+    """The width a stream's records are cut to, so that each stays one line on the
+    screen: COLUMNS when set, else the terminal's; None (whole lines) when the
+    stream is piped to a file or a program (``grep`` sees every record whole)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    stream = stream or sys.stdout
+    try:
+        if stream.isatty():
+            return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
 err = _FirstUse(stderr=True)
 out = _FirstUse(stderr=False)
 

@@ -13,9 +13,8 @@ import json
 from typing import Optional
 
 import typer
-from rich.table import Table
 
-from dflashctl.commands._app import app, escape, out, parse_duration_option
+from dflashctl.commands._app import app, escape, out, parse_duration_option, printable
 
 cache_app = typer.Typer(
     name="cache",
@@ -52,18 +51,25 @@ def ls_command(
     if not entries:
         out.print(f"no compile artifacts held in {escape(cache.root)}", highlight=False)
         return
-    table = Table(title=f"compile artifacts in {escape(cache.root)}", title_justify="left")
-    for column in ("key", "from", "torch", "triton", "cuda", "gpu", "bundle", "config", "size", "received",
-                   "last used"):
-        table.add_column(column, overflow="fold")
+    from rich.text import Text
+
+    from dflashctl.tables import Col, lines
+
+    columns = (Col("key", "key", 32, 0), Col("from", "from", 12, 2), Col("torch", "torch", 14, 1), Col("triton", "triton", 8, 3),
+               Col("cuda", "cuda", 6, 3), Col("gpu", "gpu", 16, 2), Col("bundle", "bundle", 12, 4),
+               Col("config", "config", 16, 5), Col("size", "size", 10, 1, "right"),
+               Col("bytecode", "bytecode", 10, 5, "right"), Col("received", "received", 16, 4),
+               Col("last_used", "last used", 16, 2))
+    rows = []
     for e in entries:
         f = e.fields
-        cells = [e.key, e.domain or "unrecorded (never provided)", f.get("torch"), f.get("triton"), f.get("cuda"),
-                 f.get("gpu"), str(f.get("bundle") or "")[:12], f.get("config")]
-        size = _size(e.bytes) + (f" (bytecode {_size(e.bytecode_bytes)})" if e.bytecode_bytes else "")
-        table.add_row(*(escape(str(c)[:80] if c is not None else "-") for c in cells), size,
-                      _when(e.created), _when(e.last_used))
-    out.print(table)
+        cells = {"key": e.key, "from": e.domain or "unrecorded (never provided)", "torch": f.get("torch"), "triton": f.get("triton"), "cuda": f.get("cuda"),
+                 "gpu": f.get("gpu"), "bundle": str(f.get("bundle") or "")[:12] or None, "config": f.get("config"),
+                 "size": _size(e.bytes), "bytecode": _size(e.bytecode_bytes) if e.bytecode_bytes else None,
+                 "received": _when(e.created), "last_used": _when(e.last_used)}
+        rows.append({k: printable("-" if v is None else v) for k, v in cells.items()})
+    for line in [Text(f"compile artifacts in {printable(cache.root)}"), *lines(columns, rows, out.width)]:
+        out.print(line, highlight=False, soft_wrap=True)
 
 
 @cache_app.command("rm", epilog="\b\nExamples:\n  dflashctl cache rm 3f2a9c0d1e4b5a67\n"

@@ -13,9 +13,9 @@ import shlex
 from typing import List, Optional
 
 import typer
-from rich.table import Table
+from rich.text import Text
 
-from dflashctl.commands._app import G, app, err, escape, out, parse_duration_option
+from dflashctl.commands._app import G, app, err, escape, out, parse_duration_option, printable
 
 
 def _inventory():
@@ -52,13 +52,16 @@ def hosts_command(
     if as_json:
         print(json.dumps({"source": inventory.source, "hosts": rows}, indent=2))
         return
-    table = Table(title=f"hosts in {escape(inventory.source)}", title_justify="left")
-    for column in ("host", "transport", "address", "route", "wrapper", "gpus"):
-        table.add_column(column, overflow="fold")
-    for r in rows:
-        cells = (r["name"], r["transport"], r["address"] or "-", r["route_text"], shlex.join(r["wrapper"]) or "-")
-        table.add_row(*map(escape, cells), "-" if r["gpus"] is None else str(r["gpus"]))
-    out.print(table)
+    from dflashctl.tables import Col, lines
+
+    columns = (Col("host", "host", 24, 0), Col("transport", "transport", 9, 2), Col("address", "address", 21, 3),
+               Col("route", "route", 20, 1, grow=40), Col("wrapper", "wrapper", 16, 4, grow=24),
+               Col("gpus", "gpus", 4, 1, "right"))
+    cells = [{k: printable(v) for k, v in {
+        "host": r["name"], "transport": r["transport"], "address": r["address"] or "-", "route": r["route_text"],
+        "wrapper": shlex.join(r["wrapper"]) or "-", "gpus": "-" if r["gpus"] is None else str(r["gpus"])}.items()}
+        for r in rows]
+    _say_lines([Text(f"hosts in {printable(inventory.source)}"), *lines(columns, cells, out.width)])
 
 
 @app.command("check")
@@ -75,8 +78,10 @@ def check_command(
     detached process and a tmux session started through the wrapper outlive the
     call (started, then looked at again), the work directory takes a file, python
     has torch, triton, transformers and safetensors at the versions the trainer needs; and it
-    warns when the inventory's `gpus:` differs from what nvidia-smi shows. Each
-    problem is printed with its fix. Exit code 1 when any host failed."""
+    warns when the inventory's `gpus:` differs from what nvidia-smi shows. One line
+    per host (the columns that fit), then the package versions it proved on each
+    run host (`proved: torch 2.6.0, ...`). Each problem is printed with its fix.
+    Exit code 1 when any host failed."""
     from dflashctl.facts import check_hosts
 
     checks = check_hosts(_inventory(), names or None, timeout=parse_duration_option(timeout, "--timeout"))
@@ -136,26 +141,36 @@ def trust_command(
               highlight=False)
 
 
+def _say_lines(lines) -> None:
+    for line in lines:
+        out.print(line, highlight=False, soft_wrap=True)
+
+
 def _print_checks(checks) -> None:
-    table = Table(title_justify="left")
-    for column in ("host", "route", "hostname", "system", "gpus", "disk free", "time"):
-        table.add_column(column, overflow="fold", no_wrap=column in ("host", "disk free", "time"))
+    """One line per host (the columns that fit), then per run host the package
+    versions it proved, then each problem with its fix."""
+    from dflashctl.tables import Col, lines
+
+    columns = (Col("host", "host", 24, 0), Col("result", "result", 6, 0), Col("route", "route", 20, 3, grow=30),
+               Col("hostname", "hostname", 16, 4), Col("system", "system", 24, 5, grow=30),
+               Col("python", "python", 7, 2), Col("tmux", "tmux", 7, 2), Col("gpus", "gpus", 16, 1, grow=20),
+               Col("disk", "disk free", 10, 1, "right"), Col("time", "time", 6, 2, "right"))
+    rows, styles, details = [], [], []
     for c in checks:
         f = c.facts
-        if f is None:
-            table.add_row(f"[red]{escape(c.name)}[/]", escape(c.route_text), "[red]FAIL[/]", "-", "-", "-", f"{c.seconds:.1f}s")
-            continue
-        tmux = escape(f.tmux.replace("tmux ", "")) if f.tmux else "[yellow]missing[/]"
-        table.add_row(
-            f"[{'green' if c.ok else 'red'}]{escape(c.name)}[/]",
-            escape(c.route_text) + ("\n(jump host)" if c.role == "jump" else ""),
-            escape(f.hostname),
-            f"{escape(f.os)}\nkernel {escape(f.kernel)}\npython {escape(f.python)}, tmux {tmux}",
-            _gpus(f),
-            _bytes(f.disk_free) if f.disk_free is not None else f"[red]{escape(f.disk_error or '')}[/]",
-            f"{c.seconds:.1f}s",
-        )
-    out.print(table)
+        result = "ok" if c.ok else "FAIL"
+        row = {"host": c.name, "result": result, "route": c.route_text + (" (jump host)" if c.role == "jump" else ""),
+               "time": f"{c.seconds:.1f}s"}
+        if f is not None:
+            row.update(hostname=f.hostname, system=f"{f.os}, kernel {f.kernel}", python=f.python,
+                       tmux=f.tmux.replace("tmux ", "") if f.tmux else "missing", gpus=_gpus(f),
+                       disk=_bytes(f.disk_free) if f.disk_free is not None else (f.disk_error or "-"))
+        rows.append({k: printable(v) for k, v in row.items()})
+        styles.append({"host": "green" if c.ok else "red", "result": "green" if c.ok else "red",
+                       "tmux": "yellow" if f is not None and not f.tmux else ""})
+        proved = _proved(f)
+        details.append((None, printable(f"proved: {proved}")) if proved else None)
+    _say_lines(lines(columns, rows, out.width, styles=styles, details=details))
     for c in checks:
         if c.error:
             err.print(f"[bold red]error:[/] {escape(c.error)}", highlight=False, soft_wrap=True)
@@ -168,11 +183,28 @@ def _print_checks(checks) -> None:
 
 
 def _gpus(f) -> str:
+    """The host's GPUs in a few words: ``8x NVIDIA H200 140 GiB`` (each kind counted)."""
     if f.nvidia_smi is None:
         return "no nvidia-smi"
     if f.gpu_error:
-        return f"[red]{escape(f.gpu_error)}[/]"
-    return escape("\n".join(f"{g.index}: {g.name} {(g.memory_total_mib or 0) / 1024:.0f} GiB" for g in f.gpus)) or "none"
+        return f.gpu_error
+    kinds: dict[str, int] = {}
+    for g in f.gpus:
+        kind = f"{g.name} {(g.memory_total_mib or 0) / 1024:.0f} GiB"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{n}x {kind}" for kind, n in kinds.items()) or "none"
+
+
+def _proved(f) -> str | None:
+    """The trainer's packages as the host's python has them (what `check` proved
+    against TRAINER_REQUIREMENTS): ``torch 2.6.0, triton 3.2.0, ...``; None for a
+    host with no launch checks (a jump host, or one not reached)."""
+    if f is None or f.launch is None or not f.launch.versions:
+        return None
+    from dflashctl.facts import LAUNCH_PACKAGES
+
+    return ", ".join(f"{name} {f.launch.versions.get(name) or 'missing'}" for name in LAUNCH_PACKAGES) + \
+        f" (python {f.python_path})"
 
 
 def _bytes(n: int) -> str:

@@ -16,7 +16,6 @@ import sys
 from typing import Optional
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from dflashctl.commands._app import G, app, err, out, parse_duration_option, printable
@@ -50,6 +49,15 @@ def _say(console, text: str, **options) -> None:
         pass
 
 
+def _say_record(line: str) -> None:
+    """One record of a stream (an event, a metrics line) as one line: cut to the
+    terminal's width, whole when piped (``stream_width``)."""
+    from dflashctl.commands._app import stream_width
+    from dflashctl.terminal import one_line
+
+    _say_text(Text(one_line(line, stream_width(sys.stdout))))
+
+
 def _progress(as_json: bool):
     """Step-by-step progress lines on stderr (stdout stays clean for --json)."""
 
@@ -74,7 +82,8 @@ def launch_command(
     foreground: bool = typer.Option(False, "--foreground", help="Supervise here, printing events and metrics until the run ends; exit code 1 if it fails. Ctrl-C, SIGTERM and SIGHUP (terminal closed) hand it to a background supervisor."),
     no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
     force: bool = typer.Option(False, "--force", help="Launch despite env-audit errors or busy / claimed GPUs."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print every step and remote command; change nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print every step and remote command; change nothing. "
+                                 "Exit code 1 when the launch would stop (env-audit or input errors)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Audit the host, deploy the trainer, start the run in tmux, record and supervise it.
@@ -100,7 +109,7 @@ def launch_command(
             if foreground:
                 _say(err, f"following {result.run_id} (Ctrl-C detaches; the run keeps going)")
                 supervised = supervise_here(result.run_id, store, inventory, signals, show,
-                                            emit=lambda line: _say(out, line), inventory_path=G.inventory,
+                                            emit=_say_record, inventory_path=G.inventory,
                                             playbooks_dir=G.playbooks)
                 supervisor, final = supervised.session or supervised.state, supervised.state
                 if supervised.session:
@@ -115,6 +124,9 @@ def launch_command(
     elif not dry_run:
         _say(out, result.run_id)
     if FAILED in (result.state, final):  # failed to start, or (followed to its end) failed
+        raise typer.Exit(1)
+    if dry_run and result.blocked:  # a gate: a playbook that cannot launch fails its dry run
+        _say(err, f"dry run: a launch would stop at {result.blocked} error(s) (exit 1)")
         raise typer.Exit(1)
 
 
@@ -136,16 +148,27 @@ def restart_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
     serialized_warmup: bool = typer.Option(False, "--serialized-warmup", help="Warm up compiled kernels one at a time."),
     no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
+    reload: bool = typer.Option(False, "--reload", help="Take the playbook's trainer section again (validated; "
+                                "refused when the model shapes or the placement differ from the run's)."),
 ) -> None:
     """Start a run's trainer again, resuming from its last checkpoint.
 
-    The trainer starts in the same run directory (compile cache kept); then a local
-    tmux session supervises it, as after `launch`."""
+    A running run is stopped first (it checkpoints); its ready standby, when it has
+    one, is kept through the stop and becomes the new process (no import paid). The
+    trainer starts in the same run directory (compile cache kept) with the config
+    recorded at launch: a playbook changed since is said, and `--reload` takes its
+    trainer section (steps, learning rate, data, ...) again. Then a local tmux
+    session supervises it, as after `launch`."""
+    import time
+
     from dflashctl.launch import start_supervisor
+    from dflashctl.recorded import prepare
     from dflashctl.runhost import restart
 
     store, inventory, show = _store(), _inventory(), _progress(False)
-    state = restart(run, store, inventory, serialized_warmup=serialized_warmup, progress=show)
+    record = store.get_run(run)
+    prepare(record, store, inventory, G.playbooks, reload, show, time.time())
+    state = restart(record.id, store, inventory, serialized_warmup=serialized_warmup, progress=show)
     if state == "running" and not no_watch:
         start_supervisor(store.get_run(run).id, False, store, inventory, show,
                          inventory_path=G.inventory, playbooks_dir=G.playbooks)
@@ -214,10 +237,53 @@ def _eval_summary(row: dict | None) -> dict | None:
             "greedy_identical": report.get("greedy_identical")}
 
 
-def _tau(row: dict | None) -> str:
-    if not row or row.get("tau") is None:
-        return "-"
-    return f"{row['tau']:.2f}" + (f" ({row['speedup']:.2f}x)" if row.get("speedup") else "")
+def _run_columns():
+    from dflashctl.tables import Col
+
+    return (
+        Col("run", "run", 64, 0),  # ids are copied into other commands: whole, never cut
+        Col("state", "state", 10, 0),
+        Col("step", "step", 15, 1, "right"),
+        Col("loss", "loss", 6, 1, "right"),
+        Col("accept", "accept", 6, 2, "right"),
+        Col("tau", "tau", 5, 2, "right"),
+        Col("speedup", "speedup", 7, 4, "right"),
+        Col("restarts", "rst", 3, 2, "right"),
+        Col("duration", "took", 7, 3, "right"),
+        Col("host", "host", 12, 3),
+        Col("created", "created", 11, 4),
+        Col("exit", "exit", 12, 5, grow=48),
+        Col("gpus", "GPUs", 7, 6),
+    )
+
+
+def _run_summary(r, outcome: dict, evaluation: dict | None, now: float) -> dict:
+    """What ``runs --json`` adds to a run's record: what it achieved."""
+    from dflashctl.tui.model import _total_steps
+
+    start = r.started or r.created
+    return {"step": outcome["step"], "total_steps": _total_steps(r), "loss": outcome["loss"],
+            "accept_len": outcome["accept_len"], "tau": (evaluation or {}).get("tau"),
+            "restarts": outcome["restarts"], "duration_s": max(0.0, (r.ended or now) - start) if start else None}
+
+
+def _run_cells(r, s: dict) -> dict:
+    from dflashctl.detectors import fmt_duration
+
+    step = "-" if s["step"] is None else f"{s['step']:,}" + (f"/{s['total_steps']:,}" if s["total_steps"] else "")
+    return {
+        "run": r.id, "state": r.state, "step": step,
+        "loss": "-" if s["loss"] is None else f"{s['loss']:.3f}",
+        "accept": "-" if s["accept_len"] is None else f"{s['accept_len']:.2f}",
+        "tau": "-" if s["tau"] is None else f"{s['tau']:.2f}",
+        "speedup": "-" if not (s["eval"] or {}).get("speedup") else f"{s['eval']['speedup']:.2f}x",
+        "restarts": str(s["restarts"]),
+        "duration": "-" if s["duration_s"] is None else fmt_duration(s["duration_s"]).replace(" ", ""),
+        "host": ",".join(r.host_names),  # a multi-host run: every host, rank 0 first
+        "created": _when(r.created, short=True),
+        "exit": r.exit_reason or ("-" if r.exit_code is None else str(r.exit_code)),
+        "gpus": ",".join(map(str, r.gpus)) or "-",
+    }
 
 
 @app.command("runs")
@@ -226,34 +292,41 @@ def runs_command(
     all_runs: bool = typer.Option(False, "--all", help="Include every run, not only the last 20."),
     playbook: Optional[str] = typer.Option(None, "--playbook", help="Only runs of this playbook."),
 ) -> None:
-    """List runs, newest first: state, host, when, how they ended."""
+    """List runs, newest first: state, what each achieved, how it ended.
+
+    Per run: the newest step of its total, the newest loss and acceptance length
+    (accept_len, the trainer's estimate), tau measured by `dflashctl eval` (with its
+    speed-up), restarts, how long it ran, host, when it was created, how it ended.
+    The columns that fit the terminal are shown, each cell cut to its column (never
+    folded); a failed run's whole exit reason is on the line below it; `--json` has
+    every field (`summary`: step, total_steps, loss, accept_len, tau, restarts,
+    duration_s)."""
+    import time
+
+    from dflashctl.tables import lines
+
     store = _store()
     runs = store.list_runs(playbook=playbook, limit=None if all_runs else 20)
     evals = store.latest_evals()
+    outcomes = store.run_outcomes([r.id for r in runs])
+    now = time.time()
+    summaries = [_run_summary(r, outcomes[r.id], evals.get(r.id), now) for r in runs]
     if as_json:
-        print(json.dumps([{**r.to_dict(), "eval": _eval_summary(evals.get(r.id))} for r in runs], indent=2))
+        print(json.dumps([{**r.to_dict(), "summary": s, "eval": _eval_summary(evals.get(r.id))}
+                          for r, s in zip(runs, summaries)], indent=2))
         return
-    table = Table(title_justify="left")
-    table.add_column("run", no_wrap=True)  # ids are copied into other commands: never wrapped
-    for column in ("state", "host", "created", "ended", "exit", "GPUs", "tau"):
-        table.add_column(column)
+    if not runs:
+        out.print("no runs yet: dflashctl launch demo", highlight=False)
+        return
     colors = {"running": "green", "failed": "red", "lost": "yellow", "stalled": "yellow", "restarting": "yellow"}
-    for r in runs:
-        color = colors.get(r.state)
-        cells = [Text(printable(cell)) for cell in (
-            r.id,
-            r.state,
-            ",".join(r.host_names),  # a multi-host run: every host, rank 0 first
-            _when(r.created, short=True),
-            _when(r.ended, short=True),
-            r.exit_reason or ("-" if r.exit_code is None else str(r.exit_code)),
-            ",".join(map(str, r.gpus)) or "-",
-            _tau(evals.get(r.id)),
-        )]
-        if color:
-            cells[1].stylize(color)
-        table.add_row(*cells)
-    out.print(table if runs else "no runs yet: dflashctl launch demo")
+    rows = [{k: printable(v) for k, v in _run_cells(r, {**s, "eval": evals.get(r.id)}).items()}
+            for r, s in zip(runs, summaries)]
+    # A failed run's exit reason that its cell cuts (or that has no column) is on the line below.
+    details = [("exit", printable(f"exit: {r.exit_reason}")) if r.state in ("failed", "lost") and r.exit_reason
+               else None for r in runs]
+    for line in lines(_run_columns(), rows, out.width, styles=[{"state": colors.get(r.state, "")} for r in runs],
+                      details=details):
+        out.print(line, highlight=False)
 
 
 @app.command("events")
@@ -261,7 +334,15 @@ def events_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of lines."),
 ) -> None:
-    """A run's events in time order: state changes, deploys, restarts, findings."""
+    """A run's events in time order: state changes, deploys, restarts, findings.
+
+    One line per event, at any width and when piped (`grep crash` sees each whole):
+    a message's line breaks are shown as ⏎; on a terminal (or with COLUMNS set) a
+    line is cut to the width, and `--json` has every event whole (id, run_id, time,
+    kind, severity, message, detail)."""
+    from dflashctl.commands._app import stream_width
+    from dflashctl.terminal import one_line
+
     store = _store()
     found = store.get_run(run)
     events = store.events(found.id)
@@ -269,8 +350,18 @@ def events_command(
         print(json.dumps([e.to_dict() for e in events], indent=2))
         return
     colors = {"warning": "yellow", "error": "red", "critical": "bold red"}
+    width = stream_width(sys.stdout)
     for e in events:
-        color = colors.get(e.severity, "default")
-        out.print(Text.assemble(f"{_when(e.time)}  ", (printable(f"{e.severity:<8}"), color),
-                                printable(f" {e.kind:<14} {e.message}")), highlight=False)
+        head = f"{_when(e.time)}  "
+        line = Text(one_line(f"{head}{e.severity:<8} {e.kind:<14} {e.message}", width))
+        line.stylize(colors.get(e.severity, ""), len(head), len(head) + len(e.severity))
+        _say_text(line)
 
+
+def _say_text(line: Text) -> None:
+    """One record as one line, never folded by the console (it is cut already, or
+    whole for a pipe)."""
+    try:
+        out.print(line, highlight=False, soft_wrap=True)
+    except OSError:
+        pass

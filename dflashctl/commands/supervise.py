@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 from typing import List, Optional
 
 import typer
 
-from dflashctl.commands._app import G, app, err, printable
+from dflashctl.commands._app import G, app, err, printable, stream_width
 from dflashctl.detectors import SEVERITIES
 
 
@@ -34,8 +35,9 @@ def watch_command(
 
     Polls their hosts (one round trip per host), detects crashes, stalls,
     slowdowns and unreachable hosts, restarts per the playbook's policy, alerts,
-    and records everything in the store. One line per event. Ctrl-C (or SIGTERM)
-    stops watching; the runs go on."""
+    and records everything in the store. One line per event, in time order, at any
+    width (cut to a terminal's, whole when piped; `--json`: one JSON object per
+    line). Ctrl-C (or SIGTERM) stops watching; the runs go on."""
     from dflashctl.config import load_inventory, parse_duration
     from dflashctl.errors import ConfigError
     from dflashctl.paths import store_path
@@ -60,17 +62,18 @@ def watch_command(
 
     def show(kind: str, payload) -> None:
         if kind == "info":
-            err.print(printable(payload), highlight=False, markup=False)
+            err.print(printable(payload), highlight=False, markup=False, soft_wrap=True)
         elif kind == "observation":
-            print(json.dumps(payload) if as_json else printable(format_observation(payload)), flush=True)
+            print(json.dumps(payload) if as_json else format_observation(payload, width), flush=True)
         elif as_json and kind == "event":
             print(json.dumps(payload.to_dict(), default=str), flush=True)
         elif as_json:
             run_id, m = payload
             print(json.dumps({"kind": "metrics", "run_id": run_id, "metrics": json.loads(m.to_line())}), flush=True)
         else:
-            print(printable(format_line(kind, payload)), flush=True)
+            print(format_line(kind, payload, width), flush=True)
 
+    width = stream_width(sys.stdout)  # one line per record: cut on a terminal, whole when piped
     stop = threading.Event()
     _stop_on_signals(stop)
     sup = watch(targets, Store(store_path()), load_inventory(G.inventory), interval=seconds, once=once,

@@ -21,6 +21,18 @@ namespace, a start time is not), and two things started to outlive this call: a 
 sleeping ``LINGER_S`` seconds) and a tmux session on the private socket
 ``dflashctl-check-TOKEN``.
 
+Checking a launch's inputs, before anything is deployed:
+
+    {"inputs": {"workdir": "~/dflash", "shards": "/data/s" or null, "model": "/models/q" or null}}
+
+answers, for ``shards`` (a directory of ``*.jsonl`` files or a glob, as the trainer
+reads it): whether the path exists, how many shards it names, the first one, and
+whether that shard opens and its first non-blank line is a JSON object with
+``input_ids`` and ``loss_mask`` lists of one length (else why not); for ``model``:
+whether the directory exists and holds a ``config.json`` that parses (its
+``hidden_size``, ``intermediate_size`` and ``vocab_size`` when given); and the free
+disk where the workdir is (or will be: this call creates nothing).
+
 Looking again, in a later call:
 
     {"look": {"pid": 123, "start": 456789, "pidns": "pid:[4026531836]", "token": "ab12"}}
@@ -36,6 +48,7 @@ the workdir, its one probe file, the sleeping process and the tmux session named
 above, and the last two end within ``LINGER_S`` seconds even if nobody looks again.
 """
 
+import glob
 import json
 import os
 import platform
@@ -230,6 +243,86 @@ def gather(args):
     return facts
 
 
+FIRST_LINE_MAX_BYTES = 64 << 20  # the first shard line read at most (a sample is far smaller)
+
+
+def first_record(path):
+    """Why the shard's first non-blank line is not a sample, or None when it is one."""
+    try:
+        with open(path, "rb") as f:
+            while True:
+                line = f.readline(FIRST_LINE_MAX_BYTES)
+                if not line:
+                    return "the shard is empty"
+                if line.strip():
+                    break
+    except OSError as e:
+        return "cannot read it: " + str(e)[:STDERR_MAX_CHARS]
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        return "its first line is not valid JSON: " + str(e)[:200]
+    if not isinstance(record, dict):
+        return "its first line is not a JSON object"
+    ids, mask = record.get("input_ids"), record.get("loss_mask")
+    if not isinstance(ids, list) or not isinstance(mask, list):
+        return "its first line has no 'input_ids' and 'loss_mask' lists"
+    if len(ids) != len(mask):
+        return "its first line's 'input_ids' has %d tokens but 'loss_mask' has %d" % (len(ids), len(mask))
+    return None
+
+
+def shards_answer(spec):
+    path = os.path.expanduser(spec)
+    is_dir = os.path.isdir(path)
+    paths = sorted(glob.glob(os.path.join(path, "*.jsonl")) if is_dir else glob.glob(path))
+    answer = {"path": path, "exists": is_dir or os.path.exists(path) or bool(paths), "is_dir": is_dir,
+              "count": len(paths), "first": paths[0] if paths else None, "first_error": None}
+    if paths:
+        answer["first_error"] = first_record(paths[0])
+    return answer
+
+
+def model_answer(path):
+    path = os.path.expanduser(path)
+    answer = {"path": path, "exists": os.path.isdir(path), "config": False, "config_error": None}
+    config = os.path.join(path, "config.json")
+    if not answer["exists"]:
+        return answer
+    try:
+        with open(config, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        answer["config_error"] = str(e)[:STDERR_MAX_CHARS]
+        return answer
+    answer["config"] = isinstance(raw, dict)
+    if not answer["config"]:
+        answer["config_error"] = "config.json is not a JSON object"
+        return answer
+    for key in ("hidden_size", "intermediate_size", "vocab_size"):
+        if isinstance(raw.get(key), int) and not isinstance(raw.get(key), bool):
+            answer[key] = raw[key]
+    return answer
+
+
+def inputs(args):
+    """A launch's inputs, checked where the trainer will read them."""
+    answer = {}
+    if isinstance(args.get("shards"), str):
+        answer["shards"] = shards_answer(args["shards"])
+    if isinstance(args.get("model"), str):
+        answer["model"] = model_answer(args["model"])
+    if isinstance(args.get("workdir"), str):
+        place = os.path.abspath(os.path.expanduser(args["workdir"]))
+        while not os.path.exists(place) and os.path.dirname(place) != place:
+            place = os.path.dirname(place)  # read only: the disk the workdir will be created on
+        try:
+            answer["disk_free"] = shutil.disk_usage(place).free
+        except OSError as e:
+            answer["disk_error"] = str(e)[:STDERR_MAX_CHARS]
+    return answer
+
+
 def main(argv):
     try:
         args = json.loads(argv[0]) if argv else {}
@@ -237,6 +330,9 @@ def main(argv):
         args = None
     if isinstance(args, dict) and isinstance(args.get("look"), dict):
         sys.stdout.write(json.dumps(look(args["look"])) + "\n")
+        return 0
+    if isinstance(args, dict) and isinstance(args.get("inputs"), dict):
+        sys.stdout.write(json.dumps(inputs(args["inputs"])) + "\n")
         return 0
     if not isinstance(args, dict) or not isinstance(args.get("workdir"), str):
         sys.stdout.write(json.dumps({"error": "expected one JSON argument {\"workdir\": ...}"}) + "\n")
