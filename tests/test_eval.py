@@ -133,10 +133,10 @@ def test_speculative_greedy_output_is_plain_greedy_output_on_20_prompts(written_
 
 def test_the_greedy_baseline_is_the_targets_own_greedy_decoding(written_by_target):
     from trainer.eval import load_samples, split_prompt
-    from trainer import serving
+    from trainer import restore
     from trainer.speculative import greedy_generate
 
-    loaded = serving.load(written_by_target["ckpt"])
+    loaded = restore.load(written_by_target["ckpt"])
     for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 3):
         start = split_prompt(ids, mask)
         ours = greedy_generate(loaded.target, ids[:start], 30).tokens
@@ -149,11 +149,11 @@ def test_decoding_accepts_what_the_training_statistic_predicts_step_by_step(writ
     """When the target wrote the data, decoding follows the data, so each verification
     step must accept what the trainer's own statistic (the training forward, verified
     against the data) gives at that anchor."""
-    from trainer import serving
+    from trainer import restore
     from trainer.eval import load_samples, split_prompt
     from trainer.speculative import anchor_runs, speculative_generate
 
-    loaded = serving.load(written_by_target["ckpt"])
+    loaded = restore.load(written_by_target["ckpt"])
     steps = 0
     for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 6):
         start = split_prompt(ids, mask)
@@ -221,7 +221,7 @@ def test_eval_takes_the_target_from_another_path_only_when_it_is_the_same_networ
     with open(cfg_path, "w") as f:
         json.dump(raw, f)
     done = cli("eval", written_by_target["ckpt"], "--target", other, "--prompts", "1", "--device", "cpu")
-    assert done.returncode == contract.EXIT_CONFIG_ERROR and "config hash" in done.stderr
+    assert done.returncode == contract.EXIT_CONFIG_ERROR and "drafter.rms_norm_eps: trained 1e-06, this target 1e-05" in done.stderr
 
 
 # ---------------------------------------------------------------------------- agreement with training
