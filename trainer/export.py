@@ -1,19 +1,17 @@
-"""``python -m trainer export CKPT OUT``: a trained drafter in the layout engines load.
+"""``python -m trainer export CKPT OUT --engine ENGINE``: a trained drafter in the layout
+the engine loads, refused where the engine would run it otherwise than trained.
 
 Two Hugging Face-style directories (config.json + model.safetensors), from the
 public formats' own definitions:
 
-``dflash`` (z-lab's DFlash drafters, which SGLang's and vLLM's DFlash loaders read):
+``dflash`` (z-lab's DFlash drafters; read by z-lab's code, SGLang and vLLM):
   config.json is a Qwen3 config of the drafter itself (``num_hidden_layers`` = drafter
   layers, the target's width, heads, RoPE and vocabulary; ``layer_types`` with
   ``full_attention`` / ``sliding_attention``), plus ``architectures:
   ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` (the target's depth)
   and ``dflash_config: {mask_token_id, target_layer_ids, block_size}``; target layer
-  ids are 0-based and layer i's feature is hidden_states[i + 1]. No ``is_causal``
-  or ``dflash_config.causal`` key is written: without it, engines run sliding layers
-  causal and full layers bidirectional, as this trainer trains them (either key
-  would force one rule on every layer). Tensors (no embedding, no lm_head: the
-  drafter uses the target's)::
+  ids are 0-based and layer i's feature is hidden_states[i + 1]. Tensors (no
+  embedding, no lm_head: the drafter uses the target's)::
 
       fc.weight                    [H, K*H]   fuses the K target features
       hidden_norm.weight           [H]        RMSNorm after fc
@@ -27,13 +25,22 @@ public formats' own definitions:
   ``speculators_model_type: "dflash"``, the drafter's Qwen3 config under
   ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` = target layer id + 1
   (speculators numbers hidden states, not layers), ``mask_token_id``,
-  ``block_size``, ``sliding_window_non_causal: false``, ``sample_from_anchor: false``
+  ``block_size``, ``sliding_window_non_causal``, ``sample_from_anchor: false``
   (slot 0 holds the anchor; B - 1 tokens are drafted) and a ``speculators_config``
-  (algorithm dflash, greedy proposals of B - 1 tokens, the verifier).
+  (algorithm dflash, greedy proposals of B - 1 tokens, the verifier: a name or a
+  path relative to the export, ``portable_verifier``).
+
+Engines differ in how they run sliding layers (ENGINE_RULES says what each does and
+where it was read); the checkpoint records how they were trained
+(``model.sliding_semantics``). ``engine_problems`` refuses an engine that would run
+them otherwise, naming the setting that fits; ``engine_keys`` writes the causality
+keys the engine reads (``is_causal``, ``dflash_config.causal``,
+``sliding_window_non_causal``). Without ``--engine`` the layout is checked for the
+engines that read it (FORMAT_ENGINES).
 
 Beside them, ``dflashctl_export.json`` keeps the checkpoint's full serving metadata
-(trainer/serving.py). The export refuses what an engine would run differently from
-training (``export_problems``), first of all sliding layers run bidirectionally.
+(trainer/serving.py) and the engines checked. Every file is written 0644 and the
+directory 0755, so an engine running as another user reads them.
 
 ``import_dflash`` reads a ``dflash`` directory back into a Drafter (the round trip
 the tests check). This module never changes a checkpoint.
