@@ -35,8 +35,10 @@ DEMO = {  # playbooks/demo.yaml's trainer section
 # ---------------------------------------------------------------------------- the cached drafter
 
 
-@pytest.mark.parametrize("layer_types", [["full", "full"], ["sliding", "full"]])
-def test_cached_block_forward_matches_the_training_forward(layer_types):
+@pytest.mark.parametrize("layer_types,semantics", [(["full", "full"], "causal_in_block"),
+                                                   (["sliding", "full"], "causal_in_block"),
+                                                   (["sliding", "full"], "bidirectional")])
+def test_cached_block_forward_matches_the_training_forward(layer_types, semantics):
     from trainer.attention import SDPA, AttentionPath, build_layer_masks
     from trainer.config import ModelConfig
     from trainer.model import Drafter
@@ -45,7 +47,8 @@ def test_cached_block_forward_matches_the_training_forward(layer_types):
 
     target = build_target(ModelConfig(preset="tiny"), "cpu", torch.float32)
     torch.manual_seed(1)
-    cfg = ModelConfig(preset="tiny", drafter_layers=2, block_size=8, layer_types=layer_types, sliding_window=3)
+    cfg = ModelConfig(preset="tiny", drafter_layers=2, block_size=8, layer_types=layer_types, sliding_window=3,
+                      sliding_semantics=semantics)
     drafter = Drafter(cfg, target.config, target.embed_tokens, target.lm_head).eval()
     ids = torch.randint(1, 500, (1, 48), generator=torch.Generator().manual_seed(2))
     features = target.features(ids)
@@ -57,7 +60,7 @@ def test_cached_block_forward_matches_the_training_forward(layer_types):
         block[0] = ids[0, anchor]
         cached = state.logits(block, anchor)
         anchors, valid = torch.tensor([[anchor]]), torch.tensor([[True]])
-        masks = build_layer_masks(AttentionPath(SDPA, "cpu"), anchors, valid, 48, 8, drafter.layer_types, 3)
+        masks = build_layer_masks(AttentionPath(SDPA, "cpu"), anchors, valid, 48, 8, drafter.layer_types, 3, semantics)
         with torch.no_grad():
             dense = drafter.lm_head(drafter(features, block[None], torch.arange(anchor, anchor + 8)[None], masks))[0]
         assert torch.allclose(cached, dense, atol=1e-5, rtol=1e-5), (anchor, (cached - dense).abs().max())
