@@ -34,7 +34,6 @@ import functools
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from trainer.config import ConfigError, ModelConfig
@@ -74,8 +73,10 @@ _VOLATILE_CONFIG_KEYS = frozenset({
 
 def target_config_hash(config) -> str:
     """sha256 (16 hex digits) of the target's architecture config (a Hugging Face
-    config or its dict), without file and runtime keys: equal hashes mean the same
-    network shape, RoPE and vocabulary."""
+    config or its dict), without file and runtime keys. Recorded for information
+    only: one model's ``to_dict()`` differs between transformers versions (where
+    rope_theta sits), so whether a target is the trained one is decided by
+    ``target_differences``."""
     raw = config if isinstance(config, dict) else config.to_dict()
     kept = {k: v for k, v in raw.items() if k not in _VOLATILE_CONFIG_KEYS}
     text = json.dumps(kept, sort_keys=True, default=str)
