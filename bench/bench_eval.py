@@ -85,9 +85,9 @@ def main(argv=None) -> int:
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
     if args.checkpoint:
-        from trainer import serving
+        from trainer import restore
 
-        loaded = serving.load(args.checkpoint, str(device), dtype=dtype)
+        loaded = restore.load(args.checkpoint, str(device), dtype=dtype)
         target, drafter = loaded.target, loaded.drafter
     else:
         cfg = ModelConfig(preset=args.preset, block_size=args.block_size, drafter_layers=args.drafter_layers)

@@ -4,6 +4,7 @@ warps, pipeline stages) and against inductor's autotuning (``max-autotune``).
 
     python bench/bench_flex.py --device cuda                  # reference size: B=16, 2048 context, 512 anchors
     python bench/bench_flex.py --device cuda --variants default,bwd-64-128
+    python bench/bench_flex.py --device cuda --variants default --window 512 --semantics bidirectional   # a sliding layer
 
 Prints one JSON line per variant: forward and forward+backward milliseconds
 (``triton.testing.do_bench`` median; the compile, and any autotuning, is not timed)
@@ -52,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--window", type=int, help="a sliding layer's mask of this window (default: a full layer's)")
+    p.add_argument("--semantics", default="causal_in_block", help="the sliding layer's semantics (trainer/masks.py)")
     args = p.parse_args(argv)
 
     from torch.nn.attention.flex_attention import flex_attention
@@ -59,7 +62,7 @@ def main(argv=None) -> int:
 
     device = torch.device(args.device)
     anchors, valid = reference_anchors(args.batch, args.ctx, args.anchors, args.block_size, device)
-    mask = build_block_mask(anchors, valid, args.ctx, args.block_size, None, builder="direct")
+    mask = build_block_mask(anchors, valid, args.ctx, args.block_size, args.window, args.semantics, builder="direct")
     q_len, kv_len = mask.seq_lengths
     q = torch.randn(args.batch, args.heads, q_len, args.head_dim, device=device, dtype=torch.bfloat16)
     k = torch.randn(args.batch, args.kv_heads, kv_len, args.head_dim, device=device, dtype=torch.bfloat16)
@@ -80,7 +83,8 @@ def main(argv=None) -> int:
             out.backward(grad_out)
             return out
 
-        row = {"variant": name, "options": options, "mode": mode, "q_len": q_len, "kv_len": kv_len}
+        row = {"variant": name, "options": options, "mode": mode, "q_len": q_len, "kv_len": kv_len,
+               "window": args.window, "semantics": args.semantics if args.window else None}
         try:
             out = step()
             got = [out.detach()] + [t.grad.detach().clone() for t in leaves]

@@ -35,8 +35,10 @@ DEMO = {  # playbooks/demo.yaml's trainer section
 # ---------------------------------------------------------------------------- the cached drafter
 
 
-@pytest.mark.parametrize("layer_types", [["full", "full"], ["sliding", "full"]])
-def test_cached_block_forward_matches_the_training_forward(layer_types):
+@pytest.mark.parametrize("layer_types,semantics", [(["full", "full"], "causal_in_block"),
+                                                   (["sliding", "full"], "causal_in_block"),
+                                                   (["sliding", "full"], "bidirectional")])
+def test_cached_block_forward_matches_the_training_forward(layer_types, semantics):
     from trainer.attention import SDPA, AttentionPath, build_layer_masks
     from trainer.config import ModelConfig
     from trainer.model import Drafter
@@ -45,7 +47,8 @@ def test_cached_block_forward_matches_the_training_forward(layer_types):
 
     target = build_target(ModelConfig(preset="tiny"), "cpu", torch.float32)
     torch.manual_seed(1)
-    cfg = ModelConfig(preset="tiny", drafter_layers=2, block_size=8, layer_types=layer_types, sliding_window=3)
+    cfg = ModelConfig(preset="tiny", drafter_layers=2, block_size=8, layer_types=layer_types, sliding_window=3,
+                      sliding_semantics=semantics)
     drafter = Drafter(cfg, target.config, target.embed_tokens, target.lm_head).eval()
     ids = torch.randint(1, 500, (1, 48), generator=torch.Generator().manual_seed(2))
     features = target.features(ids)
@@ -57,7 +60,7 @@ def test_cached_block_forward_matches_the_training_forward(layer_types):
         block[0] = ids[0, anchor]
         cached = state.logits(block, anchor)
         anchors, valid = torch.tensor([[anchor]]), torch.tensor([[True]])
-        masks = build_layer_masks(AttentionPath(SDPA, "cpu"), anchors, valid, 48, 8, drafter.layer_types, 3)
+        masks = build_layer_masks(AttentionPath(SDPA, "cpu"), anchors, valid, 48, 8, drafter.layer_types, 3, semantics)
         with torch.no_grad():
             dense = drafter.lm_head(drafter(features, block[None], torch.arange(anchor, anchor + 8)[None], masks))[0]
         assert torch.allclose(cached, dense, atol=1e-5, rtol=1e-5), (anchor, (cached - dense).abs().max())
@@ -133,10 +136,10 @@ def test_speculative_greedy_output_is_plain_greedy_output_on_20_prompts(written_
 
 def test_the_greedy_baseline_is_the_targets_own_greedy_decoding(written_by_target):
     from trainer.eval import load_samples, split_prompt
-    from trainer import serving
+    from trainer import restore
     from trainer.speculative import greedy_generate
 
-    loaded = serving.load(written_by_target["ckpt"])
+    loaded = restore.load(written_by_target["ckpt"])
     for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 3):
         start = split_prompt(ids, mask)
         ours = greedy_generate(loaded.target, ids[:start], 30).tokens
@@ -149,11 +152,11 @@ def test_decoding_accepts_what_the_training_statistic_predicts_step_by_step(writ
     """When the target wrote the data, decoding follows the data, so each verification
     step must accept what the trainer's own statistic (the training forward, verified
     against the data) gives at that anchor."""
-    from trainer import serving
+    from trainer import restore
     from trainer.eval import load_samples, split_prompt
     from trainer.speculative import anchor_runs, speculative_generate
 
-    loaded = serving.load(written_by_target["ckpt"])
+    loaded = restore.load(written_by_target["ckpt"])
     steps = 0
     for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 6):
         start = split_prompt(ids, mask)
@@ -221,7 +224,7 @@ def test_eval_takes_the_target_from_another_path_only_when_it_is_the_same_networ
     with open(cfg_path, "w") as f:
         json.dump(raw, f)
     done = cli("eval", written_by_target["ckpt"], "--target", other, "--prompts", "1", "--device", "cpu")
-    assert done.returncode == contract.EXIT_CONFIG_ERROR and "config hash" in done.stderr
+    assert done.returncode == contract.EXIT_CONFIG_ERROR and "drafter.rms_norm_eps: trained 1e-06, this target 1e-05" in done.stderr
 
 
 # ---------------------------------------------------------------------------- agreement with training

@@ -1,4 +1,4 @@
-"""No import circle inside the controller.
+"""No import circle inside the controller, nor inside the trainer.
 
 Every ``import`` and ``from ... import`` of every module under ``dflashctl/`` counts,
 including those inside functions (a function-level import only hides a circle until
@@ -178,6 +178,15 @@ def test_the_controller_has_no_import_circle():
     assert len(edges) > 20 and edges["dflashctl.launch"], "the walk found no modules or no imports"
     circles = cycles(edges)
     assert not circles, "import circles inside dflashctl/:\n  " + "\n  ".join(circles)
+
+
+def test_the_trainer_has_no_import_circle():
+    # Data flows one way: checkpoint and model read serving's metadata rules; restore
+    # rebuilds a drafter from all three; none of them imports its reader back.
+    edges = import_graph(REPO / "trainer", "trainer")
+    assert len(edges) > 20 and "trainer.serving" in edges["trainer.checkpoint"], "the walk found no trainer imports"
+    circles = cycles(edges)
+    assert not circles, "import circles inside trainer/:\n  " + "\n  ".join(circles)
 
 
 # --------------------------------------------------------------------------- the checker itself

@@ -21,7 +21,14 @@ from trainer.attention import (
     select_attention_path,
 )
 from trainer.config import ConfigError
-from trainer.masks import build_block_mask, compiled_block_mask_builder, dense_mask, dflash_mask_mod
+from trainer.masks import (
+    SLIDING_SEMANTICS,
+    build_block_mask,
+    compiled_block_mask_builder,
+    dense_mask,
+    dflash_mask_mod,
+    one_block_mask,
+)
 
 TILE = 128  # create_block_mask's default block size; kernels evaluate whole tiles
 
@@ -29,8 +36,10 @@ TILE = 128  # create_block_mask's default block size; kernels evaluate whole til
 # ----------------------------------------------------------------------------- reference
 
 
-def reference_mask(anchors, valid, ctx_len, block_size, window=None, padded_to=None):
-    """[B, Q, KV] bool straight from the rules in DFLASH.md, one anchor at a time."""
+def reference_mask(anchors, valid, ctx_len, block_size, window=None, padded_to=None, semantics="causal_in_block"):
+    """[B, Q, KV] bool straight from the rules in DFLASH.md, one anchor at a time.
+    Sliding layers: ``causal_in_block`` sees slots o-W+1..o, ``bidirectional`` the
+    slots within W-1 of o on either side; both see context keys a+o-W+1..a-1."""
     batch, num_blocks = len(anchors), len(anchors[0])
     q_len, kv_len = padded_to or (num_blocks * block_size, ctx_len + num_blocks * block_size)
     ref = torch.zeros(batch, q_len, kv_len, dtype=torch.bool)
@@ -43,8 +52,9 @@ def reference_mask(anchors, valid, ctx_len, block_size, window=None, padded_to=N
                 q = n * block_size + o
                 lowest = 0 if window is None else max(0, a + o - (window - 1))
                 ref[b, q, lowest:a] = True  # context strictly before the anchor
+                highest = o if semantics == "causal_in_block" else o + (window or 0) - 1
                 for o2 in range(block_size):
-                    if window is None or o - (window - 1) <= o2 <= o:
+                    if window is None or o - (window - 1) <= o2 <= highest:
                         ref[b, q, ctx_len + n * block_size + o2] = True
     return ref
 
@@ -88,22 +98,27 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("seq_len,block_size,max_anchors,spans,window", CASES)
-def test_dense_mask_matches_reference(seq_len, block_size, max_anchors, spans, window):
+# Every case under each sliding semantics (the full-layer cases once: semantics only shapes windows).
+SEM_CASES = [(*case, sem) for case in CASES for sem in SLIDING_SEMANTICS if case[-1] is not None or sem == SLIDING_SEMANTICS[0]]
+
+
+@pytest.mark.parametrize("seq_len,block_size,max_anchors,spans,window,semantics", SEM_CASES)
+def test_dense_mask_matches_reference(seq_len, block_size, max_anchors, spans, window, semantics):
     anchors, valid = make_anchors(seq_len, block_size, max_anchors, spans)
-    got = dense_mask(anchors, valid, seq_len, block_size, window)[:, 0]
-    want = reference_mask(anchors.tolist(), valid.tolist(), seq_len, block_size, window)
+    got = dense_mask(anchors, valid, seq_len, block_size, window, semantics)[:, 0]
+    want = reference_mask(anchors.tolist(), valid.tolist(), seq_len, block_size, window, semantics=semantics)
     assert got.shape == want.shape
     assert torch.equal(got, want), f"{(got != want).sum()} mismatches"
 
 
-@pytest.mark.parametrize("seq_len,block_size,max_anchors,spans,window", CASES)
-def test_block_mask_matches_reference_tile_by_tile(seq_len, block_size, max_anchors, spans, window):
+@pytest.mark.parametrize("seq_len,block_size,max_anchors,spans,window,semantics", SEM_CASES)
+def test_block_mask_matches_reference_tile_by_tile(seq_len, block_size, max_anchors, spans, window, semantics):
     anchors, valid = make_anchors(seq_len, block_size, max_anchors, spans)
     q_len, kv_len = anchors.shape[1] * block_size, seq_len + anchors.shape[1] * block_size
-    bm = build_block_mask(anchors, valid, seq_len, block_size, window, builder="eager")
+    bm = build_block_mask(anchors, valid, seq_len, block_size, window, semantics, builder="eager")
     assert bm.shape == (2, 1, q_len, kv_len)
-    want = reference_mask(anchors.tolist(), valid.tolist(), seq_len, block_size, window, (round_up(q_len), round_up(kv_len)))
+    want = reference_mask(anchors.tolist(), valid.tolist(), seq_len, block_size, window,
+                          (round_up(q_len), round_up(kv_len)), semantics)
     any_t, all_t = tiles(want)
     shape = any_t.shape
     partial = listed_blocks(bm.kv_num_blocks, bm.kv_indices, shape)
@@ -112,9 +127,28 @@ def test_block_mask_matches_reference_tile_by_tile(seq_len, block_size, max_anch
     assert torch.equal(full, all_t)
     assert torch.equal(partial, any_t & ~all_t)
     # Inside partial tiles the kernel evaluates the mask_mod over the padded grid.
-    mod = dflash_mask_mod(anchors, valid, seq_len, block_size, window)
+    mod = dflash_mask_mod(anchors, valid, seq_len, block_size, window, semantics)
     got = create_mask(mod, 2, 1, round_up(q_len), round_up(kv_len), device="cpu")[:, 0]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("semantics", SLIDING_SEMANTICS)
+@pytest.mark.parametrize("anchor,window", [(0, 3), (5, 3), (5, 64), (30, 1), (30, 6), (30, 12)])
+def test_one_block_mask_of_decoding_is_the_training_rule(anchor, window, semantics):
+    # Decoding with a draft KV cache masks one block over the context before it.
+    want = dense_mask(torch.tensor([[anchor]]), torch.tensor([[True]]), anchor, 8, window, semantics)[0, 0]
+    assert torch.equal(one_block_mask(anchor, 8, window, semantics), want)
+
+
+def test_sliding_semantics_differ_only_in_the_slots_after_the_query():
+    anchors, valid = torch.tensor([[20]]), torch.tensor([[True]])
+    causal = dense_mask(anchors, valid, 32, 8, 3, "causal_in_block")[0, 0]
+    both = dense_mask(anchors, valid, 32, 8, 3, "bidirectional")[0, 0]
+    assert torch.equal(causal[:, :32], both[:, :32])  # the context: keys a+o-2..a-1 under both
+    assert both[0, 32:35].tolist() == [True, True, True] and causal[0, 32:35].tolist() == [True, False, False]
+    assert torch.equal(both[:, 32:], torch.ones(8, 8, dtype=torch.bool).triu(-2).tril(2))
+    with pytest.raises(ValueError, match="not one of"):
+        dense_mask(anchors, valid, 32, 8, 3, "causal")
 
 
 def test_bug2_context_is_strictly_before_the_anchor():
@@ -153,6 +187,7 @@ def test_bug4_block_is_bidirectional_in_full_layers_causal_in_sliding():
     assert full.all(), "slot 0 must see slot 3 in a full layer"
     sliding = dense_mask(anchors, valid, 16, 4, window=64)[0, 0, :, 16:]
     assert torch.equal(sliding, torch.ones(4, 4, dtype=torch.bool).tril())
+    assert dense_mask(anchors, valid, 16, 4, 64, "bidirectional")[0, 0, :, 16:].all(), "bidirectional sliding layer"
 
 
 def test_invalid_blocks_see_nothing():
@@ -264,11 +299,15 @@ def assert_same_tables(got, want):
         assert torch.equal(listed_blocks(num, indices, shape), listed_blocks(want_num, want_indices, shape)), kind
 
 
-@pytest.mark.parametrize("make,ctx_len,block_size,window,has_full", DIRECT_CASES)
-def test_direct_block_mask_matches_create_block_mask(make, ctx_len, block_size, window, has_full):
+DIRECT_SEM_CASES = [(*case, sem) for case in DIRECT_CASES for sem in SLIDING_SEMANTICS
+                    if case[3] is not None or sem == SLIDING_SEMANTICS[0]]
+
+
+@pytest.mark.parametrize("make,ctx_len,block_size,window,has_full,semantics", DIRECT_SEM_CASES)
+def test_direct_block_mask_matches_create_block_mask(make, ctx_len, block_size, window, has_full, semantics):
     anchors, valid = make()
-    got = build_block_mask(anchors, valid, ctx_len, block_size, window, builder="direct")
-    want = build_block_mask(anchors, valid, ctx_len, block_size, window, builder="eager")
+    got = build_block_mask(anchors, valid, ctx_len, block_size, window, semantics, builder="direct")
+    want = build_block_mask(anchors, valid, ctx_len, block_size, window, semantics, builder="eager")
     assert_same_tables(got, want)
     if has_full:  # the full-tile tables are exercised, not only empty ones
         assert want.full_kv_num_blocks.sum() > 0
@@ -296,8 +335,8 @@ def as_kernel_sees(bm):
     )
 
 
-@pytest.mark.parametrize("window", [None, 1000])
-def test_flex_attention_with_direct_and_create_block_masks_agree(window):
+@pytest.mark.parametrize("window,semantics", [(None, "causal_in_block"), (1000, "causal_in_block"), (3, "bidirectional")])
+def test_flex_attention_with_direct_and_create_block_masks_agree(window, semantics):
     torch.manual_seed(0)
     anchors, valid = hand_picked()
     ctx_len, bs = 300, 16
@@ -306,10 +345,10 @@ def test_flex_attention_with_direct_and_create_block_masks_agree(window):
     path = AttentionPath(FLEX_EAGER, "cpu")
     out = {}
     for builder in ("direct", "eager"):
-        bm = as_kernel_sees(build_block_mask(anchors, valid, ctx_len, bs, window, builder=builder))
+        bm = as_kernel_sees(build_block_mask(anchors, valid, ctx_len, bs, window, semantics, builder=builder))
         out[builder] = attend(q, k, v, bm, path)
     assert torch.equal(out["direct"], out["eager"])
-    dense = dense_mask(anchors, valid, ctx_len, bs, window)
+    dense = dense_mask(anchors, valid, ctx_len, bs, window, semantics)
     assert (attend(q, k, v, dense, AttentionPath(SDPA, "cpu")) - out["direct"]).abs().max() < 1e-5
 
 
@@ -365,8 +404,8 @@ def test_compiled_path_can_build_its_block_masks_without_compiling(mask_builder)
         assert torch.equal(got.to_dense(), want.to_dense()) and torch.equal(got.kv_indices, want.kv_indices)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_flex_and_sdpa_paths_agree(window):
+@pytest.mark.parametrize("window,semantics", [(None, "causal_in_block"), (5, "causal_in_block"), (5, "bidirectional")])
+def test_flex_and_sdpa_paths_agree(window, semantics):
     torch.manual_seed(0)
     seq_len, bs = 40, 4
     anchors, valid = make_anchors(seq_len, bs, 6, [(3, 40), (0, 36)])
@@ -377,13 +416,13 @@ def test_flex_and_sdpa_paths_agree(window):
     types = ["sliding" if window else "full"]
     out = {}
     for path in (AttentionPath(SDPA, "cpu"), AttentionPath(FLEX_EAGER, "cpu")):
-        masks = build_layer_masks(path, anchors, valid, seq_len, bs, types, window or 0)
+        masks = build_layer_masks(path, anchors, valid, seq_len, bs, types, window or 0, semantics)
         out[path.name] = attend(q, k, v, masks.for_layer(types[0]), path)
     assert (out[SDPA] - out[FLEX_EAGER]).abs().max() < 1e-5
     assert torch.isfinite(out[SDPA]).all()
     assert out[SDPA][0, :, 2 * bs : 3 * bs].abs().max() == 0  # rows that see nothing are zeros
     # and the dense path agrees with a plain softmax over the reference mask
-    ref = reference_mask(anchors.tolist(), valid.tolist(), seq_len, bs, window)[:, None]
+    ref = reference_mask(anchors.tolist(), valid.tolist(), seq_len, bs, window, semantics=semantics)[:, None]
     kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     scores = (q @ kk.transpose(-1, -2) / 4.0).masked_fill(~ref, float("-inf"))
     manual = torch.nan_to_num(scores.softmax(-1)) @ vv

@@ -3,7 +3,7 @@
 and, on a checkpoint (or a run directory: its newest checkpoint):
 
     python -m trainer info CKPT [--json]              what it holds and what serving needs
-    python -m trainer export CKPT OUT [--format ...]   a directory an inference engine loads
+    python -m trainer export CKPT OUT [--engine ...]   a directory an inference engine loads
     python -m trainer eval CKPT [--data SHARDS] ...    measured acceptance and speed-up
 """
 
@@ -91,13 +91,18 @@ def subcommand_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="write the drafter as an engine-loadable directory (config.json + model.safetensors)")
     ex.add_argument("checkpoint", help=ckpt_help)
     ex.add_argument("out", help="output directory (created; refused when it exists and is not empty, unless --force)")
-    ex.add_argument("--format", choices=["dflash", "speculators"], default="dflash",
-                    help="dflash: z-lab's DFlash layout (SGLang, vLLM); speculators: vLLM speculators' layout (default dflash)")
+    ex.add_argument("--engine", choices=["vllm", "sglang", "zlab", "speculators"],
+                    help="the engine that will run the drafter: picks the layout (speculators: vLLM speculators'; the "
+                         "others: z-lab's DFlash layout), refuses a drafter that engine would run otherwise than trained "
+                         "(with the reason and the setting that fits) and writes the causality keys it reads")
+    ex.add_argument("--format", choices=["dflash", "speculators"],
+                    help="the layout without naming an engine (default dflash, checked for vLLM and SGLang; "
+                         "speculators checked for speculators)")
     ex.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="tensor dtype; auto: the training compute dtype (bfloat16 on GPU runs, float32 on CPU runs)")
-    ex.add_argument("--sliding-attention", choices=["causal", "bidirectional"], default="causal",
-                    help="how the engine must run sliding layers; only 'causal' (as trained) is exported, "
-                         "'bidirectional' is refused with the reason")
+    ex.add_argument("--verifier", metavar="NAME_OR_PATH",
+                    help="speculators: the verifier the config names (a hub name, or a path, written relative to OUT); "
+                         "default: the target directory relative to OUT")
     ex.add_argument("--target", metavar="PATH", help="the target model directory on this machine, when it moved since "
                                                       "training (speculators copies its embeddings and lm_head)")
     ex.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -143,12 +148,13 @@ def run_subcommand(argv: list[str]) -> int:
         elif args.command == "export":
             from trainer import export
 
-            result = export.export(args.checkpoint, args.out, args.format, args.dtype, args.sliding_attention,
-                                   args.target, args.force)
+            result = export.export(args.checkpoint, args.out, args.format, args.dtype, args.target, args.force,
+                                   engine=args.engine, verifier=args.verifier)
             if args.json:
                 print(json.dumps(result, indent=2, sort_keys=True))
             else:
-                print(f"exported {result['checkpoint']} as {result['format']} ({result['dtype']}, "
+                print(f"exported {result['checkpoint']} as {result['format']} for {', '.join(result['engines'])} "
+                      f"({result['dtype']}, "
                       f"{result['tensors']} tensors) to {result['out']}")
                 for line in result["warnings"]:
                     print(f"warning: {line}", file=sys.stderr)

@@ -28,7 +28,7 @@ from torch.nn.attention import flex_attention as _flex_module
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from trainer.config import ConfigError
-from trainer.masks import build_block_mask, dense_mask
+from trainer.masks import CAUSAL_IN_BLOCK, build_block_mask, dense_mask
 
 FLEX_COMPILED = "flex_compiled"
 FLEX_EAGER = "flex_eager"
@@ -132,7 +132,9 @@ def build_layer_masks(
     block_size: int,
     layer_types: list[str],
     window: int,
+    semantics: str = CAUSAL_IN_BLOCK,
 ) -> LayerMasks:
+    """One mask per layer type; sliding layers by ``semantics`` (masks.SLIDING_SEMANTICS)."""
     masks = LayerMasks(path)
     for layer_type in sorted(set(layer_types)):
         w = window if layer_type == "sliding" else None
@@ -140,9 +142,9 @@ def build_layer_masks(
             builder = path.mask_builder
             if builder == "compiled" and path.name != FLEX_COMPILED:
                 builder = "eager"
-            mask = build_block_mask(anchors_BN, valid_BN, ctx_len, block_size, w, builder=builder)
+            mask = build_block_mask(anchors_BN, valid_BN, ctx_len, block_size, w, semantics, builder=builder)
         else:
-            mask = dense_mask(anchors_BN, valid_BN, ctx_len, block_size, w)
+            mask = dense_mask(anchors_BN, valid_BN, ctx_len, block_size, w, semantics)
         setattr(masks, layer_type, mask)
     return masks
 

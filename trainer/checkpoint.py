@@ -31,7 +31,7 @@ from dflashctl.contract import CHECKPOINT_DIR
 from trainer import serving
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-META = "meta.json"
+META = serving.META_NAME
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -83,6 +83,30 @@ def latest(run_dir: str) -> Optional[str]:
     """The newest complete checkpoint directory, or None."""
     found = complete_checkpoints(run_dir)
     return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory (holding meta.json), or a run directory's newest one."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isfile(os.path.join(path, META)):
+        return path
+    newest = latest(path) if os.path.isdir(path) else None
+    if newest:
+        return newest
+    raise serving.ConfigError([f"{path}: not a checkpoint (no {META}) nor a run directory with a complete checkpoint"])
+
+
+def read_meta(ckpt: str) -> dict:
+    """A checkpoint's meta.json; ConfigError naming it when it is not a JSON object."""
+    where = os.path.join(ckpt, META)
+    try:
+        with open(where, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise serving.ConfigError([f"{where}: cannot be read as JSON: {e}"]) from None
+    if not isinstance(meta, dict):
+        raise serving.ConfigError([f"{where}: expected a JSON object, got {type(meta).__name__}"])
+    return meta
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -93,7 +93,10 @@ def shape_config(cfg) -> dict[str, Any]:
         "model": {"preset": None if m.path else m.preset, "path_config": _model_config_digest(m.path),
                   "num_target_layers": m.num_target_layers, "drafter_layers": m.drafter_layers,
                   "block_size": m.block_size, "layer_types": m.layer_types, "sliding_window": m.sliding_window,
-                  "dtype": m.dtype},
+                  "dtype": m.dtype,
+                  # the sliding mask is traced into the kernels; named only off the default, so
+                  # the keys of existing artifacts stay what they were
+                  **({"sliding_semantics": m.sliding_semantics} if m.sliding_semantics != "causal_in_block" else {})},
         "data": {"buckets": sorted(d.buckets), "max_anchors": d.max_anchors, "batch_size": d.batch_size},
         "train": {"loss_chunk": cfg.train.loss_chunk, "loss_kernel": cfg.train.loss_kernel},
         "placement": {"device": cfg.placement.device, "target": list(cfg.placement.target),

@@ -40,7 +40,9 @@ class ModelConfig:
     layer_types: Optional[list[str]] = None
     """Per drafter layer 'full' or 'sliding'; default all 'full'."""
     sliding_window: int = 2048
-    """Window W of 'sliding' layers: the query at position p sees keys at p-W+1..p over context and block, so causal inside the block (as z-lab's drafters; an engine must run them so)."""
+    """Window W of 'sliding' layers over the joint positions (context before the anchor, then the block); how the block's own slots see each other is ``sliding_semantics``."""
+    sliding_semantics: Literal["causal_in_block", "bidirectional"] = "causal_in_block"
+    """How 'sliding' layers attend, named after the engines that run them so (trainer/SERVING_EXPORT.md says where each was read). 'causal_in_block': the query at position p sees keys p-W+1..p, so causal inside the block: vLLM (qwen3_dflash.py, _dflash_layer_causal) and SGLang (models/dflash.py) run sliding layers so, and SpecForge trains them so. 'bidirectional': keys within W-1 positions on either side, so a slot sees the slots after it: z-lab's reference code (dflash/model.py: Qwen3DFlashAttention sets is_causal = False for every layer; dflash_generate passes no mask). export --engine refuses a drafter the engine would run otherwise."""
     mask_token_id: Optional[int] = None
     """Token id used for MASK; default: the first id past the target tokenizer's special tokens (151669 for Qwen3, as the public drafters) when model.path holds a tokenizer, else vocab_size - 1. Recorded in every checkpoint; resuming with another id is refused."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -198,8 +200,6 @@ class TrainerConfig:
     def check(self) -> None:
         problems = []
         m, d = self.model, self.data
-        if m.block_size < 2:
-            problems.append("model.block_size: must be at least 2")
         if m.layer_types is not None:
             if len(m.layer_types) != m.drafter_layers:
                 problems.append(
@@ -208,6 +208,7 @@ class TrainerConfig:
             for i, t in enumerate(m.layer_types):
                 if t not in ("full", "sliding"):
                     problems.append(f"model.layer_types[{i}]: '{t}' is not 'full' or 'sliding'{did_you_mean(t, ['full', 'sliding'])}")
+        problems += model_bounds(m)
         if not d.buckets:
             problems.append("data.buckets: at least one length bucket is needed")
         for i, b in enumerate(d.buckets):
@@ -229,6 +230,27 @@ class TrainerConfig:
             problems.append("placement: needs at least one target and one drafter device")
         if problems:
             raise ConfigError(problems)
+
+
+# Bounds of the drafter's shape: past them a value is a typo or damage, never a drafter
+# (the public ones have 1-8 layers and B = 16), and building it would allocate until killed.
+MODEL_BOUNDS = {"num_target_layers": (1, 64), "drafter_layers": (1, 64), "block_size": (2, 256),
+                "sliding_window": (1, 1 << 24)}
+
+
+def model_bounds(m: "ModelConfig", where: str = "model") -> list[str]:
+    """One line per ModelConfig field outside MODEL_BOUNDS (or of the wrong type)."""
+    problems = []
+    for name, (lo, hi) in MODEL_BOUNDS.items():
+        value = getattr(m, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{where}.{name}: expected an integer, got {value!r}")
+        elif not lo <= value <= hi:
+            problems.append(f"{where}.{name}: {value} is outside [{lo}, {hi}]")
+    if m.mask_token_id is not None and (isinstance(m.mask_token_id, bool) or not isinstance(m.mask_token_id, int)
+                                        or m.mask_token_id < 0):
+        problems.append(f"{where}.mask_token_id: expected a non-negative integer token id, got {m.mask_token_id!r}")
+    return problems
 
 
 def _convert(tp: Any, value: Any, path: str, problems: list[str]) -> Any:

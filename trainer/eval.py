@@ -191,10 +191,10 @@ def run_eval(path: str, data: Optional[str] = None, prompts: int = 20, max_new_t
     """Evaluate checkpoint (or run directory) ``path``; returns the report (module docstring)."""
     import torch
 
-    from trainer import serving
+    from trainer import restore
     from trainer.speculative import greedy_generate, speculative_generate
 
-    loaded = serving.load(path, device, target_path=target_path)
+    loaded = restore.load(path, device, target_path=target_path)
     target, drafter = loaded.target, loaded.drafter
     if target.device.type == "cuda":
         drafter.to(target.dtype)  # an engine runs the drafter in the target's precision

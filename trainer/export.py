@@ -1,19 +1,17 @@
-"""``python -m trainer export CKPT OUT``: a trained drafter in the layout engines load.
+"""``python -m trainer export CKPT OUT --engine ENGINE``: a trained drafter in the layout
+the engine loads, refused where the engine would run it otherwise than trained.
 
 Two Hugging Face-style directories (config.json + model.safetensors), from the
 public formats' own definitions:
 
-``dflash`` (z-lab's DFlash drafters, which SGLang's and vLLM's DFlash loaders read):
+``dflash`` (z-lab's DFlash drafters; read by z-lab's code, SGLang and vLLM):
   config.json is a Qwen3 config of the drafter itself (``num_hidden_layers`` = drafter
   layers, the target's width, heads, RoPE and vocabulary; ``layer_types`` with
   ``full_attention`` / ``sliding_attention``), plus ``architectures:
   ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` (the target's depth)
   and ``dflash_config: {mask_token_id, target_layer_ids, block_size}``; target layer
-  ids are 0-based and layer i's feature is hidden_states[i + 1]. No ``is_causal``
-  or ``dflash_config.causal`` key is written: without it, engines run sliding layers
-  causal and full layers bidirectional, as this trainer trains them (either key
-  would force one rule on every layer). Tensors (no embedding, no lm_head: the
-  drafter uses the target's)::
+  ids are 0-based and layer i's feature is hidden_states[i + 1]. Tensors (no
+  embedding, no lm_head: the drafter uses the target's)::
 
       fc.weight                    [H, K*H]   fuses the K target features
       hidden_norm.weight           [H]        RMSNorm after fc
@@ -27,13 +25,22 @@ public formats' own definitions:
   ``speculators_model_type: "dflash"``, the drafter's Qwen3 config under
   ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` = target layer id + 1
   (speculators numbers hidden states, not layers), ``mask_token_id``,
-  ``block_size``, ``sliding_window_non_causal: false``, ``sample_from_anchor: false``
+  ``block_size``, ``sliding_window_non_causal``, ``sample_from_anchor: false``
   (slot 0 holds the anchor; B - 1 tokens are drafted) and a ``speculators_config``
-  (algorithm dflash, greedy proposals of B - 1 tokens, the verifier).
+  (algorithm dflash, greedy proposals of B - 1 tokens, the verifier: a name or a
+  path relative to the export, ``portable_verifier``).
+
+Engines differ in how they run sliding layers (ENGINE_RULES says what each does and
+where it was read); the checkpoint records how they were trained
+(``model.sliding_semantics``). ``engine_problems`` refuses an engine that would run
+them otherwise, naming the setting that fits; ``engine_keys`` writes the causality
+keys the engine reads (``is_causal``, ``dflash_config.causal``,
+``sliding_window_non_causal``). Without ``--engine`` the layout is checked for the
+engines that read it (FORMAT_ENGINES).
 
 Beside them, ``dflashctl_export.json`` keeps the checkpoint's full serving metadata
-(trainer/serving.py). The export refuses what an engine would run differently from
-training (``export_problems``), first of all sliding layers run bidirectionally.
+(trainer/serving.py) and the engines checked. Every file is written 0644 and the
+directory 0755, so an engine running as another user reads them.
 
 ``import_dflash`` reads a ``dflash`` directory back into a Drafter (the round trip
 the tests check). This module never changes a checkpoint.
@@ -51,7 +58,6 @@ from trainer.config import ConfigError
 
 FORMATS = ("dflash", "speculators")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-SLIDING_ATTENTION = ("causal", "bidirectional")
 SPECULATORS_LAYOUT_VERSION = "0.7.0"  # the speculators release whose config layout is written
 EXPORT_META = "dflashctl_export.json"
 
@@ -84,30 +90,97 @@ def trainer_name(name: str) -> str:
     return f"layers.{m.group(1)}.{rest}"
 
 
+# ---------------------------------------------------------------------------- engines
+
+ENGINES = ("vllm", "sglang", "zlab", "speculators")
+ENGINE_FORMAT = {"vllm": "dflash", "sglang": "dflash", "zlab": "dflash", "speculators": "speculators"}
+FORMAT_ENGINES = {"dflash": ("vllm", "sglang"), "speculators": ("speculators",)}  # checked when no --engine is named
+
+# What each engine does with a sliding layer, and where it was read (public code, not copied):
+ENGINE_RULES = {
+    "vllm": "vLLM (vllm/model_executor/models/qwen3_dflash.py, _dflash_layer_causal) runs a sliding_attention layer "
+            "causal over keys p-W+1..p and full layers bidirectionally; is_causal or dflash_config.causal overrides "
+            "every layer at once, and a non-causal layer is windowed by the attention backend's own rule",
+    "sglang": "SGLang (python/sglang/srt/models/dflash.py) runs a sliding_attention layer as causal decoder attention "
+              "with window_left = W-1 (keys p-W+1..p) and full layers bidirectionally",
+    "zlab": "z-lab's reference code (dflash/model.py: Qwen3DFlashAttention.__init__ sets is_causal = False for every "
+            "layer; dflash_generate passes is_causal=False and no mask) runs every layer bidirectionally: flash-attention "
+            "turns sliding_window into a symmetric window, eager/sdpa ignore it",
+    "speculators": "speculators (src/speculators/models/dflash/, the anchor block mask) anchors a sliding layer's window "
+                   "at the block's anchor a: every slot sees context keys a-W..a-1 and its block causally without a "
+                   "window (sliding_window_non_causal: false) or the whole block (true)",
+}
+
+
+def _sliding(serving: dict) -> list[int]:
+    return [i for i, t in enumerate((serving.get("drafter") or {}).get("layer_types") or []) if t == "sliding"]
+
+
+def window_never_binds(serving: dict) -> bool:
+    """True when W covers every position the target reaches (max_position_embeddings):
+    then a sliding layer sees what the rule without a window gives, in every engine."""
+    window, max_pos = serving.get("sliding_window"), (serving.get("rope") or {}).get("max_position_embeddings")
+    return isinstance(window, int) and isinstance(max_pos, int) and window >= max_pos
+
+
+def engine_problems(serving: dict, engine: str) -> list[str]:
+    """Why ``engine`` would run this drafter's sliding layers otherwise than trained,
+    with the setting that would fit; empty when it runs them as trained."""
+    sliding = _sliding(serving)
+    if not sliding:
+        return []
+    semantics, window = serving.get("sliding_semantics"), serving.get("sliding_window")
+    max_pos = (serving.get("rope") or {}).get("max_position_embeddings")
+    unbounded = window_never_binds(serving)
+    trained = (f"layers {sliding} were trained with model.sliding_semantics: {semantics} "
+               f"(window {window}: a slot saw " + ("only the slots before it)" if semantics == "causal_in_block"
+                                                  else "the slots after it too)"))
+    rule = ENGINE_RULES[engine]
+    if engine == "zlab" and semantics == "causal_in_block":
+        return [f"--engine zlab: {trained}; {rule}, so every slot would also see the slots after it, inputs it never "
+                "saw in training, and acceptance would drop without any error. Fits: model.sliding_semantics: "
+                "bidirectional (train again), or --engine vllm / --engine sglang, which run this drafter as trained"]
+    if engine == "sglang" and semantics == "bidirectional":
+        return [f"--engine sglang: {trained}; {rule}, so no slot would see the slots after it. Fits: --engine zlab, "
+                "or model.sliding_semantics: causal_in_block (train again)"]
+    if engine == "vllm" and semantics == "bidirectional" and not unbounded:
+        return [f"--engine vllm: {trained}; {rule}, which is not the symmetric window of {window} the drafter was "
+                f"trained with. Fits: --engine zlab, model.sliding_semantics: causal_in_block (train again), or "
+                f"model.sliding_window: {max_pos} or more (the window never binds; then dflash_config.causal: false "
+                "is written)"]
+    if engine == "speculators" and not unbounded:
+        return [f"--engine speculators: {trained}; {rule}; this drafter's slot o saw context keys a+o-W+1..a-1, so "
+                "the two agree only where the window never binds. Fits: model.sliding_window: "
+                f"{max_pos} (the target's max_position_embeddings) or more, full layers only, or "
+                + ("--engine vllm (vLLM serves the speculators layout by layer_types)" if semantics == "causal_in_block"
+                   else "--engine zlab")]
+    return []
+
+
+def engine_keys(serving: dict, engine: str) -> dict:
+    """The causality keys ``engine`` reads, set so it runs the drafter as trained
+    (none when its default does: sliding layers causal, full layers bidirectional)."""
+    bidirectional = bool(_sliding(serving)) and serving.get("sliding_semantics") == "bidirectional"
+    if engine == "speculators":
+        return {"sliding_window_non_causal": bidirectional}
+    if engine == "zlab":
+        return {"is_causal": False}  # read by z-lab's later revisions; its reference code is non-causal anyway
+    if engine == "vllm" and bidirectional:
+        return {"is_causal": False, "dflash_config.causal": False}
+    return {}
+
+
 # ---------------------------------------------------------------------------- checks
 
 
-def export_problems(serving: dict, fmt: str, sliding_attention: str = "causal") -> list[str]:
+def export_problems(serving: dict, fmt: str, engines: tuple = ()) -> list[str]:
     """Why this checkpoint cannot be exported as asked: each line says what an engine
     would run differently from training. Empty when it can."""
     problems = []
     if fmt not in FORMATS:
         problems.append(f"--format: '{fmt}' is not one of {', '.join(FORMATS)}")
-    drafter = serving.get("drafter") or {}
-    sliding = [i for i, t in enumerate(drafter.get("layer_types") or []) if t == "sliding"]
-    semantics = serving.get("sliding_semantics")
-    if sliding and semantics != "causal-in-block":
-        problems.append(
-            f"sliding layers {sliding} were trained with attention '{semantics}', which the public configs cannot "
-            "express: DFlash engines run sliding layers causal inside the block"
-        )
-    if sliding and sliding_attention == "bidirectional":
-        problems.append(
-            f"--sliding-attention bidirectional: layers {sliding} were trained causal inside the block (a slot saw "
-            "only the slots before it); run bidirectionally (dflash_config.causal / is_causal false, speculators "
-            "sliding_window_non_causal) every slot would also see the slots after it, inputs it never saw in "
-            "training, and acceptance would drop without any error"
-        )
+    for engine in engines:
+        problems += engine_problems(serving, engine)
     vocab = (serving.get("target") or {}).get("vocab_size")
     mask = serving.get("mask_token_id")
     if mask is None or (vocab is not None and not 0 <= mask < vocab):
@@ -124,17 +197,20 @@ def export_problems(serving: dict, fmt: str, sliding_attention: str = "causal") 
     return problems
 
 
-def export_warnings(serving: dict) -> list[str]:
+def export_warnings(serving: dict, engines: tuple = ()) -> list[str]:
     out = []
     drafter = serving.get("drafter") or {}
     types = drafter.get("layer_types") or []
     if "sliding" in types:
-        out.append(
-            "sliding layers: the engine must run them causal inside the block with window "
-            f"{serving.get('sliding_window')} (vLLM's qwen3_dflash and z-lab's dflash do when the config sets no "
-            "causal override); older references that ignore layer_types run them as full bidirectional layers"
-        )
-        if "full" in types:
+        semantics = serving.get("sliding_semantics")
+        out.append(f"sliding layers (window {serving.get('sliding_window')}, {semantics}): "
+                   + "; ".join(ENGINE_RULES[e] for e in engines)
+                   + "; an engine not named here may run them otherwise (check with --engine)")
+        if "zlab" in engines and not window_never_binds(serving):
+            out.append("--engine zlab: z-lab's eager and sdpa attention ignore sliding_window (the layer then sees "
+                       "the whole context); load the drafter with attn_implementation='flash_attention_2' for the "
+                       "symmetric window it was trained with")
+        if "full" in types and "vllm" in engines:
             out.append("mixed full and sliding layers: vLLM needs its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
     if serving.get("derived"):
         out.append("this checkpoint predates the serving metadata; it was rebuilt from the run's configuration")
@@ -230,7 +306,7 @@ def speculators_config(serving: dict, dtype: str, verifier: str) -> dict:
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in serving["target_layer_ids"]],
         "mask_token_id": serving["mask_token_id"],
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": False,  # set by engine_keys
         "sample_from_anchor": False,
         "speculators_config": {
             "algorithm": "dflash",
@@ -254,27 +330,59 @@ def _torch_dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def export(path: str, out_dir: str, fmt: str = "dflash", dtype: str = "auto", sliding_attention: str = "causal",
-           target_path: Optional[str] = None, force: bool = False) -> dict:
-    """Write checkpoint (or run directory) ``path`` to ``out_dir`` in format ``fmt``.
+def portable_verifier(verifier: Optional[str], serving: dict, out_dir: str, target_path: Optional[str]) -> str:
+    """The verifier reference speculators loads at every ``from_pretrained``: the name or
+    path the user gives (a path that exists here written relative to ``out_dir``), else
+    the target directory on this machine relative to ``out_dir``; never an absolute
+    path of the training machine. A preset target is named ``dflashctl-preset:NAME``."""
+    given = verifier or target_path or (serving.get("target") or {}).get("path")
+    if given is None:
+        return f"dflashctl-preset:{(serving.get('target') or {}).get('preset')}"
+    if verifier is not None and not os.path.exists(os.path.expanduser(verifier)):
+        return verifier  # a hub name, or a path of the serving machine: written as given
+    return os.path.relpath(os.path.abspath(os.path.expanduser(given)), out_dir)
 
-    Returns {"out", "format", "dtype", "files", "tensors", "warnings"}. ConfigError
-    (one line per problem) when the export would not run as trained, or ``out_dir``
-    exists and is not empty (``force`` replaces it)."""
+
+def resolve_engines(engine: Optional[str], fmt: Optional[str]) -> tuple[str, tuple]:
+    """(layout, engines checked) for ``--engine`` / ``--format``."""
+    if engine is not None and engine not in ENGINES:
+        raise ConfigError([f"--engine: '{engine}' is not one of {', '.join(ENGINES)}"])
+    if engine is None:
+        fmt = fmt or "dflash"
+        if fmt not in FORMATS:
+            raise ConfigError([f"--format: '{fmt}' is not one of {', '.join(FORMATS)}"])
+        return fmt, FORMAT_ENGINES[fmt]
+    if fmt is not None and fmt != ENGINE_FORMAT[engine]:
+        raise ConfigError([f"--format {fmt}: --engine {engine} reads the {ENGINE_FORMAT[engine]} layout; "
+                           "leave --format out"])
+    return ENGINE_FORMAT[engine], (engine,)
+
+
+EXPORT_MODE = 0o644  # config, weights, metadata: readable by an engine running as another user
+
+
+def export(path: str, out_dir: str, fmt: Optional[str] = None, dtype: str = "auto", target_path: Optional[str] = None,
+           force: bool = False, engine: Optional[str] = None, verifier: Optional[str] = None) -> dict:
+    """Write checkpoint (or run directory) ``path`` to ``out_dir`` for ``engine`` (its
+    layout), or in layout ``fmt`` checked for the engines reading it (FORMAT_ENGINES).
+
+    Returns {"out", "format", "engines", "dtype", "files", "tensors", "warnings"}.
+    ConfigError (one line per problem) when an engine would not run the drafter as
+    trained, or ``out_dir`` exists and is not empty (``force`` replaces it)."""
     import torch
     from safetensors.torch import save_file
 
     from dflashctl.contract import atomic_write_text
+    from trainer import checkpoint, restore
     from trainer import serving as serving_mod
 
-    ckpt = serving_mod.resolve_checkpoint(path)
-    meta = serving_mod.read_meta(ckpt)
-    serving = serving_mod.derived_metadata(meta)
-    if sliding_attention not in SLIDING_ATTENTION:
-        raise ConfigError([f"--sliding-attention: '{sliding_attention}' is not one of {', '.join(SLIDING_ATTENTION)}"])
+    fmt, engines = resolve_engines(engine, fmt)
+    ckpt = checkpoint.resolve_checkpoint(path)
+    meta = checkpoint.read_meta(ckpt)
+    serving = serving_mod.derived_metadata(meta, os.path.join(ckpt, checkpoint.META))
     if dtype not in DTYPES:
         raise ConfigError([f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}"])
-    problems = export_problems(serving, fmt, sliding_attention)
+    problems = export_problems(serving, fmt, engines)
     if problems:
         raise ConfigError([f"cannot export {ckpt} as {fmt}: {p}" for p in problems])
     out_dir = os.path.abspath(out_dir)
@@ -287,30 +395,32 @@ def export(path: str, out_dir: str, fmt: str = "dflash", dtype: str = "auto", sl
     if fmt == "dflash":
         config = dflash_config(serving, name)
     else:
-        loaded = serving_mod.load(ckpt, "cpu", dtype=_torch_dtype(name), target_path=target_path)
+        loaded = restore.load(ckpt, "cpu", dtype=_torch_dtype(name), target_path=target_path)
         tensors["embed_tokens.weight"] = loaded.target.embed_tokens.weight.detach().to(_torch_dtype(name)).contiguous()
         tensors["lm_head.weight"] = loaded.target.lm_head.weight.detach().to(_torch_dtype(name)).contiguous().clone()
-        verifier = serving["target"].get("path") or f"dflashctl-preset:{serving['target'].get('preset')}"
-        config = speculators_config(serving, name, target_path or verifier)
-    if sliding_attention == "bidirectional":  # allowed only without sliding layers: full layers already are
-        if fmt == "dflash":
-            config["is_causal"] = False
-            config["dflash_config"]["causal"] = False
-        else:
-            config["sliding_window_non_causal"] = True
+        config = speculators_config(serving, name, portable_verifier(verifier, serving, out_dir, target_path))
+    for e in engines:
+        for key, value in engine_keys(serving, e).items():
+            section, _, leaf = key.rpartition(".")
+            (config[section] if section else config)[leaf] = value
 
     tmp = f"{out_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     atomic_write_text(os.path.join(tmp, "config.json"), json.dumps(config, indent=2, sort_keys=True) + "\n")
-    provenance = {"checkpoint": ckpt, "step": meta.get("step"), "format": fmt, "dtype": name, "serving": serving}
+    provenance = {"checkpoint": ckpt, "step": meta.get("step"), "format": fmt, "engines": list(engines),
+                  "dtype": name, "serving": serving}
     atomic_write_text(os.path.join(tmp, EXPORT_META), json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+    for entry in os.listdir(tmp):  # mkstemp (and safetensors) create 0600 files
+        os.chmod(os.path.join(tmp, entry), EXPORT_MODE)
+    os.chmod(tmp, 0o755)
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.rename(tmp, out_dir)
-    return {"out": out_dir, "format": fmt, "dtype": name, "checkpoint": ckpt,
-            "files": sorted(os.listdir(out_dir)), "tensors": len(tensors), "warnings": export_warnings(serving)}
+    return {"out": out_dir, "format": fmt, "engines": list(engines), "dtype": name, "checkpoint": ckpt,
+            "files": sorted(os.listdir(out_dir)), "tensors": len(tensors),
+            "warnings": export_warnings(serving, engines)}
 
 
 # ---------------------------------------------------------------------------- import
@@ -338,9 +448,11 @@ def import_dflash(out_dir: str, target):
     if ids != target_layer_ids(target.config.num_hidden_layers, len(ids)) or ids != target.layer_ids:
         raise ConfigError([f"{out_dir}: target layer ids {ids} differ from the ones this target captures ({target.layer_ids})"])
     types = ["sliding" if t == "sliding_attention" else "full" for t in config["layer_types"]]
+    non_causal = config.get("is_causal") is False or dc.get("causal") is False
     model_cfg = ModelConfig(num_target_layers=len(ids), drafter_layers=config["num_hidden_layers"],
                             block_size=dc.get("block_size", config.get("block_size")), layer_types=types,
                             sliding_window=config.get("sliding_window") or ModelConfig.sliding_window,
+                            sliding_semantics="bidirectional" if non_causal else "causal_in_block",
                             mask_token_id=dc["mask_token_id"])
     drafter = Drafter(model_cfg, target.config, target.embed_tokens, target.lm_head)
     state = {trainer_name(k): v for k, v in tensors.items()}

@@ -13,11 +13,13 @@ import time
 def describe(path: str) -> dict:
     """{checkpoint, step, saved, tokens, versions, training, serving} of a checkpoint
     (or of a run directory's newest one)."""
-    from trainer import serving
+    import os
+
+    from trainer import checkpoint, serving
     from trainer.eval import training_figure
 
-    ckpt = serving.resolve_checkpoint(path)
-    meta = serving.read_meta(ckpt)
+    ckpt = checkpoint.resolve_checkpoint(path)
+    meta = checkpoint.read_meta(ckpt)
     step = int(meta.get("step") or 0)
     return {
         "checkpoint": ckpt,
@@ -27,7 +29,7 @@ def describe(path: str) -> dict:
         "torch": meta.get("torch"),
         "data": meta.get("data"),
         "training": training_figure(ckpt, step),
-        "serving": serving.derived_metadata(meta),
+        "serving": serving.derived_metadata(meta, os.path.join(ckpt, checkpoint.META)),
     }
 
 

@@ -19,12 +19,18 @@ query in block n, slot o (token position a + o):
   nothing, and every table lookup uses a clamped index so they never read out of
   bounds.
 
-Sliding-window layers (window W) add, for the query at position p = a + o, the usual
-"keys within the last W positions, causal" rule over the joint positions:
+Sliding-window layers (window W) add, for the query at position p = a + o, a window
+over the joint positions; ``semantics`` (``model.sliding_semantics``) names which one,
+after the engines that run it (trainer/SERVING_EXPORT.md has where each was read):
 
-- context key j additionally needs ``j >= p - (W - 1) = a + o - (W - 1)``;
-- block key at slot o' additionally needs ``o' <= o`` (causal inside the block) and
-  ``o' >= o - (W - 1)`` (only binds when W < B).
+- ``causal_in_block`` (vLLM, SGLang, SpecForge): the usual "keys within the last W
+  positions, causal": context key j additionally needs ``j >= p - (W - 1)``; block
+  key at slot o' additionally needs ``o - (W - 1) <= o' <= o`` (causal inside the
+  block; the lower bound only binds when W < B);
+- ``bidirectional`` (z-lab's reference code: every layer non-causal, the window
+  symmetric): context key j needs ``j >= p - (W - 1)`` as above (every context key
+  is before p, so only the left side binds); block key at slot o' needs
+  ``|o' - o| <= W - 1``: the slots after o are visible too.
 
 So every query row sees at most two intervals of keys: ``[lo, min(a, S))`` of the
 context and a run of its own block's slots. A BlockMask lists, per 128x128 tile,
@@ -52,6 +58,25 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 TILE = 128  # flex_attention's default BlockMask tile, on both axes
 MASK_BUILDERS = ("direct", "compiled", "eager")
+CAUSAL_IN_BLOCK = "causal_in_block"
+BIDIRECTIONAL = "bidirectional"
+SLIDING_SEMANTICS = (CAUSAL_IN_BLOCK, BIDIRECTIONAL)
+
+
+def check_semantics(semantics: str) -> str:
+    if semantics not in SLIDING_SEMANTICS:
+        raise ValueError(f"sliding semantics {semantics!r} is not one of {', '.join(SLIDING_SEMANTICS)}")
+    return semantics
+
+
+def window_bounds(anchor, slot, block_size: int, window: int, semantics: str = CAUSAL_IN_BLOCK):
+    """(ctx_lo, own_lo, own_hi) of a sliding layer's query at block slot ``slot`` of the
+    block anchored at ``anchor`` (tensors, broadcast): it sees context keys
+    [ctx_lo, anchor) and its own block's slots [own_lo, own_hi) (module docstring)."""
+    ctx_lo = (anchor + slot - (window - 1)).clamp(min=0)
+    own_lo = (slot - (window - 1)).clamp(min=0)
+    own_hi = slot + 1 if check_semantics(semantics) == CAUSAL_IN_BLOCK else (slot + window).clamp(max=block_size)
+    return ctx_lo, own_lo, own_hi
 
 
 def dflash_mask_mod(
@@ -60,10 +85,12 @@ def dflash_mask_mod(
     ctx_len: int,
     block_size: int,
     window: Optional[int] = None,
+    semantics: str = CAUSAL_IN_BLOCK,
 ) -> MaskMod:
     """The DFlash visibility rule (module docstring) over per-batch anchor tables."""
     if window is not None and window < 1:
         raise ValueError(f"sliding window must be at least 1, got {window}")
+    causal = check_semantics(semantics) == CAUSAL_IN_BLOCK
     num_blocks = anchors_BN.shape[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -82,10 +109,23 @@ def dflash_mask_mod(
         block_visible = ~is_ctx & (kv_block == q_block)
         if window is not None:
             ctx_visible = ctx_visible & (kv_idx >= anchor + q_slot - (window - 1))
-            block_visible = block_visible & (kv_slot <= q_slot) & (kv_slot >= q_slot - (window - 1))
+            after = kv_slot <= q_slot if causal else kv_slot <= q_slot + (window - 1)
+            block_visible = block_visible & after & (kv_slot >= q_slot - (window - 1))
         return (ctx_visible | block_visible) & valid_BN[b, row] & in_range
 
     return mask_mod
+
+
+def one_block_mask(anchor: int, block_size: int, window: int, semantics: str = CAUSAL_IN_BLOCK,
+                   device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+    """Boolean [B, anchor + B] of a sliding layer for one block whose context is the
+    ``anchor`` positions before it (decoding with a draft KV cache): the same rule."""
+    slot = torch.arange(block_size, device=device)
+    ctx_lo, own_lo, own_hi = window_bounds(torch.tensor(anchor, device=device), slot, block_size, window, semantics)
+    keys_ctx, keys_own = torch.arange(anchor, device=device), torch.arange(block_size, device=device)
+    ctx_ok = keys_ctx[None, :] >= ctx_lo[:, None]
+    own_ok = (keys_own[None, :] >= own_lo[:, None]) & (keys_own[None, :] < own_hi[:, None])
+    return torch.cat([ctx_ok, own_ok], dim=1)
 
 
 def mask_lengths(num_blocks: int, ctx_len: int, block_size: int) -> tuple[int, int]:
@@ -121,6 +161,7 @@ def direct_block_mask(
     ctx_len: int,
     block_size: int,
     window: Optional[int] = None,
+    semantics: str = CAUSAL_IN_BLOCK,
 ) -> BlockMask:
     """The BlockMask of create_block_mask(dflash_mask_mod(...)), computed from the anchors.
 
@@ -145,8 +186,8 @@ def direct_block_mask(
     ctx_lo = torch.zeros_like(anchor)
     own_lo, own_hi = ctx_len + row * block_size, ctx_len + (row + 1) * block_size
     if window is not None:
-        ctx_lo = (anchor + slot - (window - 1)).clamp(min=0)
-        own_lo, own_hi = own_lo + (slot - (window - 1)).clamp(min=0), own_lo + slot + 1
+        ctx_lo, lo, hi = window_bounds(anchor, slot, block_size, window, semantics)
+        own_lo, own_hi = own_lo + lo, own_lo + hi
     ctx_hi = torch.where(live, anchor.clamp(max=ctx_len), 0)
     own_hi = torch.where(live, own_hi, 0)
 
@@ -159,7 +200,7 @@ def direct_block_mask(
         *_ordered(partial),
         *_ordered(full),
         BLOCK_SIZE=TILE,
-        mask_mod=dflash_mask_mod(anchors_BN, valid_BN, ctx_len, block_size, window),
+        mask_mod=dflash_mask_mod(anchors_BN, valid_BN, ctx_len, block_size, window, semantics),
         seq_lengths=(q_len, kv_len),
     )
 
@@ -183,6 +224,7 @@ def build_block_mask(
     ctx_len: int,
     block_size: int,
     window: Optional[int] = None,
+    semantics: str = CAUSAL_IN_BLOCK,
     *,
     builder: Union[str, Callable[..., BlockMask]] = "direct",
 ) -> BlockMask:
@@ -193,13 +235,13 @@ def build_block_mask(
     to exercise Dynamo's guards cheaply.
     """
     if builder == "direct":
-        return direct_block_mask(anchors_BN, valid_BN, ctx_len, block_size, window)
+        return direct_block_mask(anchors_BN, valid_BN, ctx_len, block_size, window, semantics)
     if isinstance(builder, str):
         if builder not in MASK_BUILDERS:
             raise ValueError(f"mask builder {builder!r} is not one of {MASK_BUILDERS}")
         builder = _default_compiled_builder() if builder == "compiled" else create_block_mask
     q_len, kv_len = mask_lengths(anchors_BN.shape[1], ctx_len, block_size)
-    mask_mod = dflash_mask_mod(anchors_BN, valid_BN, ctx_len, block_size, window)
+    mask_mod = dflash_mask_mod(anchors_BN, valid_BN, ctx_len, block_size, window, semantics)
     return builder(mask_mod, anchors_BN.shape[0], None, q_len, kv_len, device=anchors_BN.device)
 
 
@@ -209,8 +251,9 @@ def dense_mask(
     ctx_len: int,
     block_size: int,
     window: Optional[int] = None,
+    semantics: str = CAUSAL_IN_BLOCK,
 ) -> torch.Tensor:
     """Boolean mask [B, 1, Q, KV] from the same mask_mod, for SDPA (CPU, small sizes only)."""
     q_len, kv_len = mask_lengths(anchors_BN.shape[1], ctx_len, block_size)
-    mask_mod = dflash_mask_mod(anchors_BN, valid_BN, ctx_len, block_size, window)
+    mask_mod = dflash_mask_mod(anchors_BN, valid_BN, ctx_len, block_size, window, semantics)
     return create_mask(mask_mod, anchors_BN.shape[0], 1, q_len, kv_len, device=anchors_BN.device)

@@ -132,6 +132,7 @@ class Drafter(nn.Module):
         self.block_size = cfg.block_size
         self.layer_types = list(cfg.layer_types or ["full"] * cfg.drafter_layers)
         self.sliding_window = cfg.sliding_window
+        self.sliding_semantics = cfg.sliding_semantics
         self.num_target_layers = cfg.num_target_layers
         self.hidden_size = hidden
         # What a checkpoint records for serving (trainer/serving.py): the target's

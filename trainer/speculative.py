@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from trainer.masks import one_block_mask
 from trainer.model import Drafter, apply_rope
 
 
@@ -143,12 +144,7 @@ class DraftState:
         """Boolean [B, ctx_len + B] (None: everything visible, the full-attention case)."""
         if layer_type != "sliding":
             return None
-        window = self.drafter.sliding_window
-        slot = torch.arange(block, device=self.device)
-        ctx_pos = torch.arange(ctx_len, device=self.device)
-        ctx_ok = ctx_pos[None, :] >= anchor + slot[:, None] - (window - 1)
-        own_ok = (slot[None, :] <= slot[:, None]) & (slot[None, :] >= slot[:, None] - (window - 1))
-        return torch.cat([ctx_ok, own_ok], dim=1)
+        return one_block_mask(anchor, block, self.drafter.sliding_window, self.drafter.sliding_semantics, self.device)
 
     @torch.inference_mode()
     def logits(self, block_ids: torch.Tensor, anchor: int) -> torch.Tensor:
@@ -330,7 +326,8 @@ def anchor_runs(target, drafter: Drafter, ids: list[int], loss_mask: list[int], 
         valid_1N = torch.ones_like(anchors_1N, dtype=torch.bool)
         block_ids, positions, labels, label_mask = build_block_inputs(
             seq_1S, anchors_1N, valid_1N, block, drafter.mask_token_id, mask_1S)
-        masks = build_layer_masks(path, anchors_1N, valid_1N, n, block, drafter.layer_types, drafter.sliding_window)
+        masks = build_layer_masks(path, anchors_1N, valid_1N, n, block, drafter.layer_types, drafter.sliding_window,
+                                  drafter.sliding_semantics)
         hidden_1QH = drafter(features_1SF, block_ids, positions, masks)
         guess_1Q = drafter.lm_head(hidden_1QH).argmax(dim=-1)
         correct_NK = ((guess_1Q == labels) & label_mask).view(len(part), block)

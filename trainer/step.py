@@ -44,7 +44,8 @@ def compute_loss(
 
     # ---- masks: one per layer type, in the attention path's format
     masks = build_layer_masks(
-        attention_path, anchors_BN, valid_BN, ctx_len, block_size, drafter.layer_types, drafter.sliding_window
+        attention_path, anchors_BN, valid_BN, ctx_len, block_size, drafter.layer_types, drafter.sliding_window,
+        drafter.sliding_semantics,
     )
 
     # ---- drafter forward and the chunked loss through the shared lm_head
