@@ -144,7 +144,8 @@ class Group:
     store_seen: float = field(default_factory=time.monotonic)  # when the watchdog's store last answered
     on_hung: Optional[Callable[["DistributedError"], None]] = None  # ends the process (train.run sets it)
     _stop: threading.Event = field(default_factory=threading.Event)
-    _ending: threading.Lock = field(default_factory=threading.Lock)
+    _ending: threading.Lock = field(default_factory=threading.Lock)  # one failure report per process
+    _ending_since: Optional[float] = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -170,6 +171,7 @@ class Group:
         g._meet()
         g._beat()
         threading.Thread(target=g._heartbeat_loop, name=f"heartbeat-rank{g.rank}", daemon=True).start()
+        threading.Thread(target=g._observe_loop, name=f"observer-rank{g.rank}", daemon=True).start()
         threading.Thread(target=g._watchdog_loop, name=f"watchdog-rank{g.rank}", daemon=True).start()
         return g
 
@@ -329,7 +331,10 @@ class Group:
                 return r, f"its heartbeat has not moved for {now - peer.moved:.0f}s (stopped, hung or unreachable)"
         return None
 
-    def _watchdog_loop(self) -> None:
+    def _observe_loop(self) -> None:
+        """Reads the others' counters once per WATCH_S. A store call on a stopped store
+        process never returns (torch applies no timeout to ``add``): this thread then
+        waits, and the watchdog, which never touches the store, sees the readings age."""
         client = None
         while not self._stop.wait(WATCH_S):
             try:
@@ -337,18 +342,24 @@ class Group:
                 self.observe(client)
             except Exception:  # noqa: BLE001 - no answer is the evidence; a new connection is tried next time
                 client = None
+
+    def _watchdog_loop(self) -> None:
+        while not self._stop.wait(WATCH_S):
             found = self.hung(time.monotonic())
             if found is None or self._stop.is_set():
                 continue
-            if not self._ending.acquire(blocking=False):
-                return  # a failed collective is being reported
+            reporting = self._ending_since is not None and time.monotonic() - self._ending_since < BLAME_WAIT_S + 5
+            if not self._ending.acquire(blocking=False) and reporting:
+                continue  # a failed collective is being reported (and ends the process)
             rank, why = found
             error = DistributedError(f"watchdog on rank {self.rank} after step {self.step}: rank {rank} on "
                                      f"{self.peer_host(rank)} failed first ({why}); distributed.timeout "
                                      f"{self.timeout_s:g}s", failed_rank=rank, failed_host=self.peer_host(rank))
             if self.on_hung is not None:
-                self.on_hung(error)  # writes the status and ends the process
-            print(f"error: DistributedError: {error}", file=sys.stderr, flush=True)
+                self.on_hung(error)  # writes the status and says the error
+            else:
+                print(f"error: DistributedError: {error}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
             os._exit(contract.EXIT_CRASH)
 
     def record_failure(self, message: str) -> None:
@@ -375,7 +386,10 @@ class Group:
         """(rank, host, why) of the rank that failed first, as far as can be told."""
         deadline, client = time.monotonic() + BLAME_WAIT_S, None
         while True:
-            try:  # over a connection of its own (short timeout): the shared one may wait on a stopped store
+            if self.rank != 0 and time.monotonic() - self.store_seen > STALE_S:  # a call would never return
+                return 0, self.peer_host(0), (f"its process, which holds the rendezvous store, has not answered "
+                                              f"for {time.monotonic() - self.store_seen:.0f}s")
+            try:  # over a connection of its own
                 client = client or self._watch_client()
                 failed, steps = self._failed(client), self._steps(client)
             except Exception:  # noqa: BLE001 - the store lives in rank 0's process: it is gone or unreachable
@@ -388,6 +402,9 @@ class Group:
             for r, peer in sorted(self.peers.items()):
                 if peer.host == self.host and peer.pid and not _alive(peer.pid):
                     return r, peer.host, f"its process (pid {peer.pid}) is gone"
+            # The counter that stopped first, dated on this clock: a peer that only began
+            # its own failure report later is not the culprit.
+            for r, peer in sorted(self.peers.items(), key=lambda kv: kv[1].moved):
                 if now - peer.moved > STALE_S:
                     return r, peer.host, f"its heartbeat stopped ({now - peer.moved:.0f}s without a beat)"
             if time.monotonic() > deadline:
@@ -398,10 +415,12 @@ class Group:
             time.sleep(0.25)
 
     def failure(self, what: str, error: BaseException) -> DistributedError:
-        self._stop.set()
+        # The heartbeat goes on while this process finds the culprit: stopping it here
+        # would make this rank look dead to the others before the one that died.
         if not self._ending.acquire(blocking=False):
             while True:  # the watchdog is ending this process, naming the rank that hung
                 time.sleep(60)
+        self._ending_since = time.monotonic()
         rank, host, why = self.blame()
         who = f"rank {rank} on {host or '?'} failed first ({why})" if rank is not None else f"cause unknown ({why})"
         return DistributedError(f"{what} failed on rank {self.rank} after step {self.step}: {who}; "
