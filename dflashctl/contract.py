@@ -74,6 +74,9 @@ def standby_hold(token: str) -> str:
 
 
 HOST_ENV = "DFLASHCTL_HOST"  # the inventory's name of the host a process runs on (set in run.sh)
+# A multi-host run's secret for one start (hex), written by the controller into each
+# host's run directory, mode 0600; every rank proves it before it accepts any data.
+RENDEZVOUS_KEY_FILE = "rendezvous.key"
 
 
 def status_file(rank: int = 0) -> str:

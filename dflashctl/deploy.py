@@ -36,6 +36,7 @@ import tarfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflashctl import contract
 from dflashctl.bundle import Bundle
 from dflashctl.errors import TransportError
 
@@ -200,6 +201,10 @@ def _why(error: TransportError) -> str:
     return ""  # the receiver's stderr (in the error) says what went wrong
 
 
+# Run files only the run's user may read (a secret): written with mode 0600.
+PRIVATE_FILES = frozenset({contract.RENDEZVOUS_KEY_FILE})
+
+
 def tar_of(files: dict[str, bytes | str]) -> bytes:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:
@@ -207,7 +212,7 @@ def tar_of(files: dict[str, bytes | str]) -> bytes:
             data = content.encode("utf-8") if isinstance(content, str) else content
             info = tarfile.TarInfo(name)
             info.size = len(data)
-            info.mode = 0o755 if name.endswith(".sh") else 0o644
+            info.mode = 0o600 if name in PRIVATE_FILES else 0o755 if name.endswith(".sh") else 0o644
             tar.addfile(info, io.BytesIO(data))
     return raw.getvalue()
 

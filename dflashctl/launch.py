@@ -48,13 +48,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from dflashctl import deploy
+from dflashctl import contract, deploy
 from dflashctl.bundle import Bundle, build_bundle
 from dflashctl.errors import DflashError, TransportError, first_line
 from dflashctl.facts import gpu_count_problem
 from dflashctl.runhost import (
-    RUN_SCRIPT, START_TIMEOUT, LaunchError, Progress, host_transport, local_host, part_config, quiet, run_environment,
-    run_files, start_command, wait_started,
+    RUN_SCRIPT, START_TIMEOUT, LaunchError, Progress, host_transport, local_host, new_rendezvous_key, part_config,
+    port_check_argv, port_in_use_error, quiet, rendezvous_port_problem, run_environment, run_files, start_command,
+    wait_started,
 )
 from dflashctl.store import FAILED, FINAL_STATES, LAUNCHING, Run, Store, new_run_id
 from dflashctl.tmux import Tmux, socket_name
@@ -425,13 +426,13 @@ class _Launcher:
         config = self._run_config(trainer, gpus, parts[0]["run_dir"], parts[0]["workdir"], parts[0]["env"])
         config["distributed"] = {"address": address, "port": pb.rendezvous.port,
                                  "hosts": [{k: p[k] for k in ("rank", "host", "python", "workdir", "env")} for p in parts]}
-        names = ", ".join(h.name for h in hosts)
+        names, key = ", ".join(h.name for h in hosts), new_rendezvous_key()
         self.say("record", f"rendezvous at {address}:{pb.rendezvous.port} (rank 0 on {hosts[0].name}); "
                  f"{len(hosts)} processes, one per host")
         if self.dry_run:
             for rank, (host, part) in enumerate(zip(hosts, parts)):
                 self._at(host, None)
-                self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"])
+                self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"], key)
                 self._start(run_id, part["run_dir"], part["tmux_session"])
             return LaunchResult(run_id, "dry-run", hosts[0].name, parts[0]["run_dir"], run_id, dry_run=True,
                                 findings=findings, blocked=self.blocked)
@@ -447,7 +448,7 @@ class _Launcher:
         try:
             for rank, (host, transport, part) in enumerate(zip(hosts, transports, parts)):
                 self._at(host, transport)
-                files = self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"])
+                files = self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"], key)
                 self._provide_compile_cache(run_id, part["run_dir"], files, config, bundle.hash, gpus, rank)
             for host, transport, part in zip(hosts, transports, parts):
                 self._at(host, transport)
@@ -468,15 +469,14 @@ class _Launcher:
                             deploy=result.to_dict() if result else None, findings=findings)
 
     def _check_port(self, host: "Host", transport: "Transport | None", port: int) -> None:
-        """The rendezvous port must be free on rank 0's host before anything starts."""
-        argv = [*shlex.split(host.python), "-I", "-S", "-c", _PORT_FREE, str(port)]
+        """Rank 0's host must be able to listen on the rendezvous port before anything starts."""
         if self.dry_run:
-            self.say("gpus", f"would check that port {port} is free on {host.name}")
+            self.say("gpus", f"would check that port {port} is free on {host.name}: "
+                     f"{_show(port_check_argv(host.python, port)[:3])} <port check> {port}")
             return
-        answer = transport.run(argv, timeout=30, check=False)
-        if answer.exit_code != 0:
-            raise LaunchError(f"{host.name}: rendezvous port {port} is not free ({answer.stdout.strip() or answer.stderr.strip()[-200:]})",
-                              hint="set rendezvous.port in the playbook to a free port, or stop what holds it")
+        problem = rendezvous_port_problem(transport, host.python, port)
+        if problem:
+            raise port_in_use_error(host.name, port, problem)
         self.say("gpus", f"rendezvous port {port} free on {host.name}")
 
     def _check_gpus(self, wanted: list[int]) -> list[int]:
@@ -540,12 +540,15 @@ class _Launcher:
         }
 
     def _configure(self, run_id: str, run_dir: str, config: dict[str, Any], rank: int = 0,
-                   session: str | None = None) -> dict[str, str]:
+                   session: str | None = None, rendezvous_key: str | None = None) -> dict[str, str]:
         """Write (or, in a dry run, show) the run files; returns them."""
-        files = run_files(run_id, run_dir, config, self.socket, rank=rank, session=session)
+        files = run_files(run_id, run_dir, config, self.socket, rank=rank, session=session,
+                          rendezvous_key=rendezvous_key)
         if self.dry_run:
             self.show_remote("configure", deploy.run_files_argv(run_dir), deploy.tar_of(files))
             self.say("configure", f"{RUN_SCRIPT}:\n" + files[RUN_SCRIPT])
+            if contract.RENDEZVOUS_KEY_FILE in files:
+                self.say("configure", f"{contract.RENDEZVOUS_KEY_FILE}: this start's secret, mode 0600 (not shown)")
             return files
         deploy.write_run_files(self.transport, run_dir, files)
         self.say("configure", f"{run_dir}: {', '.join(sorted(files))}")
@@ -555,7 +558,7 @@ class _Launcher:
                                bundle_hash: str, gpus: list[int], rank: int = 0) -> None:
         """Before the start: a held compile artifact that fits the run goes into its
         run directory (dflashctl.compile_cache), said and recorded."""
-        from dflashctl import compile_cache, contract
+        from dflashctl import compile_cache
 
         if self.dry_run:
             held = len(compile_cache.LocalCache().entries())
@@ -580,18 +583,6 @@ class _Launcher:
             return
         Tmux(self.host, self.inventory, self.socket).start(session, command)
         self.say("start", f"tmux session {session}{where} (tmux -L {self.socket})")
-
-
-# Exit 0 when the port can be bound on every address (as torch's TCPStore binds it).
-_PORT_FREE = """
-import socket, sys
-s = socket.socket()
-try:
-    s.bind(("", int(sys.argv[1])))
-except OSError as e:
-    print(e.strerror or e)
-    sys.exit(1)
-"""
 
 
 def run_session(run_id: str, rank: int) -> str:

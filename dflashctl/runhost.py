@@ -188,9 +188,11 @@ def standby_session(session: str) -> str:
 
 def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
               serialized_warmup: bool | None = None, rank: int = 0, session: str | None = None,
-              standby: str | None = None) -> dict[str, str]:
+              standby: str | None = None, rendezvous_key: str | None = None) -> dict[str, str]:
     """config.json and run.sh for a run (for the process of ``rank`` on its own host,
-    in tmux session ``session``), from its stored config."""
+    in tmux session ``session``), from its stored config; for a multi-host run also
+    ``rendezvous.key``, this start's secret (``rendezvous_key``, the same on every host;
+    written mode 0600, never stored, never on a command line)."""
     config = part_config(config, rank)
     trainer = copy.deepcopy(config["trainer"])
     if serialized_warmup is not None:
@@ -204,7 +206,64 @@ def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
                                config.get("compile_cache"), session or run_id, socket, rank, standby)
     if standby:
         return {STANDBY_SCRIPT: script}
-    return {contract.CONFIG_FILE: deploy.config_json(trainer), RUN_SCRIPT: script}
+    files = {contract.CONFIG_FILE: deploy.config_json(trainer), RUN_SCRIPT: script}
+    if config.get("distributed") and rendezvous_key:
+        files[contract.RENDEZVOUS_KEY_FILE] = rendezvous_key + "\n"
+    return files
+
+
+def new_rendezvous_key() -> str:
+    """A fresh secret for one start of a multi-host run (a process of an earlier start
+    cannot join this one)."""
+    import secrets
+
+    return secrets.token_hex(32)
+
+
+# Exit 0 when the port can be bound as torch's TCPStore binds it: SO_REUSEADDR, so
+# connections of an earlier start lingering in TIME_WAIT do not count as in use; on
+# the IPv6 wildcard (dual-stack) where the host has IPv6, as torch tries first, and
+# on the IPv4 one. Else the errno's name and text.
+_PORT_FREE = """
+import errno, socket, sys
+port = int(sys.argv[1])
+for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "")):
+    try:
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        continue
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((addr, port))
+        s.listen(1)
+    except OSError as e:
+        if family == socket.AF_INET6 and e.errno == errno.EADDRNOTAVAIL:
+            continue
+        print(errno.errorcode.get(e.errno, "?"), e.strerror or e)
+        sys.exit(1)
+    finally:
+        s.close()
+"""
+
+
+def port_check_argv(python: str, port: int) -> list[str]:
+    return [*shlex.split(python), "-I", "-S", "-c", _PORT_FREE, str(port)]
+
+
+def rendezvous_port_problem(transport: "Transport", python: str, port: int) -> str | None:
+    """Why rank 0's host cannot listen on the rendezvous ``port`` now
+    ("EADDRINUSE Address already in use"), or None when it can."""
+    answer = transport.run(port_check_argv(python, port), timeout=30, check=False)
+    if answer.exit_code == 0:
+        return None
+    return answer.stdout.strip()[:200] or answer.stderr.strip()[-200:] or f"exit {answer.exit_code}"
+
+
+def port_in_use_error(host: str, port: int, problem: str) -> "LaunchError":
+    hint = (f"another process holds it: `ss -ltnp 'sport = :{port}'` on {host} shows which; stop it, or set "
+            "rendezvous.port in the playbook to a free port") if "EADDRINUSE" in problem else (
+        "set rendezvous.port in the playbook to a port rank 0's host can listen on")
+    return LaunchError(f"{host}: rendezvous port {port} is not free ({problem})", hint=hint)
 
 
 def start_command(run_dir: str) -> str:
@@ -490,9 +549,14 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
         standby = None  # a standby imported the old bundle: it is not the one to wake
         end_standby(run, inventory)
     wanted = bool(serialized_warmup) or config["trainer"]["compile"].get("serialized_warmup", True)
+    key = None
+    if config.get("distributed"):  # the previous processes are gone: rank 0's host must be able to listen again
+        _wait_port_free(parts[0][0].host, parts[0][1], part_config(config, 0)["python"],
+                        int(config["distributed"]["port"]), say)
+        key = new_rendezvous_key()
     for part, transport, _ in parts:
         files = run_files(run.id, part.run_dir, config, socket, serialized_warmup=wanted, rank=part.rank,
-                          session=part.tmux_session)
+                          session=part.tmux_session, rendezvous_key=key)
         # The previous process's exit code and status go before the new session starts,
         # so nobody reads them as the new process's (run.sh removes them too).
         deploy.write_run_files(transport, part.run_dir, files,
@@ -520,6 +584,21 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     say("restart", f"tmux session {run.tmux_session} started again" + (
         f" (and on {', '.join(run.host_names[1:])})" if run.hosts else ""))
     return RestartResult(run.id, run.tmux_session, bundle_hash, bool(serialized_warmup), killed, redeployed)
+
+
+PORT_RELEASE_S = 5.0  # a killed rank 0's listening socket is closed when its process is reaped
+
+
+def _wait_port_free(host: str, transport: "Transport", python: str, port: int, say: Progress) -> None:
+    deadline = time.monotonic() + PORT_RELEASE_S
+    while True:
+        problem = rendezvous_port_problem(transport, python, port)
+        if problem is None:
+            return
+        if time.monotonic() > deadline:
+            raise port_in_use_error(host, port, problem)
+        say("restart", f"rendezvous port {port} on {host} not free yet ({problem}); checking again")
+        time.sleep(0.5)
 
 
 # --------------------------------------------------------------------------- standby

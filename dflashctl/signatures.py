@@ -195,6 +195,24 @@ BUILTIN_SIGNATURES: tuple[Signature, ...] = (
         "the GPU may need a reset or replacement",
     ),
     Signature(
+        "rendezvous_port_in_use",
+        _re(r"RendezvousError: [^\n]*EADDRINUSE|EADDRINUSE|[Aa]ddress already in use"),
+        STOP,
+        "critical",
+        "rank 0 could not listen on the rendezvous port (EADDRINUSE): another process holds it, perhaps "
+        "another user's; the other ranks refuse to join it. `ss -ltnp 'sport = :PORT'` on rank 0's host shows "
+        "who; stop it or set rendezvous.port in the playbook to a free port, then `dflashctl restart RUN`",
+    ),
+    Signature(
+        "rendezvous_refused",
+        _re(r"RendezvousError: [^\n]*(did not prove|gave no|not this run's|could not join)"),
+        STOP,
+        "critical",
+        "this rank refused the process at the rendezvous address: it did not prove the run's secret "
+        "(rendezvous.key), so it is not this run's rank 0 (another process holds the port?); nothing it sent "
+        "was accepted. Check who listens on the rendezvous port, then `dflashctl restart RUN`",
+    ),
+    Signature(
         "rank_failed",
         _re(r"DistributedError: [^\n]*failed first"),
         RESTART,

@@ -68,6 +68,15 @@ def cuda_errors() -> list[tuple[str, str]]:
     return blocks
 
 
+# What rank 0 prints when another process holds the rendezvous port (trainer/rendezvous.py), and
+# torch's own line for it; what rank 1 prints when the process at the address is not this run's.
+PORT_IN_USE = ("error: RendezvousError: rendezvous port 29500 on this host is in use by another process (EADDRINUSE): "
+               "this run's rank 0 cannot listen on it.")
+PORT_IN_USE_TORCH = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+                     "address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+REFUSED = ("error: RendezvousError: rank 0 at the rendezvous 127.0.0.1:29500 did not prove this start's secret "
+           "(rendezvous.key): it is not this run's process")
+
 # (text, status error, exit code) -> expected signature name; one or more per shipped entry.
 CASES = [
     (FX_RACE, None, 1, "fx_race"),
@@ -77,6 +86,9 @@ CASES = [
     ("", "OutOfMemoryError: CUDA out of memory. Tried to allocate N.N GiB", None, "cuda_oom"),
     (NCCL, None, -6, "nccl_timeout"),
     (RANK_FAILED, None, 1, "rank_failed"),
+    (PORT_IN_USE, None, 1, "rendezvous_port_in_use"),
+    (PORT_IN_USE_TORCH, None, 1, "rendezvous_port_in_use"),
+    (REFUSED, None, 1, "rendezvous_refused"),
     (MISSING_LIB, None, 1, "missing_shared_library"),
     (CUDNN, None, 1, "cudnn_version_mismatch"),
     (CUDNN_SUB, None, 1, "cudnn_version_mismatch"),

@@ -26,32 +26,55 @@ share a host (``LOCAL_WORLD_SIZE > 1``), local rank ``L`` adds ``L * n`` to them
 ``n`` being the largest index in its placement plus one: two processes with
 ``target: [0], drafter: [0]`` use GPU 0 and GPU 1.
 
+Joining: the store at ``MASTER_ADDR:MASTER_PORT`` is opened and every rank proves
+this start's secret on it before the process group exists (trainer/rendezvous.py);
+what rank 0 sends later (the checkpoint to resume from) is one authenticated frame
+of data (trainer/wire.py), never a pickle, checked against bounds on receipt.
+
 Failure: every collective waits at most ``distributed.timeout`` seconds. Each
-process beats a heartbeat (time, step, host, pid) into the rendezvous store every
-second; when a collective fails, the process names the rank that failed first (one
-that recorded its own failure, else one whose heartbeat stopped or whose process is
-gone, else the one furthest behind), writes status ``failed`` with that rank and its
-host, and exits with the crash code. This module never decides anything about the
-model or the data; it only moves tensors and names failures. It imports torch only
-inside its functions: train.run reads the file names before torch is imported.
+process adds one to its own counter in the store every second (``dflash/beat/R``);
+a watchdog thread in every process reads every other counter and the store itself
+over its own connection, and notes on its OWN monotonic clock when each last moved,
+so no host's clock is compared with another's. A peer whose counter has not moved
+for ``distributed.timeout`` (stopped, hung, its NIC dead), or a store that has not
+answered for as long (rank 0's process, where it lives, is stopped or gone), ends
+this process within ``distributed.timeout + HUNG_MARGIN_S``, failed, naming that
+rank and its host: a collective blocked in NCCL or gloo is not waited for. When a
+collective fails, the process names the rank that failed first (one that recorded
+its own failure in this start's store, else one whose process is gone, else one
+whose counter stopped, else rank 0 when the store is gone, else the one furthest
+behind), writes status ``failed`` with that rank and its host, and exits with the
+crash code. This module never decides anything about the model or the data; it
+only moves tensors and names failures. It imports torch only inside its functions:
+train.run reads the file names before torch is imported.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from dflashctl import contract
 
 ENV_KEYS = ("RANK", "WORLD_SIZE")
 HEARTBEAT_S = 1.0
-STALE_S = 4.0  # a heartbeat this old: that process is gone or frozen
+WATCH_S = 1.0  # how often the watchdog reads the others' counters
+WATCH_IO_S = 2.0  # each of its store calls waits at most this long
+STALE_S = 4.0  # a counter unmoved this long, when a collective failed: that process is gone or frozen
 BLAME_WAIT_S = 8.0  # after a failed collective, how long to wait for a culprit to show
+# A rank that stops answering ends every other process within distributed.timeout plus
+# this: a beat missed (HEARTBEAT_S), the watchdog's poll (WATCH_S), one store call
+# timing out (WATCH_IO_S), writing the status, and slack for a loaded machine.
+HUNG_MARGIN_S = 10.0
+INFO_WAIT_S = 60.0  # how long init waits for every rank's host and pid
+MAX_HOST_CHARS = 200
 
 
 def requested() -> bool:
@@ -89,6 +112,17 @@ def device_offset(placement) -> int:
 
 
 @dataclass
+class Peer:
+    """What this process knows of another rank: host and pid (from the store, at
+    init), and when, on this process's monotonic clock, its counter last moved."""
+
+    host: str = "?"
+    pid: int = 0
+    count: int = -1
+    moved: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class Group:
     """This process's place in the run and the collectives the trainer uses."""
 
@@ -99,18 +133,28 @@ class Group:
     timeout_s: float
     device: "torch.device"  # noqa: F821 - torch is imported lazily
     host: str = field(default_factory=host_name)
-    step: int = 0  # last finished step, published in the heartbeat
+    step: int = 0  # last finished step, published beside the heartbeat
     last_allreduce_s: float = 0.0
     extras: list = field(default_factory=list)  # per step: values summed over ranks with the gradients
     summed: list = field(default_factory=list)  # ... and their sums, after the all-reduce
+    session_key: bytes = b""  # tags every frame between ranks (trainer/rendezvous.py)
+    authenticated: bool = False
+    store: object = None  # the raw store (the process group prefixes its own keys)
+    peers: dict = field(default_factory=dict)  # rank -> Peer
+    store_seen: float = field(default_factory=time.monotonic)  # when the watchdog's store last answered
+    on_hung: Optional[Callable[["DistributedError"], None]] = None  # ends the process (train.run sets it)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _ending: threading.Lock = field(default_factory=threading.Lock)  # one failure report per process
+    _ending_since: Optional[float] = None
 
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    def init(cls, cfg, device) -> "Group":
+    def init(cls, cfg, device, run_dir: str = ".") -> "Group":
         import torch
         import torch.distributed as dist
+
+        from trainer import rendezvous
 
         backend = cfg.distributed.backend
         if backend == "auto":
@@ -118,11 +162,17 @@ class Group:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=cfg.distributed.timeout)
-        dist.init_process_group(backend=backend, timeout=timeout)
-        g = cls(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                backend=backend, timeout_s=cfg.distributed.timeout, device=device)
+        joined = rendezvous.join(run_dir, cfg.distributed.timeout)  # nothing is accepted from a peer before this
+        dist.init_process_group(backend=backend, timeout=timeout, store=joined.store, rank=joined.rank,
+                                world_size=joined.world)
+        g = cls(rank=joined.rank, world=joined.world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                backend=backend, timeout_s=cfg.distributed.timeout, device=device, session_key=joined.session_key,
+                authenticated=joined.authenticated, store=joined.store)
+        g._meet()
         g._beat()
         threading.Thread(target=g._heartbeat_loop, name=f"heartbeat-rank{g.rank}", daemon=True).start()
+        threading.Thread(target=g._observe_loop, name=f"observer-rank{g.rank}", daemon=True).start()
+        threading.Thread(target=g._watchdog_loop, name=f"watchdog-rank{g.rank}", daemon=True).start()
         return g
 
     def close(self) -> None:
@@ -180,101 +230,213 @@ class Group:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
 
-    def broadcast_object(self, obj):
+    def broadcast_bytes(self, data: Optional[bytes], limit: int) -> bytes:
+        """Rank 0's ``data`` on every rank: its length (refused past ``limit`` before
+        anything is allocated), then the bytes. The framing is the one torch's object
+        broadcast uses, so a peer that sends a pickle is read as bytes and refused."""
         import torch
 
-        box = [obj]
-        self._collective("broadcast_object", lambda: torch.distributed.broadcast_object_list(
-            box, src=0, device=self.device if self.backend == "nccl" else None))
-        return box[0]
+        dev = self.device if self.backend == "nccl" else torch.device("cpu")
+        size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.long, device=dev)
+        self._collective("broadcast", lambda: torch.distributed.broadcast(size, src=0))
+        n = int(size.item())
+        if not 0 <= n <= limit:
+            raise DistributedError(f"rank 0 sent a {n}-byte message; at most {limit} bytes are accepted here "
+                                   "(refused before reading it)", failed_rank=0, failed_host=self.peer_host(0))
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and n
+               else torch.empty(n, dtype=torch.uint8))
+        if n:
+            moved = buf.to(dev)
+            self._collective("broadcast", lambda: torch.distributed.broadcast(moved, src=0))
+            buf = moved.cpu()
+        return data if self.rank == 0 else buf.numpy().tobytes()
 
-    def broadcast_checkpoint(self, path: Optional[str], scratch_dir: str) -> Optional[str]:
+    def broadcast_checkpoint(self, path: Optional[str], scratch_dir: str, limit: int) -> Optional[str]:
         """Rank 0's checkpoint ``path`` (or None) as a directory this rank can load:
-        rank 0 returns ``path``; the others receive its files into ``scratch_dir``."""
-        files = None
-        if self.rank == 0 and path is not None:
-            files = {name: open(os.path.join(path, name), "rb").read() for name in sorted(os.listdir(path))
-                     if os.path.isfile(os.path.join(path, name))}
-        files = self.broadcast_object(files)
-        if self.rank == 0 or files is None:
+        rank 0 returns ``path``; the others receive its files (one authenticated frame
+        of at most ``limit`` bytes, plain file names) into ``scratch_dir``."""
+        from trainer import wire
+
+        frame = None
+        if self.rank == 0:
+            files = None if path is None else {
+                name: open(os.path.join(path, name), "rb").read() for name in sorted(os.listdir(path))
+                if os.path.isfile(os.path.join(path, name))}
+            frame = wire.pack_files(files, self.session_key)
+        frame = self.broadcast_bytes(frame, limit)
+        if self.rank == 0:
             return path
-        os.makedirs(scratch_dir, exist_ok=True)
-        for name, data in files.items():
-            with open(os.path.join(scratch_dir, name), "wb") as f:
-                f.write(data)
-        return scratch_dir
+        try:
+            files = wire.unpack_files(frame, self.session_key)
+            return None if files is None else wire.write_files(files, scratch_dir)
+        except wire.WireError as e:
+            raise DistributedError(f"the checkpoint rank 0 on {self.peer_host(0)} sent is refused: {e}",
+                                   failed_rank=0, failed_host=self.peer_host(0)) from None
 
-    # ------------------------------------------------------------------ heartbeat and blame
+    # ------------------------------------------------------------------ heartbeat, watchdog and blame
 
-    def _store(self):
-        from torch.distributed import distributed_c10d
+    def peer_host(self, rank: int) -> str:
+        return self.peers[rank].host if rank in self.peers else "?"
 
-        return distributed_c10d._get_default_store()
+    def _meet(self) -> None:
+        """Every rank's host and pid, once (what blame names later, even when the
+        store is gone with rank 0's process)."""
+        self.store.set(f"dflash/info/{self.rank}", json.dumps({"host": self.host[:MAX_HOST_CHARS],
+                                                               "pid": os.getpid()}))
+        keys = [f"dflash/info/{r}" for r in range(self.world) if r != self.rank]
+        self.store.wait(keys, datetime.timedelta(seconds=min(INFO_WAIT_S, self.timeout_s)))
+        for r in range(self.world):
+            if r != self.rank:
+                self.peers[r] = _peer_info(self.store.get(f"dflash/info/{r}"))
 
     def _beat(self) -> None:
-        self._store().set(f"dflash/hb/{self.rank}", f"{time.time()} {self.step} {self.host} {os.getpid()}")
+        self.store.set(f"dflash/step/{self.rank}", str(int(self.step)))
+        self.store.add(f"dflash/beat/{self.rank}", 1)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._beat()
-            except Exception:  # noqa: BLE001 - the store is gone (its host died): the collective will say so
+            except Exception:  # noqa: BLE001 - the store is gone (its host died): the watchdog will say so
                 return
+
+    def _watch_client(self):
+        """A connection of the watchdog's own, with a short timeout: a call on the
+        shared one waits up to distributed.timeout when the store's process is stopped."""
+        import torch.distributed as dist
+
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               timeout=datetime.timedelta(seconds=WATCH_IO_S), wait_for_workers=False)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):  # torchrun's store: its prefix
+            client = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+        return client
+
+    def observe(self, client) -> None:
+        """One watchdog reading: every other rank's counter; a move is dated on this clock."""
+        counts = {r: client.add(f"dflash/beat/{r}", 0) for r in self.peers}
+        now = time.monotonic()
+        self.store_seen = now
+        for r, count in counts.items():
+            peer = self.peers[r]
+            if count != peer.count:
+                peer.count, peer.moved = count, now
+
+    def hung(self, now: float) -> Optional[tuple[int, str]]:
+        """(rank, why) of a rank that stopped answering for distributed.timeout, or None."""
+        quiet = now - self.store_seen
+        if self.rank != 0 and quiet > self.timeout_s:
+            return 0, f"the rendezvous store in its process has not answered for {quiet:.0f}s (stopped or unreachable)"
+        for r, peer in sorted(self.peers.items()):
+            if now - peer.moved > self.timeout_s:
+                return r, f"its heartbeat has not moved for {now - peer.moved:.0f}s (stopped, hung or unreachable)"
+        return None
+
+    def _observe_loop(self) -> None:
+        """Reads the others' counters once per WATCH_S. A store call on a stopped store
+        process never returns (torch applies no timeout to ``add``): this thread then
+        waits, and the watchdog, which never touches the store, sees the readings age."""
+        client = None
+        while not self._stop.wait(WATCH_S):
+            try:
+                client = client or self._watch_client()
+                self.observe(client)
+            except Exception:  # noqa: BLE001 - no answer is the evidence; a new connection is tried next time
+                client = None
+
+    def _watchdog_loop(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            found = self.hung(time.monotonic())
+            if found is None or self._stop.is_set():
+                continue
+            reporting = self._ending_since is not None and time.monotonic() - self._ending_since < BLAME_WAIT_S + 5
+            if not self._ending.acquire(blocking=False) and reporting:
+                continue  # a failed collective is being reported (and ends the process)
+            rank, why = found
+            error = DistributedError(f"watchdog on rank {self.rank} after step {self.step}: rank {rank} on "
+                                     f"{self.peer_host(rank)} failed first ({why}); distributed.timeout "
+                                     f"{self.timeout_s:g}s", failed_rank=rank, failed_host=self.peer_host(rank))
+            if self.on_hung is not None:
+                self.on_hung(error)  # writes the status and says the error
+            else:
+                print(f"error: DistributedError: {error}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(contract.EXIT_CRASH)
 
     def record_failure(self, message: str) -> None:
         """Tell the others this rank failed by itself (best effort), so they name it."""
         self._stop.set()
         try:
-            self._store().set(f"dflash/failed/{self.rank}", f"{time.time()} {message[:300]}")
+            self.store.set(f"dflash/failed/{self.rank}", message[:300])
         except Exception:  # noqa: BLE001 - the store may be gone too
             pass
 
-    def _peers(self) -> dict[int, tuple[Optional[float], int, str, int, Optional[str]]]:
-        """rank -> (heartbeat time, step, host, pid, own failure message) of every other rank."""
-        store, out = self._store(), {}
-        for r in range(self.world):
-            if r == self.rank:
-                continue
-            beat, failed = None, None
-            if store.check([f"dflash/hb/{r}"]):
-                beat = store.get(f"dflash/hb/{r}").decode()
-            if store.check([f"dflash/failed/{r}"]):
-                failed = store.get(f"dflash/failed/{r}").decode().split(" ", 1)[1]
-            t, step, host, pid = beat.split(" ") if beat else (None, "-1", "?", "0")
-            out[r] = (float(t) if t else None, int(step), host, int(pid), failed)
+    def _failed(self, client) -> dict[int, str]:
+        """rank -> its own failure message, of this start (the store lives as long as rank 0's process)."""
+        keys = {r: f"dflash/failed/{r}" for r in self.peers}
+        return {r: client.get(k).decode("utf-8", "replace")[:300] for r, k in keys.items() if client.check([k])}
+
+    def _steps(self, client) -> dict[int, int]:
+        out = {}
+        for r in self.peers:
+            raw = client.get(f"dflash/step/{r}")[:20]
+            out[r] = int(raw) if raw.isdigit() else -1
         return out
 
     def blame(self) -> tuple[Optional[int], Optional[str], str]:
         """(rank, host, why) of the rank that failed first, as far as can be told."""
-        deadline = time.monotonic() + BLAME_WAIT_S
+        deadline, client = time.monotonic() + BLAME_WAIT_S, None
         while True:
-            try:
-                peers = self._peers()
-            except Exception:  # noqa: BLE001 - the store's host (rank 0, or torchrun's agent) is unreachable
-                return (0, None, "the rendezvous store is unreachable") if self.rank != 0 else (None, None, "store gone")
-            now = time.time()
-            for r, (t, step, host, pid, failed) in sorted(peers.items()):
-                if failed:
-                    return r, host, f"it failed: {failed}"
-            for r, (t, step, host, pid, failed) in sorted(peers.items()):
-                if host == self.host and pid and not _alive(pid):
-                    return r, host, f"its process (pid {pid}) is gone"
-                if t is None or now - t > STALE_S:
-                    return r, host, "its heartbeat stopped"
+            if self.rank != 0 and time.monotonic() - self.store_seen > STALE_S:  # a call would never return
+                return 0, self.peer_host(0), (f"its process, which holds the rendezvous store, has not answered "
+                                              f"for {time.monotonic() - self.store_seen:.0f}s")
+            try:  # over a connection of its own
+                client = client or self._watch_client()
+                failed, steps = self._failed(client), self._steps(client)
+            except Exception:  # noqa: BLE001 - the store lives in rank 0's process: it is gone or unreachable
+                if self.rank != 0:
+                    return 0, self.peer_host(0), "its process, which holds the rendezvous store, is gone or unreachable"
+                return None, None, "store gone"
+            now = time.monotonic()
+            for r in sorted(failed):
+                return r, self.peer_host(r), f"it failed: {failed[r]}"
+            for r, peer in sorted(self.peers.items()):
+                if peer.host == self.host and peer.pid and not _alive(peer.pid):
+                    return r, peer.host, f"its process (pid {peer.pid}) is gone"
+            # The counter that stopped first, dated on this clock: a peer that only began
+            # its own failure report later is not the culprit.
+            for r, peer in sorted(self.peers.items(), key=lambda kv: kv[1].moved):
+                if now - peer.moved > STALE_S:
+                    return r, peer.host, f"its heartbeat stopped ({now - peer.moved:.0f}s without a beat)"
             if time.monotonic() > deadline:
-                behind = min(peers.items(), key=lambda kv: kv[1][1])
-                if behind[1][1] < self.step:
-                    return behind[0], behind[1][2], f"it is behind (step {behind[1][1]}, this rank {self.step})"
+                behind = min(steps.items(), key=lambda kv: kv[1], default=None)
+                if behind is not None and behind[1] < self.step:
+                    return behind[0], self.peer_host(behind[0]), f"it is behind (step {behind[1]}, this rank {self.step})"
                 return None, None, "no peer is known to have failed"
             time.sleep(0.25)
 
     def failure(self, what: str, error: BaseException) -> DistributedError:
-        self._stop.set()
+        # The heartbeat goes on while this process finds the culprit: stopping it here
+        # would make this rank look dead to the others before the one that died.
+        if not self._ending.acquire(blocking=False):
+            while True:  # the watchdog is ending this process, naming the rank that hung
+                time.sleep(60)
+        self._ending_since = time.monotonic()
         rank, host, why = self.blame()
         who = f"rank {rank} on {host or '?'} failed first ({why})" if rank is not None else f"cause unknown ({why})"
         return DistributedError(f"{what} failed on rank {self.rank} after step {self.step}: {who}; "
                                 f"torch: {type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}",
                                 failed_rank=rank, failed_host=host)
+
+
+def _peer_info(raw: bytes) -> Peer:
+    """A rank's host and pid as it wrote them (bounded; anything else is a '?')."""
+    try:
+        info = json.loads(raw[:4096].decode("utf-8"))
+        host, pid = info.get("host"), info.get("pid")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return Peer()
+    return Peer(host=host[:MAX_HOST_CHARS] if isinstance(host, str) and host.isprintable() else "?",
+                pid=pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 31 else 0)
 
 
 def _alive(pid: int) -> bool:
@@ -285,4 +447,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-

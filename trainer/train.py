@@ -201,28 +201,42 @@ def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals:
     try:
         return train(cfg, run_dir, resume, status, stop)
     except Exception as e:  # noqa: BLE001 - every failure ends as status + exit code, never a hang
-        from trainer.data import DataError
-
-        thread = getattr(e, "_dflash_thread", None)
-        sig = error_signature(type(e).__name__, str(e))
-        failed = ({"failed_rank": e.failed_rank, "failed_host": e.failed_host}
-                  if isinstance(e, distributed.DistributedError) else {})
-        if stop.group is not None:
-            failed = {"rank": stop.group.rank, "world_size": stop.group.world, **failed}
-            if not isinstance(e, distributed.DistributedError):
-                stop.group.record_failure(f"{type(e).__name__}: {e}")
-        expected = isinstance(e, (DataError, ConfigError))  # the user's input: a message, no traceback
-        code = (contract.EXIT_DATA_ERROR if isinstance(e, DataError)
-                else contract.EXIT_CONFIG_ERROR if isinstance(e, ConfigError) else contract.EXIT_CRASH)
-        if not expected:  # the traceback goes to trainer.log, where crash signatures are matched
-            print(getattr(e, "_dflash_traceback", None) or traceback.format_exc(), file=sys.stderr)
-        where = f" in thread {thread}" if thread else ""
-        print(f"error{where}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        status.set(contract.PHASE_FAILED, error=sig, detail={**status.status.detail, "exit_code": code, **failed,
-                                                             "message": str(e)[:500], **({"thread": thread} if thread else {})})
+        code = report_failure(e, status, stop, traceback.format_exc())
         if stop.pipeline is not None:
             stop.pipeline.stop(timeout=5.0)
         return code
+
+
+def report_failure(e: BaseException, status: StatusFile, stop: StopRequest, trace: Optional[str]) -> int:
+    """The failure's message on stderr, status ``failed`` with its signature (and, in a
+    distributed run, the rank that failed first); returns the exit code to end with."""
+    from trainer import distributed
+    from trainer.data import DataError
+
+    thread = getattr(e, "_dflash_thread", None)
+    sig = error_signature(type(e).__name__, str(e))
+    failed = ({"failed_rank": e.failed_rank, "failed_host": e.failed_host}
+              if isinstance(e, distributed.DistributedError) else {})
+    if stop.group is not None:
+        failed = {"rank": stop.group.rank, "world_size": stop.group.world, **failed}
+        if not isinstance(e, distributed.DistributedError):
+            stop.group.record_failure(f"{type(e).__name__}: {e}")
+    expected = isinstance(e, (DataError, ConfigError))  # the user's input: a message, no traceback
+    code = (contract.EXIT_DATA_ERROR if isinstance(e, DataError)
+            else contract.EXIT_CONFIG_ERROR if isinstance(e, ConfigError) else contract.EXIT_CRASH)
+    if not expected and trace:  # the traceback goes to trainer.log, where crash signatures are matched
+        print(getattr(e, "_dflash_traceback", None) or trace, file=sys.stderr)
+    where = f" in thread {thread}" if thread else ""
+    print(f"error{where}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    status.set(contract.PHASE_FAILED, error=sig, detail={**status.status.detail, "exit_code": code, **failed,
+                                                         "message": str(e)[:500], **({"thread": thread} if thread else {})})
+    return code
+
+
+def checkpoint_limit(model) -> int:
+    """The most bytes a checkpoint sent by rank 0 may hold: the trainable fp32 master
+    copy and AdamW's two moments, twice over, plus room for the small files."""
+    return 8 * 4 * sum(p.numel() for p in model.trainable_parameters()) + (64 << 20)
 
 
 def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, stop: StopRequest) -> int:
@@ -254,9 +268,13 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     multi = distributed.requested()
     kind, target_devs, drafter_devs = resolve_devices(cfg, distributed.device_offset(cfg.placement) if multi else 0)
     main_dev = drafter_devs[0]
-    group = stop.group = distributed.Group.init(cfg, main_dev) if multi else None
+    group = stop.group = distributed.Group.init(cfg, main_dev, run_dir) if multi else None
+    if group:  # a peer that hung: this process ends with it named, whatever its main thread waits on
+        group.on_hung = lambda error: report_failure(error, status, stop, None)
     rank, world = (group.rank, group.world) if group else (0, 1)
     if group:
+        if not group.authenticated:
+            log("distributed: no rendezvous key: the rendezvous is not authenticated (a run started by hand)")
         log(f"distributed: rank {rank} of {world} ({group.backend}, local rank {group.local_rank}, host {group.host}), "
             f"collective timeout {cfg.distributed.timeout:g}s")
     cache = compile_mod.setup_cache(cfg.compile.cache_dir, main_dev)
@@ -297,7 +315,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     start_step, tokens_total, first_batch = 0, 0, 0
     latest = checkpoint.latest(run_dir) if resume == "auto" and rank == 0 else None
     if group:  # rank 0 decides; the others load the same checkpoint, sent over the group
-        latest = group.broadcast_checkpoint(latest, os.path.join(run_dir, f".resume-rank{rank}"))
+        latest = group.broadcast_checkpoint(latest, os.path.join(run_dir, f".resume-rank{rank}"),
+                                            checkpoint_limit(master))
     if latest:
         meta = checkpoint.load(latest, master, optimizer, scheduler)
         if int(meta.get("world_size", 1)) != world:
