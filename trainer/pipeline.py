@@ -450,23 +450,27 @@ def replicas_identical(replicas: list) -> bool:
 # ---------------------------------------------------------------------------- metrics
 
 # Dense bf16 matrix throughput per GPU model: (flop/s, what the figure is).
+# Dense bf16 peak per GPU: (nominal, measured matmul rate or None, name). ``mfu`` divides by the
+# nominal peak, the yardstick public trainers quote; ``mfu_measured`` by the rate a large bf16
+# matmul reaches on that GPU (bench/RESULTS.md), where one was measured.
 PEAK_FLOPS = {
-    "H200": (790e12, "H200 bf16 dense, measured (989e12 nominal)"),
-    "H100": (790e12, "H100 bf16 dense, as H200 measured (989e12 nominal)"),
-    "A100": (312e12, "A100 bf16 dense, nominal"),
-    "L40S": (362e12, "L40S bf16 dense, nominal"),
-    "A10G": (70e12, "A10G bf16 dense, nominal"),
+    "H200": (989e12, 790e12, "H200 bf16 dense, nominal 989 TFLOP/s (measured matmul 790)"),
+    "H100": (989e12, 790e12, "H100 bf16 dense, nominal 989 TFLOP/s (measured matmul as H200: 790)"),
+    "A100": (312e12, None, "A100 bf16 dense, nominal 312 TFLOP/s"),
+    "L40S": (362e12, None, "L40S bf16 dense, nominal 362 TFLOP/s"),
+    "A10G": (70e12, None, "A10G bf16 dense, nominal 70 TFLOP/s"),
 }
 
 
-def peak_flops(device: torch.device) -> tuple[Optional[float], Optional[str]]:
+def peak_flops(device: torch.device) -> tuple[Optional[float], Optional[float], Optional[str]]:
+    """(nominal peak, measured peak or None, its name) of ``device``'s GPU; Nones off CUDA."""
     if device.type != "cuda":
-        return None, None
+        return None, None, None
     name = torch.cuda.get_device_name(device)
     for key, value in PEAK_FLOPS.items():
         if key in name:
             return value
-    return None, f"unknown GPU '{name}'"
+    return None, None, f"unknown GPU '{name}'"
 
 
 @dataclass
@@ -523,7 +527,7 @@ def _mean(values) -> Optional[float]:
 
 
 def window_fields(w: Window, n_replicas: int, flops: Optional[FlopModel], peak: Optional[float],
-                  n_drafter_gpus: int, n_target_gpus: int, n_gpus: int) -> dict:
+                  n_drafter_gpus: int, n_target_gpus: int, n_gpus: int, measured_peak: Optional[float] = None) -> dict:
     """Loss, acc, accept_len, tok/s and the time split of one window (keys of contract.Metrics + extras)."""
     elapsed = max(1e-9, w.end - w.start)
     reps = w.reports
@@ -565,6 +569,8 @@ def window_fields(w: Window, n_replicas: int, flops: Optional[FlopModel], peak: 
         out["extra"]["mfu_target"] = round(t_flops / elapsed / (peak * n_target_gpus), 4)
         out["extra"]["mfu"] = round((d_flops + t_flops) / elapsed / (peak * n_gpus), 4)
         out["extra"]["tflops"] = round((d_flops + t_flops) / elapsed / 1e12, 1)
+        if measured_peak:
+            out["extra"]["mfu_measured"] = round((d_flops + t_flops) / elapsed / (measured_peak * n_gpus), 4)
     return out
 
 

@@ -397,7 +397,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                                                 "compile_cache": artifacts.status})
     metrics_path = os.path.join(run_dir, distributed.metrics_file(rank))
     flops = pl.flop_model(cfg, first, master)
-    peak, peak_name = pl.peak_flops(main_dev)
+    peak, measured_peak, peak_name = pl.peak_flops(main_dev)
     fault, slow_factor = (cfg.fault if fault_armed(cfg, run_dir) else None), 1.0
     stop.pipeline = pipe
     if not stop.is_set() or group:  # a signal during start-up or warm-up: straight to the checkpoint
@@ -480,7 +480,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         # ---- metrics
         if steps_done % cfg.train.log_every == 0 or steps_done == total_steps:
             f = pl.window_fields(window, len(replicas), flops, peak, len(set(drafter_devs)), len(set(target_devs)),
-                                 n_devices if kind == "cuda" else 0)
+                                 n_devices if kind == "cuda" else 0, measured_peak)
             eta_s = (total_steps - steps_done) * (window.end - window.start) / max(1, window.steps)
             if group:
                 dist_fields = {"rank": rank, "world_size": world, "loss_rank": f["loss"], "tok_s_rank": f["tok_s"],
