@@ -429,11 +429,15 @@ def test_polluted_host_fixes_are_simulated_commands():
                            "xformers"]]
     assert ea.exit_code(findings) == 2
 
-    # The plan: every command once; uninstalls, then installs, then the reinstalls.
-    steps = [argv for argv, _ in ea.plan(findings)]
-    reinstall = [python, "-m", "pip", "install", "--force-reinstall", "--no-deps", "nvidia-cudnn-cu13==9.19.0.56"]
-    assert steps[-1] == reinstall and steps.count(reinstall) == 1
-    assert all("uninstall" in a for a in steps[:steps.index(reinstall)])
+    # The plan: every command once; the wheel fetched, then the uninstalls, then the reinstall from what was fetched.
+    steps = [argv for argv, _ in ea.plan(findings, s)]
+    fetch, *removals, reinstall = steps
+    assert fetch[:6] == [python, "-m", "pip", "download", "--no-deps", "--dest"]
+    wheels = fetch[6]
+    assert fetch[7:] == ["nvidia-cudnn-cu13==9.19.0.56"]
+    assert reinstall == [python, "-m", "pip", "install", "--no-index", "--find-links", wheels, "--no-deps",
+                         "--force-reinstall", "nvidia-cudnn-cu13==9.19.0.56"]
+    assert removals and all("uninstall" in a for a in removals)
 
 
 def test_a_removal_whose_damage_cannot_be_repaired_is_not_suggested():
@@ -729,7 +733,9 @@ def test_cli_exit_code_2_and_the_fixes_it_prints(tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"env -- {env.python} -m pip uninstall -y nvidia-cudnn-cu13\n" in done.stdout
     plan = done.stdout[done.stdout.index("to apply every fix, in this order"):]
-    assert plan.index("uninstall -y nvidia-cudnn-cu13") < plan.index("--force-reinstall --no-deps nvidia-cudnn-cu12")
+    assert "stop at the first command that fails" in plan
+    fetch = plan.index(f"download --no-deps --dest")
+    assert fetch < plan.index("uninstall -y nvidia-cudnn-cu13") < plan.index("--force-reinstall nvidia-cudnn-cu12")
 
 
 def test_cli_help():

@@ -114,9 +114,10 @@ def test_the_plan_applies_every_fix_once_in_a_safe_order(polluted, tmp_path):
     steps = report.plan()
     lines = [line for _, line in steps]
     assert len(lines) == len(set(lines))
-    stages = ["uninstall" if "uninstall" in argv else "reinstall" if "--force-reinstall" in argv else "install"
-              for argv, _ in steps]
-    assert stages == sorted(stages, key=["uninstall", "install", "reinstall"].index)
+    stages = ["fetch" if "download" in argv else "uninstall" if "uninstall" in argv
+              else "reinstall" if "--force-reinstall" in argv else "install" for argv, _ in steps]
+    assert stages == sorted(stages, key=["fetch", "uninstall", "install", "reinstall"].index)
+    assert stages[0] == "fetch" and all("--no-index" in argv for argv, _ in steps if "install" in argv)
     transport = connect("box", inventory)
     for argv, line in steps:
         assert transport.run(argv, env=offline, check=False, timeout=120).exit_code == 0, line

@@ -106,7 +106,9 @@ def _print(report) -> None:
         out.print(f"[yellow]DRIFT[/]    {escape(report.drift.message)}", highlight=False, soft_wrap=True)
     steps = report.plan()
     if len(steps) > 1:
-        out.print(f"[bold]to apply every fix, in this order[/] (on {escape(report.host)}):", highlight=False)
+        out.print(f"[bold]to apply every fix, in this order[/] (on {escape(report.host)}; stop at the first command "
+                  "that fails: the wheels are fetched first, so nothing has changed when one cannot be fetched):",
+                  highlight=False, soft_wrap=True)
         for _, line in steps:
             out.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
     counts = report.counts()

@@ -53,6 +53,12 @@ class Dist:
     changed_count: int = 0
     installer: str | None = None
     editable: bool = False
+    error: str | None = None  # what the collector could not read of it ("metadata: UnicodeDecodeError: ...")
+
+    @property
+    def unreadable(self) -> bool:
+        """Its METADATA cannot be read (not UTF-8, no permission): pip itself fails on it."""
+        return bool(self.error) and self.error.startswith("metadata:")
 
     @property
     def key(self) -> str:
@@ -102,13 +108,21 @@ class ModuleSpec:
     error: str | None = None
 
 
+# A shared file's holder that is none of its owners (the collector's values).
+HOLDER_MISSING, HOLDER_FOREIGN, HOLDER_DENIED, HOLDER_UNKNOWN = -1, -2, -3, -4
+
+
 @dataclass
 class SharedFiles:
-    """Files listed in the RECORD of every one of ``owners`` (indexes)."""
+    """Files listed in the RECORD of every one of ``owners`` (indexes), and whose
+    bytes they hold on disk: ``holder`` is the owner whose RECORD (size and sha256)
+    they match, or one of the HOLDER_ values; None when the answer does not say
+    (a capture, an older collector)."""
 
     owners: list[int]
     count: int
     paths: list[str] = field(default_factory=list)  # absolute, the first few
+    holder: int | None = None
 
 
 @dataclass
@@ -247,7 +261,7 @@ def parse_snapshot(stdout: str, host: str) -> Snapshot:
         modules={name: (ModuleSpec(name, m.get("origin"), list(m.get("owners") or []), m.get("entry"),
                                    bool(m.get("namespace")), m.get("error")) if m is not None else None)
                  for name, m in (raw.get("modules") or {}).items()},
-        shared=[SharedFiles(list(g["owners"]), int(g["count"]), list(g.get("paths") or []))
+        shared=[SharedFiles(list(g["owners"]), int(g["count"]), list(g.get("paths") or []), g.get("holder"))
                 for g in raw.get("shared_files") or []],
         pth=[PthFile(p["file"], list(p.get("adds") or []), bool(p.get("code")), p.get("text") or "")
              for p in raw.get("pth") or []],
@@ -274,7 +288,7 @@ def _dist(index: int, d: dict[str, Any]) -> Dist:
         d.get("name") or "", d.get("version") or "", d.get("location"), d.get("requires"), d.get("modules") or [],
         d.get("libs"), index, d.get("metadata"), d.get("files"), list(d.get("missing") or []),
         int(d.get("missing_count") or 0), list(d.get("changed") or []), int(d.get("changed_count") or 0),
-        d.get("installer"), bool(d.get("editable")),
+        d.get("installer"), bool(d.get("editable")), d.get("error"),
     )
 
 

@@ -48,7 +48,9 @@ Argument, one JSON object::
      "deep": false, "deep_timeout": 60}   import torch in a subprocess
 """
 
+import base64
 import csv
+import hashlib
 import json
 import os
 import platform
@@ -68,6 +70,8 @@ DEFAULT_MODULES = ("torch", "triton", "transformers")
 SKIP_TOP = re.compile(r"(\.dist-info|\.egg-info|\.data|\.pth|__pycache__|\.\.)$")
 ENV_VARIABLES = ("PYTHONPATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONNOUSERSITE", "PYTHONUSERBASE")
 TORCH_LIBRARIES = ("libtorch_cuda.so", "libtorch_global_deps.so")  # the first present is read
+# A shared file's holder that is none of its owners (or cannot be told: same size, no hash).
+HOLDER_MISSING, HOLDER_FOREIGN, HOLDER_DENIED, HOLDER_UNKNOWN = -1, -2, -3, -4
 LISTED = 20  # paths listed per problem; counts are always whole
 DEFAULT_LIBRARY_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64")
 # ``import torch`` in a child: the answer is its last stdout line. Its own
@@ -181,34 +185,83 @@ def read_text(dist, name):
 
 
 class Owners:
-    """Which distribution lists each file: an index per normalized absolute path,
-    and the list of indexes for the paths listed by more than one."""
+    """Which distribution lists each file: an index per normalized absolute path
+    (with the size and sha256 its RECORD gives), and every owner of the paths
+    listed by more than one."""
 
     def __init__(self):
         self.first = {}
         self.more = {}
 
-    def add(self, path, index):
-        first = self.first.setdefault(path, index)
-        if first != index:
+    def add(self, path, index, size=None, digest=None):
+        row = (index, size, digest)
+        first = self.first.setdefault(path, row)
+        if first[0] != index:
             owners = self.more.get(path)
             if owners is None:
-                self.more[path] = [first, index]
-            elif index not in owners:
-                owners.append(index)
+                self.more[path] = [first, row]
+            elif all(r[0] != index for r in owners):
+                owners.append(row)
 
     def of(self, path):
         if path in self.more:
-            return list(self.more[path])
-        return [self.first[path]] if path in self.first else []
+            return [r[0] for r in self.more[path]]
+        return [self.first[path][0]] if path in self.first else []
 
     def shared(self):
-        """Files listed by several distributions, grouped by their owners."""
-        groups = {}
-        for path, owners in self.more.items():
-            groups.setdefault(tuple(sorted(owners)), []).append(path)
-        return [{"owners": list(owners), "count": len(paths), "paths": sorted(paths)[:LISTED]}
-                for owners, paths in sorted(groups.items())]
+        """Files listed by several distributions, grouped by their owners and by
+        whose bytes are on disk (``holder``: the owner whose RECORD size and hash
+        the file matches, HOLDER_MISSING or HOLDER_FOREIGN); and, per owner, the
+        shared files whose hash is not the one it recorded though their size is
+        (changed, which a size check alone cannot see)."""
+        groups, mismatched = {}, {}
+        for path, rows in self.more.items():
+            holder = file_holder(path, rows)
+            for index, size, digest in rows:
+                if holder >= 0 and index != holder and digest and digest != _row_of(rows, holder)[2] \
+                        and size is not None and size == _row_of(rows, holder)[1]:
+                    mismatched.setdefault(index, []).append(path)
+            groups.setdefault((tuple(sorted(r[0] for r in rows)), holder), []).append(path)
+        return [{"owners": list(owners), "holder": holder, "count": len(paths), "paths": sorted(paths)[:LISTED]}
+                for (owners, holder), paths in sorted(groups.items())], mismatched
+
+
+def _row_of(rows, index):
+    return next(r for r in rows if r[0] == index)
+
+
+def sha256_of(path):
+    """A file's sha256 as a RECORD writes it (urlsafe base64, no padding)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode("ascii")
+
+
+def file_holder(path, rows):
+    """Whose bytes a file listed by several distributions holds: the index of the
+    owner whose recorded size and sha256 it matches (the hash read only where a
+    RECORD gives one), HOLDER_MISSING when it is gone, HOLDER_FOREIGN when it
+    matches none of them, HOLDER_DENIED when it cannot be read."""
+    try:
+        size = os.stat(path).st_size
+    except PermissionError:
+        return HOLDER_DENIED
+    except OSError:
+        return HOLDER_MISSING
+    fits = [r for r in rows if r[1] is None or r[1] == size]
+    if not fits:
+        return HOLDER_FOREIGN
+    if not any(r[2] for r in fits):
+        return fits[0][0] if len(fits) == 1 else HOLDER_UNKNOWN
+    try:
+        digest = sha256_of(path)
+    except PermissionError:
+        return HOLDER_DENIED
+    except OSError:
+        return HOLDER_MISSING
+    return next((r[0] for r in fits if r[2] == digest), HOLDER_FOREIGN)
 
 
 def read_distribution(dist, index, is_library, owners):
@@ -253,7 +306,7 @@ def read_distribution(dist, index, is_library, owners):
     modules, libs, missing, changed = set(), [], [], []
     firsts = {}
     base = location.rstrip("/") + "/"
-    for rel, size in files:
+    for rel, size, digest in files:
         first, sep, _ = rel.partition("/")
         if first not in firsts:
             firsts[first] = module_name(first) if sep or first.endswith(".py") or ".so" in first else None
@@ -266,7 +319,7 @@ def read_distribution(dist, index, is_library, owners):
             full = os.path.normpath(os.path.join(location, rel))
         else:
             full = base + rel
-        owners.add(full, index)
+        owners.add(full, index, size, digest)
         try:
             st = os.stat(full)
         except OSError:
@@ -281,7 +334,8 @@ def read_distribution(dist, index, is_library, owners):
 
 
 def record_rows(dist):
-    """(path, size or None) for each file a distribution lists; None when it lists none.
+    """(path, size or None, sha256 or None) for each file a distribution lists;
+    None when it lists none.
     A RECORD is the three-column CSV the wheel spec defines, read with csv as
     importlib.metadata reads it, but without a path object per row (torch's RECORD
     has some 20,000); anything else (an egg-info's installed-files.txt or
@@ -289,13 +343,26 @@ def record_rows(dist):
     text = read_text(dist, "RECORD")
     if text is None:
         files = dist.files
-        return None if files is None else [(str(f), f.size) for f in files]
+        return None if files is None else [(str(f), f.size, None) for f in files]
     rows = []
     for row in csv.reader(text.splitlines()):
         if row and row[0]:
             size = row[2] if len(row) > 2 else ""
-            rows.append((row[0], int(size) if size.isdigit() else None))
+            digest = row[1][7:] if len(row) > 1 and row[1].startswith("sha256=") else None
+            rows.append((row[0], int(size) if size.isdigit() else None, digest))
     return rows
+
+
+def mark_changed(entry, paths):
+    """Shared files whose size is the one ``entry``'s RECORD gives but whose bytes
+    are another owner's: changed, as the hash says."""
+    base = (entry.get("location") or "").rstrip("/") + "/"
+    for path in sorted(paths):
+        rel = path[len(base):] if path.startswith(base) else path
+        changed = entry.setdefault("changed", [])
+        if len(changed) < LISTED:
+            changed.append(rel)
+        entry["changed_count"] = entry.get("changed_count", 0) + 1
 
 
 def distributions(is_library, owners, errors):
@@ -613,7 +680,9 @@ def snapshot(args):
         except Exception as e:
             errors.append("%s: %s: %s" % (key, type(e).__name__, e))
     dists = answer.get("distributions") or []
-    answer["shared_files"] = owners.shared()
+    answer["shared_files"], mismatched = owners.shared()
+    for index, paths in mismatched.items():
+        mark_changed(dists[index] if index < len(dists) else {}, paths)
     names = list(DEFAULT_MODULES) + [m for m in args.get("modules") or [] if m not in DEFAULT_MODULES]
     for d in dists:
         names += [m for m in d.get("modules") or [] if m.isidentifier()]
