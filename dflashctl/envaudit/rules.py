@@ -61,7 +61,7 @@ CODES = (
     "torch-missing", "torch-import", "torch-cpu-build", "broken-metadata", "shadowed", "duplicate-package",
     "missing-requirement", "requirement-version", "triton-version", "unmet-requirement", "missing-files",
     "shared-files", "cuda-major", "duplicate-library", "ld-preload", "user-site", "pythonpath", "stray-stack",
-    "other-framework", "no-venv", "audit-incomplete", "audit-failed", "drift",
+    "other-framework", "no-venv", "audit-incomplete", "audit-failed", "drift", "stale-dist-info",
 )
 # What an ignore rule may match besides the code: a glob over the finding's packages,
 # libraries (sonames) or paths; every one of the finding's values must match.
@@ -250,6 +250,16 @@ class _Context:
         """The trainer imports it: torch, triton, transformers, or a module of what they require."""
         return module in TRAINER_MODULES or self.is_protected(self.declared.get(module))
 
+    def inside(self, d: Dist) -> bool:
+        """``d`` lies in the environment itself (under its prefix), not in a directory
+        PYTHONPATH, the user site or a .pth adds."""
+        prefix = (self.s.prefix or "").rstrip("/")
+        return not prefix or not d.location or d.location == prefix or d.location.startswith(prefix + "/")
+
+    def shadows(self, d: Dist | None) -> bool:
+        """``d`` is imported from outside the environment ahead of a copy of its own inside it."""
+        return d is not None and not self.inside(d) and any(self.inside(o) for o in self.s.copies(d.name) if o is not d)
+
     def torch_requirement(self, name: str) -> ReqCheck | None:
         return next((c for c in self.checks if canonicalize_name(c.requirement.name) == canonicalize_name(name)), None)
 
@@ -403,6 +413,16 @@ def _rule_broken_metadata(c: _Context) -> list[Finding]:
         imported = [m for m in d.modules if c.s.owner(m) is d]
         vital = [m for m in imported if c.module_is_vital(m)]
         argv, fix = [], f"remove {d.metadata} and reinstall the package it belonged to"
+        if d.unreadable and d.metadata and "torch" not in vital:
+            findings.append(c.finding(
+                "error", "broken-metadata",
+                f"{d.metadata}: METADATA cannot be read ({d.error.removeprefix('metadata: ')}): pip reads every "
+                "installed METADATA and fails on this one, so every pip command (any fix) fails while it is there",
+                fix="remove that dist-info directory first (its files stay where they are); reinstall the package it "
+                "belonged to afterwards if you use it",
+                argv=[["rm", "-r", "--", d.metadata]], paths=[d.metadata],
+                detail={"metadata": d.metadata, "modules": d.modules, "error": d.error}))
+            continue
         if "torch" in vital and c.torch is not None and c.torch.version != "?":
             again = Dist("torch", c.torch.version)
             argv = [["rm", "-r", "--", d.metadata], c.fixer.reinstall(again)] if d.metadata else \
@@ -497,6 +517,20 @@ def _rule_duplicate_packages(c: _Context) -> list[Finding]:
         if len(dists) < 2:
             continue
         imported = c.installed.get(key)
+        stale = [d for d in dists if d is not imported and imported is not None and d.location == imported.location]
+        for d in stale:
+            findings.append(c.finding(
+                "warning", "stale-dist-info",
+                f"{d.metadata} is a second dist-info of {d.name} ({d.version}) beside the one of {imported.label()} "
+                f"that owns the files Python imports, in the same directory {d.location}: what a half-finished "
+                "upgrade leaves; pip acts on whichever it finds first",
+                fix=f"remove that one dist-info directory (not `pip uninstall`: it would delete {imported.name}'s "
+                    "files its RECORD lists too)",
+                argv=[["rm", "-r", "--", d.metadata]] if d.metadata else [], packages=[d.name],
+                paths=[d.metadata] if d.metadata else [], detail={"stale": d.version, "live": imported.version}))
+        dists = [d for d in dists if d not in stale]
+        if len(dists) < 2:
+            continue
         others = [d for d in dists if d is not imported]
         parts = [f"{d.label()} at {d.location}" + (" (imported)" if d is imported and c.s.asked else "")
                  + c.where_from(os.path.normpath(d.location or "")) for d in dists]
@@ -519,7 +553,10 @@ def _rule_duplicate_packages(c: _Context) -> list[Finding]:
             severity, "duplicate-package",
             f"{dists[0].name} is installed {len(dists)} times: {'; '.join(parts)}"
             + (": the copy imported depends on sys.path order, and pip acts on the first" if differ else ""),
-            fix=(f"remove the copy that is not imported ({listing([d.location or '?' for d in others], 3)}): "
+            fix=(f"take {imported.location} off the trainer's sys.path{c.where_from(imported.location)}: it shadows "
+                 f"the environment's own {', '.join(d.label() for d in others)}"
+                 if c.shadows(imported) else
+                 f"remove the copy that is not imported ({listing([d.location or '?' for d in others], 3)}): "
                  "delete its dist-info and the files its RECORD lists, or take its directory off sys.path")
             if severity == "warning" else None,
             packages=[dists[0].name], paths=[d.location for d in others if d.location], detail=detail))
@@ -567,6 +604,19 @@ def _rule_requirements(c: _Context) -> list[Finding]:
         check, name = group[0], group[0].requirement.name
         also = f" (also required by {', '.join(g.chain for g in group[1:])})" if group[1:] else ""
         detail = {"chains": [g.chain for g in group], "requirement": check.spec}
+        shadow = next((g.requirer for g in group if c.shadows(g.requirer)), None)
+        if shadow is not None:
+            own = [d.label() for d in c.s.copies(shadow.name) if c.inside(d)]
+            found = f"{check.installed.label()} is installed" if check.installed else "it is not installed"
+            findings.append(c.finding(
+                "warning", "requirement-version" if check.installed else "missing-requirement",
+                f"{check.chain} requires {check.spec}; {found}{also}: that is what {shadow.label()} at "
+                f"{shadow.location}{c.where_from(shadow.location)} asks for, a copy that shadows the environment's "
+                f"own {listing(own, 2)}",
+                fix=f"take {shadow.location} off the trainer's sys.path first (then audit again); installing what "
+                    "the shadowing copy asks for would change the environment for a copy it does not hold",
+                packages=[name], paths=[shadow.location or ""], detail={**detail, "shadow": shadow.label()}))
+            continue
         if check.installed is None:
             pinned = next((sp.version for sp in check.requirement.specifier if sp.operator == "=="), None)
             findings.append(c.finding(
@@ -674,6 +724,9 @@ def _rule_integrity(c: _Context) -> list[Finding]:
     for d in c.s.dists:
         if not (d.missing_count or d.changed_count) or not d.name:
             continue
+        live = c.installed.get(d.key)
+        if live is not None and live is not d and live.location == d.location:
+            continue  # a stale second dist-info: the stale-dist-info finding says it, and removes only that
         vital = c.is_protected(d) and c.installed.get(d.key) is d
         parts = []
         if d.missing_count:

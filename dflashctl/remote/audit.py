@@ -204,8 +204,11 @@ class Owners:
                 owners.append(row)
 
     def of(self, path):
+        """The owners of a file, the one whose bytes it holds first (when one does)."""
         if path in self.more:
-            return [r[0] for r in self.more[path]]
+            rows = self.more[path]
+            holder = file_holder(path, rows)
+            return sorted((r[0] for r in rows), key=lambda i: i != holder)
         return [self.first[path][0]] if path in self.first else []
 
     def shared(self):
