@@ -733,11 +733,12 @@ def test_cli_exit_code_2_and_the_fixes_it_prints(tmp_path):
     inventory = env.inventory(tmp_path, extra="    wrapper: env --\n")
     done = _cli(tmp_path, "--inventory", inventory.source, "env-audit", "box")
     assert done.returncode == 2, done.stderr
-    assert f"env -- {env.python} -m pip uninstall -y nvidia-cudnn-cu13\n" in done.stdout
+    detach = f"env -- rm -r -- {env.site}/nvidia_cudnn_cu13-9.13.0.50.dist-info"
+    assert detach + "\n" in done.stdout
     plan = done.stdout[done.stdout.index("to apply every fix, in this order"):]
     assert "stop at the first command that fails" in plan
-    fetch = plan.index(f"download --no-deps --dest")
-    assert fetch < plan.index("uninstall -y nvidia-cudnn-cu13") < plan.index("--force-reinstall nvidia-cudnn-cu12")
+    fetch = plan.index("download --no-deps --dest")
+    assert fetch < plan.index("--force-reinstall nvidia-cudnn-cu12") < plan.index(detach)
 
 
 def test_cli_help():
@@ -815,10 +816,10 @@ def test_launch_dry_run_shows_the_audit_its_fixes_and_the_drift(tmp_path):
     assert any(line.startswith("preflight: warning: environment changed since the last good run") for line in said)
     # Each finding with its fix and its exact commands.
     at = said.index(next(line for line in said if line.startswith("preflight: error: nvidia-cudnn-cu13")))
-    assert said[at + 1].startswith("preflight:   fix: uninstall nvidia-cudnn-cu13")
+    assert said[at + 1].startswith("preflight:   fix: detach nvidia-cudnn-cu13")
     assert said[at + 2:at + 4] == [
-        f"preflight:     {env.python} -m pip uninstall -y nvidia-cudnn-cu13",
-        f"preflight:     {env.python} -m pip install --force-reinstall --no-deps nvidia-cudnn-cu12==9.1.0.70"]
+        f"preflight:     {env.python} -m pip install --force-reinstall --no-deps nvidia-cudnn-cu12==9.1.0.70",
+        f"preflight:     rm -r -- {env.site}/nvidia_cudnn_cu13-9.13.0.50.dist-info"]
     assert len(store.env_snapshots("box")) == 1  # a dry run records nothing
 
 

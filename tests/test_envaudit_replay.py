@@ -84,9 +84,12 @@ def test_the_incident_replayed_with_real_pip(polluted, tmp_path):
     codes = {f.code for f in report.findings}
     assert {"cuda-major", "missing-files", "shared-files", "stray-stack", "unmet-requirement"} <= codes
     ran = apply(report, inventory, offline)
-    uninstall = f"{env.python} -m pip uninstall -y {CUDNN13[0]}"
+    # The stray is detached, not uninstalled (`pip uninstall` would delete torch's cuDNN files):
+    # torch's cuDNN put back first, then only the stray's dist-info removed.
+    detach = f"rm -r -- {env.site}/{CUDNN13[0].replace('-', '_')}-{CUDNN13[1]}.dist-info"
     reinstall = f"{env.python} -m pip install --force-reinstall --no-deps {CUDNN12[0]}=={CUDNN12[1]}"
-    assert uninstall in ran and ran.index(reinstall, ran.index(uninstall)) > ran.index(uninstall)
+    assert ran.index(reinstall) < ran.index(detach)
+    assert not [line for line in ran if f"uninstall -y {CUDNN13[0]}" in line]
 
     assert env.imports().returncode == 0, env.imports().stderr
     after = ea.audit_host("box", inventory)
@@ -114,9 +117,9 @@ def test_the_plan_applies_every_fix_once_in_a_safe_order(polluted, tmp_path):
     steps = report.plan()
     lines = [line for _, line in steps]
     assert len(lines) == len(set(lines))
-    stages = ["fetch" if "download" in argv else "uninstall" if "uninstall" in argv
+    stages = ["fetch" if "download" in argv else "uninstall" if "uninstall" in argv else "detach" if argv[0] == "rm"
               else "reinstall" if "--force-reinstall" in argv else "install" for argv, _ in steps]
-    assert stages == sorted(stages, key=["fetch", "uninstall", "install", "reinstall"].index)
+    assert stages == sorted(stages, key=["fetch", "uninstall", "install", "reinstall", "detach"].index)
     assert stages[0] == "fetch" and all("--no-index" in argv for argv, _ in steps if "install" in argv)
     transport = connect("box", inventory)
     for argv, line in steps:

@@ -25,9 +25,11 @@ findings' commands are proven against the plan too but never join it.
 ``plan`` renders the kept commands in the order they must run, each once: pip
 where it is missing, what makes pip itself fail, then every wheel the plan will
 install fetched into a run-local directory (``pip download --no-deps``; nothing
-has changed yet when one cannot be fetched), then the dist-infos removed, the
-uninstalls, the installs and the reinstalls, those from that directory only
-(``--no-index``). The plan stops at the first command that fails.
+has changed yet when one cannot be fetched), then the uninstalls, the installs
+and the reinstalls, those from that directory only (``--no-index``), then the
+dist-infos removed (a stray detached once the files it shares hold the
+protected wheel's bytes again, a stale second dist-info). The plan stops at the
+first command that fails.
 
 Pure: no I/O.
 """
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
     from dflashctl.envaudit.rules import Finding
 
 # The order operations run in; ``fetch`` is rendered from the installs, never given.
-STAGES = ("ensurepip", "unblock", "fetch", "rm-dist-info", "uninstall", "install", "reinstall")
+STAGES = ("ensurepip", "unblock", "fetch", "uninstall", "install", "reinstall", "rm-dist-info")
 WHEELS_DIR = "/tmp/dflashctl-env-fix-{digest}"  # the run-local directory the plan's wheels are fetched into
 
 

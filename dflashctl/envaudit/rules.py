@@ -265,8 +265,11 @@ class _Context:
 
     def removal_fix(self, removal: Removal, why_remove: str = "") -> str:
         parts = []
+        uninstalled = [n for n in removal.names if n not in removal.detached]
         if removal.names:
-            parts.append(f"uninstall {', '.join(removal.names)}" + (f" ({why_remove})" if why_remove else ""))
+            verbs = ([f"uninstall {', '.join(uninstalled)}"] if uninstalled else []) + \
+                ([f"detach {', '.join(removal.detached)}"] if removal.detached else [])
+            parts.append(" and ".join(verbs) + (f" ({why_remove})" if why_remove else ""))
         if removal.why:
             parts.append(removal.why)
         if removal.kept:
