@@ -29,6 +29,7 @@ from packaging.utils import canonicalize_name
 from dflashctl import envaudit as ea
 from dflashctl import remote
 from dflashctl.config import load_inventory, load_playbook
+from dflashctl.envaudit.snapshot import FRAME, framed
 from dflashctl.errors import ConfigError, TransportError
 from dflashctl.store import Store
 from tests.harness import environ
@@ -589,7 +590,7 @@ def test_collector_on_a_built_site_packages(tmp_path, python):
     done = run_collector({"lib_prefixes": ["libcudnn", "libnccl"], "modules": ["demo_helper", "absent_module"]},
                          env, python=python)
     assert done.stderr == ""
-    raw = json.loads(done.stdout)
+    raw = json.loads(framed(done.stdout))
     assert raw["v"] == 2 and raw["errors"] == [] and raw["python"]["executable"] == python
     assert raw["python"]["dropped_path"] == str(COLLECTOR.parent)  # run as a file: its own directory
     ours = {d["name"]: d for d in raw["distributions"] if d["location"] == str(site)}
@@ -648,8 +649,9 @@ def test_the_controller_ships_the_collectors_text():
     assert argv[-2] == COLLECTOR.read_text() and argv[-2] is ea.audit_command(host)[-2]  # read once
     assert json.loads(argv[-1]) == {"lib_prefixes": list(ea.LIB_PREFIXES), "modules": [*ea.TRAINER_MODULES, "pip"]}
     assert json.loads(ea.audit_command(host, deep=True)[-1])["deep"] is True
+    assert f"FRAME = {FRAME!r}".replace("'", "\"") in argv[-2]  # the collector frames its answer as the controller reads it
     # Shipped as text it answers as it does run as a file, without its own sys.path[0] (the cwd).
-    shipped = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout)
+    shipped = json.loads(framed(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout))
     assert {d["name"] for d in shipped["distributions"]} >= {"torch", "sympy"}
     assert shipped["python"]["dropped_path"] == "" and "" not in shipped["python"]["path"]
 

@@ -498,3 +498,14 @@ def test_a_protected_wheel_missing_only_its_script_or_a_data_file_still_imports(
     (env.site / "sympy" / "__init__.py").unlink()  # now a file it imports is gone
     (damaged,) = by_code(env.audit(tmp_path))["missing-files"]
     assert damaged.severity == "error"
+
+
+def test_a_pth_that_prints_to_stdout_at_start_and_at_exit(tmp_path):
+    """Code in a .pth runs in every python, the collector's too: what it prints
+    around the answer is not the answer."""
+    env = healthy(tmp_path / "venv")
+    (env.site / "noisy.pth").write_text(
+        "import sys, atexit; print('hello from a .pth', end=''); atexit.register(lambda: print('bye {\\\"v\\\": 2}'))\n")
+    assert "bye" in env.imports("sympy").stdout
+    report = env.audit(tmp_path, deep=True)
+    assert report.torch.source == "import torch (--deep)" and report.exit_code == 0, report.findings

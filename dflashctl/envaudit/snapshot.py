@@ -233,10 +233,23 @@ class Snapshot:
         return {d.name: d.version for d in self.installed().values()}
 
 
+# The collector's answer is framed by these (its FRAME): code a .pth file runs may print before and after it.
+FRAME = ("<<dflashctl-env-audit>>", "<</dflashctl-env-audit>>")
+
+
+def framed(stdout: str) -> str:
+    """The collector's answer in its stdout: between the last frame start and the
+    frame end after it (ValueError when there is none)."""
+    start = stdout.rfind(FRAME[0])
+    end = stdout.find(FRAME[1], start)
+    if start < 0 or end < 0:
+        raise ValueError("no framed env-audit answer")
+    return stdout[start + len(FRAME[0]):end]
+
+
 def parse_snapshot(stdout: str, host: str) -> Snapshot:
     """The collector's JSON -> Snapshot. Raises ValueError when it is not the collector's output."""
-    text = stdout.strip().splitlines()[-1] if stdout.strip() else ""
-    raw = json.loads(text)
+    raw = json.loads(framed(stdout))
     if not isinstance(raw, dict) or raw.get("v") != SNAPSHOT_VERSION:
         raise ValueError("not an env-audit answer")
     py = raw.get("python") or {}

@@ -2,7 +2,8 @@
 asked of that python's own import system.
 
 Runs on the host, with the python that runs the trainer and the run's environment,
-and prints one JSON snapshot:
+and prints one JSON snapshot, on a line of its own between the two FRAME markers
+(code a .pth file runs, at start or at exit, may print around it):
 
 - every installed distribution, in ``importlib.metadata`` order (sys.path order):
   name, version, location, requirements, top-level modules, the shared libraries
@@ -74,12 +75,16 @@ TORCH_LIBRARIES = ("libtorch_cuda.so", "libtorch_global_deps.so")  # the first p
 HOLDER_MISSING, HOLDER_FOREIGN, HOLDER_DENIED, HOLDER_UNKNOWN = -1, -2, -3, -4
 LISTED = 20  # paths listed per problem; counts are always whole
 DEFAULT_LIBRARY_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64")
-# ``import torch`` in a child: the answer is its last stdout line. Its own
+# The answer between these, on one line: code a .pth runs at start or at exit (or
+# torch's import) may print to stdout before and after it.
+FRAME = ("<<dflashctl-env-audit>>", "<</dflashctl-env-audit>>")
+# ``import torch`` in a child: the answer is the framed one on its stdout. Its own
 # sys.path[0] ('' under -c) is dropped first, as this script drops its own.
 DEEP_CODE = r"""
 import json, sys
 del sys.path[0]
 prefixes = tuple(json.loads(sys.argv[1]))
+FRAME = tuple(json.loads(sys.argv[2]))
 answer = {}
 try:
     import torch
@@ -100,7 +105,7 @@ try:
 except OSError:
     pass
 answer["loaded"] = sorted(loaded)
-sys.stdout.write("\n" + json.dumps(answer) + "\n")
+sys.stdout.write("\n" + FRAME[0] + json.dumps(answer) + FRAME[1] + "\n")
 """
 
 
@@ -527,20 +532,26 @@ def torch_files(spec, is_library, cache, errors):
 def deep_import(prefixes, timeout):
     """``import torch`` in a child python with this environment."""
     try:
-        p = subprocess.run([sys.executable, "-c", DEEP_CODE, json.dumps(list(prefixes))], stdout=subprocess.PIPE,
+        p = subprocess.run([sys.executable, "-c", DEEP_CODE, json.dumps(list(prefixes)), json.dumps(FRAME)],
+                           stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": "import torch did not finish within %gs" % timeout, "timeout": True}
     except OSError as e:
         return {"error": "cannot start %s: %s" % (sys.executable, e)}
-    lines = p.stdout.decode("utf-8", "replace").strip().splitlines()
     try:
-        answer = json.loads(lines[-1])
-    except (IndexError, ValueError):
+        answer = json.loads(framed(p.stdout.decode("utf-8", "replace")))
+    except ValueError:
         tail = p.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
         return {"error": "import torch: exit %s: %s" % (p.returncode, " | ".join(tail))}
     answer["exit_code"] = p.returncode
     return answer
+
+
+def framed(text):
+    """The text between the last FRAME start and the end after it (ValueError without one)."""
+    start = text.rindex(FRAME[0]) + len(FRAME[0])
+    return text[start:text.index(FRAME[1], start)]
 
 
 def ldconfig(prefixes):
@@ -733,7 +744,9 @@ def main(argv):
     if args is None:
         sys.stderr.write(USAGE)
         return 2
-    print(json.dumps(snapshot(args)))
+    answer = json.dumps(snapshot(args))
+    sys.stdout.write("\n" + FRAME[0] + answer + FRAME[1] + "\n")
+    sys.stdout.flush()
     return 0
 
 
