@@ -179,14 +179,34 @@ class Venv:
                               cwd=self.root)
 
 
+# What the trainer needs besides torch: transformers (with the Qwen3 classes), safetensors
+# and, torch being a CUDA build, Triton. (name, version, files, requires)
+TRAINER_STACK = (
+    ("transformers", "4.56.2", {"transformers/__init__.py": "__version__ = '4.56.2'\nimport safetensors\n",
+                                "transformers/models/__init__.py": "",
+                                "transformers/models/qwen3/__init__.py": ""}, ["safetensors>=0.4.3"]),
+    ("safetensors", "0.5.3", {"safetensors/__init__.py": ""}, []),
+    ("triton", "3.3.1", {"triton/__init__.py": ""}, []),
+)
+
+
+def trainer_stack_wheels(directory: Path) -> None:
+    """Wheels of the trainer's other needs (TRAINER_STACK), for a real pip to install."""
+    for name, version, files, requires in TRAINER_STACK:
+        write_wheel(directory, name, version, files, requires)
+
+
 def healthy(root: Path, **kwargs) -> Venv:
-    """torch (CUDA 12.6) with the cuDNN wheel it pins and the sympy it requires, and a
-    pip (a stand-in: fixes name it, these tests never run it)."""
+    """torch (CUDA 12.6) with the cuDNN wheel it pins and the sympy it requires, what
+    else the trainer needs (TRAINER_STACK), and a pip (a stand-in: fixes name it,
+    these tests never run it)."""
     env = Venv(root, **kwargs)
     write_dist(env.site, "pip", "24.0", {"pip/__init__.py": "", "pip/__main__.py": ""})
     write_dist(env.site, "torch", TORCH_VERSION, torch_files(), TORCH_REQUIRES)
     write_dist(env.site, *CUDNN12, cudnn_files("cudnn-cu12"))
     write_dist(env.site, "sympy", "1.14.0", {"sympy/__init__.py": "__version__ = '1.14.0'\n"})
+    for name, version, files, requires in TRAINER_STACK:
+        write_dist(env.site, name, version, files, requires)
     return env
 
 

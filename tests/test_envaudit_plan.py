@@ -20,6 +20,7 @@ import pytest
 from dflashctl import envaudit as ea
 from dflashctl.transport import connect
 from tests.test_envaudit_envs import TORCH_VERSION, Venv, dist_info_name, elf_library, write_dist, write_wheel
+from tests.test_envaudit_envs import TRAINER_STACK, trainer_stack_wheels
 from tests.test_envaudit_replay import OFFLINE, fresh_venv, pip  # noqa: F401  (fresh_venv: a fixture)
 
 CUDNN12, CUDNN13 = ("nvidia-cudnn-cu12", "9.1.0.70"), ("nvidia-cudnn-cu13", "9.13.0.50")
@@ -55,8 +56,9 @@ def library(sub: str, soname: str, cuda: str) -> dict:
 
 
 def transformers_files(version: str) -> dict:
-    return {"transformers/__init__.py": f"__version__ = {version!r}\nimport safetensors\n",
-            "transformers/models/qwen3/__init__.py": ""}
+    files = dict(TRAINER_STACK[0][2])
+    files["transformers/__init__.py"] = f"__version__ = {version!r}\nimport safetensors\n"
+    return files
 
 
 @pytest.fixture
@@ -69,10 +71,9 @@ def wheels(tmp_path) -> Path:
     write_wheel(d, *CUDNN13, library("cudnn", "libcudnn.so.9", "cu13"))
     write_wheel(d, *NCCL12, library("nccl", "libnccl.so.2", "cu12"))
     write_wheel(d, *NCCL13, library("nccl", "libnccl.so.2", "cu13"))
-    write_wheel(d, "safetensors", "0.5.3", {"safetensors/__init__.py": ""})
+    trainer_stack_wheels(d)  # transformers 4.56.2 (Qwen3 classes), safetensors, triton
     write_wheel(d, "huggingface-hub", "0.34.4", {"huggingface_hub/__init__.py": ""})
-    write_wheel(d, "transformers", "4.56.2", transformers_files("4.56.2"), ["safetensors>=0.4.3",
-                                                                            "huggingface-hub>=0.34.0,<1.0"])
+    write_wheel(d, "transformers", "4.46.3", transformers_files("4.46.3"), ["safetensors>=0.4.1"])
     write_wheel(d, "sglang", "0.5.3", {"sglang/__init__.py": ""}, [f"{CUDNN13[0]}>=9.10", f"{NCCL13[0]}>=2.27"])
     return d
 
@@ -109,7 +110,7 @@ def cu13_stack_then_cu12_torch(tmp_path, fresh, wheels) -> tuple[Venv, dict]:
     it: common), whose CUDA 12 wheels overwrite the files the CUDA 13 ones list."""
     env, offline = venv(tmp_path, fresh, wheels)
     pip(env, offline, "install", "sglang")
-    pip(env, offline, "install", "torch", "transformers")
+    pip(env, offline, "install", "torch", "transformers", "triton")
     assert_trainer_imports(env, "the setup")
     return env, offline
 
@@ -162,7 +163,7 @@ def test_a_metadata_pip_cannot_read_is_removed_before_pip_is_needed(tmp_path, fr
 
 def test_a_stale_second_dist_info_is_removed_as_that_directory(tmp_path, fresh_venv, wheels):
     env, offline = venv(tmp_path, fresh_venv, wheels)
-    pip(env, offline, "install", "torch", "transformers")
+    pip(env, offline, "install", "torch", "transformers", "triton")
     # What a half-finished upgrade leaves: the old version's dist-info, its RECORD
     # listing the files the new one now owns (other bytes) and one it no longer has.
     old = transformers_files("4.55.0")
@@ -185,7 +186,7 @@ def test_a_stale_second_dist_info_is_removed_as_that_directory(tmp_path, fresh_v
 
 def test_an_older_transformers_on_pythonpath_steers_no_install(tmp_path, fresh_venv, wheels):
     env, offline = venv(tmp_path, fresh_venv, wheels)
-    pip(env, offline, "install", "torch", "transformers")
+    pip(env, offline, "install", "torch", "transformers", "triton", "huggingface-hub")
     shadow = tmp_path / "shadow"
     write_dist(shadow, "transformers", "4.46.3", transformers_files("4.46.3"),
                ["safetensors>=0.4.1", "huggingface-hub>=0.23.2,<0.30", "tokenizers>=0.20,<0.21"])
@@ -201,4 +202,5 @@ def test_an_older_transformers_on_pythonpath_steers_no_install(tmp_path, fresh_v
     assert [f for f in report.findings if f.code == "pythonpath" and f.paths == [str(shadow)]]
     ran, failed = apply_plan(report, inventory, {**offline, **environment}, env)
     assert failed is None
-    assert (env.site / "huggingface_hub/__init__.py").exists()  # the environment's own copy's requirement kept
+    # Nothing the shadowing copy asks for was installed into the environment: its huggingface-hub stays.
+    assert (env.site / dist_info_name("huggingface_hub", "0.34.4")).is_dir()

@@ -22,7 +22,7 @@ import pytest
 from dflashctl import envaudit as ea
 from dflashctl.transport import connect
 from tests.test_envaudit_envs import (
-    CUDNN12, CUDNN13, TORCH_VERSION, Venv, cudnn_files, torch_files, write_wheel,
+    CUDNN12, CUDNN13, TORCH_VERSION, Venv, cudnn_files, torch_files, trainer_stack_wheels, write_wheel,
 )
 
 # pip reads its options from the environment too: local wheels only, no network at all.
@@ -45,10 +45,11 @@ def polluted(tmp_path, fresh_venv):
     write_wheel(wheels, *CUDNN12, cudnn_files("cudnn-cu12"))
     write_wheel(wheels, *CUDNN13, cudnn_files("cudnn-cu13"))
     write_wheel(wheels, "sglang", "0.5.3", {"sglang/__init__.py": ""}, ["torch==2.8.0", f"{CUDNN13[0]}>=9.10"])
+    trainer_stack_wheels(wheels)
     shutil.copytree(fresh_venv, tmp_path / "venv", symlinks=True)
     env = Venv.existing(tmp_path / "venv")
     offline = {**OFFLINE, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheels)}
-    pip(env, offline, "install", "torch")
+    pip(env, offline, "install", "torch", "transformers", "triton")
     assert env.imports().returncode == 0
     # The inference stack, as `pip install --no-deps` (or uv) leaves it: its cuDNN over torch's.
     pip(env, offline, "install", "--no-deps", "sglang", CUDNN13[0])

@@ -62,6 +62,7 @@ CODES = (
     "missing-requirement", "requirement-version", "triton-version", "unmet-requirement", "missing-files",
     "shared-files", "cuda-major", "duplicate-library", "ld-preload", "user-site", "pythonpath", "stray-stack",
     "other-framework", "no-venv", "audit-incomplete", "audit-failed", "drift", "stale-dist-info",
+    "trainer-requirement",
 )
 # What an ignore rule may match besides the code: a glob over the finding's packages,
 # libraries (sonames) or paths; every one of the finding's values must match.
@@ -701,6 +702,78 @@ def _rule_unmet(c: _Context) -> list[Finding]:
     return findings
 
 
+# --------------------------------------------------------------------------- the trainer's own needs
+
+TRAINER_PYTHON = (3, 10)
+TRAINER_NEEDS = {"torch": "2.6", "transformers": "4.51"}  # the oldest versions the trainer runs with
+# Model families the trainer builds with transformers: the drafter is Qwen3 layers, and so
+# is every built-in target preset (trainer/target.py).
+TRAINER_MODEL_FAMILIES = ("qwen3",)
+# The Triton each torch minor was released with (what its Linux wheels pin).
+TRITON_FOR_TORCH = {(2, 6): "3.2.0", (2, 7): "3.3.1", (2, 8): "3.4.0", (2, 9): "3.5.0", (2, 10): "3.6.0"}
+
+
+def _rule_trainer(c: _Context) -> list[Finding]:
+    """What the trainer itself needs: Python >= 3.10, torch >= 2.6, transformers >=
+    4.51 with the Qwen3 classes, safetensors, and Triton where torch is a CUDA build."""
+    s, findings = c.s, []
+    py = release_of(s.python_version or "")
+    if py and py[:2] < TRAINER_PYTHON:
+        findings.append(c.finding(
+            "error", "trainer-requirement",
+            f"{s.python} is Python {s.python_version}: the trainer needs Python "
+            f"{'.'.join(map(str, TRAINER_PYTHON))} or newer",
+            fix="point the inventory's python: at a Python 3.10+ environment (with torch and transformers)",
+            detail={"python": s.python_version}))
+    if c.torch is not None and c.torch.version != "?" and _older(c.torch.version, TRAINER_NEEDS["torch"]):
+        spec = f"torch>={TRAINER_NEEDS['torch']}"
+        findings.append(c.finding(
+            "error", "trainer-requirement", f"{c.torch.label} is older than the torch {TRAINER_NEEDS['torch']} "
+            "the trainer needs (torch.compile and FlexAttention as it uses them)",
+            fix=f"install {spec} built for the same CUDA", argv=[c.fixer.install([spec])], packages=["torch"],
+            detail={"installed": c.torch.version, "requirement": spec}))
+    tr = c.installed.get("transformers")
+    spec = f"transformers>={TRAINER_NEEDS['transformers']}"
+    why, argv = None, [c.fixer.install([spec])]
+    if tr is None:
+        why = "transformers is not installed"
+    elif _older(tr.version, TRAINER_NEEDS["transformers"]):
+        why = f"{tr.label()} is older than the transformers {TRAINER_NEEDS['transformers']} the trainer needs"
+    elif s.transformers_models is not None and not set(TRAINER_MODEL_FAMILIES) <= set(s.transformers_models):
+        missing = sorted(set(TRAINER_MODEL_FAMILIES) - set(s.transformers_models))
+        why = f"{tr.label()} has no {', '.join(missing)} model classes (transformers/models/{missing[0]}/), " \
+              "which the drafter and the target presets are built from"
+    if why:
+        fix = f"install {spec}"
+        if tr is not None and c.shadows(tr):
+            fix, argv = (f"take {tr.location} off the trainer's sys.path{c.where_from(tr.location)}: that copy "
+                         "shadows the environment's own"), []
+        findings.append(c.finding("error", "trainer-requirement", f"{why}: the trainer cannot start", fix=fix,
+                                  argv=argv, packages=["transformers"], detail={"requirement": spec}))
+    if "safetensors" not in c.installed:
+        findings.append(c.finding(
+            "error", "trainer-requirement", "safetensors is not installed: the trainer reads and writes its "
+            "checkpoints and exports with it", fix="install safetensors",
+            argv=[c.fixer.install(["safetensors"])], packages=["safetensors"]))
+    triton_pinned = any(canonicalize_name(ch.requirement.name) in TRITON_NAMES for ch in c.checks
+                        if ch.chain == "torch")
+    if c.torch is not None and c.torch.cuda and not triton_pinned and not any(k in c.installed for k in TRITON_NAMES):
+        release = release_of(c.torch.version) or ()
+        version = TRITON_FOR_TORCH.get(tuple(release[:2]))
+        findings.append(c.finding(
+            "error", "trainer-requirement", f"{c.torch.label} is a CUDA build but no Triton is installed: "
+            "torch.compile cannot generate the trainer's GPU kernels",
+            fix=f"install triton=={version} (the Triton torch {'.'.join(map(str, release[:2]))} was released "
+                "with)" if version else "install the Triton this torch was released with",
+            argv=[c.fixer.install([f"triton=={version}"])] if version else [], packages=["triton"]))
+    return findings
+
+
+def _older(version: str, than: str) -> bool:
+    mine, theirs = release_of(version), release_of(than)
+    return bool(mine and theirs) and mine[:len(theirs)] < theirs
+
+
 # --------------------------------------------------------------------------- integrity
 
 
@@ -1066,6 +1139,7 @@ RULES = (
     _rule_duplicate_packages,
     _rule_requirements,
     _rule_triton,
+    _rule_trainer,
     _rule_unmet,
     _rule_integrity,
     _rule_shared_files,

@@ -167,6 +167,7 @@ class Snapshot:
     torch_elf: dict[str, Any] | None = None  # {"file", "needed", "runpath" and/or "rpath"}
     torch_libs: dict[str, LoadedLib] = field(default_factory=dict)
     deep: dict[str, Any] | None = None  # `import torch` in a subprocess: version, cuda, error, loaded
+    transformers_models: list[str] | None = None  # the imported transformers' models/ subdirectories
     ldconfig: list[LibEntry] = field(default_factory=list)
     ldconfig_real: dict[str, str] = field(default_factory=dict)  # cache path -> the file it resolves to
     ldconfig_error: str | None = None
@@ -283,6 +284,7 @@ def parse_snapshot(stdout: str, host: str) -> Snapshot:
         torch_elf=torch.get("elf"),
         torch_libs={n: LoadedLib(n, v.get("path"), v.get("via")) for n, v in (torch.get("libs") or {}).items()},
         deep=raw.get("deep"),
+        transformers_models=((raw.get("transformers") or {}).get("models")),
         ldconfig=parse_ldconfig(ldconfig.get("text") or ""),
         ldconfig_real=dict(ldconfig.get("real") or {}),
         ldconfig_error=ldconfig.get("error"),

@@ -529,6 +529,19 @@ def torch_files(spec, is_library, cache, errors):
     return info
 
 
+def transformers_models(spec):
+    """The model families the imported transformers ships (its ``models/``
+    subdirectories, read, not imported); None when it is not importable."""
+    if not spec or not spec.get("origin"):
+        return None
+    models = os.path.join(os.path.dirname(spec["origin"]), "models")
+    try:
+        names = sorted(n for n in os.listdir(models) if os.path.isdir(os.path.join(models, n)))
+    except OSError as e:
+        return {"dir": models, "models": None, "error": str(e)}
+    return {"dir": models, "models": names}
+
+
 def deep_import(prefixes, timeout):
     """``import torch`` in a child python with this environment."""
     try:
@@ -714,6 +727,10 @@ def snapshot(args):
         answer["torch"] = torch_files((answer.get("modules") or {}).get("torch"), is_library, cache, errors)
     except Exception as e:
         errors.append("torch: %s: %s" % (type(e).__name__, e))
+    try:
+        answer["transformers"] = transformers_models((answer.get("modules") or {}).get("transformers"))
+    except Exception as e:
+        errors.append("transformers: %s: %s" % (type(e).__name__, e))
     if args.get("deep"):
         answer["deep"] = deep_import(prefixes, float(args.get("deep_timeout") or 60))
     answer["seconds"] = round(time.monotonic() - started, 4)
