@@ -20,14 +20,18 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from dflashctl import envaudit as ea
 from dflashctl.config import load_inventory
+from dflashctl.errors import TransportError
 from dflashctl.signatures import classify
 
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -529,3 +533,78 @@ def test_a_pth_that_prints_to_stdout_at_start_and_at_exit(tmp_path):
     assert "bye" in env.imports("sympy").stdout
     report = env.audit(tmp_path, deep=True)
     assert report.torch.source == "import torch (--deep)" and report.exit_code == 0, report.findings
+
+
+# --------------------------------------------------------------------------- the trainer's own needs
+
+
+def _pyenv(version: str) -> str | None:
+    found = sorted(Path(os.path.expanduser("~/.pyenv/versions")).glob(f"{version}.*/bin/python{version}"))
+    return str(found[0]) if found else None
+
+
+def test_the_trainers_own_requirements(tmp_path):
+    env = healthy(tmp_path / "venv")
+    for name in ("transformers", "safetensors", "triton"):
+        version = next(v for n, v, _, _ in TRAINER_STACK if n == name)
+        info = env.site / dist_info_name(name, version)
+        for file in info.iterdir():
+            file.unlink()
+        info.rmdir()
+    found = {f.packages[0]: f for f in by_code(env.audit(tmp_path))["trainer-requirement"]}
+    assert set(found) == {"transformers", "safetensors", "triton"}
+    assert all(f.severity == "error" for f in found.values())
+    assert found["transformers"].argv == [[env.python, "-m", "pip", "install", "transformers>=4.51"]]
+    assert found["safetensors"].argv == [[env.python, "-m", "pip", "install", "safetensors"]]
+    assert "torch 2.7.0+cu126 (CUDA 12.6) is a CUDA build but no Triton is installed" in found["triton"].message
+    assert found["triton"].argv == [[env.python, "-m", "pip", "install", "triton==3.3.1"]]
+
+    # Too old, and new enough but without the Qwen3 classes the drafter is built from.
+    write_dist(env.site, "safetensors", "0.5.3", {"safetensors/__init__.py": ""})
+    write_dist(env.site, "triton", "3.3.1", {"triton/__init__.py": ""})
+    write_dist(env.site, "transformers", "4.46.3", {"transformers/__init__.py": "",
+                                                    "transformers/models/qwen3/__init__.py": ""})
+    (old,) = by_code(env.audit(tmp_path))["trainer-requirement"]
+    assert old.message == "transformers 4.46.3 is older than the transformers 4.51 the trainer needs: the trainer " \
+                          "cannot start"
+    shutil.rmtree(env.site / dist_info_name("transformers", "4.46.3"))
+    shutil.rmtree(env.site / "transformers")
+    write_dist(env.site, "transformers", "4.52.0", {"transformers/__init__.py": "",
+                                                    "transformers/models/llama/__init__.py": ""})
+    (classes,) = by_code(env.audit(tmp_path))["trainer-requirement"]
+    assert "transformers 4.52.0 has no qwen3 model classes (transformers/models/qwen3/)" in classes.message
+    assert classes.argv == [[env.python, "-m", "pip", "install", "transformers>=4.51"]]
+
+    # torch too old for the trainer.
+    write_dist(env.site, "torch", "2.5.1+cu124", torch_files("2.5.1+cu124", "12.4"), TORCH_REQUIRES)
+    found = [f for f in by_code(env.audit(tmp_path))["trainer-requirement"] if f.packages == ["torch"]]
+    assert found and "older than the torch 2.6 the trainer needs" in found[0].message
+    assert found[0].argv[-1][-2:] == ["https://download.pytorch.org/whl/cu124", "torch>=2.6"]
+
+
+@pytest.mark.skipif(_pyenv("3.8") is None, reason="no Python 3.8 here")
+def test_a_python_older_than_the_trainer_needs(tmp_path):
+    root = tmp_path / "venv38"
+    subprocess.run([_pyenv("3.8"), "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    env = Venv.existing(root)
+    env.site = root / "lib" / "python3.8" / "site-packages"
+    for name, version, files, requires in TRAINER_STACK:
+        write_dist(env.site, name, version, files, requires)
+    write_dist(env.site, "torch", TORCH_VERSION, torch_files(), ["sympy"])
+    write_dist(env.site, "sympy", "1.13.3", {"sympy/__init__.py": ""})
+    found = [f for f in env.audit(tmp_path).findings if f.code == "trainer-requirement"]
+    assert [f.message for f in found] == [f"{env.python} is Python 3.8.18: the trainer needs Python 3.10 or newer"]
+    assert found[0].severity == "error" and found[0].argv == []
+
+
+@pytest.mark.skipif(_pyenv("3.7") is None, reason="no Python 3.7 here")
+def test_a_python_too_old_to_be_audited_is_exit_3_with_the_reason(tmp_path):
+    root = tmp_path / "venv37"
+    subprocess.run([_pyenv("3.7"), "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    inventory = Venv.existing(root).inventory(tmp_path)
+    with pytest.raises(TransportError, match=r"is Python 3\.7\.\d+: too old to be audited"):
+        ea.audit_host("box", inventory)
+    done = subprocess.run([sys.executable, "-m", "dflashctl", "--inventory", inventory.source, "env-audit", "box",
+                           "--json"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DFLASHCTL_STORE": str(tmp_path / "runs.db")})
+    assert done.returncode == 3 and "too old to be audited" in json.loads(done.stdout)["error"]

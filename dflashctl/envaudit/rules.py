@@ -36,7 +36,7 @@ from typing import Any, Iterable
 from packaging.utils import canonicalize_name
 
 from dflashctl.contract import did_you_mean
-from dflashctl.envaudit.fixes import Fixer, Removal, listing, short_path
+from dflashctl.envaudit.fixes import Fixer, Removal, index_args, listing, short_path
 from dflashctl.envaudit.program import prove
 from dflashctl.envaudit.snapshot import LIB_PREFIXES, TRAINER_MODULES, Dist, LibEntry, ModuleSpec, Snapshot
 from dflashctl.envaudit.stack import (
@@ -730,7 +730,8 @@ def _rule_trainer(c: _Context) -> list[Finding]:
         findings.append(c.finding(
             "error", "trainer-requirement", f"{c.torch.label} is older than the torch {TRAINER_NEEDS['torch']} "
             "the trainer needs (torch.compile and FlexAttention as it uses them)",
-            fix=f"install {spec} built for the same CUDA", argv=[c.fixer.install([spec])], packages=["torch"],
+            fix=f"install {spec} built for the same CUDA",
+            argv=[c.fixer.pip("install", *index_args(c.torch.version), spec, names=["torch"])], packages=["torch"],
             detail={"installed": c.torch.version, "requirement": spec}))
     tr = c.installed.get("transformers")
     spec = f"transformers>={TRAINER_NEEDS['transformers']}"
