@@ -204,3 +204,68 @@ def test_an_older_transformers_on_pythonpath_steers_no_install(tmp_path, fresh_v
     assert failed is None
     # Nothing the shadowing copy asks for was installed into the environment: its huggingface-hub stays.
     assert (env.site / dist_info_name("huggingface_hub", "0.34.4")).is_dir()
+
+
+# --------------------------------------------------------------------------- env-audit --apply
+
+
+def old_transformers_after_a_cu13_stack(tmp_path, fresh, wheels, host_env: dict | None = None):
+    env, offline = cu13_stack_then_cu12_torch(tmp_path, fresh, wheels)
+    pip(env, offline, "install", "transformers==4.46.3")
+    return env, offline, env.inventory(tmp_path, host_env if host_env is not None else offline)
+
+
+def test_apply_runs_the_plan_and_the_audit_after_it_is_clean(tmp_path, fresh_venv, wheels):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env, offline, inventory = old_transformers_after_a_cu13_stack(tmp_path, fresh_venv, wheels)
+    before = ea.audit_host("box", inventory)
+    assert [f for f in before.findings if f.code == "trainer-requirement" and f.packages == ["transformers"]]
+    done = subprocess.run([sys.executable, "-m", "dflashctl", "--inventory", inventory.source, "env-audit", "box",
+                           "--apply", "--json"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "DFLASHCTL_STORE": str(tmp_path / "runs.db")})
+    payload = json.loads(done.stdout)
+    assert payload["stopped"] is None, payload["why"]
+    assert payload["applied"] == [line for _, line in before.plan()]
+    assert payload["after"]["counts"]["error"] == 0 and done.returncode == payload["after"]["exit_code"] < 2
+    assert payload["after"]["packages"]["transformers"] == "4.56.2"
+    assert_trainer_imports(env, "--apply")
+
+
+def test_apply_on_a_host_with_no_index_stops_at_the_fetch_with_nothing_changed(tmp_path, fresh_venv, wheels):
+    from dflashctl.envaudit.apply import apply_plan
+
+    env, offline, inventory = old_transformers_after_a_cu13_stack(tmp_path, fresh_venv, wheels,
+                                                                   {**OFFLINE, "PIP_NO_INDEX": "1"})
+    before = ea.audit_host("box", inventory).snapshot.packages()
+    done = apply_plan("box", inventory)
+    assert not done.ok and " download " in done.stopped and done.ran == []
+    assert "the wheel could not be fetched: nothing has been changed" in done.why
+    assert done.after.snapshot.packages() == before
+    assert_trainer_imports(env, "a failed fetch")
+
+
+def test_apply_stops_and_undoes_the_step_pip_crashes_in(tmp_path, fresh_venv, wheels):
+    """pip crashing halfway: a METADATA it cannot read appears after the first
+    removal (another installer at work); the next pip step fails, is undone, and
+    nothing after it runs."""
+    from dflashctl.envaudit.apply import apply_plan
+
+    env, offline, inventory = old_transformers_after_a_cu13_stack(tmp_path, fresh_venv, wheels)
+
+    def after_step(i: int, line: str) -> None:
+        assert_trainer_imports(env, line)
+        if " uninstall " in line:
+            info = write_dist(env.site, "latin-tool", "1.0", {"latin_tool.py": ""})
+            (info / "METADATA").write_bytes(b"Metadata-Version: 2.1\nName: latin-tool\nVersion: 1.0\nSummary: caf\xe9\n")
+
+    done = apply_plan("box", inventory, after_step=after_step)
+    assert not done.ok and "install" in done.stopped and "transformers" in done.stopped, done
+    assert "UnicodeDecodeError" in done.why and done.restored
+    assert any(" uninstall " in line for line in done.ran)
+    assert_trainer_imports(env, "the undone step")
+    assert (env.site / dist_info_name("transformers", "4.46.3")).is_dir()
+    assert (env.site / "transformers/__init__.py").read_text().startswith("__version__ = '4.46.3'")
