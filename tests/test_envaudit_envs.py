@@ -28,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.utils import canonicalize_name
 
 from dflashctl import envaudit as ea
 from dflashctl.config import load_inventory
@@ -608,3 +609,31 @@ def test_a_python_too_old_to_be_audited_is_exit_3_with_the_reason(tmp_path):
                            "--json"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "DFLASHCTL_STORE": str(tmp_path / "runs.db")})
     assert done.returncode == 3 and "too old to be audited" in json.loads(done.stdout)["error"]
+
+
+def test_a_system_site_packages_venv_never_gets_a_command_for_the_base(tmp_path):
+    """The base interpreter's packages (and those of a directory a .pth adds) are
+    not this environment's pip's to change: what is wrong with them is
+    information, with no command (an uninstall of a base package is a no-op that
+    comes back every audit; a reinstall would install another copy into the venv)."""
+    env = healthy(tmp_path / "venv", system_site=True)
+    extra = tmp_path / "extra"
+    write_dist(extra, "vllm", "0.11.0", {"vllm/__init__.py": ""}, ["torch==2.8.0"])
+    write_dist(extra, "demo-lib", "1.0", {"demo_lib/__init__.py": "", "demo_lib/gone.py": ""})
+    (extra / "demo_lib" / "gone.py").unlink()
+    (env.site / "extra.pth").write_text(f"{extra}\n")
+    report = env.audit(tmp_path)
+    s = report.snapshot
+    outside = {d.key for d in s.dists if d.key and not d.location.startswith(str(env.root) + "/")}
+    inside = {d.key for d in s.dists if d.key and d.location.startswith(str(env.root) + "/")}
+    only_outside = outside - inside
+    assert {"vllm", "demo-lib"} <= only_outside
+    for f in report.findings:
+        if {canonicalize_name(p) for p in f.packages} <= only_outside and f.packages:
+            assert f.severity == "info" and f.argv == [], f
+    (stray,) = by_code(report)["stray-stack"]
+    assert "no command is given: vllm 0.11.0 lies outside the environment" in stray.fix
+    (damaged,) = [f for f in by_code(report)["missing-files"] if f.packages == ["demo-lib"]]
+    assert "this environment's pip does not change it" in damaged.fix
+    assert not [line for _, line in report.plan() if "vllm" in line or "demo-lib" in line]
+    assert report.exit_code < 2

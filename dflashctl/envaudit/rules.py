@@ -261,6 +261,14 @@ class _Context:
         """``d`` is imported from outside the environment ahead of a copy of its own inside it."""
         return d is not None and not self.inside(d) and any(self.inside(o) for o in self.s.copies(d.name) if o is not d)
 
+    def only_outside(self, names: list[str]) -> bool:
+        """Every copy of every one of ``names`` lies outside the environment (in a
+        system-site-packages venv's base), and none is torch's or the trainer's."""
+        if not names or (self.s.prefix or "") == (self.s.base_prefix or ""):
+            return False
+        copies = [d for n in names for d in self.s.copies(n)]
+        return bool(copies) and all(not self.inside(d) and d.key not in self.protected for d in copies)
+
     def torch_requirement(self, name: str) -> ReqCheck | None:
         return next((c for c in self.checks if canonicalize_name(c.requirement.name) == canonicalize_name(name)), None)
 
@@ -833,9 +841,17 @@ def _rule_integrity(c: _Context) -> list[Finding]:
         breaks_import = any(_imported(rel) for rel in [*d.missing, *d.changed])
         if vital and not breaks_import:
             message += ": it still imports (only its command-line scripts or data files differ)"
+        fix, argv = f"reinstall {d.spec()} over itself", [c.fixer.reinstall(d)]
+        if not c.inside(d):
+            fix, argv = (f"it lies outside this environment ({d.location}: the base interpreter's, or a directory "
+                         "added to sys.path): this environment's pip does not change it; repair it with the pip of "
+                         "the interpreter it belongs to, or leave it"), []
+        elif c.fixer.target(d.name) is not d:
+            fix, argv = (f"another copy of {d.name} comes first on sys.path, and pip acts on that one: "
+                         "see the duplicate-package finding"), []
         findings.append(c.finding(
             ("error" if breaks_import else "warning") if vital else "info", "missing-files", message,
-            fix=f"reinstall {d.spec()} over itself", argv=[c.fixer.reinstall(d)], packages=[d.name],
+            fix=fix, argv=argv, packages=[d.name],
             libraries=sorted(set(lost_libs)),
             detail={"missing": d.missing, "missing_count": d.missing_count, "changed": d.changed,
                     "changed_count": d.changed_count, "shared_with": shared_with}))
@@ -1164,6 +1180,9 @@ def audit(snapshot: Snapshot, *, device: str | None = None, host_gpus: int | Non
     findings: list[Finding] = []
     for rule in RULES:
         findings += rule(context)
+    for f in findings:
+        if f.severity == "warning" and context.only_outside(f.packages):
+            f.severity = "info"  # a base interpreter's package (a system-site-packages venv): not the trainer's
     findings = sorted((f for f in findings if not policy.ignores(f)), key=lambda f: -severity_rank(f.severity))
     prove(findings, snapshot, context.protected)  # a command that cannot be proven safe is left out, with why
     return findings
