@@ -291,7 +291,7 @@ def test_two_cuda_builds_of_cudnn_owning_the_same_files(tmp_path):
     # torch's cuDNN was overwritten: its RECORD says so, and what that does to `import torch`.
     (damaged,) = found["missing-files"]
     assert damaged.severity == "error" and damaged.argv == [reinstall]
-    assert "1 file(s) its RECORD lists have another size than recorded (nvidia/cudnn/lib/libcudnn.so.9)" in damaged.message
+    assert "1 file(s) its RECORD lists have another size or sha256 than recorded (nvidia/cudnn/lib/libcudnn.so.9)" in damaged.message
     assert "torch loads a libcudnn.so.9 that is not the one this wheel installed" in damaged.message
     assert f"{CUDNN13[0]} {CUDNN13[1]} also lists them" in damaged.message
 
@@ -637,3 +637,66 @@ def test_a_system_site_packages_venv_never_gets_a_command_for_the_base(tmp_path)
     assert "this environment's pip does not change it" in damaged.fix
     assert not [line for _, line in report.plan() if "vllm" in line or "demo-lib" in line]
     assert report.exit_code < 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None or not os.path.exists("/usr/bin/python3.11"),
+                    reason="needs root, setpriv and /usr/bin/python3.11 (to audit as an unprivileged user)")
+def test_permission_denied_is_named_as_such(tmp_path):
+    """Files and metadata the trainer's user may not read: said as permission
+    denied, never as 'missing', 'not installed' or 'no name'. The audit runs as
+    nobody (root reads everything), through the inventory's python: line."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="envaudit-perm-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        root = base / "venv"
+        subprocess.run(["/usr/bin/python3.11", "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+        env = Venv.existing(root)
+        env.site = root / "lib" / "python3.11" / "site-packages"
+        write_dist(env.site, "torch", TORCH_VERSION, torch_files(), TORCH_REQUIRES)
+        write_dist(env.site, *CUDNN12, cudnn_files("cudnn-cu12"))
+        write_dist(env.site, "sympy", "1.14.0", {"sympy/__init__.py": ""})
+        for name, version, files, requires in TRAINER_STACK:
+            write_dist(env.site, name, version, files, requires)
+        locked = write_dist(env.site, "locked-tool", "1.0", {"locked_tool.py": ""})
+        (locked / "METADATA").chmod(0)
+        (env.site / "sympy" / "__init__.py").chmod(0)
+        (env.site / "nvidia" / "cudnn" / "lib").chmod(0)
+        env.python = f"setpriv --reuid=65534 --regid=65534 --clear-groups {root}/bin/python"
+        report = env.audit(tmp_path)
+        found = by_code(report)
+        (sympy,) = [f for f in found["missing-files"] if f.packages == ["sympy"]]
+        assert sympy.severity == "error" and "permission denied: 1 file(s) its RECORD lists cannot be read " \
+            "by this user (sympy/__init__.py)" in sympy.message and sympy.argv == []
+        (cudnn,) = [f for f in found["missing-files"] if f.packages == [CUDNN12[0]]]
+        assert "permission denied" in cudnn.message and "nvidia/cudnn/lib/libcudnn.so.9" in cudnn.message
+        assert "are missing" not in cudnn.message and cudnn.argv == []
+        (meta,) = found["broken-metadata"]
+        assert meta.message.startswith(f"{locked}: permission denied reading its METADATA") and meta.argv == []
+        assert "no name" not in meta.message
+    finally:
+        for path in (base / "venv" / "lib" / "python3.11" / "site-packages" / "nvidia" / "cudnn" / "lib",):
+            if path.exists():
+                path.chmod(0o755)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_shared_file_of_the_same_size_is_told_apart_by_its_sha256(tmp_path):
+    """Two builds of one library with the same size: the size says nothing, the
+    RECORDs' sha256 say whose bytes are on disk."""
+    env = healthy(tmp_path / "venv")
+    same_size = {rel: (data.replace(b"cudnn-cu12", b"cudnn-cu13") if isinstance(data, bytes) else data)
+                 for rel, data in cudnn_files("cudnn-cu12").items()}
+    stray = write_dist(env.site, *CUDNN13, same_size)
+    assert "cuDNN version incompatibility" in env.imports().stderr
+    report = env.audit(tmp_path)
+    s = report.snapshot
+    (group,) = [g for g in s.shared if any(p.endswith("libcudnn.so.9") for p in g.paths)]
+    assert s.dist(group.holder).name == CUDNN13[0]  # whose bytes the file holds, by hash
+    (damaged,) = by_code(report)["missing-files"]
+    assert damaged.packages == [CUDNN12[0]] and damaged.severity == "error"
+    assert "have another size or sha256 than recorded (nvidia/cudnn/lib/libcudnn.so.9)" in damaged.message
+    (conflict,) = by_code(report)["cuda-major"]
+    assert conflict.argv[-1] == ["rm", "-r", "--", str(stray)]
+    assert "--force-reinstall" in conflict.argv[0] and conflict.argv[0][-1] == f"{CUDNN12[0]}=={CUDNN12[1]}"

@@ -425,6 +425,14 @@ def _rule_broken_metadata(c: _Context) -> list[Finding]:
         imported = [m for m in d.modules if c.s.owner(m) is d]
         vital = [m for m in imported if c.module_is_vital(m)]
         argv, fix = [], f"remove {d.metadata} and reinstall the package it belonged to"
+        if d.unreadable and "PermissionError" in (d.error or ""):
+            findings.append(c.finding(
+                "error", "broken-metadata",
+                f"{d.metadata}: permission denied reading its METADATA ({d.error.removeprefix('metadata: ')}): "
+                "the user the trainer runs as cannot see this package, and pip fails on it",
+                fix=f"make {d.metadata} readable by that user (chmod -R a+rX), or audit as the user who installed it",
+                paths=[d.metadata or ""], detail={"metadata": d.metadata, "error": d.error}))
+            continue
         if d.unreadable and d.metadata and "torch" not in vital:
             findings.append(c.finding(
                 "error", "broken-metadata",
@@ -798,7 +806,8 @@ def _imported(rel: str) -> bool:
 
 
 def _rule_integrity(c: _Context) -> list[Finding]:
-    """RECORD files missing or of another size: an error for torch and what it
+    """RECORD files missing or of another size (or, for a file another RECORD lists
+    too, another sha256): an error for torch and what it
     requires when a file it imports or loads is affected (their code must all be
     there), a warning when only its scripts or data are, information for others."""
     owners_of: dict[str, list[int]] = {}
@@ -807,6 +816,15 @@ def _rule_integrity(c: _Context) -> list[Finding]:
             owners_of[path] = group.owners
     findings = []
     for d in c.s.dists:
+        if d.denied_count and d.name:
+            vital = c.is_protected(d) and c.installed.get(d.key) is d
+            findings.append(c.finding(
+                ("error" if any(_imported(r) for r in d.denied) else "warning") if vital else "info",
+                "missing-files", f"{d.label()}: permission denied: {d.denied_count} file(s) its RECORD lists cannot "
+                f"be read by this user ({listing(d.denied, 3)})",
+                fix="make them readable by the user the trainer runs as (chmod -R a+rX on the package's "
+                    "directories), not a reinstall", packages=[d.name],
+                detail={"denied": d.denied, "denied_count": d.denied_count}))
         if not (d.missing_count or d.changed_count) or not d.name:
             continue
         live = c.installed.get(d.key)
@@ -818,7 +836,7 @@ def _rule_integrity(c: _Context) -> list[Finding]:
             parts.append(f"{d.missing_count} file(s) its RECORD lists are missing ({listing(d.missing, 3)})")
         if d.changed_count:
             parts.append(f"{d.changed_count}{'' if parts else ' file(s) its RECORD lists'} have another size "
-                         f"than recorded ({listing(d.changed, 3)})")
+                         f"or sha256 than recorded ({listing(d.changed, 3)})")
         sharers = set()
         for rel in [*d.missing, *d.changed]:
             full = os.path.normpath(os.path.join(d.location or "", rel))

@@ -54,6 +54,8 @@ class Dist:
     installer: str | None = None
     editable: bool = False
     error: str | None = None  # what the collector could not read of it ("metadata: UnicodeDecodeError: ...")
+    denied: list[str] = field(default_factory=list)  # RECORD paths this user may not read (the first few)
+    denied_count: int = 0
 
     @property
     def unreadable(self) -> bool:
@@ -303,7 +305,8 @@ def _dist(index: int, d: dict[str, Any]) -> Dist:
         d.get("name") or "", d.get("version") or "", d.get("location"), d.get("requires"), d.get("modules") or [],
         d.get("libs"), index, d.get("metadata"), d.get("files"), list(d.get("missing") or []),
         int(d.get("missing_count") or 0), list(d.get("changed") or []), int(d.get("changed_count") or 0),
-        d.get("installer"), bool(d.get("editable")), d.get("error"),
+        d.get("installer"), bool(d.get("editable")), d.get("error"), list(d.get("denied") or []),
+        int(d.get("denied_count") or 0),
     )
 
 

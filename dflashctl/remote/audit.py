@@ -287,6 +287,11 @@ def read_distribution(dist, index, is_library, owners):
             requires = meta.get_all("Requires-Dist")
     except Exception as e:
         entry["error"] = "metadata: %s: %s" % (type(e).__name__, e)
+    if not entry["name"] and path is not None and "error" not in entry:
+        for file in ("METADATA", "PKG-INFO"):  # importlib.metadata reads an unreadable one as empty
+            full = os.path.join(str(path), file)
+            if os.path.exists(full) and not os.access(full, os.R_OK):
+                entry["error"] = "metadata: PermissionError: [Errno 13] Permission denied: %r" % full
     try:
         # An egg-info keeps its requirements in requires.txt, which only dist.requires reads.
         if requires is None and str(path).endswith(".egg-info"):
@@ -311,7 +316,7 @@ def read_distribution(dist, index, is_library, owners):
         top = read_text(dist, "top_level.txt") or ""
         entry["modules"] = sorted(t.strip() for t in top.split() if t.strip())
         return entry
-    modules, libs, missing, changed = set(), [], [], []
+    modules, libs, missing, changed, denied = set(), [], [], [], []
     firsts = {}
     base = location.rstrip("/") + "/"
     for rel, size, digest in files:
@@ -330,14 +335,20 @@ def read_distribution(dist, index, is_library, owners):
         owners.add(full, index, size, digest)
         try:
             st = os.stat(full)
+        except PermissionError:  # a directory on the way that this user may not search
+            denied.append(rel)
+            continue
         except OSError:
             if not rel.endswith(".pyc"):  # compiled again on the next import
                 missing.append(rel)
             continue
         if size is not None and st.st_size != size:
             changed.append(rel)
+        elif not os.access(full, os.R_OK):
+            denied.append(rel)
     entry.update(modules=sorted(modules), libs=sorted(libs), files=len(files), missing=missing[:LISTED],
-                 missing_count=len(missing), changed=changed[:LISTED], changed_count=len(changed))
+                 missing_count=len(missing), changed=changed[:LISTED], changed_count=len(changed),
+                 denied=denied[:LISTED], denied_count=len(denied))
     return entry
 
 
@@ -374,9 +385,18 @@ def mark_changed(entry, paths):
 
 
 def distributions(is_library, owners, errors):
-    """Every installed distribution, in the order importlib.metadata finds them (sys.path order)."""
+    """Every installed distribution, in the order importlib.metadata finds them
+    (sys.path order). A sys.path directory this user may not list is an error
+    (importlib.metadata skips it without a word)."""
     import importlib.metadata as md
 
+    for entry in sys.path:
+        try:
+            os.listdir(entry or ".")
+        except PermissionError as e:
+            errors.append("permission denied: %s cannot be listed, the packages in it are not seen (%s)" % (entry, e))
+        except OSError:
+            pass
     found = []
     for dist in md.distributions():
         try:
