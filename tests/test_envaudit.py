@@ -441,6 +441,40 @@ def test_polluted_host_fixes_are_simulated_commands():
     assert removals and all("uninstall" in a for a in removals)
 
 
+def test_the_plan_holds_no_information_findings_command_and_nothing_twice():
+    """A name the stray-stack and unmet-requirement findings both remove is
+    uninstalled once; an information finding's command (a reinstall of a local
+    package no index has) never joins the plan."""
+    s = _with(polluted_host(), ea.Dist("my-tool", "0.1.dev0+local", SITE, []))
+    s.dists[-1].missing, s.dists[-1].missing_count = ["my_tool/__init__.py"], 1
+    findings = ea.audit(s)
+    (local,) = [f for f in findings if f.code == "missing-files" and f.packages == ["my-tool"]]
+    assert local.severity == "info" and local.argv  # its command is shown with it ...
+    steps = [argv for argv, _ in ea.plan(findings, s)]
+    assert not [a for a in steps if any("my-tool" in x for x in a)]  # ... and is not in the plan
+    removed = [n for a in steps if "uninstall" in a for n in a[a.index("-y") + 1:]]
+    assert "sglang" in removed and len(removed) == len(set(removed))
+    assert len(steps) == len({tuple(a) for a in steps})
+
+
+def test_a_finding_whose_commands_would_make_the_plan_worse_gets_words_only():
+    """The CUDA 13 wheels' own damage (torch's CUDA 12 wheels written over them)
+    would be repaired by putting the CUDA 13 builds back over torch's: refused, with why."""
+    s = polluted_host()
+    cu12 = next(d for d in s.dists if d.name == "nvidia-cudnn-cu12")
+    cu13 = next(d for d in s.dists if d.name == "nvidia-cudnn-cu13")
+    s.shared[-1].holder = cu13.index  # torch's CUDA 13 cuDNN holds the shared files
+    cu12.changed, cu12.changed_count, cu12.metadata = ["nvidia/cudnn/lib/libcudnn.so.9"], 1, f"{SITE}/cu12.dist-info"
+    cu12.missing, cu12.missing_count = [], 0
+    findings = ea.audit(s)
+    (conflict,) = [f for f in findings if f.code == "cuda-major" and f.packages == ["nvidia-cudnn-cu12"]]
+    assert conflict.argv == [["rm", "-r", "--", f"{SITE}/cu12.dist-info"]]  # detached: nothing to put back
+    s.shared[-1].holder = cu12.index  # now the stray's bytes are there: a reinstall of it is refused
+    findings = ea.audit(s)
+    (own,) = [f for f in findings if f.code == "missing-files" and f.packages == ["nvidia-cudnn-cu12"]]
+    assert own.argv == [] and "no command is given" in own.fix
+
+
 def test_a_removal_whose_damage_cannot_be_repaired_is_not_suggested():
     s = _with(gpu_host(), ea.Dist("vllm", "0.11.0", SITE, []), ea.Dist("", "", SITE, [], ["torch"]))
     s = _shared(s, "vllm", "torch", "torch/lib/libc10.so")
