@@ -184,26 +184,42 @@ def test_a_stale_second_dist_info_is_removed_as_that_directory(tmp_path, fresh_v
     assert after.counts()["error"] == after.counts()["warning"] == 0, [f.message for f in after.findings]
 
 
-def test_an_older_transformers_on_pythonpath_steers_no_install(tmp_path, fresh_venv, wheels):
+@pytest.mark.parametrize("how", ["pythonpath", "pth"])
+def test_an_older_transformers_that_shadows_the_environments_steers_no_install(tmp_path, fresh_venv, wheels, how):
+    """An older transformers imported ahead of the environment's own (from
+    PYTHONPATH, a directory a .pth puts in front): what it asks for is never
+    installed into the environment, and the environment's copy is never named for
+    removal. (A venv puts the user site behind its own site-packages: a user-site
+    copy shadows only a python that is not a venv, which this machine's tests
+    cannot fill.)"""
     env, offline = venv(tmp_path, fresh_venv, wheels)
     pip(env, offline, "install", "torch", "transformers", "triton", "huggingface-hub")
     shadow = tmp_path / "shadow"
     write_dist(shadow, "transformers", "4.46.3", transformers_files("4.46.3"),
                ["safetensors>=0.4.1", "huggingface-hub>=0.23.2,<0.30", "tokenizers>=0.20,<0.21"])
-    environment = {"PYTHONPATH": str(shadow)}
+    environment = {"PYTHONPATH": str(shadow)} if how == "pythonpath" else {}
+    if how == "pth":
+        (env.site / "front.pth").write_text(f"import sys; sys.path.insert(0, {str(shadow)!r})\n")
     inventory = env.inventory(tmp_path, environment)
     report = ea.audit_host("box", inventory)
     assert report.snapshot.installed()["transformers"].version == "4.46.3"  # the shadow is what is imported
     lines = [line for _, line in report.plan()]
-    assert not [line for line in lines if "huggingface-hub" in line or "tokenizers" in line], lines
+    assert not [line for line in lines if "huggingface-hub" in line or "tokenizers" in line or
+                "transformers" in line], lines
     steered = [f for f in report.findings if f.code in ("requirement-version", "missing-requirement")]
     assert steered and all(f.argv == [] and f"take {shadow} off the trainer's sys.path first" in f.fix
                            for f in steered)
-    assert [f for f in report.findings if f.code == "pythonpath" and f.paths == [str(shadow)]]
+    (old,) = [f for f in report.findings if f.code == "trainer-requirement" and f.packages == ["transformers"]]
+    assert old.argv == [] and old.fix.startswith(f"take {shadow} off the trainer's sys.path")
+    if how == "pythonpath":
+        assert [f for f in report.findings if f.code == "pythonpath" and f.paths == [str(shadow)]]
+    for f in report.findings:
+        assert str(env.site / dist_info_name("transformers", "4.56.2")) not in " ".join(f.commands), f
     ran, failed = apply_plan(report, inventory, {**offline, **environment}, env)
     assert failed is None
-    # Nothing the shadowing copy asks for was installed into the environment: its huggingface-hub stays.
+    # Nothing the shadowing copy asks for was installed into the environment: its own copies stay.
     assert (env.site / dist_info_name("huggingface_hub", "0.34.4")).is_dir()
+    assert (env.site / dist_info_name("transformers", "4.56.2")).is_dir()
 
 
 # --------------------------------------------------------------------------- env-audit --apply
