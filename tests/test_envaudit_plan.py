@@ -249,6 +249,10 @@ def test_apply_runs_the_plan_and_the_audit_after_it_is_clean(tmp_path, fresh_ven
     assert payload["after"]["counts"]["error"] == 0 and done.returncode == payload["after"]["exit_code"] < 2
     assert payload["after"]["packages"]["transformers"] == "4.56.2"
     assert_trainer_imports(env, "--apply")
+    again = subprocess.run([sys.executable, "-m", "dflashctl", "--inventory", inventory.source, "env-audit", "box",
+                            "--apply"], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "DFLASHCTL_STORE": str(tmp_path / "runs.db"), "COLUMNS": "200"})
+    assert again.returncode < 2 and "0 error(s)" in again.stdout, again.stdout + again.stderr
 
 
 def test_apply_on_a_host_with_no_index_stops_at_the_fetch_with_nothing_changed(tmp_path, fresh_venv, wheels):

@@ -67,6 +67,13 @@ class Removal:
     detached: list[str] = field(default_factory=list)  # of ``names``: their dist-info removed, not uninstalled
 
 
+def only_inits(group) -> bool:
+    """A group of shared files that are all package ``__init__.py`` files (what every
+    wheel of a namespace like ``nvidia`` lists): deleting them changes no import,
+    so sharing them is no reason to detach instead of uninstalling."""
+    return group.count == len(group.paths) and all(p.endswith("/__init__.py") for p in group.paths)
+
+
 class Fixer:
     """Commands for one snapshot's host: its python, its wrapper, its protected set."""
 
@@ -164,7 +171,7 @@ class Fixer:
         those whose shared files do not hold their own bytes)."""
         found: list[Dist] = []
         for group in self.s.shared:
-            if d.index not in group.owners:
+            if d.index not in group.owners or only_inits(group):
                 continue
             for i in group.owners:
                 p = self.s.dist(i)

@@ -44,7 +44,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from dflashctl.envaudit.fixes import Fixer
+from dflashctl.envaudit.fixes import Fixer, only_inits
 from dflashctl.envaudit.snapshot import Dist, Snapshot
 
 if TYPE_CHECKING:
@@ -149,6 +149,7 @@ class _Group:
     owners: set[int]
     count: int
     holder: int | None
+    inits: bool = False  # only package __init__.py files: whose bytes they hold changes no import
 
 
 @dataclass
@@ -170,14 +171,13 @@ class Model:
     def of(cls, snapshot: Snapshot, protected: set[str], strays: set[str]) -> "Model":
         m = cls(snapshot, protected, strays)
         m.present = {d.index: d for d in snapshot.dists}
-        m.groups = [_Group(set(g.owners), g.count, g.holder) for g in snapshot.shared]
+        m.groups = [_Group(set(g.owners), g.count, g.holder, only_inits(g)) for g in snapshot.shared]
         m.next_index = max([d.index for d in snapshot.dists] + [len(snapshot.dists)]) + 1
         m.start_missing = {canonicalize_name(n) for n in _missing_requirements(snapshot)}
         return m
 
     def copy(self) -> "Model":
-        m = replace(self, present=dict(self.present), groups=[_Group(set(g.owners), g.count, g.holder)
-                                                                for g in self.groups],
+        m = replace(self, present=dict(self.present), groups=[replace(g, owners=set(g.owners)) for g in self.groups],
                     uninstalled=set(self.uninstalled), downgraded=set(self.downgraded),
                     installed=set(self.installed))
         return m
@@ -297,7 +297,7 @@ class Model:
         keys = {d.key for d in self.present.values()}
         for g in self.groups:
             keepers = {i for i in g.owners if i in self.present and self.present[i].key in self.protected}
-            if keepers and g.holder not in keepers:
+            if keepers and g.holder not in keepers and not g.inits:
                 c.damaged_files += g.count
         c.protected_gone = len({k for k in self.protected if k in self.start_keys} - keys)
         c.downgraded = len(self.downgraded)

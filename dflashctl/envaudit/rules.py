@@ -36,7 +36,7 @@ from typing import Any, Iterable
 from packaging.utils import canonicalize_name
 
 from dflashctl.contract import did_you_mean
-from dflashctl.envaudit.fixes import Fixer, Removal, index_args, listing, short_path
+from dflashctl.envaudit.fixes import Fixer, Removal, index_args, listing, only_inits, short_path
 from dflashctl.envaudit.program import prove
 from dflashctl.envaudit.snapshot import LIB_PREFIXES, TRAINER_MODULES, Dist, LibEntry, ModuleSpec, Snapshot
 from dflashctl.envaudit.stack import (
@@ -888,8 +888,8 @@ def _rule_shared_files(c: _Context) -> list[Finding]:
         others = [d for d in dists if d not in keep]
         shown = [short_path(p, dists[0]) for p in group.paths]
         mixed = bool(keep and others)
-        only_inits = all(p.endswith("/__init__.py") for p in group.paths) and group.count == len(group.paths)
-        severity = "warning" if mixed and not only_inits else "info"
+        inits = only_inits(group)
+        severity = "warning" if mixed and not inits else "info"
         message = (f"{group.count} file(s) are listed by {' and '.join(d.label() for d in dists)} "
                    f"({listing(shown, 3)}): uninstalling one deletes them for the other"
                    + ("s" if len(dists) > 2 else ""))
