@@ -475,6 +475,15 @@ def test_a_finding_whose_commands_would_make_the_plan_worse_gets_words_only():
     assert own.argv == [] and "no command is given" in own.fix
 
 
+def test_a_stray_sharing_only_package_init_files_is_uninstalled_not_detached():
+    s = _shared(polluted_host(), "nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia/__init__.py")
+    stray = next(d for d in s.dists if d.name == "nvidia-nccl-cu12")
+    stray.metadata = f"{SITE}/nvidia_nccl_cu12-2.27.3.dist-info"
+    (conflict,) = [f for f in ea.audit(s) if f.code == "cuda-major" and f.packages == ["nvidia-nccl-cu12"]]
+    assert conflict.argv[0] == ["/opt/torch/.venv/bin/python3", "-m", "pip", "uninstall", "-y", "nvidia-nccl-cu12"]
+    assert "detach" not in conflict.fix
+
+
 def test_a_removal_whose_damage_cannot_be_repaired_is_not_suggested():
     s = _with(gpu_host(), ea.Dist("vllm", "0.11.0", SITE, []), ea.Dist("", "", SITE, [], ["torch"]))
     s = _shared(s, "vllm", "torch", "torch/lib/libc10.so")
