@@ -29,6 +29,7 @@ from packaging.utils import canonicalize_name
 from dflashctl import envaudit as ea
 from dflashctl import remote
 from dflashctl.config import load_inventory, load_playbook
+from dflashctl.envaudit.snapshot import FRAME, framed
 from dflashctl.errors import ConfigError, TransportError
 from dflashctl.store import Store
 from tests.harness import environ
@@ -429,11 +430,58 @@ def test_polluted_host_fixes_are_simulated_commands():
                            "xformers"]]
     assert ea.exit_code(findings) == 2
 
-    # The plan: every command once; uninstalls, then installs, then the reinstalls.
-    steps = [argv for argv, _ in ea.plan(findings)]
-    reinstall = [python, "-m", "pip", "install", "--force-reinstall", "--no-deps", "nvidia-cudnn-cu13==9.19.0.56"]
-    assert steps[-1] == reinstall and steps.count(reinstall) == 1
-    assert all("uninstall" in a for a in steps[:steps.index(reinstall)])
+    # The plan: every command once; the wheel fetched, then the uninstalls, then the reinstall from what was fetched.
+    steps = [argv for argv, _ in ea.plan(findings, s)]
+    fetch, *removals, reinstall = steps
+    assert fetch[:6] == [python, "-m", "pip", "download", "--no-deps", "--dest"]
+    wheels = fetch[6]
+    assert fetch[7:] == ["nvidia-cudnn-cu13==9.19.0.56"]
+    assert reinstall == [python, "-m", "pip", "install", "--no-index", "--find-links", wheels, "--no-deps",
+                         "--force-reinstall", "nvidia-cudnn-cu13==9.19.0.56"]
+    assert removals and all("uninstall" in a for a in removals)
+
+
+def test_the_plan_holds_no_information_findings_command_and_nothing_twice():
+    """A name the stray-stack and unmet-requirement findings both remove is
+    uninstalled once; an information finding's command (a reinstall of a local
+    package no index has) never joins the plan."""
+    s = _with(polluted_host(), ea.Dist("my-tool", "0.1.dev0+local", SITE, []))
+    s.dists[-1].missing, s.dists[-1].missing_count = ["my_tool/__init__.py"], 1
+    findings = ea.audit(s)
+    (local,) = [f for f in findings if f.code == "missing-files" and f.packages == ["my-tool"]]
+    assert local.severity == "info" and local.argv  # its command is shown with it ...
+    steps = [argv for argv, _ in ea.plan(findings, s)]
+    assert not [a for a in steps if any("my-tool" in x for x in a)]  # ... and is not in the plan
+    removed = [n for a in steps if "uninstall" in a for n in a[a.index("-y") + 1:]]
+    assert "sglang" in removed and len(removed) == len(set(removed))
+    assert len(steps) == len({tuple(a) for a in steps})
+
+
+def test_a_finding_whose_commands_would_make_the_plan_worse_gets_words_only():
+    """The CUDA 13 wheels' own damage (torch's CUDA 12 wheels written over them)
+    would be repaired by putting the CUDA 13 builds back over torch's: refused, with why."""
+    s = polluted_host()
+    cu12 = next(d for d in s.dists if d.name == "nvidia-cudnn-cu12")
+    cu13 = next(d for d in s.dists if d.name == "nvidia-cudnn-cu13")
+    s.shared[-1].holder = cu13.index  # torch's CUDA 13 cuDNN holds the shared files
+    cu12.changed, cu12.changed_count, cu12.metadata = ["nvidia/cudnn/lib/libcudnn.so.9"], 1, f"{SITE}/cu12.dist-info"
+    cu12.missing, cu12.missing_count = [], 0
+    findings = ea.audit(s)
+    (conflict,) = [f for f in findings if f.code == "cuda-major" and f.packages == ["nvidia-cudnn-cu12"]]
+    assert conflict.argv == [["rm", "-r", "--", f"{SITE}/cu12.dist-info"]]  # detached: nothing to put back
+    s.shared[-1].holder = cu12.index  # now the stray's bytes are there: a reinstall of it is refused
+    findings = ea.audit(s)
+    (own,) = [f for f in findings if f.code == "missing-files" and f.packages == ["nvidia-cudnn-cu12"]]
+    assert own.argv == [] and "no command is given" in own.fix
+
+
+def test_a_stray_sharing_only_package_init_files_is_uninstalled_not_detached():
+    s = _shared(polluted_host(), "nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia/__init__.py")
+    stray = next(d for d in s.dists if d.name == "nvidia-nccl-cu12")
+    stray.metadata = f"{SITE}/nvidia_nccl_cu12-2.27.3.dist-info"
+    (conflict,) = [f for f in ea.audit(s) if f.code == "cuda-major" and f.packages == ["nvidia-nccl-cu12"]]
+    assert conflict.argv[0] == ["/opt/torch/.venv/bin/python3", "-m", "pip", "uninstall", "-y", "nvidia-nccl-cu12"]
+    assert "detach" not in conflict.fix
 
 
 def test_a_removal_whose_damage_cannot_be_repaired_is_not_suggested():
@@ -585,7 +633,7 @@ def test_collector_on_a_built_site_packages(tmp_path, python):
     done = run_collector({"lib_prefixes": ["libcudnn", "libnccl"], "modules": ["demo_helper", "absent_module"]},
                          env, python=python)
     assert done.stderr == ""
-    raw = json.loads(done.stdout)
+    raw = json.loads(framed(done.stdout))
     assert raw["v"] == 2 and raw["errors"] == [] and raw["python"]["executable"] == python
     assert raw["python"]["dropped_path"] == str(COLLECTOR.parent)  # run as a file: its own directory
     ours = {d["name"]: d for d in raw["distributions"] if d["location"] == str(site)}
@@ -607,8 +655,10 @@ def test_collector_on_a_built_site_packages(tmp_path, python):
     snapshot = ea.parse_snapshot(done.stdout, "built")
     assert ea.torch_build(snapshot) == ea.TorchBuild("9.9.0", "12.8", "torch/version.py", str(site / "torch"))
     findings = ea.audit(snapshot)
-    assert "torch requires not-installed-anywhere==1.0, which is not installed" in \
-        [f.message for f in findings if f.code == "missing-requirement"]
+    # (Said as the requirement of a shadowing copy where this python has a torch of its own.)
+    assert [f for f in findings if f.code == "missing-requirement" and f.message.startswith(
+        ("torch requires not-installed-anywhere==1.0, which is not installed",
+         "torch requires not-installed-anywhere==1.0; it is not installed: that is what torch 9.9.0 at"))]
     assert ["Demo.Wheel"] in [f.packages for f in findings if f.code == "missing-files" and f.severity == "info"]
 
 
@@ -642,8 +692,9 @@ def test_the_controller_ships_the_collectors_text():
     assert argv[-2] == COLLECTOR.read_text() and argv[-2] is ea.audit_command(host)[-2]  # read once
     assert json.loads(argv[-1]) == {"lib_prefixes": list(ea.LIB_PREFIXES), "modules": [*ea.TRAINER_MODULES, "pip"]}
     assert json.loads(ea.audit_command(host, deep=True)[-1])["deep"] is True
+    assert f"FRAME = {FRAME!r}".replace("'", "\"") in argv[-2]  # the collector frames its answer as the controller reads it
     # Shipped as text it answers as it does run as a file, without its own sys.path[0] (the cwd).
-    shipped = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout)
+    shipped = json.loads(framed(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout))
     assert {d["name"] for d in shipped["distributions"]} >= {"torch", "sympy"}
     assert shipped["python"]["dropped_path"] == "" and "" not in shipped["python"]["path"]
 
@@ -727,9 +778,12 @@ def test_cli_exit_code_2_and_the_fixes_it_prints(tmp_path):
     inventory = env.inventory(tmp_path, extra="    wrapper: env --\n")
     done = _cli(tmp_path, "--inventory", inventory.source, "env-audit", "box")
     assert done.returncode == 2, done.stderr
-    assert f"env -- {env.python} -m pip uninstall -y nvidia-cudnn-cu13\n" in done.stdout
+    detach = f"env -- rm -r -- {env.site}/nvidia_cudnn_cu13-9.13.0.50.dist-info"
+    assert detach + "\n" in done.stdout
     plan = done.stdout[done.stdout.index("to apply every fix, in this order"):]
-    assert plan.index("uninstall -y nvidia-cudnn-cu13") < plan.index("--force-reinstall --no-deps nvidia-cudnn-cu12")
+    assert "stop at the first command that fails" in plan
+    fetch = plan.index("download --no-deps --dest")
+    assert fetch < plan.index("--force-reinstall nvidia-cudnn-cu12") < plan.index(detach)
 
 
 def test_cli_help():
@@ -807,10 +861,10 @@ def test_launch_dry_run_shows_the_audit_its_fixes_and_the_drift(tmp_path):
     assert any(line.startswith("preflight: warning: environment changed since the last good run") for line in said)
     # Each finding with its fix and its exact commands.
     at = said.index(next(line for line in said if line.startswith("preflight: error: nvidia-cudnn-cu13")))
-    assert said[at + 1].startswith("preflight:   fix: uninstall nvidia-cudnn-cu13")
+    assert said[at + 1].startswith("preflight:   fix: detach nvidia-cudnn-cu13")
     assert said[at + 2:at + 4] == [
-        f"preflight:     {env.python} -m pip uninstall -y nvidia-cudnn-cu13",
-        f"preflight:     {env.python} -m pip install --force-reinstall --no-deps nvidia-cudnn-cu12==9.1.0.70"]
+        f"preflight:     {env.python} -m pip install --force-reinstall --no-deps nvidia-cudnn-cu12==9.1.0.70",
+        f"preflight:     rm -r -- {env.site}/nvidia_cudnn_cu13-9.13.0.50.dist-info"]
     assert len(store.env_snapshots("box")) == 1  # a dry run records nothing
 
 

@@ -20,14 +20,19 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+from packaging.utils import canonicalize_name
+
 from dflashctl import envaudit as ea
 from dflashctl.config import load_inventory
+from dflashctl.errors import TransportError
 from dflashctl.signatures import classify
 
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -179,14 +184,34 @@ class Venv:
                               cwd=self.root)
 
 
+# What the trainer needs besides torch: transformers (with the Qwen3 classes), safetensors
+# and, torch being a CUDA build, Triton. (name, version, files, requires)
+TRAINER_STACK = (
+    ("transformers", "4.56.2", {"transformers/__init__.py": "__version__ = '4.56.2'\nimport safetensors\n",
+                                "transformers/models/__init__.py": "",
+                                "transformers/models/qwen3/__init__.py": ""}, ["safetensors>=0.4.3"]),
+    ("safetensors", "0.5.3", {"safetensors/__init__.py": ""}, []),
+    ("triton", "3.3.1", {"triton/__init__.py": ""}, []),
+)
+
+
+def trainer_stack_wheels(directory: Path) -> None:
+    """Wheels of the trainer's other needs (TRAINER_STACK), for a real pip to install."""
+    for name, version, files, requires in TRAINER_STACK:
+        write_wheel(directory, name, version, files, requires)
+
+
 def healthy(root: Path, **kwargs) -> Venv:
-    """torch (CUDA 12.6) with the cuDNN wheel it pins and the sympy it requires, and a
-    pip (a stand-in: fixes name it, these tests never run it)."""
+    """torch (CUDA 12.6) with the cuDNN wheel it pins and the sympy it requires, what
+    else the trainer needs (TRAINER_STACK), and a pip (a stand-in: fixes name it,
+    these tests never run it)."""
     env = Venv(root, **kwargs)
     write_dist(env.site, "pip", "24.0", {"pip/__init__.py": "", "pip/__main__.py": ""})
     write_dist(env.site, "torch", TORCH_VERSION, torch_files(), TORCH_REQUIRES)
     write_dist(env.site, *CUDNN12, cudnn_files("cudnn-cu12"))
     write_dist(env.site, "sympy", "1.14.0", {"sympy/__init__.py": "__version__ = '1.14.0'\n"})
+    for name, version, files, requires in TRAINER_STACK:
+        write_dist(env.site, name, version, files, requires)
     return env
 
 
@@ -241,7 +266,7 @@ def test_a_healthy_environment_is_clean(tmp_path):
 def test_two_cuda_builds_of_cudnn_owning_the_same_files(tmp_path):
     """The incident's environment: SGLang's CUDA 13 cuDNN installed over torch's CUDA 12 one."""
     env = healthy(tmp_path / "venv")
-    write_dist(env.site, *CUDNN13, cudnn_files("cudnn-cu13"))
+    stray = write_dist(env.site, *CUDNN13, cudnn_files("cudnn-cu13"))
     write_dist(env.site, "sglang", "0.5.3", {"sglang/__init__.py": ""}, ["torch==2.8.0", f"{CUDNN13[0]}>=9.10"])
     assert "cuDNN version incompatibility" in env.imports().stderr
     report = env.audit(tmp_path)
@@ -254,18 +279,19 @@ def test_two_cuda_builds_of_cudnn_owning_the_same_files(tmp_path):
     assert shared.packages == [CUDNN12[0], CUDNN13[0]]
     assert "nvidia/cudnn/lib/libcudnn.so.9" in shared.message and "uninstalling one deletes them" in shared.message
 
-    # The stray's removal is simulated: uninstall, then put torch's cuDNN back, in that order.
+    # The stray's removal is simulated: `pip uninstall` would delete torch's cuDNN files, so torch's
+    # cuDNN is put back first and the stray detached (its dist-info removed: no file deleted).
     (conflict,) = found["cuda-major"]
     assert conflict.severity == "error" and conflict.remove == [CUDNN13[0]]
-    assert conflict.argv == [[python, "-m", "pip", "uninstall", "-y", CUDNN13[0]], reinstall]
-    assert conflict.commands == [f"{python} -m pip uninstall -y {CUDNN13[0]}", " ".join(reinstall)]
-    assert f"deletes 3 file(s) that {CUDNN12[0]} {CUDNN12[1]} also lists" in conflict.fix
-    assert "nvidia/cudnn/lib/libcudnn.so.9" in conflict.fix and "reinstalled right after" in conflict.fix
+    assert conflict.argv == [reinstall, ["rm", "-r", "--", str(stray)]]
+    assert conflict.commands == [" ".join(reinstall), f"rm -r -- {stray}"]
+    assert f"{CUDNN13[0]} is detached, not uninstalled: its RECORD lists files that {CUDNN12[0]} {CUDNN12[1]} " \
+        "also lists, which are put back first" in conflict.fix
 
     # torch's cuDNN was overwritten: its RECORD says so, and what that does to `import torch`.
     (damaged,) = found["missing-files"]
     assert damaged.severity == "error" and damaged.argv == [reinstall]
-    assert "1 file(s) its RECORD lists have another size than recorded (nvidia/cudnn/lib/libcudnn.so.9)" in damaged.message
+    assert "1 file(s) its RECORD lists have another size or sha256 than recorded (nvidia/cudnn/lib/libcudnn.so.9)" in damaged.message
     assert "torch loads a libcudnn.so.9 that is not the one this wheel installed" in damaged.message
     assert f"{CUDNN13[0]} {CUDNN13[1]} also lists them" in damaged.message
 
@@ -278,7 +304,7 @@ def test_two_cuda_builds_of_cudnn_owning_the_same_files(tmp_path):
 
     assert found["stray-stack"][0].argv == [[python, "-m", "pip", "uninstall", "-y", "sglang"]]
     assert report.exit_code == 2
-    assert assert_removals_are_safe(report) >= 3
+    assert assert_removals_are_safe(report) >= 2  # the stray cuDNN is detached: no uninstall of it
 
 
 def test_a_wheel_torch_needs_removed_says_import_torch_fails(tmp_path):
@@ -477,7 +503,8 @@ def test_fixes_install_pip_first_where_it_is_missing(tmp_path):
     write_dist(env.site, *CUDNN13, cudnn_files("cudnn-cu13"))
     report = env.audit(tmp_path)
     (conflict,) = by_code(report)["cuda-major"]
-    assert conflict.argv[0] == [env.python, "-m", "ensurepip"] and conflict.argv[1][-1] == CUDNN13[0]
+    assert conflict.argv[0] == [env.python, "-m", "ensurepip"] and conflict.argv[-1][-1].startswith(
+        str(env.site / CUDNN13[0].replace("-", "_")))
     steps = [argv for argv, _ in report.plan()]
     assert steps[0] == [env.python, "-m", "ensurepip"] and steps.count(steps[0]) == 1
 
@@ -496,3 +523,180 @@ def test_a_protected_wheel_missing_only_its_script_or_a_data_file_still_imports(
     (env.site / "sympy" / "__init__.py").unlink()  # now a file it imports is gone
     (damaged,) = by_code(env.audit(tmp_path))["missing-files"]
     assert damaged.severity == "error"
+
+
+def test_a_pth_that_prints_to_stdout_at_start_and_at_exit(tmp_path):
+    """Code in a .pth runs in every python, the collector's too: what it prints
+    around the answer is not the answer."""
+    env = healthy(tmp_path / "venv")
+    (env.site / "noisy.pth").write_text(
+        "import sys, atexit; print('hello from a .pth', end=''); atexit.register(lambda: print('bye {\\\"v\\\": 2}'))\n")
+    assert "bye" in env.imports("sympy").stdout
+    report = env.audit(tmp_path, deep=True)
+    assert report.torch.source == "import torch (--deep)" and report.exit_code == 0, report.findings
+
+
+# --------------------------------------------------------------------------- the trainer's own needs
+
+
+def _pyenv(version: str) -> str | None:
+    found = sorted(Path(os.path.expanduser("~/.pyenv/versions")).glob(f"{version}.*/bin/python{version}"))
+    return str(found[0]) if found else None
+
+
+def test_the_trainers_own_requirements(tmp_path):
+    env = healthy(tmp_path / "venv")
+    for name in ("transformers", "safetensors", "triton"):
+        version = next(v for n, v, _, _ in TRAINER_STACK if n == name)
+        info = env.site / dist_info_name(name, version)
+        for file in info.iterdir():
+            file.unlink()
+        info.rmdir()
+    found = {f.packages[0]: f for f in by_code(env.audit(tmp_path))["trainer-requirement"]}
+    assert set(found) == {"transformers", "safetensors", "triton"}
+    assert all(f.severity == "error" for f in found.values())
+    assert found["transformers"].argv == [[env.python, "-m", "pip", "install", "transformers>=4.51"]]
+    assert found["safetensors"].argv == [[env.python, "-m", "pip", "install", "safetensors"]]
+    assert "torch 2.7.0+cu126 (CUDA 12.6) is a CUDA build but no Triton is installed" in found["triton"].message
+    assert found["triton"].argv == [[env.python, "-m", "pip", "install", "triton==3.3.1"]]
+
+    # Too old, and new enough but without the Qwen3 classes the drafter is built from.
+    write_dist(env.site, "safetensors", "0.5.3", {"safetensors/__init__.py": ""})
+    write_dist(env.site, "triton", "3.3.1", {"triton/__init__.py": ""})
+    write_dist(env.site, "transformers", "4.46.3", {"transformers/__init__.py": "",
+                                                    "transformers/models/qwen3/__init__.py": ""})
+    (old,) = by_code(env.audit(tmp_path))["trainer-requirement"]
+    assert old.message == "transformers 4.46.3 is older than the transformers 4.51 the trainer needs: the trainer " \
+                          "cannot start"
+    shutil.rmtree(env.site / dist_info_name("transformers", "4.46.3"))
+    shutil.rmtree(env.site / "transformers")
+    write_dist(env.site, "transformers", "4.52.0", {"transformers/__init__.py": "",
+                                                    "transformers/models/llama/__init__.py": ""})
+    (classes,) = by_code(env.audit(tmp_path))["trainer-requirement"]
+    assert "transformers 4.52.0 has no qwen3 model classes (transformers/models/qwen3/)" in classes.message
+    assert classes.argv == [[env.python, "-m", "pip", "install", "transformers>=4.51"]]
+
+    # torch too old for the trainer.
+    write_dist(env.site, "torch", "2.5.1+cu124", torch_files("2.5.1+cu124", "12.4"), TORCH_REQUIRES)
+    found = [f for f in by_code(env.audit(tmp_path))["trainer-requirement"] if f.packages == ["torch"]]
+    assert found and "older than the torch 2.6 the trainer needs" in found[0].message
+    assert found[0].argv[-1][-2:] == ["https://download.pytorch.org/whl/cu124", "torch>=2.6"]
+
+
+@pytest.mark.skipif(_pyenv("3.8") is None, reason="no Python 3.8 here")
+def test_a_python_older_than_the_trainer_needs(tmp_path):
+    root = tmp_path / "venv38"
+    subprocess.run([_pyenv("3.8"), "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    env = Venv.existing(root)
+    env.site = root / "lib" / "python3.8" / "site-packages"
+    for name, version, files, requires in TRAINER_STACK:
+        write_dist(env.site, name, version, files, requires)
+    write_dist(env.site, "torch", TORCH_VERSION, torch_files(), ["sympy"])
+    write_dist(env.site, "sympy", "1.13.3", {"sympy/__init__.py": ""})
+    found = [f for f in env.audit(tmp_path).findings if f.code == "trainer-requirement"]
+    assert [f.message for f in found] == [f"{env.python} is Python 3.8.18: the trainer needs Python 3.10 or newer"]
+    assert found[0].severity == "error" and found[0].argv == []
+
+
+@pytest.mark.skipif(_pyenv("3.7") is None, reason="no Python 3.7 here")
+def test_a_python_too_old_to_be_audited_is_exit_3_with_the_reason(tmp_path):
+    root = tmp_path / "venv37"
+    subprocess.run([_pyenv("3.7"), "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    inventory = Venv.existing(root).inventory(tmp_path)
+    with pytest.raises(TransportError, match=r"is Python 3\.7\.\d+: too old to be audited"):
+        ea.audit_host("box", inventory)
+    done = subprocess.run([sys.executable, "-m", "dflashctl", "--inventory", inventory.source, "env-audit", "box",
+                           "--json"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DFLASHCTL_STORE": str(tmp_path / "runs.db")})
+    assert done.returncode == 3 and "too old to be audited" in json.loads(done.stdout)["error"]
+
+
+def test_a_system_site_packages_venv_never_gets_a_command_for_the_base(tmp_path):
+    """The base interpreter's packages (and those of a directory a .pth adds) are
+    not this environment's pip's to change: what is wrong with them is
+    information, with no command (an uninstall of a base package is a no-op that
+    comes back every audit; a reinstall would install another copy into the venv)."""
+    env = healthy(tmp_path / "venv", system_site=True)
+    extra = tmp_path / "extra"
+    write_dist(extra, "vllm", "0.11.0", {"vllm/__init__.py": ""}, ["torch==2.8.0"])
+    write_dist(extra, "demo-lib", "1.0", {"demo_lib/__init__.py": "", "demo_lib/gone.py": ""})
+    (extra / "demo_lib" / "gone.py").unlink()
+    (env.site / "extra.pth").write_text(f"{extra}\n")
+    report = env.audit(tmp_path)
+    s = report.snapshot
+    outside = {d.key for d in s.dists if d.key and not d.location.startswith(str(env.root) + "/")}
+    inside = {d.key for d in s.dists if d.key and d.location.startswith(str(env.root) + "/")}
+    only_outside = outside - inside
+    assert {"vllm", "demo-lib"} <= only_outside
+    for f in report.findings:
+        if {canonicalize_name(p) for p in f.packages} <= only_outside and f.packages:
+            assert f.severity == "info" and f.argv == [], f
+    (stray,) = by_code(report)["stray-stack"]
+    assert "no command is given: vllm 0.11.0 lies outside the environment" in stray.fix
+    (damaged,) = [f for f in by_code(report)["missing-files"] if f.packages == ["demo-lib"]]
+    assert "this environment's pip does not change it" in damaged.fix
+    assert not [line for _, line in report.plan() if "vllm" in line or "demo-lib" in line]
+    assert report.exit_code < 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None or not os.path.exists("/usr/bin/python3.11"),
+                    reason="needs root, setpriv and /usr/bin/python3.11 (to audit as an unprivileged user)")
+def test_permission_denied_is_named_as_such(tmp_path):
+    """Files and metadata the trainer's user may not read: said as permission
+    denied, never as 'missing', 'not installed' or 'no name'. The audit runs as
+    nobody (root reads everything), through the inventory's python: line."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="envaudit-perm-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        root = base / "venv"
+        subprocess.run(["/usr/bin/python3.11", "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+        env = Venv.existing(root)
+        env.site = root / "lib" / "python3.11" / "site-packages"
+        write_dist(env.site, "torch", TORCH_VERSION, torch_files(), TORCH_REQUIRES)
+        write_dist(env.site, *CUDNN12, cudnn_files("cudnn-cu12"))
+        write_dist(env.site, "sympy", "1.14.0", {"sympy/__init__.py": ""})
+        for name, version, files, requires in TRAINER_STACK:
+            write_dist(env.site, name, version, files, requires)
+        locked = write_dist(env.site, "locked-tool", "1.0", {"locked_tool.py": ""})
+        (locked / "METADATA").chmod(0)
+        (env.site / "sympy" / "__init__.py").chmod(0)
+        (env.site / "nvidia" / "cudnn" / "lib").chmod(0)
+        env.python = f"setpriv --reuid=65534 --regid=65534 --clear-groups {root}/bin/python"
+        report = env.audit(tmp_path)
+        found = by_code(report)
+        (sympy,) = [f for f in found["missing-files"] if f.packages == ["sympy"]]
+        assert sympy.severity == "error" and "permission denied: 1 file(s) its RECORD lists cannot be read " \
+            "by this user (sympy/__init__.py)" in sympy.message and sympy.argv == []
+        (cudnn,) = [f for f in found["missing-files"] if f.packages == [CUDNN12[0]]]
+        assert "permission denied" in cudnn.message and "nvidia/cudnn/lib/libcudnn.so.9" in cudnn.message
+        assert "are missing" not in cudnn.message and cudnn.argv == []
+        (meta,) = found["broken-metadata"]
+        assert meta.message.startswith(f"{locked}: permission denied reading its METADATA") and meta.argv == []
+        assert "no name" not in meta.message
+    finally:
+        for path in (base / "venv" / "lib" / "python3.11" / "site-packages" / "nvidia" / "cudnn" / "lib",):
+            if path.exists():
+                path.chmod(0o755)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_shared_file_of_the_same_size_is_told_apart_by_its_sha256(tmp_path):
+    """Two builds of one library with the same size: the size says nothing, the
+    RECORDs' sha256 say whose bytes are on disk."""
+    env = healthy(tmp_path / "venv")
+    same_size = {rel: (data.replace(b"cudnn-cu12", b"cudnn-cu13") if isinstance(data, bytes) else data)
+                 for rel, data in cudnn_files("cudnn-cu12").items()}
+    stray = write_dist(env.site, *CUDNN13, same_size)
+    assert "cuDNN version incompatibility" in env.imports().stderr
+    report = env.audit(tmp_path)
+    s = report.snapshot
+    (group,) = [g for g in s.shared if any(p.endswith("libcudnn.so.9") for p in g.paths)]
+    assert s.dist(group.holder).name == CUDNN13[0]  # whose bytes the file holds, by hash
+    (damaged,) = by_code(report)["missing-files"]
+    assert damaged.packages == [CUDNN12[0]] and damaged.severity == "error"
+    assert "have another size or sha256 than recorded (nvidia/cudnn/lib/libcudnn.so.9)" in damaged.message
+    (conflict,) = by_code(report)["cuda-major"]
+    assert conflict.argv[-1] == ["rm", "-r", "--", str(stray)]
+    assert "--force-reinstall" in conflict.argv[0] and conflict.argv[0][-1] == f"{CUDNN12[0]}=={CUDNN12[1]}"

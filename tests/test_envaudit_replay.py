@@ -22,7 +22,7 @@ import pytest
 from dflashctl import envaudit as ea
 from dflashctl.transport import connect
 from tests.test_envaudit_envs import (
-    CUDNN12, CUDNN13, TORCH_VERSION, Venv, cudnn_files, torch_files, write_wheel,
+    CUDNN12, CUDNN13, TORCH_VERSION, Venv, cudnn_files, torch_files, trainer_stack_wheels, write_wheel,
 )
 
 # pip reads its options from the environment too: local wheels only, no network at all.
@@ -45,10 +45,11 @@ def polluted(tmp_path, fresh_venv):
     write_wheel(wheels, *CUDNN12, cudnn_files("cudnn-cu12"))
     write_wheel(wheels, *CUDNN13, cudnn_files("cudnn-cu13"))
     write_wheel(wheels, "sglang", "0.5.3", {"sglang/__init__.py": ""}, ["torch==2.8.0", f"{CUDNN13[0]}>=9.10"])
+    trainer_stack_wheels(wheels)
     shutil.copytree(fresh_venv, tmp_path / "venv", symlinks=True)
     env = Venv.existing(tmp_path / "venv")
     offline = {**OFFLINE, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(wheels)}
-    pip(env, offline, "install", "torch")
+    pip(env, offline, "install", "torch", "transformers", "triton")
     assert env.imports().returncode == 0
     # The inference stack, as `pip install --no-deps` (or uv) leaves it: its cuDNN over torch's.
     pip(env, offline, "install", "--no-deps", "sglang", CUDNN13[0])
@@ -84,9 +85,12 @@ def test_the_incident_replayed_with_real_pip(polluted, tmp_path):
     codes = {f.code for f in report.findings}
     assert {"cuda-major", "missing-files", "shared-files", "stray-stack", "unmet-requirement"} <= codes
     ran = apply(report, inventory, offline)
-    uninstall = f"{env.python} -m pip uninstall -y {CUDNN13[0]}"
+    # The stray is detached, not uninstalled (`pip uninstall` would delete torch's cuDNN files):
+    # torch's cuDNN put back first, then only the stray's dist-info removed.
+    detach = f"rm -r -- {env.site}/{CUDNN13[0].replace('-', '_')}-{CUDNN13[1]}.dist-info"
     reinstall = f"{env.python} -m pip install --force-reinstall --no-deps {CUDNN12[0]}=={CUDNN12[1]}"
-    assert uninstall in ran and ran.index(reinstall, ran.index(uninstall)) > ran.index(uninstall)
+    assert ran.index(reinstall) < ran.index(detach)
+    assert not [line for line in ran if f"uninstall -y {CUDNN13[0]}" in line]
 
     assert env.imports().returncode == 0, env.imports().stderr
     after = ea.audit_host("box", inventory)
@@ -114,9 +118,10 @@ def test_the_plan_applies_every_fix_once_in_a_safe_order(polluted, tmp_path):
     steps = report.plan()
     lines = [line for _, line in steps]
     assert len(lines) == len(set(lines))
-    stages = ["uninstall" if "uninstall" in argv else "reinstall" if "--force-reinstall" in argv else "install"
-              for argv, _ in steps]
-    assert stages == sorted(stages, key=["uninstall", "install", "reinstall"].index)
+    stages = ["fetch" if "download" in argv else "uninstall" if "uninstall" in argv else "detach" if argv[0] == "rm"
+              else "reinstall" if "--force-reinstall" in argv else "install" for argv, _ in steps]
+    assert stages == sorted(stages, key=["fetch", "uninstall", "install", "reinstall", "detach"].index)
+    assert stages[0] == "fetch" and all("--no-index" in argv for argv, _ in steps if "install" in argv)
     transport = connect("box", inventory)
     for argv, line in steps:
         assert transport.run(argv, env=offline, check=False, timeout=120).exit_code == 0, line

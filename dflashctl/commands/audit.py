@@ -28,6 +28,9 @@ def env_audit_command(
     timeout: str = typer.Option("60s", "--timeout", help="How long the audit may take on the host (60, 60s, 2m)."),
     deep: bool = typer.Option(False, "--deep", help="Also `import torch` on the host, in a subprocess with a "
                                                     "timeout: its real version, CUDA and the libraries it maps."),
+    apply: bool = typer.Option(False, "--apply", help="Run the plan on the host, one step at a time, auditing "
+                                                      "again after each: a step that fails or leaves more errors "
+                                                      "is undone and nothing after it runs."),
 ) -> None:
     """Find what in a host's trainer environment would break a run, and how to fix it.
 
@@ -43,6 +46,8 @@ def env_audit_command(
     from dflashctl.config import load_inventory
     from dflashctl.envaudit import EXIT_NOT_RUN, audit_target, failed_document
 
+    if apply:
+        _apply(target, parse_duration_option(timeout, "--timeout"), as_json)
     store = _store()
     try:
         report = audit_target(target, load_inventory(G.inventory), G.playbooks, timeout=parse_duration_option(timeout, "--timeout"), deep=deep,
@@ -60,6 +65,32 @@ def env_audit_command(
     else:
         _print(report)
     raise typer.Exit(report.exit_code)
+
+
+def _apply(target: str, timeout: float, as_json: bool) -> None:
+    """--apply: run the plan, say each step, exit with the last audit's code (3 when it stopped)."""
+    from dflashctl.config import load_inventory
+    from dflashctl.envaudit import EXIT_NOT_RUN
+    from dflashctl.envaudit.apply import apply_plan
+
+    marks = {"step": "[bold]run[/]   ", "ok": "[green]ok[/]    ", "failed": "[bold red]failed[/]",
+             "restored": "[yellow]undone[/]"}
+    say = (lambda kind, text: None) if as_json else \
+        (lambda kind, text: out.print(f"{marks[kind]} {escape(text)}", highlight=False, soft_wrap=True))
+    try:
+        done = apply_plan(target, load_inventory(G.inventory), G.playbooks, timeout=timeout, progress=say)
+    except DflashError as e:
+        fail(e)
+        raise typer.Exit(EXIT_NOT_RUN) from None
+    if as_json:
+        print(json.dumps({"applied": done.ran, "stopped": done.stopped, "why": done.why, "restored": done.restored,
+                          "after": done.after.to_dict()}, indent=2))
+    elif done.ok:
+        _print(done.after)
+    else:
+        out.print(f"[bold red]stopped[/] at {escape(done.stopped or '')}: {escape(done.why or '')}; nothing after "
+                  "it ran", highlight=False, soft_wrap=True)
+    raise typer.Exit(done.after.exit_code if done.ok else EXIT_NOT_RUN)
 
 
 def _store():
@@ -106,7 +137,9 @@ def _print(report) -> None:
         out.print(f"[yellow]DRIFT[/]    {escape(report.drift.message)}", highlight=False, soft_wrap=True)
     steps = report.plan()
     if len(steps) > 1:
-        out.print(f"[bold]to apply every fix, in this order[/] (on {escape(report.host)}):", highlight=False)
+        out.print(f"[bold]to apply every fix, in this order[/] (on {escape(report.host)}; stop at the first command "
+                  "that fails: the wheels are fetched first, so nothing has changed when one cannot be fetched):",
+                  highlight=False, soft_wrap=True)
         for _, line in steps:
             out.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
     counts = report.counts()

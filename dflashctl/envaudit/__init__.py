@@ -10,7 +10,12 @@ snapshot, and everything after that is pure. The rooms:
                the requirement tree, every distribution's unmet requirements
     fixes      exact commands for the host's python, uninstalls simulated first
     rules      ``audit(snapshot) -> [Finding]``, ``Policy`` (env_audit: of a host and a playbook)
+    program    the plan as a program over a model of the environment: ``prove`` keeps a
+               finding's commands only where the whole plan stays safe, ``plan`` renders
+               it (wheels fetched first, installed with --no-index)
     report     ``AuditReport``: one host's result, its exit code, plan and JSON form
+    apply      ``env-audit --apply``: the plan run step by step, audited after each, a
+               failed step undone (dflashctl/remote/envsave.py saves what it removes)
     drift      the package set against the playbook's last good run (the store)
     host       the round trip and the entry points: ``audit_target`` (the CLI),
                ``preflight`` (the launcher), ``record_snapshot`` (drift checks)

@@ -64,6 +64,14 @@ class Removal:
     reinstalled: list[Dist]  # protected wheels that lose files, reinstalled after the uninstall
     argv: list[list[str]] = field(default_factory=list)
     why: str = ""  # the files that make the reinstall necessary, in words; "" when none
+    detached: list[str] = field(default_factory=list)  # of ``names``: their dist-info removed, not uninstalled
+
+
+def only_inits(group) -> bool:
+    """A group of shared files that are all package ``__init__.py`` files (what every
+    wheel of a namespace like ``nvidia`` lists): deleting them changes no import,
+    so sharing them is no reason to detach instead of uninstalling."""
+    return group.count == len(group.paths) and all(p.endswith("/__init__.py") for p in group.paths)
 
 
 class Fixer:
@@ -121,11 +129,16 @@ class Fixer:
         return copies[0] if copies else None
 
     def removal(self, names: Iterable[str]) -> Removal:
-        """Uninstall ``names``, simulated: protected names are kept; protected wheels
-        that share files with a removed one are reinstalled after it."""
+        """Uninstall ``names``, simulated: protected names are kept; a name whose
+        RECORD shares files with a protected wheel is detached instead (its
+        dist-info removed, which deletes no file), after the protected wheel is
+        reinstalled where the shared files hold the stray's bytes; protected wheels
+        that lose files to an uninstall are reinstalled after it."""
         names = list(dict.fromkeys(names))
         ok = [n for n in names if canonicalize_name(n) not in self.protected]
         kept = [n for n in names if canonicalize_name(n) in self.protected]
+        detached = [n for n in ok if (d := self.target(n)) is not None and d.metadata and self._sharers(d)]
+        ok = [n for n in ok if n not in detached]
         blocked: list[str] = []
         while True:
             losses, unrepairable = self._losses(ok)
@@ -133,12 +146,40 @@ class Fixer:
                 break
             blocked += unrepairable
             ok = [n for n in ok if n not in unrepairable]
-        argv = ([self.uninstall(ok)] if ok else []) + [self.reinstall(d) for d, _, _, _ in losses]
+        repaired = [d for d, _, _, _ in losses]
+        for n in detached:
+            repaired += [p for p in self._sharers(self.target(n), overwritten=True)
+                         if p.name and p.version and p not in repaired]
+        argv = ([self.uninstall(ok)] if ok else []) + [self.reinstall(d) for d in repaired] + \
+            [["rm", "-r", "--", self.target(n).metadata] for n in detached]
         why = "; ".join(
             f"uninstalling {listing(sorted(by), 3)} deletes {count} file(s) that {d.label()} also lists "
             f"({listing([short_path(p, d) for p in paths], 3)}): {d.name} is reinstalled right after"
             for d, count, paths, by in losses)
-        return Removal(ok, kept, blocked, [d for d, _, _, _ in losses], argv, why)
+        for n in detached:
+            d = self.target(n)
+            sharers = self._sharers(d)
+            why += ("; " if why else "") + (
+                f"{n} is detached, not uninstalled: its RECORD lists files that {listing([s.label() for s in sharers], 2)} "
+                f"also lists{', which are put back first' if self._sharers(d, overwritten=True) else ''}, and "
+                f"`pip uninstall {n}` would delete them; only its dist-info ({d.metadata}) is removed, its other "
+                "files stay on disk, listed by no distribution")
+        return Removal(ok + detached, kept, blocked, repaired, argv, why, detached)
+
+    def _sharers(self, d: Dist, overwritten: bool = False) -> list[Dist]:
+        """Protected distributions that list files ``d`` lists (``overwritten``: only
+        those whose shared files do not hold their own bytes)."""
+        found: list[Dist] = []
+        for group in self.s.shared:
+            if d.index not in group.owners or only_inits(group):
+                continue
+            for i in group.owners:
+                p = self.s.dist(i)
+                if p is None or i == d.index or not self._is_protected(p) or p in found:
+                    continue
+                if not overwritten or group.holder != i:
+                    found.append(p)
+        return found
 
     def _losses(self, names: list[str]) -> tuple[list[tuple[Dist, int, list[str], set[str]]], list[str]]:
         """Protected distributions losing files when ``names`` are uninstalled, in

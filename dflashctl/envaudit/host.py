@@ -71,8 +71,24 @@ def collect(transport: "Transport", env: dict[str, str] | None = None, timeout: 
             exit_code=result.exit_code, stderr_tail=result.stderr[-2000:],
             hint=f"check that {transport.host.python} runs on {transport.host.name}",
         ) from None
+    if _release(snapshot.python_version) < AUDITED_PYTHON:
+        raise TransportError(
+            transport.host.name, f"{argv[0]} -c <env-audit script>",
+            f"{snapshot.python or transport.host.python} is Python {snapshot.python_version}: too old to be audited "
+            f"(the audit needs Python {'.'.join(map(str, AUDITED_PYTHON))} for importlib.metadata; the trainer "
+            "needs 3.10)", hint="point the inventory's python: at the Python 3.10+ environment the trainer runs in")
     snapshot.wrapper = list(transport.host.wrapper or [])
     return snapshot
+
+
+AUDITED_PYTHON = (3, 8)  # the oldest Python whose packages the collector can list (importlib.metadata)
+
+
+def _release(version: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in (version or "").split(".")[:2])
+    except ValueError:
+        return AUDITED_PYTHON  # a version that is not numbers: not judged here
 
 
 def policy_for(host: "Host", inventory: "Inventory", playbook: "Playbook | None") -> Policy:

@@ -11,28 +11,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dflashctl.envaudit import program
 from dflashctl.envaudit.rules import EXIT_NOT_RUN, Finding, exit_code
 from dflashctl.envaudit.snapshot import Snapshot
-from dflashctl.envaudit.stack import TorchBuild
+from dflashctl.envaudit.stack import TorchBuild, protected
 
 SCHEMA = 2  # the "schema" of the JSON document
 
 
-def plan(findings: list[Finding]) -> list[tuple[list[str], str]]:
-    """Every finding's commands as one list, each once, in a safe order: pip itself
-    where it is missing, the uninstalls, then the installs, then the force-reinstalls
-    (which put back any file an uninstall or an install took from a protected
-    wheel). (argv, shell line)."""
-    buckets: dict[int, dict[str, tuple[list[str], str]]] = {-1: {}, 0: {}, 1: {}, 2: {}}
-    for f in findings:
-        for argv, line in zip(f.argv, f.commands):
-            stage = 0 if "uninstall" in argv else 2 if "--force-reinstall" in argv else 1
-            if argv[:1] == ["rm"]:
-                stage = 0
-            if "ensurepip" in argv:
-                stage = -1
-            buckets[stage].setdefault(line, (argv, line))
-    return [entry for stage in (-1, 0, 1, 2) for entry in buckets[stage].values()]
+def plan(findings: list[Finding], snapshot: Snapshot) -> list[tuple[list[str], str]]:
+    """Every command of the findings that are not information, each once, in the
+    order they must run, the wheels they install fetched first (``program.plan``:
+    the findings' commands were proven safe together by ``audit``). (argv, shell line)."""
+    return program.plan(findings, snapshot, protected(snapshot))
 
 
 @dataclass
@@ -54,7 +45,7 @@ class AuditReport:
         return {s: sum(f.severity == s for f in self.findings) for s in ("error", "warning", "info")}
 
     def plan(self) -> list[tuple[list[str], str]]:
-        return plan(self.findings)
+        return plan(self.findings, self.snapshot)
 
     def to_dict(self) -> dict[str, Any]:
         s = self.snapshot

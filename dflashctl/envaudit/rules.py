@@ -36,7 +36,8 @@ from typing import Any, Iterable
 from packaging.utils import canonicalize_name
 
 from dflashctl.contract import did_you_mean
-from dflashctl.envaudit.fixes import Fixer, Removal, listing, short_path
+from dflashctl.envaudit.fixes import Fixer, Removal, index_args, listing, only_inits, short_path
+from dflashctl.envaudit.program import prove
 from dflashctl.envaudit.snapshot import LIB_PREFIXES, TRAINER_MODULES, Dist, LibEntry, ModuleSpec, Snapshot
 from dflashctl.envaudit.stack import (
     WHEEL_SONAMES,
@@ -60,7 +61,8 @@ CODES = (
     "torch-missing", "torch-import", "torch-cpu-build", "broken-metadata", "shadowed", "duplicate-package",
     "missing-requirement", "requirement-version", "triton-version", "unmet-requirement", "missing-files",
     "shared-files", "cuda-major", "duplicate-library", "ld-preload", "user-site", "pythonpath", "stray-stack",
-    "other-framework", "no-venv", "audit-incomplete", "audit-failed", "drift",
+    "other-framework", "no-venv", "audit-incomplete", "audit-failed", "drift", "stale-dist-info",
+    "trainer-requirement",
 )
 # What an ignore rule may match besides the code: a glob over the finding's packages,
 # libraries (sonames) or paths; every one of the finding's values must match.
@@ -249,13 +251,34 @@ class _Context:
         """The trainer imports it: torch, triton, transformers, or a module of what they require."""
         return module in TRAINER_MODULES or self.is_protected(self.declared.get(module))
 
+    def inside(self, d: Dist) -> bool:
+        """``d`` lies in the environment itself (under its prefix), not in a directory
+        PYTHONPATH, the user site or a .pth adds."""
+        prefix = (self.s.prefix or "").rstrip("/")
+        return not prefix or not d.location or d.location == prefix or d.location.startswith(prefix + "/")
+
+    def shadows(self, d: Dist | None) -> bool:
+        """``d`` is imported from outside the environment ahead of a copy of its own inside it."""
+        return d is not None and not self.inside(d) and any(self.inside(o) for o in self.s.copies(d.name) if o is not d)
+
+    def only_outside(self, names: list[str]) -> bool:
+        """Every copy of every one of ``names`` lies outside the environment (in a
+        system-site-packages venv's base), and none is torch's or the trainer's."""
+        if not names or (self.s.prefix or "") == (self.s.base_prefix or ""):
+            return False
+        copies = [d for n in names for d in self.s.copies(n)]
+        return bool(copies) and all(not self.inside(d) and d.key not in self.protected for d in copies)
+
     def torch_requirement(self, name: str) -> ReqCheck | None:
         return next((c for c in self.checks if canonicalize_name(c.requirement.name) == canonicalize_name(name)), None)
 
     def removal_fix(self, removal: Removal, why_remove: str = "") -> str:
         parts = []
+        uninstalled = [n for n in removal.names if n not in removal.detached]
         if removal.names:
-            parts.append(f"uninstall {', '.join(removal.names)}" + (f" ({why_remove})" if why_remove else ""))
+            verbs = ([f"uninstall {', '.join(uninstalled)}"] if uninstalled else []) + \
+                ([f"detach {', '.join(removal.detached)}"] if removal.detached else [])
+            parts.append(" and ".join(verbs) + (f" ({why_remove})" if why_remove else ""))
         if removal.why:
             parts.append(removal.why)
         if removal.kept:
@@ -402,6 +425,24 @@ def _rule_broken_metadata(c: _Context) -> list[Finding]:
         imported = [m for m in d.modules if c.s.owner(m) is d]
         vital = [m for m in imported if c.module_is_vital(m)]
         argv, fix = [], f"remove {d.metadata} and reinstall the package it belonged to"
+        if d.unreadable and "PermissionError" in (d.error or ""):
+            findings.append(c.finding(
+                "error", "broken-metadata",
+                f"{d.metadata}: permission denied reading its METADATA ({d.error.removeprefix('metadata: ')}): "
+                "the user the trainer runs as cannot see this package, and pip fails on it",
+                fix=f"make {d.metadata} readable by that user (chmod -R a+rX), or audit as the user who installed it",
+                paths=[d.metadata or ""], detail={"metadata": d.metadata, "error": d.error}))
+            continue
+        if d.unreadable and d.metadata and "torch" not in vital:
+            findings.append(c.finding(
+                "error", "broken-metadata",
+                f"{d.metadata}: METADATA cannot be read ({d.error.removeprefix('metadata: ')}): pip reads every "
+                "installed METADATA and fails on this one, so every pip command (any fix) fails while it is there",
+                fix="remove that dist-info directory first (its files stay where they are); reinstall the package it "
+                "belonged to afterwards if you use it",
+                argv=[["rm", "-r", "--", d.metadata]], paths=[d.metadata],
+                detail={"metadata": d.metadata, "modules": d.modules, "error": d.error}))
+            continue
         if "torch" in vital and c.torch is not None and c.torch.version != "?":
             again = Dist("torch", c.torch.version)
             argv = [["rm", "-r", "--", d.metadata], c.fixer.reinstall(again)] if d.metadata else \
@@ -496,6 +537,20 @@ def _rule_duplicate_packages(c: _Context) -> list[Finding]:
         if len(dists) < 2:
             continue
         imported = c.installed.get(key)
+        stale = [d for d in dists if d is not imported and imported is not None and d.location == imported.location]
+        for d in stale:
+            findings.append(c.finding(
+                "warning", "stale-dist-info",
+                f"{d.metadata} is a second dist-info of {d.name} ({d.version}) beside the one of {imported.label()} "
+                f"that owns the files Python imports, in the same directory {d.location}: what a half-finished "
+                "upgrade leaves; pip acts on whichever it finds first",
+                fix=f"remove that one dist-info directory (not `pip uninstall`: it would delete {imported.name}'s "
+                    "files its RECORD lists too)",
+                argv=[["rm", "-r", "--", d.metadata]] if d.metadata else [], packages=[d.name],
+                paths=[d.metadata] if d.metadata else [], detail={"stale": d.version, "live": imported.version}))
+        dists = [d for d in dists if d not in stale]
+        if len(dists) < 2:
+            continue
         others = [d for d in dists if d is not imported]
         parts = [f"{d.label()} at {d.location}" + (" (imported)" if d is imported and c.s.asked else "")
                  + c.where_from(os.path.normpath(d.location or "")) for d in dists]
@@ -518,7 +573,10 @@ def _rule_duplicate_packages(c: _Context) -> list[Finding]:
             severity, "duplicate-package",
             f"{dists[0].name} is installed {len(dists)} times: {'; '.join(parts)}"
             + (": the copy imported depends on sys.path order, and pip acts on the first" if differ else ""),
-            fix=(f"remove the copy that is not imported ({listing([d.location or '?' for d in others], 3)}): "
+            fix=(f"take {imported.location} off the trainer's sys.path{c.where_from(imported.location)}: it shadows "
+                 f"the environment's own {', '.join(d.label() for d in others)}"
+                 if c.shadows(imported) else
+                 f"remove the copy that is not imported ({listing([d.location or '?' for d in others], 3)}): "
                  "delete its dist-info and the files its RECORD lists, or take its directory off sys.path")
             if severity == "warning" else None,
             packages=[dists[0].name], paths=[d.location for d in others if d.location], detail=detail))
@@ -566,6 +624,19 @@ def _rule_requirements(c: _Context) -> list[Finding]:
         check, name = group[0], group[0].requirement.name
         also = f" (also required by {', '.join(g.chain for g in group[1:])})" if group[1:] else ""
         detail = {"chains": [g.chain for g in group], "requirement": check.spec}
+        shadow = next((g.requirer for g in group if c.shadows(g.requirer)), None)
+        if shadow is not None:
+            own = [d.label() for d in c.s.copies(shadow.name) if c.inside(d)]
+            found = f"{check.installed.label()} is installed" if check.installed else "it is not installed"
+            findings.append(c.finding(
+                "warning", "requirement-version" if check.installed else "missing-requirement",
+                f"{check.chain} requires {check.spec}; {found}{also}: that is what {shadow.label()} at "
+                f"{shadow.location}{c.where_from(shadow.location)} asks for, a copy that shadows the environment's "
+                f"own {listing(own, 2)}",
+                fix=f"take {shadow.location} off the trainer's sys.path first (then audit again); installing what "
+                    "the shadowing copy asks for would change the environment for a copy it does not hold",
+                packages=[name], paths=[shadow.location or ""], detail={**detail, "shadow": shadow.label()}))
+            continue
         if check.installed is None:
             pinned = next((sp.version for sp in check.requirement.specifier if sp.operator == "=="), None)
             findings.append(c.finding(
@@ -647,6 +718,79 @@ def _rule_unmet(c: _Context) -> list[Finding]:
     return findings
 
 
+# --------------------------------------------------------------------------- the trainer's own needs
+
+TRAINER_PYTHON = (3, 10)
+TRAINER_NEEDS = {"torch": "2.6", "transformers": "4.51"}  # the oldest versions the trainer runs with
+# Model families the trainer builds with transformers: the drafter is Qwen3 layers, and so
+# is every built-in target preset (trainer/target.py).
+TRAINER_MODEL_FAMILIES = ("qwen3",)
+# The Triton each torch minor was released with (what its Linux wheels pin).
+TRITON_FOR_TORCH = {(2, 6): "3.2.0", (2, 7): "3.3.1", (2, 8): "3.4.0", (2, 9): "3.5.0", (2, 10): "3.6.0"}
+
+
+def _rule_trainer(c: _Context) -> list[Finding]:
+    """What the trainer itself needs: Python >= 3.10, torch >= 2.6, transformers >=
+    4.51 with the Qwen3 classes, safetensors, and Triton where torch is a CUDA build."""
+    s, findings = c.s, []
+    py = release_of(s.python_version or "")
+    if py and py[:2] < TRAINER_PYTHON:
+        findings.append(c.finding(
+            "error", "trainer-requirement",
+            f"{s.python} is Python {s.python_version}: the trainer needs Python "
+            f"{'.'.join(map(str, TRAINER_PYTHON))} or newer",
+            fix="point the inventory's python: at a Python 3.10+ environment (with torch and transformers)",
+            detail={"python": s.python_version}))
+    if c.torch is not None and c.torch.version != "?" and _older(c.torch.version, TRAINER_NEEDS["torch"]):
+        spec = f"torch>={TRAINER_NEEDS['torch']}"
+        findings.append(c.finding(
+            "error", "trainer-requirement", f"{c.torch.label} is older than the torch {TRAINER_NEEDS['torch']} "
+            "the trainer needs (torch.compile and FlexAttention as it uses them)",
+            fix=f"install {spec} built for the same CUDA",
+            argv=[c.fixer.pip("install", *index_args(c.torch.version), spec, names=["torch"])], packages=["torch"],
+            detail={"installed": c.torch.version, "requirement": spec}))
+    tr = c.installed.get("transformers")
+    spec = f"transformers>={TRAINER_NEEDS['transformers']}"
+    why, argv = None, [c.fixer.install([spec])]
+    if tr is None:
+        why = "transformers is not installed"
+    elif _older(tr.version, TRAINER_NEEDS["transformers"]):
+        why = f"{tr.label()} is older than the transformers {TRAINER_NEEDS['transformers']} the trainer needs"
+    elif s.transformers_models is not None and not set(TRAINER_MODEL_FAMILIES) <= set(s.transformers_models):
+        missing = sorted(set(TRAINER_MODEL_FAMILIES) - set(s.transformers_models))
+        why = f"{tr.label()} has no {', '.join(missing)} model classes (transformers/models/{missing[0]}/), " \
+              "which the drafter and the target presets are built from"
+    if why:
+        fix = f"install {spec}"
+        if tr is not None and c.shadows(tr):
+            fix, argv = (f"take {tr.location} off the trainer's sys.path{c.where_from(tr.location)}: that copy "
+                         "shadows the environment's own"), []
+        findings.append(c.finding("error", "trainer-requirement", f"{why}: the trainer cannot start", fix=fix,
+                                  argv=argv, packages=["transformers"], detail={"requirement": spec}))
+    if "safetensors" not in c.installed:
+        findings.append(c.finding(
+            "error", "trainer-requirement", "safetensors is not installed: the trainer reads and writes its "
+            "checkpoints and exports with it", fix="install safetensors",
+            argv=[c.fixer.install(["safetensors"])], packages=["safetensors"]))
+    triton_pinned = any(canonicalize_name(ch.requirement.name) in TRITON_NAMES for ch in c.checks
+                        if ch.chain == "torch")
+    if c.torch is not None and c.torch.cuda and not triton_pinned and not any(k in c.installed for k in TRITON_NAMES):
+        release = release_of(c.torch.version) or ()
+        version = TRITON_FOR_TORCH.get(tuple(release[:2]))
+        findings.append(c.finding(
+            "error", "trainer-requirement", f"{c.torch.label} is a CUDA build but no Triton is installed: "
+            "torch.compile cannot generate the trainer's GPU kernels",
+            fix=f"install triton=={version} (the Triton torch {'.'.join(map(str, release[:2]))} was released "
+                "with)" if version else "install the Triton this torch was released with",
+            argv=[c.fixer.install([f"triton=={version}"])] if version else [], packages=["triton"]))
+    return findings
+
+
+def _older(version: str, than: str) -> bool:
+    mine, theirs = release_of(version), release_of(than)
+    return bool(mine and theirs) and mine[:len(theirs)] < theirs
+
+
 # --------------------------------------------------------------------------- integrity
 
 
@@ -662,7 +806,8 @@ def _imported(rel: str) -> bool:
 
 
 def _rule_integrity(c: _Context) -> list[Finding]:
-    """RECORD files missing or of another size: an error for torch and what it
+    """RECORD files missing or of another size (or, for a file another RECORD lists
+    too, another sha256): an error for torch and what it
     requires when a file it imports or loads is affected (their code must all be
     there), a warning when only its scripts or data are, information for others."""
     owners_of: dict[str, list[int]] = {}
@@ -671,15 +816,27 @@ def _rule_integrity(c: _Context) -> list[Finding]:
             owners_of[path] = group.owners
     findings = []
     for d in c.s.dists:
+        if d.denied_count and d.name:
+            vital = c.is_protected(d) and c.installed.get(d.key) is d
+            findings.append(c.finding(
+                ("error" if any(_imported(r) for r in d.denied) else "warning") if vital else "info",
+                "missing-files", f"{d.label()}: permission denied: {d.denied_count} file(s) its RECORD lists cannot "
+                f"be read by this user ({listing(d.denied, 3)})",
+                fix="make them readable by the user the trainer runs as (chmod -R a+rX on the package's "
+                    "directories), not a reinstall", packages=[d.name],
+                detail={"denied": d.denied, "denied_count": d.denied_count}))
         if not (d.missing_count or d.changed_count) or not d.name:
             continue
+        live = c.installed.get(d.key)
+        if live is not None and live is not d and live.location == d.location:
+            continue  # a stale second dist-info: the stale-dist-info finding says it, and removes only that
         vital = c.is_protected(d) and c.installed.get(d.key) is d
         parts = []
         if d.missing_count:
             parts.append(f"{d.missing_count} file(s) its RECORD lists are missing ({listing(d.missing, 3)})")
         if d.changed_count:
             parts.append(f"{d.changed_count}{'' if parts else ' file(s) its RECORD lists'} have another size "
-                         f"than recorded ({listing(d.changed, 3)})")
+                         f"or sha256 than recorded ({listing(d.changed, 3)})")
         sharers = set()
         for rel in [*d.missing, *d.changed]:
             full = os.path.normpath(os.path.join(d.location or "", rel))
@@ -702,9 +859,17 @@ def _rule_integrity(c: _Context) -> list[Finding]:
         breaks_import = any(_imported(rel) for rel in [*d.missing, *d.changed])
         if vital and not breaks_import:
             message += ": it still imports (only its command-line scripts or data files differ)"
+        fix, argv = f"reinstall {d.spec()} over itself", [c.fixer.reinstall(d)]
+        if not c.inside(d):
+            fix, argv = (f"it lies outside this environment ({d.location}: the base interpreter's, or a directory "
+                         "added to sys.path): this environment's pip does not change it; repair it with the pip of "
+                         "the interpreter it belongs to, or leave it"), []
+        elif c.fixer.target(d.name) is not d:
+            fix, argv = (f"another copy of {d.name} comes first on sys.path, and pip acts on that one: "
+                         "see the duplicate-package finding"), []
         findings.append(c.finding(
             ("error" if breaks_import else "warning") if vital else "info", "missing-files", message,
-            fix=f"reinstall {d.spec()} over itself", argv=[c.fixer.reinstall(d)], packages=[d.name],
+            fix=fix, argv=argv, packages=[d.name],
             libraries=sorted(set(lost_libs)),
             detail={"missing": d.missing, "missing_count": d.missing_count, "changed": d.changed,
                     "changed_count": d.changed_count, "shared_with": shared_with}))
@@ -723,8 +888,8 @@ def _rule_shared_files(c: _Context) -> list[Finding]:
         others = [d for d in dists if d not in keep]
         shown = [short_path(p, dists[0]) for p in group.paths]
         mixed = bool(keep and others)
-        only_inits = all(p.endswith("/__init__.py") for p in group.paths) and group.count == len(group.paths)
-        severity = "warning" if mixed and not only_inits else "info"
+        inits = only_inits(group)
+        severity = "warning" if mixed and not inits else "info"
         message = (f"{group.count} file(s) are listed by {' and '.join(d.label() for d in dists)} "
                    f"({listing(shown, 3)}): uninstalling one deletes them for the other"
                    + ("s" if len(dists) > 2 else ""))
@@ -1009,6 +1174,7 @@ RULES = (
     _rule_duplicate_packages,
     _rule_requirements,
     _rule_triton,
+    _rule_trainer,
     _rule_unmet,
     _rule_integrity,
     _rule_shared_files,
@@ -1032,5 +1198,9 @@ def audit(snapshot: Snapshot, *, device: str | None = None, host_gpus: int | Non
     findings: list[Finding] = []
     for rule in RULES:
         findings += rule(context)
-    findings = [f for f in findings if not policy.ignores(f)]
-    return sorted(findings, key=lambda f: -severity_rank(f.severity))
+    for f in findings:
+        if f.severity == "warning" and context.only_outside(f.packages):
+            f.severity = "info"  # a base interpreter's package (a system-site-packages venv): not the trainer's
+    findings = sorted((f for f in findings if not policy.ignores(f)), key=lambda f: -severity_rank(f.severity))
+    prove(findings, snapshot, context.protected)  # a command that cannot be proven safe is left out, with why
+    return findings

@@ -53,6 +53,14 @@ class Dist:
     changed_count: int = 0
     installer: str | None = None
     editable: bool = False
+    error: str | None = None  # what the collector could not read of it ("metadata: UnicodeDecodeError: ...")
+    denied: list[str] = field(default_factory=list)  # RECORD paths this user may not read (the first few)
+    denied_count: int = 0
+
+    @property
+    def unreadable(self) -> bool:
+        """Its METADATA cannot be read (not UTF-8, no permission): pip itself fails on it."""
+        return bool(self.error) and self.error.startswith("metadata:")
 
     @property
     def key(self) -> str:
@@ -102,13 +110,21 @@ class ModuleSpec:
     error: str | None = None
 
 
+# A shared file's holder that is none of its owners (the collector's values).
+HOLDER_MISSING, HOLDER_FOREIGN, HOLDER_DENIED, HOLDER_UNKNOWN = -1, -2, -3, -4
+
+
 @dataclass
 class SharedFiles:
-    """Files listed in the RECORD of every one of ``owners`` (indexes)."""
+    """Files listed in the RECORD of every one of ``owners`` (indexes), and whose
+    bytes they hold on disk: ``holder`` is the owner whose RECORD (size and sha256)
+    they match, or one of the HOLDER_ values; None when the answer does not say
+    (a capture, an older collector)."""
 
     owners: list[int]
     count: int
     paths: list[str] = field(default_factory=list)  # absolute, the first few
+    holder: int | None = None
 
 
 @dataclass
@@ -153,6 +169,7 @@ class Snapshot:
     torch_elf: dict[str, Any] | None = None  # {"file", "needed", "runpath" and/or "rpath"}
     torch_libs: dict[str, LoadedLib] = field(default_factory=dict)
     deep: dict[str, Any] | None = None  # `import torch` in a subprocess: version, cuda, error, loaded
+    transformers_models: list[str] | None = None  # the imported transformers' models/ subdirectories
     ldconfig: list[LibEntry] = field(default_factory=list)
     ldconfig_real: dict[str, str] = field(default_factory=dict)  # cache path -> the file it resolves to
     ldconfig_error: str | None = None
@@ -219,10 +236,23 @@ class Snapshot:
         return {d.name: d.version for d in self.installed().values()}
 
 
+# The collector's answer is framed by these (its FRAME): code a .pth file runs may print before and after it.
+FRAME = ("<<dflashctl-env-audit>>", "<</dflashctl-env-audit>>")
+
+
+def framed(stdout: str) -> str:
+    """The collector's answer in its stdout: between the last frame start and the
+    frame end after it (ValueError when there is none)."""
+    start = stdout.rfind(FRAME[0])
+    end = stdout.find(FRAME[1], start)
+    if start < 0 or end < 0:
+        raise ValueError("no framed env-audit answer")
+    return stdout[start + len(FRAME[0]):end]
+
+
 def parse_snapshot(stdout: str, host: str) -> Snapshot:
     """The collector's JSON -> Snapshot. Raises ValueError when it is not the collector's output."""
-    text = stdout.strip().splitlines()[-1] if stdout.strip() else ""
-    raw = json.loads(text)
+    raw = json.loads(framed(stdout))
     if not isinstance(raw, dict) or raw.get("v") != SNAPSHOT_VERSION:
         raise ValueError("not an env-audit answer")
     py = raw.get("python") or {}
@@ -247,7 +277,7 @@ def parse_snapshot(stdout: str, host: str) -> Snapshot:
         modules={name: (ModuleSpec(name, m.get("origin"), list(m.get("owners") or []), m.get("entry"),
                                    bool(m.get("namespace")), m.get("error")) if m is not None else None)
                  for name, m in (raw.get("modules") or {}).items()},
-        shared=[SharedFiles(list(g["owners"]), int(g["count"]), list(g.get("paths") or []))
+        shared=[SharedFiles(list(g["owners"]), int(g["count"]), list(g.get("paths") or []), g.get("holder"))
                 for g in raw.get("shared_files") or []],
         pth=[PthFile(p["file"], list(p.get("adds") or []), bool(p.get("code")), p.get("text") or "")
              for p in raw.get("pth") or []],
@@ -256,6 +286,7 @@ def parse_snapshot(stdout: str, host: str) -> Snapshot:
         torch_elf=torch.get("elf"),
         torch_libs={n: LoadedLib(n, v.get("path"), v.get("via")) for n, v in (torch.get("libs") or {}).items()},
         deep=raw.get("deep"),
+        transformers_models=((raw.get("transformers") or {}).get("models")),
         ldconfig=parse_ldconfig(ldconfig.get("text") or ""),
         ldconfig_real=dict(ldconfig.get("real") or {}),
         ldconfig_error=ldconfig.get("error"),
@@ -274,7 +305,8 @@ def _dist(index: int, d: dict[str, Any]) -> Dist:
         d.get("name") or "", d.get("version") or "", d.get("location"), d.get("requires"), d.get("modules") or [],
         d.get("libs"), index, d.get("metadata"), d.get("files"), list(d.get("missing") or []),
         int(d.get("missing_count") or 0), list(d.get("changed") or []), int(d.get("changed_count") or 0),
-        d.get("installer"), bool(d.get("editable")),
+        d.get("installer"), bool(d.get("editable")), d.get("error"), list(d.get("denied") or []),
+        int(d.get("denied_count") or 0),
     )
 
 

@@ -222,6 +222,7 @@ class ReqCheck:
     chain: str  # "torch -> cuda-toolkit[cublas]"
     requirement: Requirement
     installed: Dist | None
+    requirer: Dist | None = None  # the distribution whose METADATA lists it
 
     @property
     def satisfied(self) -> bool:
@@ -263,7 +264,7 @@ def requirement_checks(snapshot: Snapshot, roots: Iterable[str] = TRAINER_ROOTS)
             if not _applies(req, snapshot.markers, extras):
                 continue
             target = installed.get(canonicalize_name(req.name))
-            checks.append(ReqCheck(chain, req, target))
+            checks.append(ReqCheck(chain, req, target, dist))
             if target is not None:
                 wanted = frozenset(canonicalize_name(e) for e in req.extras)
                 label = req.name + (f"[{','.join(sorted(req.extras))}]" if req.extras else "")

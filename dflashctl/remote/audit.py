@@ -2,7 +2,8 @@
 asked of that python's own import system.
 
 Runs on the host, with the python that runs the trainer and the run's environment,
-and prints one JSON snapshot:
+and prints one JSON snapshot, on a line of its own between the two FRAME markers
+(code a .pth file runs, at start or at exit, may print around it):
 
 - every installed distribution, in ``importlib.metadata`` order (sys.path order):
   name, version, location, requirements, top-level modules, the shared libraries
@@ -48,7 +49,9 @@ Argument, one JSON object::
      "deep": false, "deep_timeout": 60}   import torch in a subprocess
 """
 
+import base64
 import csv
+import hashlib
 import json
 import os
 import platform
@@ -68,14 +71,20 @@ DEFAULT_MODULES = ("torch", "triton", "transformers")
 SKIP_TOP = re.compile(r"(\.dist-info|\.egg-info|\.data|\.pth|__pycache__|\.\.)$")
 ENV_VARIABLES = ("PYTHONPATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONNOUSERSITE", "PYTHONUSERBASE")
 TORCH_LIBRARIES = ("libtorch_cuda.so", "libtorch_global_deps.so")  # the first present is read
+# A shared file's holder that is none of its owners (or cannot be told: same size, no hash).
+HOLDER_MISSING, HOLDER_FOREIGN, HOLDER_DENIED, HOLDER_UNKNOWN = -1, -2, -3, -4
 LISTED = 20  # paths listed per problem; counts are always whole
 DEFAULT_LIBRARY_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64")
-# ``import torch`` in a child: the answer is its last stdout line. Its own
+# The answer between these, on one line: code a .pth runs at start or at exit (or
+# torch's import) may print to stdout before and after it.
+FRAME = ("<<dflashctl-env-audit>>", "<</dflashctl-env-audit>>")
+# ``import torch`` in a child: the answer is the framed one on its stdout. Its own
 # sys.path[0] ('' under -c) is dropped first, as this script drops its own.
 DEEP_CODE = r"""
 import json, sys
 del sys.path[0]
 prefixes = tuple(json.loads(sys.argv[1]))
+FRAME = tuple(json.loads(sys.argv[2]))
 answer = {}
 try:
     import torch
@@ -96,7 +105,7 @@ try:
 except OSError:
     pass
 answer["loaded"] = sorted(loaded)
-sys.stdout.write("\n" + json.dumps(answer) + "\n")
+sys.stdout.write("\n" + FRAME[0] + json.dumps(answer) + FRAME[1] + "\n")
 """
 
 
@@ -181,34 +190,86 @@ def read_text(dist, name):
 
 
 class Owners:
-    """Which distribution lists each file: an index per normalized absolute path,
-    and the list of indexes for the paths listed by more than one."""
+    """Which distribution lists each file: an index per normalized absolute path
+    (with the size and sha256 its RECORD gives), and every owner of the paths
+    listed by more than one."""
 
     def __init__(self):
         self.first = {}
         self.more = {}
 
-    def add(self, path, index):
-        first = self.first.setdefault(path, index)
-        if first != index:
+    def add(self, path, index, size=None, digest=None):
+        row = (index, size, digest)
+        first = self.first.setdefault(path, row)
+        if first[0] != index:
             owners = self.more.get(path)
             if owners is None:
-                self.more[path] = [first, index]
-            elif index not in owners:
-                owners.append(index)
+                self.more[path] = [first, row]
+            elif all(r[0] != index for r in owners):
+                owners.append(row)
 
     def of(self, path):
+        """The owners of a file, the one whose bytes it holds first (when one does)."""
         if path in self.more:
-            return list(self.more[path])
-        return [self.first[path]] if path in self.first else []
+            rows = self.more[path]
+            holder = file_holder(path, rows)
+            return sorted((r[0] for r in rows), key=lambda i: i != holder)
+        return [self.first[path][0]] if path in self.first else []
 
     def shared(self):
-        """Files listed by several distributions, grouped by their owners."""
-        groups = {}
-        for path, owners in self.more.items():
-            groups.setdefault(tuple(sorted(owners)), []).append(path)
-        return [{"owners": list(owners), "count": len(paths), "paths": sorted(paths)[:LISTED]}
-                for owners, paths in sorted(groups.items())]
+        """Files listed by several distributions, grouped by their owners and by
+        whose bytes are on disk (``holder``: the owner whose RECORD size and hash
+        the file matches, HOLDER_MISSING or HOLDER_FOREIGN); and, per owner, the
+        shared files whose hash is not the one it recorded though their size is
+        (changed, which a size check alone cannot see)."""
+        groups, mismatched = {}, {}
+        for path, rows in self.more.items():
+            holder = file_holder(path, rows)
+            for index, size, digest in rows:
+                if holder >= 0 and index != holder and digest and digest != _row_of(rows, holder)[2] \
+                        and size is not None and size == _row_of(rows, holder)[1]:
+                    mismatched.setdefault(index, []).append(path)
+            groups.setdefault((tuple(sorted(r[0] for r in rows)), holder), []).append(path)
+        return [{"owners": list(owners), "holder": holder, "count": len(paths), "paths": sorted(paths)[:LISTED]}
+                for (owners, holder), paths in sorted(groups.items())], mismatched
+
+
+def _row_of(rows, index):
+    return next(r for r in rows if r[0] == index)
+
+
+def sha256_of(path):
+    """A file's sha256 as a RECORD writes it (urlsafe base64, no padding)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode("ascii")
+
+
+def file_holder(path, rows):
+    """Whose bytes a file listed by several distributions holds: the index of the
+    owner whose recorded size and sha256 it matches (the hash read only where a
+    RECORD gives one), HOLDER_MISSING when it is gone, HOLDER_FOREIGN when it
+    matches none of them, HOLDER_DENIED when it cannot be read."""
+    try:
+        size = os.stat(path).st_size
+    except PermissionError:
+        return HOLDER_DENIED
+    except OSError:
+        return HOLDER_MISSING
+    fits = [r for r in rows if r[1] is None or r[1] == size]
+    if not fits:
+        return HOLDER_FOREIGN
+    if not any(r[2] for r in fits):
+        return fits[0][0] if len(fits) == 1 else HOLDER_UNKNOWN
+    try:
+        digest = sha256_of(path)
+    except PermissionError:
+        return HOLDER_DENIED
+    except OSError:
+        return HOLDER_MISSING
+    return next((r[0] for r in fits if r[2] == digest), HOLDER_FOREIGN)
 
 
 def read_distribution(dist, index, is_library, owners):
@@ -226,6 +287,11 @@ def read_distribution(dist, index, is_library, owners):
             requires = meta.get_all("Requires-Dist")
     except Exception as e:
         entry["error"] = "metadata: %s: %s" % (type(e).__name__, e)
+    if not entry["name"] and path is not None and "error" not in entry:
+        for file in ("METADATA", "PKG-INFO"):  # importlib.metadata reads an unreadable one as empty
+            full = os.path.join(str(path), file)
+            if os.path.exists(full) and not os.access(full, os.R_OK):
+                entry["error"] = "metadata: PermissionError: [Errno 13] Permission denied: %r" % full
     try:
         # An egg-info keeps its requirements in requires.txt, which only dist.requires reads.
         if requires is None and str(path).endswith(".egg-info"):
@@ -250,10 +316,10 @@ def read_distribution(dist, index, is_library, owners):
         top = read_text(dist, "top_level.txt") or ""
         entry["modules"] = sorted(t.strip() for t in top.split() if t.strip())
         return entry
-    modules, libs, missing, changed = set(), [], [], []
+    modules, libs, missing, changed, denied = set(), [], [], [], []
     firsts = {}
     base = location.rstrip("/") + "/"
-    for rel, size in files:
+    for rel, size, digest in files:
         first, sep, _ = rel.partition("/")
         if first not in firsts:
             firsts[first] = module_name(first) if sep or first.endswith(".py") or ".so" in first else None
@@ -266,22 +332,44 @@ def read_distribution(dist, index, is_library, owners):
             full = os.path.normpath(os.path.join(location, rel))
         else:
             full = base + rel
-        owners.add(full, index)
+        owners.add(full, index, size, digest)
         try:
             st = os.stat(full)
+        except PermissionError:  # a directory on the way that this user may not search
+            denied.append(rel)
+            continue
         except OSError:
             if not rel.endswith(".pyc"):  # compiled again on the next import
                 missing.append(rel)
             continue
         if size is not None and st.st_size != size:
             changed.append(rel)
+        elif not readable(st):
+            denied.append(rel)
     entry.update(modules=sorted(modules), libs=sorted(libs), files=len(files), missing=missing[:LISTED],
-                 missing_count=len(missing), changed=changed[:LISTED], changed_count=len(changed))
+                 missing_count=len(missing), changed=changed[:LISTED], changed_count=len(changed),
+                 denied=denied[:LISTED], denied_count=len(denied))
     return entry
 
 
+EUID = os.geteuid() if hasattr(os, "geteuid") else 0
+GROUPS = set(os.getgroups()) | {os.getegid()} if hasattr(os, "getgroups") else set()
+
+
+def readable(st):
+    """Whether this user may read a file, from its stat (no second system call per file)."""
+    if EUID == 0:
+        return True
+    if st.st_uid == EUID:
+        return bool(st.st_mode & 0o400)
+    if st.st_gid in GROUPS:
+        return bool(st.st_mode & 0o040)
+    return bool(st.st_mode & 0o004)
+
+
 def record_rows(dist):
-    """(path, size or None) for each file a distribution lists; None when it lists none.
+    """(path, size or None, sha256 or None) for each file a distribution lists;
+    None when it lists none.
     A RECORD is the three-column CSV the wheel spec defines, read with csv as
     importlib.metadata reads it, but without a path object per row (torch's RECORD
     has some 20,000); anything else (an egg-info's installed-files.txt or
@@ -289,19 +377,41 @@ def record_rows(dist):
     text = read_text(dist, "RECORD")
     if text is None:
         files = dist.files
-        return None if files is None else [(str(f), f.size) for f in files]
+        return None if files is None else [(str(f), f.size, None) for f in files]
     rows = []
     for row in csv.reader(text.splitlines()):
         if row and row[0]:
             size = row[2] if len(row) > 2 else ""
-            rows.append((row[0], int(size) if size.isdigit() else None))
+            digest = row[1][7:] if len(row) > 1 and row[1].startswith("sha256=") else None
+            rows.append((row[0], int(size) if size.isdigit() else None, digest))
     return rows
 
 
+def mark_changed(entry, paths):
+    """Shared files whose size is the one ``entry``'s RECORD gives but whose bytes
+    are another owner's: changed, as the hash says."""
+    base = (entry.get("location") or "").rstrip("/") + "/"
+    for path in sorted(paths):
+        rel = path[len(base):] if path.startswith(base) else path
+        changed = entry.setdefault("changed", [])
+        if len(changed) < LISTED:
+            changed.append(rel)
+        entry["changed_count"] = entry.get("changed_count", 0) + 1
+
+
 def distributions(is_library, owners, errors):
-    """Every installed distribution, in the order importlib.metadata finds them (sys.path order)."""
+    """Every installed distribution, in the order importlib.metadata finds them
+    (sys.path order). A sys.path directory this user may not list is an error
+    (importlib.metadata skips it without a word)."""
     import importlib.metadata as md
 
+    for entry in sys.path:
+        try:
+            os.listdir(entry or ".")
+        except PermissionError as e:
+            errors.append("permission denied: %s cannot be listed, the packages in it are not seen (%s)" % (entry, e))
+        except OSError:
+            pass
     found = []
     for dist in md.distributions():
         try:
@@ -454,23 +564,42 @@ def torch_files(spec, is_library, cache, errors):
     return info
 
 
+def transformers_models(spec):
+    """The model families the imported transformers ships (its ``models/``
+    subdirectories, read, not imported); None when it is not importable."""
+    if not spec or not spec.get("origin"):
+        return None
+    models = os.path.join(os.path.dirname(spec["origin"]), "models")
+    try:
+        names = sorted(n for n in os.listdir(models) if os.path.isdir(os.path.join(models, n)))
+    except OSError as e:
+        return {"dir": models, "models": None, "error": str(e)}
+    return {"dir": models, "models": names}
+
+
 def deep_import(prefixes, timeout):
     """``import torch`` in a child python with this environment."""
     try:
-        p = subprocess.run([sys.executable, "-c", DEEP_CODE, json.dumps(list(prefixes))], stdout=subprocess.PIPE,
+        p = subprocess.run([sys.executable, "-c", DEEP_CODE, json.dumps(list(prefixes)), json.dumps(FRAME)],
+                           stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": "import torch did not finish within %gs" % timeout, "timeout": True}
     except OSError as e:
         return {"error": "cannot start %s: %s" % (sys.executable, e)}
-    lines = p.stdout.decode("utf-8", "replace").strip().splitlines()
     try:
-        answer = json.loads(lines[-1])
-    except (IndexError, ValueError):
+        answer = json.loads(framed(p.stdout.decode("utf-8", "replace")))
+    except ValueError:
         tail = p.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
         return {"error": "import torch: exit %s: %s" % (p.returncode, " | ".join(tail))}
     answer["exit_code"] = p.returncode
     return answer
+
+
+def framed(text):
+    """The text between the last FRAME start and the end after it (ValueError without one)."""
+    start = text.rindex(FRAME[0]) + len(FRAME[0])
+    return text[start:text.index(FRAME[1], start)]
 
 
 def ldconfig(prefixes):
@@ -613,7 +742,9 @@ def snapshot(args):
         except Exception as e:
             errors.append("%s: %s: %s" % (key, type(e).__name__, e))
     dists = answer.get("distributions") or []
-    answer["shared_files"] = owners.shared()
+    answer["shared_files"], mismatched = owners.shared()
+    for index, paths in mismatched.items():
+        mark_changed(dists[index] if index < len(dists) else {}, paths)
     names = list(DEFAULT_MODULES) + [m for m in args.get("modules") or [] if m not in DEFAULT_MODULES]
     for d in dists:
         names += [m for m in d.get("modules") or [] if m.isidentifier()]
@@ -631,6 +762,10 @@ def snapshot(args):
         answer["torch"] = torch_files((answer.get("modules") or {}).get("torch"), is_library, cache, errors)
     except Exception as e:
         errors.append("torch: %s: %s" % (type(e).__name__, e))
+    try:
+        answer["transformers"] = transformers_models((answer.get("modules") or {}).get("transformers"))
+    except Exception as e:
+        errors.append("transformers: %s: %s" % (type(e).__name__, e))
     if args.get("deep"):
         answer["deep"] = deep_import(prefixes, float(args.get("deep_timeout") or 60))
     answer["seconds"] = round(time.monotonic() - started, 4)
@@ -661,7 +796,9 @@ def main(argv):
     if args is None:
         sys.stderr.write(USAGE)
         return 2
-    print(json.dumps(snapshot(args)))
+    answer = json.dumps(snapshot(args))
+    sys.stdout.write("\n" + FRAME[0] + answer + FRAME[1] + "\n")
+    sys.stdout.flush()
     return 0
 
 
