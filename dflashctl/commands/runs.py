@@ -211,13 +211,23 @@ def _eval_summary(row: dict | None) -> dict | None:
     report = row.get("report") or {}
     return {"time": row["time"], "step": row["step"], "tau": row["tau"], "speedup": row["speedup"],
             "tokens_per_target_forward": report.get("tokens_per_target_forward"),
-            "greedy_identical": report.get("greedy_identical")}
+            "greedy_identical": report.get("greedy_identical"), "prompts": report.get("prompts"),
+            "complete": report.get("complete", True)}
 
 
 def _tau(row: dict | None) -> str:
     if not row or row.get("tau") is None:
         return "-"
-    return f"{row['tau']:.2f}" + (f" ({row['speedup']:.2f}x)" if row.get("speedup") else "")
+    partial = "" if (row.get("report") or {}).get("complete", True) else "*"
+    return f"{row['tau']:.2f}{partial}" + (f" ({row['speedup']:.2f}x)" if row.get("speedup") else "")
+
+
+def _tau_estimate(store, run_id: str) -> float | None:
+    """τ est of the run's newest training sample (accept_len + 1)."""
+    from dflashctl.contract import tau_estimate
+
+    newest = store.recent_samples(run_id, 1)
+    return tau_estimate(newest[-1].accept_len) if newest else None
 
 
 @app.command("runs")
@@ -229,14 +239,21 @@ def runs_command(
     """List runs, newest first: state, host, when, how they ended."""
     store = _store()
     runs = store.list_runs(playbook=playbook, limit=None if all_runs else 20)
+    from dflashctl.contract import tau_gap
+
     evals = store.latest_evals()
+    estimates = {r.id: _tau_estimate(store, r.id) for r in runs}
     if as_json:
-        print(json.dumps([{**r.to_dict(), "eval": _eval_summary(evals.get(r.id))} for r in runs], indent=2))
+        print(json.dumps([{**r.to_dict(), "tau_est": estimates[r.id],
+                           "tau": (evals.get(r.id) or {}).get("tau"),
+                           "tau_note": tau_gap(estimates[r.id], (evals.get(r.id) or {}).get("tau")),
+                           "eval": _eval_summary(evals.get(r.id))} for r in runs], indent=2))
         return
-    table = Table(title_justify="left")
+    table = Table(title_justify="left", caption_justify="left")
     table.add_column("run", no_wrap=True)  # ids are copied into other commands: never wrapped
-    for column in ("state", "host", "created", "ended", "exit", "GPUs", "tau"):
+    for column in ("state", "host", "created", "ended", "exit", "GPUs", "τ est", "τ"):
         table.add_column(column)
+    gaps = []
     colors = {"running": "green", "failed": "red", "lost": "yellow", "stalled": "yellow", "restarting": "yellow"}
     for r in runs:
         color = colors.get(r.state)
@@ -248,12 +265,24 @@ def runs_command(
             _when(r.ended, short=True),
             r.exit_reason or ("-" if r.exit_code is None else str(r.exit_code)),
             ",".join(map(str, r.gpus)) or "-",
+            "-" if estimates[r.id] is None else f"{estimates[r.id]:.2f}",
             _tau(evals.get(r.id)),
         )]
         if color:
             cells[1].stylize(color)
+        note = tau_gap(estimates[r.id], (evals.get(r.id) or {}).get("tau"))
+        if note:
+            cells[-1].stylize("yellow")
+            gaps.append(f"{r.id}: {note}")
         table.add_row(*cells)
-    out.print(table if runs else "no runs yet: dflashctl launch demo")
+    if not runs:
+        out.print("no runs yet: dflashctl launch demo")
+        return
+    out.print(table)
+    out.print(Text(printable("τ est: accept_len + 1 in training; τ: measured by dflashctl eval (accepted draft "
+                             "tokens + 1 per target forward; * stopped early)"), style="dim"))
+    for line in gaps:
+        out.print(Text(printable(line), style="yellow"))
 
 
 @app.command("events")
