@@ -725,7 +725,9 @@ def eval_argv(run: Run, settings: "EvalSettings", python: str) -> list[str]:
     env = [f"{k}={v}" for k, v in (run.config.get("env") or {}).items()]
     trainer = [*shlex.split(python), "-m", "trainer", "eval", run.run_dir, "--json", "--out", EVAL_FILE,
                "--prompts", str(settings.prompts), "--max-new-tokens", str(settings.max_new_tokens),
-               "--temperature", repr(float(settings.temperature))]
+               "--temperature", repr(float(settings.temperature)),
+               # The trainer stops itself in time, with the report of the prompts it measured.
+               "--timeout", repr(eval_budget(float(settings.timeout)))]
     if settings.data:
         trainer += ["--data", settings.data]
     if settings.threads:
@@ -733,6 +735,24 @@ def eval_argv(run: Run, settings: "EvalSettings", python: str) -> list[str]:
     # The trainer's own output goes to stderr; stdout is the report file, whole.
     script = 'cd "$1" && shift && rm -f ' + EVAL_FILE + ' && env "$@" >&2 && cat ' + EVAL_FILE
     return ["sh", "-c", script, "dflashctl-eval", run.run_dir, *env, *trainer]
+
+
+def eval_budget(timeout: float) -> float:
+    """The trainer's own budget inside the controller's ``timeout``: room left for its
+    last prompt (it begins none past its budget) and for loading the models."""
+    return max(1.0, 0.8 * timeout - 5.0)
+
+
+_READ_EVAL = 'cd "$1" && cat ' + EVAL_FILE + ' 2>/dev/null; exit 0'
+
+
+def _kept_report(transport: "Transport", run: Run) -> dict[str, Any] | None:
+    """The partial report the trainer wrote after its last prompt (eval.json), if any."""
+    try:
+        answer = transport.run(["sh", "-c", _READ_EVAL, "dflashctl-eval", run.run_dir], timeout=30, check=False)
+    except TransportError:
+        return None
+    return _json_report(answer.stdout)
 
 
 def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalSettings",
@@ -745,7 +765,30 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
     python = run.config.get("python") or transport.host.python
     say("eval", f"speculative decoding with {run.id}'s drafter on {run.host} ({settings.prompts} prompts, "
         f"{settings.max_new_tokens} new tokens each)")
-    result = transport.run(eval_argv(run, settings, python), timeout=float(settings.timeout), check=False)
+    from dflashctl.errors import CommandTimeout
+
+    try:
+        result = transport.run(eval_argv(run, settings, python), timeout=float(settings.timeout), check=False)
+    except (CommandTimeout, KeyboardInterrupt) as e:
+        # What was measured before the end is kept: the trainer rewrites eval.json after every prompt.
+        stopped = "interrupted" if isinstance(e, KeyboardInterrupt) else "timeout"
+        report = _kept_report(transport, run)
+        if report and report.get("prompts"):
+            report = {**report, "complete": False, "stopped": stopped}
+            store.add_eval(run.id, clock(), report=report)
+            store.add_event(run.id, "eval", f"evaluation {stopped} after {report['prompts']} prompts: measured tau "
+                            f"{report.get('tau')} (partial)", clock(), "warning",
+                            {k: report.get(k) for k in ("tau", "step", "prompts", "prompts_planned", "stopped")})
+            say("eval", f"{stopped}: kept {report['prompts']} of {report.get('prompts_planned')} prompts, measured "
+                f"tau {report.get('tau')}")
+        else:
+            store.add_eval(run.id, clock(), error=f"evaluation {stopped} before its first prompt")
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        if not (report and report.get("prompts")):
+            raise LaunchError(f"the evaluation of {run.id} timed out after {settings.timeout:.0f}s before its first "
+                              "prompt", hint="give it more time (--timeout) or fewer tokens (--max-new-tokens)") from None
+        return report
     report = _json_report(result.stdout)
     if result.exit_code != 0 or report is None:
         tail = (result.stderr.strip() or result.stdout.strip())[-500:]
@@ -756,7 +799,9 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
                           f"{shlex.join([*shlex.split(python), '-m', 'trainer', 'eval', run.run_dir])}")
     store.add_eval(run.id, clock(), report=report)
     speed = report.get("speed") or {}
-    summary = (f"measured tau {report.get('tau')} at step {report.get('step')}"
+    partial = "" if report.get("complete", True) else \
+        f" (partial: {report.get('prompts')} of {report.get('prompts_planned')} prompts, {report.get('stopped')})"
+    summary = (f"measured tau {report.get('tau')} at step {report.get('step')}{partial}"
                + (f", {speed['speedup']:.2f}x greedy decoding" if isinstance(speed.get("speedup"), (int, float))
                   else ""))
     store.add_event(run.id, "eval", summary, clock(), "info",

@@ -282,3 +282,40 @@ def test_the_demo_as_shipped_shows_a_gap_and_its_reason(tmp_path):
     assert report["training"]["accept_len"] > 5 and report["reference"]["chain_tau"] > 5
     assert report["reference"]["target_agreement"] < 0.2 and report["tau"] < 1.5
     assert "the data was not written by this target" in format_text(report)
+
+
+def test_eval_reports_each_prompt_and_keeps_what_it_measured_at_its_budget(written_by_target):
+    """Each prompt hands over the report so far; past the budget (the clock is an
+    argument) no new prompt is begun and the report says it is partial."""
+    from trainer.eval import format_text, run_eval
+
+    ticks = iter(range(0, 10_000, 10))  # every reading of the clock is 10 s later
+    seen = []
+    report = run_eval(written_by_target["ckpt"], written_by_target["shards"], prompts=6, max_new_tokens=8,
+                      reference=False, timeout=35, on_prompt=seen.append, clock=lambda: next(ticks))
+    assert [r["prompts"] for r in seen] == list(range(1, report["prompts"] + 1))
+    assert 0 < report["prompts"] < 6 and report["prompts_planned"] == 6
+    assert report["complete"] is False and report["stopped"] == "timeout"
+    assert all(not r["complete"] for r in seen) and seen[-1]["tau"] == report["tau"]
+    assert "partial" in format_text(report)
+    whole = run_eval(written_by_target["ckpt"], written_by_target["shards"], prompts=2, max_new_tokens=8,
+                     reference=False)
+    assert whole["complete"] is True and whole["stopped"] is None
+
+
+def test_eval_measures_the_held_out_prompts_by_default(tmp_path):
+    """data.holdout: training never reads those samples; eval's default prompts are them."""
+    from trainer import config as config_mod
+    from trainer.data import build_source
+    from trainer.eval import load_samples
+
+    cfg = config_mod.from_dict({"data": {"holdout": 5, "synthetic_samples": 40}, "model": {"block_size": 8}})
+    source = build_source(cfg, 512, 511)
+    assert len(source.dataset) == 35 and len(source.holdout) == 5
+    trained = {tuple(source.dataset.get(i)[0]) for i in range(len(source.dataset))}
+    held = [tuple(source.holdout.get(i)[0]) for i in range(len(source.holdout))]
+    assert not trained & set(held)
+    samples, what = load_samples(cfg, None, 512, 511, 3)
+    assert [tuple(ids) for ids, _ in samples] == held[:3] and "held-out" in what
+    again = build_source(cfg, 512, 511)  # from the seed alone: the same split every time
+    assert [again.holdout.get(i) for i in range(5)] == [source.holdout.get(i) for i in range(5)]

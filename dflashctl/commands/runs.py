@@ -181,6 +181,10 @@ def eval_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
     prompts: Optional[int] = typer.Option(None, "--prompts", min=1, help="Prompts to decode (default: the playbook's)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Tokens per prompt."),
+    timeout: Optional[str] = typer.Option(None, "--timeout", help="Budget (30s, 5m, ...): the trainer begins no new "
+                                          "prompt past it and the prompts measured are kept (default: the playbook's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads of a CPU eval (1 is fastest "
+                                          "for tiny models on a busy machine)."),
     as_json: bool = typer.Option(False, "--json", help="Print the trainer's JSON report."),
 ) -> None:
     """Measure the run's drafter with real speculative decoding on its host.
@@ -199,8 +203,13 @@ def eval_command(
     store, inventory = _store(), _inventory()
     record = store.get_run(run)
     settings = policy_for_run(record, inventory, G.playbooks)[0].eval or EvalSettings()
-    changes = {k: v for k, v in (("prompts", prompts), ("max_new_tokens", max_new_tokens)) if v is not None}
-    report = eval_run(record.id, store, inventory, settings.model_copy(update=changes), progress=_progress(as_json))
+    budget = None if timeout is None else parse_duration_option(timeout, "--timeout")
+    changes = {k: v for k, v in (("prompts", prompts), ("max_new_tokens", max_new_tokens), ("timeout", budget),
+                                 ("threads", threads)) if v is not None}
+    try:
+        report = eval_run(record.id, store, inventory, settings.model_copy(update=changes), progress=_progress(as_json))
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None  # what was measured is stored (eval_run said so)
     if as_json:
         print(json.dumps(report, indent=2))
 
