@@ -801,13 +801,22 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
     speed = report.get("speed") or {}
     partial = "" if report.get("complete", True) else \
         f" (partial: {report.get('prompts')} of {report.get('prompts_planned')} prompts, {report.get('stopped')})"
-    summary = (f"measured tau {report.get('tau')} at step {report.get('step')}{partial}"
+    tau, tau_est = report.get("tau"), contract.tau_estimate((report.get("training") or {}).get("accept_len"))
+    summary = (f"measured tau {_two(tau)} (τ est {_two(tau_est)}, accept_len + 1) at step {report.get('step')}{partial}"
                + (f", {speed['speedup']:.2f}x greedy decoding" if isinstance(speed.get("speedup"), (int, float))
-                  else ""))
+                  else "")
+               + (f", output identical to greedy" if report.get("greedy_identical") else ""))
+    gap = contract.tau_gap(tau_est, tau if isinstance(tau, (int, float)) else None)
+    if gap:
+        summary += f"; {gap}"
     store.add_event(run.id, "eval", summary, clock(), "info",
                     {k: report.get(k) for k in ("tau", "step", "tokens_per_target_forward", "greedy_identical")})
     say("eval", summary)
     return report
+
+
+def _two(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "n/a"
 
 
 def _json_report(text: str) -> dict[str, Any] | None:

@@ -35,7 +35,6 @@ import hashlib
 import json
 import os
 import time
-import warnings
 from dataclasses import asdict
 from typing import Callable, Optional
 
@@ -134,11 +133,17 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     positions_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
     out: list[list[int]] = [[] for _ in prompts]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    with torch.inference_mode(), warnings.catch_warnings():
-        # newer transformers name the cache argument differently and warn; both accept this one
-        warnings.simplefilter("ignore", FutureWarning)
-        step = model(input_ids=ids_BP, attention_mask=mask_BP, position_ids=positions_BP, use_cache=True)
-        past, last_pos = step.past_key_values, positions_BP[:, -1:]
+    from transformers import DynamicCache
+
+    from trainer.speculative import _cache_keyword, _takes
+
+    cache = {_cache_keyword(type(model)): DynamicCache()}
+    # Only the last position's logits: a prompt's full [B, P, V] would not fit a large vocabulary.
+    last = {"logits_to_keep": 1} if _takes(type(model), "logits_to_keep") else {}
+    with torch.inference_mode():
+        step = model(input_ids=ids_BP, attention_mask=mask_BP, position_ids=positions_BP, use_cache=True,
+                     **cache, **last)
+        last_pos = positions_BP[:, -1:]
         for _ in range(max_new_tokens):
             logits_BV = step.logits[:, -1, :].float()
             if temperature > 0:
@@ -155,9 +160,8 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
                 break
             mask_BP = torch.cat([mask_BP, torch.ones_like(mask_BP[:, :1])], dim=1)
             last_pos = last_pos + 1
-            step = model(input_ids=next_B[:, None], attention_mask=mask_BP, position_ids=last_pos,
-                         past_key_values=past, use_cache=True)
-            past = step.past_key_values
+            step = model(input_ids=next_B[:, None], attention_mask=mask_BP, position_ids=last_pos, use_cache=True,
+                         **cache)
     return out
 
 
