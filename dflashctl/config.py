@@ -125,6 +125,7 @@ trainer:
       source: synthetic
       max_new_tokens: 64
       batch_size: 32
+      shard_size: 32            # a restart keeps the shards already written
   optim:
     lr: 1.0e-2                  # tiny model, the target's cycle: learns in a few hundred steps
   train:
@@ -149,7 +150,7 @@ expect:
   baseline_tok_s: null          # learn from earlier demo runs
   stall_window: 2m
   compile_budget: 5m
-  startup_budget: 5m
+  startup_budget: 10m           # the start includes data.regenerate (seconds on an idle machine)
 
 restart:
   max_restarts: 3

@@ -62,18 +62,21 @@ def test_regenerated_shards_are_the_targets_greedy_decoding_and_read_back(tmp_pa
 
 
 @pytest.mark.slow
-def test_regenerate_resumed_after_kill_9_writes_identical_shards(tmp_path):
-    whole = subprocess.run(regenerate_cli("synthetic", str(tmp_path / "whole"), *ARGS), cwd=REPO,
-                           capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr
+def test_regenerate_resumed_after_kill_9_writes_identical_shards(tmp_path, capsys):
+    """A real process killed with SIGKILL between shards, then resumed: the same bytes
+    as one uninterrupted run (both of those in this process: a process start costs
+    seconds of imports)."""
+    from trainer.data import main
+
+    assert main(["regenerate", "synthetic", str(tmp_path / "whole"), *ARGS]) == 0
     expected = shards_of(tmp_path / "whole")
     assert len(expected) == 5
 
     out = tmp_path / "killed"
     proc = subprocess.Popen(regenerate_cli("synthetic", str(out), *ARGS), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600
         while not (out / "shard-00001.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
@@ -84,10 +87,9 @@ def test_regenerate_resumed_after_kill_9_writes_identical_shards(tmp_path):
     assert 2 <= len(before) < 5 and all(expected[n] == data for n, data in before.items())
     assert not json.loads((out / "manifest.json").read_text())["complete"]
 
-    resumed = subprocess.run(regenerate_cli("synthetic", str(out), *ARGS), cwd=REPO, capture_output=True, text=True,
-                             timeout=600)
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"{len(before)} of 5 shards already in" in resumed.stderr
+    capsys.readouterr()
+    assert main(["regenerate", "synthetic", str(out), *ARGS]) == 0
+    assert f"{len(before)} of 5 shards already in" in capsys.readouterr().err
     assert shards_of(out) == expected
     assert not [n for n in os.listdir(out) if n.startswith(".tmp-")]  # a killed writer's temporary file is gone
     assert json.loads((out / "manifest.json").read_text())["provenance"] == \
@@ -152,3 +154,42 @@ def test_bad_input_names_itself(tmp_path):
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
     assert main(["regenerate", str(tmp_path / "chat.jsonl"), str(tmp_path / "out2"), "--model", "tiny",
                  "--device", "cpu"]) == 3
+
+
+@pytest.mark.slow
+def test_the_trainer_regenerates_at_its_start_and_stops_cleanly_while_it_does(tmp_path):
+    """data.regenerate in a trainer config: the trainer writes the shards into its run
+    directory before training; a SIGTERM while it does ends it with EXIT_STOPPED
+    within a batch, the shards written kept; started again, it goes on from them."""
+    from dflashctl import contract
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = {"model": {"preset": "tiny", "drafter_layers": 1, "block_size": 4},
+              "data": {"synthetic_samples": 24, "holdout": 2,
+                       "regenerate": {"max_new_tokens": 24, "batch_size": 2, "shard_size": 4}},
+              "train": {"steps": 2, "log_every": 1, "checkpoint_every": 2},
+              "placement": {"device": "cpu", "target": [0], "drafter": [0]}}
+    (run_dir / "config.json").write_text(json.dumps(config))
+    argv = [sys.executable, "-m", "trainer", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = run_dir / "regenerated"
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "shard-00000.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == contract.EXIT_STOPPED
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    kept = shards_of(out)
+    assert 1 <= len(kept) < 6
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["phase"] == "stopped" and status["detail"]["regenerate"] == "stopped"
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == contract.EXIT_DONE, done.stderr[-2000:]
+    assert f"{len(kept)} of 6 shards already in" in done.stdout + done.stderr
+    assert {n: d for n, d in shards_of(out).items() if n in kept} == kept
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["samples"] == 24

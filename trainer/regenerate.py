@@ -196,11 +196,12 @@ def settings_of(settings, source: str, chat_template: bool, dtype: str) -> dict:
 
 def regenerate(source: str, out_dir: str, cfg, device: str = "cpu", log: Callable[[str], None] = print,
                on_progress: Callable[[dict], None] = lambda p: None, clock: Callable[[], float] = time.monotonic,
-               target=None) -> dict:
+               target=None, should_stop: Callable[[], bool] = lambda: False) -> Optional[dict]:
     """Regenerate the responses of ``source`` with the target of ``cfg.model`` (or
     ``target``, that target already built) into ``out_dir`` with
     ``cfg.data.regenerate``'s settings (module docstring); returns the manifest.
-    Shards already there are kept (resume)."""
+    Shards already there are kept (resume). Once ``should_stop()`` says so (checked
+    after every batch) it returns None: the shards written are kept."""
     import torch
 
     from dflashctl.contract import atomic_write_text
@@ -277,6 +278,9 @@ def regenerate(source: str, out_dir: str, cfg, device: str = "cpu", log: Callabl
         order = sorted(range(len(chunk)), key=lambda i: (len(chunk[i]), i))
         responses: list[Optional[list[int]]] = [None] * len(chunk)
         for b in range(0, len(order), settings.batch_size):
+            if should_stop():
+                log(f"regenerate: stopped; {k} of {len(shards)} shards written, a restart continues from them")
+                return None
             batch = order[b:b + settings.batch_size]
             for i, response in zip(batch, decode_batch(model, [chunk[i] for i in batch], settings.max_new_tokens,
                                                        settings.temperature, eos, target.device, generator)):
@@ -313,9 +317,10 @@ def regenerate(source: str, out_dir: str, cfg, device: str = "cpu", log: Callabl
 
 
 def ensure_regenerated(cfg, device: str, log: Callable[[str], None], on_progress=lambda p: None,
-                       target=None) -> str:
+                       target=None, should_stop: Callable[[], bool] = lambda: False) -> Optional[str]:
     """``data.regenerate`` before training: the shards in the run directory, written
-    now unless a complete regeneration with these settings is already there."""
+    now unless a complete regeneration with these settings is already there; None
+    when ``should_stop`` ended it first."""
     from trainer.data import regenerated_dir
 
     out = regenerated_dir(cfg)
@@ -326,5 +331,6 @@ def ensure_regenerated(cfg, device: str, log: Callable[[str], None], on_progress
     except (OSError, ValueError):
         pass
     log(f"regenerate: the target writes the responses of {cfg.data.regenerate.source} into {out}")
-    regenerate(cfg.data.regenerate.source, out, cfg, device, log, on_progress, target=target)
-    return out
+    done = regenerate(cfg.data.regenerate.source, out, cfg, device, log, on_progress, target=target,
+                      should_stop=should_stop)
+    return out if done is not None else None
