@@ -124,7 +124,7 @@ trainer:
     regenerate:
       source: synthetic
       max_new_tokens: 64
-      batch_size: 32
+      batch_size: 8             # prompts decoded together (on CPU small batches are faster)
       shard_size: 32            # a restart keeps the shards already written
   optim:
     lr: 1.0e-2                  # tiny model, the target's cycle: learns in a few hundred steps

@@ -716,12 +716,20 @@ def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False
 
 # --------------------------------------------------------------------------- evaluation
 
-EVAL_FILE = "eval.json"
+EVAL_FILE = "eval.json"  # the trainer's report, rewritten after every prompt (complete: false until the last)
+EVAL_LOG = "eval.log"  # its progress lines and errors
+EVAL_EXIT = "eval.exit"  # its exit status, once it has ended
+EVAL_POLL_SECONDS = 2.0
+
+
+def eval_session(run: Run) -> str:
+    return f"{run.tmux_session or run.id}-eval"
 
 
 def eval_argv(run: Run, settings: "EvalSettings", python: str) -> list[str]:
     """argv running ``python -m trainer eval`` in the run directory on its host, with
-    the run's own environment (bundle on PYTHONPATH, its GPUs)."""
+    the run's own environment (bundle on PYTHONPATH, its GPUs): the report goes to
+    eval.json (after every prompt), progress to eval.log, the exit status to eval.exit."""
     env = [f"{k}={v}" for k, v in (run.config.get("env") or {}).items()]
     trainer = [*shlex.split(python), "-m", "trainer", "eval", run.run_dir, "--json", "--out", EVAL_FILE,
                "--prompts", str(settings.prompts), "--max-new-tokens", str(settings.max_new_tokens),
@@ -732,8 +740,8 @@ def eval_argv(run: Run, settings: "EvalSettings", python: str) -> list[str]:
         trainer += ["--data", settings.data]
     if settings.threads:
         trainer += ["--threads", str(settings.threads)]
-    # The trainer's own output goes to stderr; stdout is the report file, whole.
-    script = 'cd "$1" && shift && rm -f ' + EVAL_FILE + ' && env "$@" >&2 && cat ' + EVAL_FILE
+    script = (f'cd "$1" && shift && rm -f {EVAL_FILE} {EVAL_EXIT} && '
+              f'{{ env "$@" > /dev/null 2> {EVAL_LOG}; echo $? > {EVAL_EXIT}.tmp && mv -f {EVAL_EXIT}.tmp {EVAL_EXIT}; }}')
     return ["sh", "-c", script, "dflashctl-eval", run.run_dir, *env, *trainer]
 
 
@@ -743,61 +751,93 @@ def eval_budget(timeout: float) -> float:
     return max(1.0, 0.8 * timeout - 5.0)
 
 
-_READ_EVAL = 'cd "$1" && cat ' + EVAL_FILE + ' 2>/dev/null; exit 0'
+# One round trip: the exit status (or '-'), then the report so far (or nothing).
+_READ_EVAL = f'cd "$1" && {{ cat {EVAL_EXIT} 2>/dev/null || echo -; }} && cat {EVAL_FILE} 2>/dev/null; exit 0'
 
 
-def _kept_report(transport: "Transport", run: Run) -> dict[str, Any] | None:
-    """The partial report the trainer wrote after its last prompt (eval.json), if any."""
-    try:
-        answer = transport.run(["sh", "-c", _READ_EVAL, "dflashctl-eval", run.run_dir], timeout=30, check=False)
-    except TransportError:
-        return None
-    return _json_report(answer.stdout)
+def _read_eval(transport: "Transport", run: Run) -> tuple[int | None, dict[str, Any] | None]:
+    """(the eval's exit status, None while it runs; the report it wrote last, if any)."""
+    answer = transport.run(["sh", "-c", _READ_EVAL, "dflashctl-eval", run.run_dir], timeout=30, check=False)
+    head, _, text = answer.stdout.partition("\n")
+    code = int(head) if head.strip().lstrip("-").isdigit() else None
+    return code, _json_report(text)
+
+
+def _prompt_line(report: dict[str, Any], row: dict[str, Any]) -> str:
+    speed = (report.get("speed") or {}).get("speedup")
+    return (f"prompt {row.get('index', 0) + 1}/{report.get('prompts_planned')}: tau {_two(row.get('tau'))}, "
+            f"{row.get('new_tokens')} tokens in {row.get('target_forwards')} target forwards; so far tau "
+            f"{_two(report.get('tau'))}" + (f", {speed:.2f}x greedy" if isinstance(speed, (int, float)) else ""))
 
 
 def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalSettings",
-             progress: Progress | None = None, *, clock: Callable[[], float] = time.time) -> dict[str, Any]:
+             progress: Progress | None = None, *, clock: Callable[[], float] = time.time,
+             poll: float = EVAL_POLL_SECONDS) -> dict[str, Any]:
     """Evaluate the run's drafter (its newest checkpoint) with real speculative decoding
-    on its host; store the report (or why there is none) and return it."""
+    on its host, in a tmux session beside the run's: each prompt is said as it is
+    measured and the report so far stored with the run, so a timeout or Ctrl-C keeps
+    what was measured. Returns the report (``complete`` false when it ended early)."""
     say = progress or quiet
     run = store.get_run(run_id)
     transport = host_transport(run.host, inventory)
+    tmux = part_tmux(run, inventory)
     python = run.config.get("python") or transport.host.python
+    session = eval_session(run)
     say("eval", f"speculative decoding with {run.id}'s drafter on {run.host} ({settings.prompts} prompts, "
-        f"{settings.max_new_tokens} new tokens each)")
-    from dflashctl.errors import CommandTimeout
+        f"{settings.max_new_tokens} new tokens each, budget {settings.timeout:.0f}s; tmux session {session})")
+    tmux.kill(session)
+    tmux.start(session, shlex.join(eval_argv(run, settings, python)))
+    deadline = time.monotonic() + float(settings.timeout) + 10.0
+    row: int | None = None
+    report: dict[str, Any] | None = None
+    seen, code, stopped = 0, None, None
+
+    def keep(latest: dict[str, Any] | None) -> None:
+        nonlocal row, report, seen
+        if not latest or not latest.get("prompts") or latest == report:
+            return
+        for measured in (latest.get("per_prompt") or [])[seen:]:
+            say("eval", _prompt_line(latest, measured))
+        report, seen = latest, int(latest.get("prompts") or 0)
+        if row is None:
+            row = store.add_eval(run.id, clock(), report=report)
+        else:
+            store.update_eval(row, clock(), report=report)
 
     try:
-        result = transport.run(eval_argv(run, settings, python), timeout=float(settings.timeout), check=False)
-    except (CommandTimeout, KeyboardInterrupt) as e:
-        # What was measured before the end is kept: the trainer rewrites eval.json after every prompt.
-        stopped = "interrupted" if isinstance(e, KeyboardInterrupt) else "timeout"
-        report = _kept_report(transport, run)
+        while True:
+            code, latest = _read_eval(transport, run)
+            keep(latest)
+            if code is not None:
+                break
+            if time.monotonic() > deadline:
+                stopped = "timeout"
+                break
+            if not tmux.has_session(session):  # ended without writing its exit status: killed
+                code, latest = _read_eval(transport, run)
+                keep(latest)
+                break
+            time.sleep(poll)
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    if code is None:
+        tmux.kill(session)
+        keep(_read_eval(transport, run)[1])  # what it wrote since the last look
+    if stopped or code is None or code != 0 or not (report or {}).get("complete", False):
         if report and report.get("prompts"):
-            report = {**report, "complete": False, "stopped": stopped}
-            store.add_eval(run.id, clock(), report=report)
-            store.add_event(run.id, "eval", f"evaluation {stopped} after {report['prompts']} prompts: measured tau "
-                            f"{report.get('tau')} (partial)", clock(), "warning",
-                            {k: report.get(k) for k in ("tau", "step", "prompts", "prompts_planned", "stopped")})
-            say("eval", f"{stopped}: kept {report['prompts']} of {report.get('prompts_planned')} prompts, measured "
-                f"tau {report.get('tau')}")
+            report = {**report, "complete": False, "stopped": report.get("stopped") or stopped or f"exit {code}"}
+            store.update_eval(row, clock(), report=report)
         else:
-            store.add_eval(run.id, clock(), error=f"evaluation {stopped} before its first prompt")
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        if not (report and report.get("prompts")):
-            raise LaunchError(f"the evaluation of {run.id} timed out after {settings.timeout:.0f}s before its first "
-                              "prompt", hint="give it more time (--timeout) or fewer tokens (--max-new-tokens)") from None
-        return report
-    report = _json_report(result.stdout)
-    if result.exit_code != 0 or report is None:
-        tail = (result.stderr.strip() or result.stdout.strip())[-500:]
-        error = f"the evaluation failed (exit {result.exit_code}): {tail.splitlines()[-1] if tail else 'no output'}"
-        store.add_eval(run.id, clock(), error=error)
-        store.add_event(run.id, "eval", error, clock(), "warning", {"stderr_tail": tail})
-        raise LaunchError(error, hint=f"run it by hand on {run.host}: cd {shlex.quote(run.run_dir)} && "
-                          f"{shlex.join([*shlex.split(python), '-m', 'trainer', 'eval', run.run_dir])}")
-    store.add_eval(run.id, clock(), report=report)
+            tail = _eval_log_tail(transport, run)
+            error = (f"the evaluation {'failed (exit ' + str(code) + ')' if code else stopped or 'ended'} before its "
+                     f"first prompt: {tail.splitlines()[-1] if tail else 'no output'}")
+            store.add_eval(run.id, clock(), error=error)
+            store.add_event(run.id, "eval", error, clock(), "warning", {"stderr_tail": tail})
+            if stopped == "interrupted":
+                raise KeyboardInterrupt
+            raise LaunchError(error, hint=f"its log: {posixpath_join(run.run_dir, EVAL_LOG)} on {run.host}; by hand: "
+                              f"cd {shlex.quote(run.run_dir)} && "
+                              f"{shlex.join([*shlex.split(python), '-m', 'trainer', 'eval', run.run_dir])}")
     speed = report.get("speed") or {}
     partial = "" if report.get("complete", True) else \
         f" (partial: {report.get('prompts')} of {report.get('prompts_planned')} prompts, {report.get('stopped')})"
@@ -805,14 +845,22 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
     summary = (f"measured tau {_two(tau)} (τ est {_two(tau_est)}, accept_len + 1) at step {report.get('step')}{partial}"
                + (f", {speed['speedup']:.2f}x greedy decoding" if isinstance(speed.get("speedup"), (int, float))
                   else "")
-               + (f", output identical to greedy" if report.get("greedy_identical") else ""))
+               + (", output identical to greedy" if report.get("greedy_identical") else ""))
     gap = contract.tau_gap(tau_est, tau if isinstance(tau, (int, float)) else None)
     if gap:
         summary += f"; {gap}"
-    store.add_event(run.id, "eval", summary, clock(), "info",
-                    {k: report.get(k) for k in ("tau", "step", "tokens_per_target_forward", "greedy_identical")})
+    store.add_event(run.id, "eval", summary, clock(), "info" if report.get("complete", True) else "warning",
+                    {k: report.get(k) for k in ("tau", "step", "tokens_per_target_forward", "greedy_identical",
+                                                "prompts", "prompts_planned", "stopped")})
     say("eval", summary)
+    if stopped == "interrupted":
+        raise KeyboardInterrupt
     return report
+
+
+def _eval_log_tail(transport: "Transport", run: Run) -> str:
+    answer = transport.run(["tail", "-n", "20", posixpath_join(run.run_dir, EVAL_LOG)], timeout=30, check=False)
+    return answer.stdout.strip()[-500:]
 
 
 def _two(value: Any) -> str:

@@ -1,6 +1,7 @@
 """``python -m trainer eval CKPT``: measured acceptance of a trained drafter.
 
-For each prompt of the data (the tokens before a sample's first loss token), the
+For each prompt of the data (the tokens before a sample's first loss token; by
+default the run's ``data.holdout`` samples, which it never trained on), the
 frozen target and the drafter decode with real speculative decoding
 (trainer/speculative.py), and the target alone decodes greedily as the reference
 and the speed baseline. The report (``run_eval``, a JSON-able dict) holds:
@@ -26,6 +27,14 @@ and the speed baseline. The report (``run_eval``, a JSON-able dict) holds:
 
 ``target_data`` writes synthetic shards whose responses the target itself wrote
 (greedy), the data on which measured and training figures must agree.
+
+Tau is accepted draft tokens + 1 per verification step, as published; the trainer's
+``accept_len`` + 1 is its training-time estimate ("τ est", dflashctl.contract).
+
+The report is handed over after every prompt (``on_prompt``; ``--out`` is rewritten
+each time) with ``complete`` false until the last; past ``timeout`` no prompt is
+begun and a Ctrl-C or SIGTERM ends the one in progress: ``stopped`` says which, and
+the figures are those of the prompts measured.
 
 Evaluation never changes a checkpoint or its run directory; the report goes where
 the caller says (``--out``).
