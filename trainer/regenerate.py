@@ -38,7 +38,9 @@ import time
 from dataclasses import asdict
 from typing import Callable, Optional
 
-from trainer.data import MANIFEST, PAD_ID, DataError, ErrorBudget, ShardDataset, shard_paths
+from trainer.data import (
+    MANIFEST, PAD_ID, DataError, ErrorBudget, ShardDataset, chat_head, chat_records, shard_paths,
+)
 
 FORMAT = "jsonl input_ids+loss_mask v1"
 PROGRESS_EVERY_S = 10.0
@@ -72,31 +74,14 @@ def shard_prompts(spec: str, vocab_size: int, count: Optional[int], log=None) ->
 
 def chat_prompts(path: str, tokenizer, thinking: Optional[bool], count: Optional[int], log=None) -> list[list[int]]:
     """Prompts of chat JSONL through the tokenizer's chat template (generation prompt added)."""
-    errors = ErrorBudget(10, log)
+    template = {} if thinking is None else {"enable_thinking": thinking}
     prompts = []
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except ValueError as e:
-                errors.bad(f"{path}:{line_no}", f"not valid JSON: {e}")
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                errors.bad(f"{path}:{line_no}", 'expected {"prompt": "..."[, "system": "..."]}')
-                continue
-            system = obj.get("system") if isinstance(obj.get("system"), str) else None
-            if getattr(tokenizer, "chat_template", None):
-                messages = ([{"role": "system", "content": system}] if system else []) + \
-                    [{"role": "user", "content": obj["prompt"]}]
-                extra = {} if thinking is None else {"enable_thinking": thinking}
-                head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-            else:
-                head = (system + "\n" if system else "") + obj["prompt"]
-            prompts.append(tokenizer(head, add_special_tokens=False)["input_ids"])
-            if count and len(prompts) == count:
-                break
+    for obj in chat_records(path, ErrorBudget(10, log), keys=("prompt",)):
+        system = obj.get("system") if isinstance(obj.get("system"), str) else None
+        prompts.append(tokenizer(chat_head(tokenizer, obj["prompt"], system, **template),
+                                 add_special_tokens=False)["input_ids"])
+        if count and len(prompts) == count:
+            break
     return prompts
 
 
