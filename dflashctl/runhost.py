@@ -792,22 +792,25 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
     report: dict[str, Any] | None = None
     seen, code, stopped = 0, None, None
 
-    def keep(latest: dict[str, Any] | None) -> None:
+    def keep(latest: dict[str, Any] | None, tell: Progress) -> None:
+        """Store a newer report, then say its new prompts (stored first: a Ctrl-C may
+        come while they are said)."""
         nonlocal row, report, seen
         if not latest or not latest.get("prompts") or latest == report:
             return
-        for measured in (latest.get("per_prompt") or [])[seen:]:
-            say("eval", _prompt_line(latest, measured))
+        new = (latest.get("per_prompt") or [])[seen:]
         report, seen = latest, int(latest.get("prompts") or 0)
         if row is None:
             row = store.add_eval(run.id, clock(), report=report)
         else:
             store.update_eval(row, clock(), report=report)
+        for measured in new:
+            tell("eval", _prompt_line(latest, measured))
 
     try:
         while True:
             code, latest = _read_eval(transport, run)
-            keep(latest)
+            keep(latest, say)
             if code is not None:
                 break
             if time.monotonic() > deadline:
@@ -815,14 +818,14 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
                 break
             if not tmux.has_session(session):  # ended without writing its exit status: killed
                 code, latest = _read_eval(transport, run)
-                keep(latest)
+                keep(latest, say)
                 break
             time.sleep(poll)
     except KeyboardInterrupt:
         stopped = "interrupted"
     if code is None:
         tmux.kill(session)
-        keep(_read_eval(transport, run)[1])  # what it wrote since the last look
+        keep(_read_eval(transport, run)[1], say if stopped != "interrupted" else quiet)  # written since the last look
     if stopped or code is None or code != 0 or not (report or {}).get("complete", False):
         if report and report.get("prompts"):
             report = {**report, "complete": False, "stopped": report.get("stopped") or stopped or f"exit {code}"}
