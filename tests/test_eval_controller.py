@@ -92,7 +92,7 @@ def test_dflashctl_eval_says_each_prompt_and_ctrl_c_keeps_what_was_measured(tmp_
         said.append(message)
         if message.startswith("prompt 2/"):
             stored = [e for e in store.evals(result.run_id) if e["error"] is None]
-            assert stored and stored[-1]["report"]["prompts"] == 1  # stored as it came, before the next
+            assert stored and stored[-1]["report"]["prompts"] >= 2  # stored as it came, before it is said
             raise KeyboardInterrupt
 
     settings = EvalSettings(prompts=50, max_new_tokens=16, threads=1, timeout=600)
