@@ -190,12 +190,15 @@ def eval_command(
     """Measure the run's drafter with real speculative decoding on its host.
 
     Runs `python -m trainer eval` on the run's newest checkpoint, with the run's
-    environment and GPUs: the measured acceptance length tau per prompt and its
-    mean, tokens per target forward, and the speed-up over plain greedy decoding.
-    The report is stored with the run (`dflashctl runs` shows tau). A playbook's
-    `eval: {after_done: true}` runs it by itself when a run ends done.
+    environment and GPUs, in a tmux session beside the run's, on the run's held-out
+    prompts (data.holdout) when it has some: the measured tau (accepted draft tokens
+    + 1 per target forward), said per prompt as it comes, tokens per target forward,
+    and the speed-up over plain greedy decoding. The report is stored with the run
+    as it grows (`dflashctl runs` and `status` show it as τ beside τ est): a timeout
+    or Ctrl-C keeps the prompts measured. A playbook's `eval: {after_done: true}`
+    runs it by itself when a run ends done.
 
-    Example: dflashctl eval demo-20261130-203528-9854 --prompts 4"""
+    Example: dflashctl eval demo-20261130-203528-9854 --prompts 4 --timeout 2m --threads 1"""
     from dflashctl.config import EvalSettings
     from dflashctl.runhost import eval_run
     from dflashctl.supervisor import policy_for_run
