@@ -126,6 +126,7 @@ trainer:
       max_new_tokens: 64
       batch_size: 8             # prompts decoded together (on CPU small batches are faster)
       shard_size: 32            # a restart keeps the shards already written
+      threads: 1                # a tiny target decodes fastest on one thread
   optim:
     lr: 1.0e-2                  # tiny model, the target's cycle: learns in a few hundred steps
   train:

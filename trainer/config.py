@@ -69,6 +69,8 @@ class RegenerateConfig:
     """Prompts taken from ``source`` at most (default: all; 'synthetic': data.synthetic_samples)."""
     thinking: Optional[bool] = None
     """Chat templates with a thinking switch (Qwen3's enable_thinking): recorded, passed to the template; None: the template's default."""
+    threads: Optional[int] = None
+    """CPU intra-op threads while the target writes (a CPU target only; default: torch's). 1 is fastest for a tiny target on a busy machine."""
 
 
 @dataclass

@@ -513,6 +513,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     r.add_argument("--thinking", choices=["on", "off"], help="chat templates with a thinking switch: enable_thinking "
                                                              "(default: the template's own)")
     r.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    r.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's; 1 is fastest for a tiny "
+                                               "target on a busy machine)")
     args = parser.parse_args(argv)
     if args.command == "regenerate":
         return _regenerate_command(args)
@@ -542,7 +544,7 @@ def _regenerate_command(args) -> int:
         data = raw.setdefault("data", {})
         data["shards"] = None
         regen = data.get("regenerate") or {}
-        for key in ("max_new_tokens", "temperature", "seed", "batch_size", "shard_size", "samples"):
+        for key in ("max_new_tokens", "temperature", "seed", "batch_size", "shard_size", "samples", "threads"):
             if getattr(args, key) is not None:
                 regen[key] = getattr(args, key)
         if args.thinking:

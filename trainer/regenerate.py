@@ -189,12 +189,26 @@ def regenerate(source: str, out_dir: str, cfg, device: str = "cpu", log: Callabl
     after every batch) it returns None: the shards written are kept."""
     import torch
 
-    from dflashctl.contract import atomic_write_text
     from trainer.config import RegenerateConfig
+
+    settings = cfg.data.regenerate or RegenerateConfig()
+    before = torch.get_num_threads()
+    if settings.threads and torch.device(device).type == "cpu":
+        torch.set_num_threads(settings.threads)  # recorded: a sum's order, so its last bit, may follow it
+    try:
+        return _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock, target, should_stop)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock, target, should_stop):
+    """regenerate() with its settings and threads in place."""
+    import torch
+
+    from dflashctl.contract import atomic_write_text
     from trainer.serving import target_config_hash
     from trainer.target import build_target, default_dtype
 
-    settings = cfg.data.regenerate or RegenerateConfig()
     target = target or build_target(cfg.model, device, default_dtype(cfg.model, device))
     dtype = target.dtype
     model = target.model
