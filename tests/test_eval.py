@@ -137,7 +137,7 @@ def test_the_greedy_baseline_is_the_targets_own_greedy_decoding(written_by_targe
     from trainer.speculative import greedy_generate
 
     loaded = serving.load(written_by_target["ckpt"])
-    for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 3):
+    for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 3)[0]:
         start = split_prompt(ids, mask)
         ours = greedy_generate(loaded.target, ids[:start], 30).tokens
         hf = loaded.target.greedy_generate(torch.tensor([ids[:start]]), 30)[0, start:].tolist()
@@ -155,7 +155,7 @@ def test_decoding_accepts_what_the_training_statistic_predicts_step_by_step(writ
 
     loaded = serving.load(written_by_target["ckpt"])
     steps = 0
-    for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 6):
+    for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 6)[0]:
         start = split_prompt(ids, mask)
         runs = anchor_runs(loaded.target, loaded.drafter, ids, mask)
         gen = speculative_generate(loaded.target, loaded.drafter, ids[:start], len(ids) - start)
