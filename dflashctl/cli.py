@@ -33,7 +33,7 @@ EXAMPLES = {
     "hosts": ["dflashctl hosts", "dflashctl --inventory other.yaml hosts"],
     "check": ["dflashctl check", "dflashctl check gpu1 --json"],
     "trust": ["dflashctl trust gpu1", "dflashctl trust gpu1 --yes"],
-    "eval": ["dflashctl eval RUN", "dflashctl eval RUN --prompts 4 --json"],
+    "eval": ["dflashctl eval RUN", "dflashctl eval RUN --prompts 4 --json", "dflashctl eval RUN --timeout 2m --threads 1"],
     "advise": ["dflashctl advise RUN", "dflashctl advise RUN --gpus 8 --json"],
 }
 

@@ -37,7 +37,7 @@ def format_metrics(m: contract.Metrics) -> str:
     if m.acc is not None:
         parts.append(f"acc {m.acc:.3f}")
     if m.accept_len is not None:
-        parts.append(f"accept {m.accept_len:.2f}")
+        parts.append(f"τ est {contract.tau_estimate(m.accept_len):.2f}")  # accept_len + 1, as eval's τ
     if m.eta_s is not None:
         parts.append(f"ETA {fmt_duration(m.eta_s)}")
     return "  ".join(parts)

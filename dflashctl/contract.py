@@ -517,3 +517,37 @@ def did_you_mean(name: str, choices) -> str:
 
     close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# --------------------------------------------------------------------------- acceptance (tau)
+#
+# One meaning of tau everywhere, as published for DFlash and EAGLE: the tokens one
+# target forward yields, accepted draft tokens + 1 (the target's own token). The
+# trainer logs ``accept_len``, the expected run of correct drafter slots at the
+# training anchors (teacher forced on the data): ``tau_estimate`` is that + 1, shown
+# as "τ est". The measured tau ("τ") comes from real speculative decoding
+# (``python -m trainer eval``). Where the data was written by the target itself the
+# two agree; they part when it was not, which is the usual cause of a drafter that
+# trains well and accepts little in serving.
+
+TAU_GAP_MARGIN = 0.10
+"""Measured tau further than this fraction below ``tau_estimate`` is a gap worth a word."""
+TAU_GAP_REASON = ("the training data was usually not written by this target: the drafter learned the data, the "
+                  "target decodes otherwise (regenerate the responses with the target: "
+                  "python -m trainer.data regenerate, or data.regenerate in the playbook)")
+
+
+def tau_estimate(accept_len: float | None) -> float | None:
+    """The training-time tau: ``accept_len + 1`` (None when there is no accept_len)."""
+    return None if accept_len is None else float(accept_len) + 1.0
+
+
+def tau_gap(tau_est: float | None, tau: float | None, margin: float = TAU_GAP_MARGIN) -> str | None:
+    """Why the measured tau is well below the estimate (a sentence), or None when
+    either is missing or they agree within ``margin`` of the estimate."""
+    if tau_est is None or tau is None or tau_est <= 0:
+        return None
+    if tau >= tau_est * (1.0 - margin):
+        return None
+    return (f"measured τ {tau:.2f} is {100 * (1 - tau / tau_est):.0f}% below τ est {tau_est:.2f} "
+            f"(more than {100 * margin:.0f}%): {TAU_GAP_REASON}")

@@ -1044,6 +1044,14 @@ class Store:
                  _number(speed.get("speedup")), _json(report), error])
             return cur.lastrowid
 
+    def update_eval(self, eval_id: int, now: float, report: dict[str, Any]) -> None:
+        """Replace an evaluation's report with a newer one (eval reports as it goes)."""
+        speed = report.get("speed") if isinstance(report.get("speed"), dict) else {}
+        with self._write() as db:
+            db.execute("UPDATE evals SET time = ?, step = ?, tau = ?, speedup = ?, report = ? WHERE id = ?",
+                       [now, _int64(report.get("step")), _number(report.get("tau")), _number(speed.get("speedup")),
+                        _json(report), eval_id])
+
     def evals(self, run_id: str | None = None) -> list[dict[str, Any]]:
         """Evaluations, oldest first (of one run, or of all)."""
         sql, params = "SELECT * FROM evals", []

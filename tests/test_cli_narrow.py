@@ -54,14 +54,14 @@ def test_runs_fits_the_width_and_says_what_each_run_achieved(store, columns):
     lines = done.stdout.splitlines()
     width = columns or 200
     assert max(len(line) for line in lines) <= width
-    header = lines[0].split()
-    assert header[:2] == ["run", "state"] and {"step", "loss", "accept", "tau", "rst"} <= set(header)
-    rows = [line for line in lines[1:] if not line.startswith("  ")]
+    header = lines[0].replace("τ est", "τ_est").split()
+    assert header[:2] == ["run", "state"] and {"step", "loss", "τ_est", "τ", "rst"} <= set(header)
+    rows = [line for line in lines[1:] if not line.startswith(("  ", "τ "))]  # the legend and τ notes close it
     assert [row.split()[0] for row in rows] == [RUN_C, RUN_B, RUN_A]  # one line per run, ids whole
     prod = next(row for row in rows if row.startswith(RUN_A))
     cells = dict(zip(header, prod.split()))  # the cells up to `created` hold no space
-    assert [cells[k] for k in ("state", "step", "loss", "accept", "tau", "rst")] == \
-        ["running", "1,350/120,000", "1.800", "3.70", "3.41", "1"]
+    assert [cells[k] for k in ("state", "step", "loss", "τ_est", "τ", "rst")] == \
+        ["running", "1,350/120,000", "1.800", "4.70", "3.41", "1"]
     # The failed run's whole reason is on one detail line below it (cut to the width at 80).
     [detail] = [line for line in lines if line.startswith("  ")]
     assert lines[lines.index(detail) - 1].startswith(RUN_B) and detail.startswith("  exit: crash: CUDA out of memory")
@@ -71,7 +71,7 @@ def test_runs_fits_the_width_and_says_what_each_run_achieved(store, columns):
     payload = json.loads(_cli("runs", "--json", columns=columns, DFLASHCTL_STORE=store.path).stdout)
     by_id = {r["id"]: r for r in payload}
     summary = by_id[RUN_A]["summary"]
-    assert set(summary) == {"step", "total_steps", "loss", "accept_len", "tau", "restarts", "duration_s"}
+    assert set(summary) == {"step", "total_steps", "loss", "accept_len", "tau_est", "tau", "restarts", "duration_s"}
     assert (summary["step"], summary["total_steps"], summary["restarts"], summary["tau"]) == (1350, 120000, 1, 3.41)
     assert summary["loss"] == pytest.approx(1.8) and summary["accept_len"] == pytest.approx(3.7)
     assert 400 < summary["duration_s"] < 600

@@ -156,7 +156,9 @@ def test_demo_playbook_runs_on_cpu_locally():
     demo = load_playbook("demo", inventory=load_inventory())
     assert demo.host == "local" and demo.source == "<embedded demo playbook>"
     t = demo.trainer
-    assert (t.model.preset, t.placement.device, t.data.buckets) == ("tiny", "cpu", [256])
+    assert (t.model.preset, t.placement.device, t.data.buckets) == ("tiny-cycle", "cpu", [256])
+    assert t.data.regenerate.source == "synthetic" and t.data.holdout > 0  # data written by its own target
+    assert demo.eval.after_done and demo.eval.timeout <= 300  # measured at the end, within the demo's budget
     assert t.train.steps <= 300 and t.data.batch_size <= 2
 
 

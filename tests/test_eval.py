@@ -23,7 +23,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-DEMO = {  # playbooks/demo.yaml's trainer section
+DEMO = {  # playbooks/demo.yaml's trainer section as it was: a random target and synthetic data it never wrote
     "model": {"preset": "tiny", "drafter_layers": 2, "block_size": 8},
     "data": {"buckets": [256], "batch_size": 2, "max_anchors": 16},
     "optim": {"lr": 1.0e-2},
@@ -140,7 +140,7 @@ def test_the_greedy_baseline_is_the_targets_own_greedy_decoding(written_by_targe
     from trainer.speculative import greedy_generate
 
     loaded = restore.load(written_by_target["ckpt"])
-    for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 3):
+    for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 3)[0]:
         start = split_prompt(ids, mask)
         ours = greedy_generate(loaded.target, ids[:start], 30).tokens
         hf = loaded.target.greedy_generate(torch.tensor([ids[:start]]), 30)[0, start:].tolist()
@@ -158,7 +158,7 @@ def test_decoding_accepts_what_the_training_statistic_predicts_step_by_step(writ
 
     loaded = restore.load(written_by_target["ckpt"])
     steps = 0
-    for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 6):
+    for ids, mask in load_samples(loaded.cfg, written_by_target["shards"], 512, 511, 6)[0]:
         start = split_prompt(ids, mask)
         runs = anchor_runs(loaded.target, loaded.drafter, ids, mask)
         gen = speculative_generate(loaded.target, loaded.drafter, ids[:start], len(ids) - start)
@@ -232,24 +232,15 @@ def test_eval_takes_the_target_from_another_path_only_when_it_is_the_same_networ
 
 def cycle_target(path, cycle: list[int]) -> str:
     """A tiny Qwen3 whose greedy continuation of a cycle token is its successor in
-    ``cycle``: every layer adds nothing to the residual stream (o_proj and down_proj
-    zero), and the lm_head row of each successor is its predecessor's normalised
-    embedding. The demo's synthetic task assumes the target writes the cycle; the
-    random preset does not, this one does."""
+    ``cycle`` (trainer.target.arrange_cycle): the synthetic task assumes the target
+    writes the cycle; the random preset does not, this one does."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.target import preset_config
+    from trainer.target import arrange_cycle, preset_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(preset_config("tiny"))
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        emb = model.model.embed_tokens.weight
-        normed = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
-        for i, token in enumerate(cycle):
-            model.lm_head.weight[cycle[(i + 1) % len(cycle)]] = normed[token]
+    arrange_cycle(model, cycle)
     model.save_pretrained(path)
     return str(path)
 
@@ -274,10 +265,10 @@ def test_measured_tau_agrees_with_training_after_the_demo_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_demo_as_shipped_shows_a_gap_and_its_reason(tmp_path):
-    """The demo's random target never writes the cycle: the drafter learns the data
-    (accept_len well above 5) yet decoding with that target accepts almost nothing,
-    and the report says why."""
+def test_data_the_target_did_not_write_shows_a_gap_and_its_reason(tmp_path):
+    """The old demo: the random target never writes the synthetic cycle, so the drafter
+    learns the data (accept_len well above 5) yet decoding with that target accepts
+    almost nothing, and the report says why."""
     from trainer.eval import format_text, run_eval
 
     assert train(tmp_path / "run", json.loads(json.dumps(DEMO))) == contract.EXIT_DONE
@@ -285,3 +276,69 @@ def test_the_demo_as_shipped_shows_a_gap_and_its_reason(tmp_path):
     assert report["training"]["accept_len"] > 5 and report["reference"]["chain_tau"] > 5
     assert report["reference"]["target_agreement"] < 0.2 and report["tau"] < 1.5
     assert "the data was not written by this target" in format_text(report)
+    assert "not written by this target" in contract.tau_gap(report["training"]["tau_estimate"], report["tau"])
+
+
+@pytest.mark.slow
+def test_the_demo_as_shipped_measures_tau_near_accept_len_plus_one(tmp_path):
+    """playbooks/demo.yaml as shipped: the tiny-cycle target regenerates the responses
+    (data.regenerate) before training, the drafter trains on them, and real
+    speculative decoding on the held-out prompts measures tau within 10 % of
+    accept_len + 1, its output identical to greedy decoding."""
+    import yaml
+
+    from trainer.eval import format_text, run_eval
+    from trainer.info import describe, format_text as info_text
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "playbooks", "demo.yaml")) as f:
+        playbook = yaml.safe_load(f)
+    assert train(tmp_path / "run", playbook["trainer"]) == contract.EXIT_DONE
+    with open(tmp_path / "run" / "regenerated" / "manifest.json") as f:
+        manifest = json.load(f)
+    assert manifest["complete"] and manifest["provenance"]["target"]["preset"] == "tiny-cycle"
+    settings = playbook["eval"]
+    report = run_eval(str(tmp_path / "run"), prompts=settings["prompts"], max_new_tokens=settings["max_new_tokens"])
+    print(format_text(report))
+    assert "held-out" in report["data"] and report["complete"]
+    assert report["greedy_identical"] is True
+    estimate = report["training"]["tau_estimate"]
+    assert abs(report["tau"] - estimate) <= 0.1 * estimate, (report["tau"], estimate)
+    assert report["tau"] > 0.8 * 8 and report["speed"]["speedup"] > 1
+    assert "regenerated by preset tiny-cycle" in info_text(describe(str(tmp_path / "run")))
+
+
+def test_eval_reports_each_prompt_and_keeps_what_it_measured_at_its_budget(written_by_target):
+    """Each prompt hands over the report so far; past the budget (the clock is an
+    argument) no new prompt is begun and the report says it is partial."""
+    from trainer.eval import format_text, run_eval
+
+    ticks = iter(range(0, 10_000, 10))  # every reading of the clock is 10 s later
+    seen = []
+    report = run_eval(written_by_target["ckpt"], written_by_target["shards"], prompts=6, max_new_tokens=8,
+                      reference=False, timeout=35, on_prompt=seen.append, clock=lambda: next(ticks))
+    assert [r["prompts"] for r in seen] == list(range(1, report["prompts"] + 1))
+    assert 0 < report["prompts"] < 6 and report["prompts_planned"] == 6
+    assert report["complete"] is False and report["stopped"] == "timeout"
+    assert all(not r["complete"] for r in seen) and seen[-1]["tau"] == report["tau"]
+    assert "partial" in format_text(report)
+    whole = run_eval(written_by_target["ckpt"], written_by_target["shards"], prompts=2, max_new_tokens=8,
+                     reference=False)
+    assert whole["complete"] is True and whole["stopped"] is None
+
+
+def test_eval_measures_the_held_out_prompts_by_default(tmp_path):
+    """data.holdout: training never reads those samples; eval's default prompts are them."""
+    from trainer import config as config_mod
+    from trainer.data import build_source
+    from trainer.eval import load_samples
+
+    cfg = config_mod.from_dict({"data": {"holdout": 5, "synthetic_samples": 40}, "model": {"block_size": 8}})
+    source = build_source(cfg, 512, 511)
+    assert len(source.dataset) == 35 and len(source.holdout) == 5
+    trained = {tuple(source.dataset.get(i)[0]) for i in range(len(source.dataset))}
+    held = [tuple(source.holdout.get(i)[0]) for i in range(len(source.holdout))]
+    assert not trained & set(held)
+    samples, what = load_samples(cfg, None, 512, 511, 3)
+    assert [tuple(ids) for ids, _ in samples] == held[:3] and "held-out" in what
+    again = build_source(cfg, 512, 511)  # from the seed alone: the same split every time
+    assert [again.holdout.get(i) for i in range(5)] == [source.holdout.get(i) for i in range(5)]

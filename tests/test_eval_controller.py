@@ -65,3 +65,45 @@ def test_the_supervisor_evaluates_a_finished_run_and_stores_the_report(tmp_path)
                             env={**os.environ, "DFLASHCTL_STORE": store.path}, timeout=60)
     [entry] = [r for r in json.loads(listed.stdout) if r["id"] == result.run_id]
     assert entry["eval"]["tau"] == row["tau"]
+
+
+@pytest.mark.slow
+def test_dflashctl_eval_says_each_prompt_and_ctrl_c_keeps_what_was_measured(tmp_path):
+    """eval_run runs the trainer's eval in a tmux session beside the run's and reads its
+    report as it grows: each prompt is said and stored at once; a Ctrl-C (here: raised
+    from the progress callback once two prompts are in) ends the session and keeps
+    those prompts as a partial report."""
+    from dflashctl.runhost import eval_run, eval_session, part_tmux
+
+    inventory = load_inventory(None)
+    _uses_tmux("local", inventory)
+    store = Store(str(tmp_path / "runs.db"))
+    pb = _playbook(tmp_path, inventory, "local", name="measured", train={"steps": 10, "log_every": 5,
+                                                                         "checkpoint_every": 10})
+    result = launch_run(pb, inventory, store)
+    sup = Supervisor(store, inventory, interval=0.5, playbooks_dir=str(tmp_path / "playbooks"))
+    sup.attach(result.run_id)
+    sup.run()
+    assert store.get_run(result.run_id).state == "done"
+
+    said = []
+
+    def progress(step, message):
+        said.append(message)
+        if message.startswith("prompt 2/"):
+            stored = [e for e in store.evals(result.run_id) if e["error"] is None]
+            assert stored and stored[-1]["report"]["prompts"] >= 2  # stored as it came, before it is said
+            raise KeyboardInterrupt
+
+    settings = EvalSettings(prompts=50, max_new_tokens=16, threads=1, timeout=600)
+    with pytest.raises(KeyboardInterrupt):
+        eval_run(result.run_id, store, inventory, settings, progress=progress)
+    [row] = [e for e in store.evals(result.run_id) if e["error"] is None]
+    report = row["report"]
+    assert report["complete"] is False and report["stopped"] == "interrupted"
+    assert report["prompts"] >= 2 and report["prompts_planned"] == 50 and row["tau"] == report["tau"]
+    assert [m for m in said if m.startswith("prompt 1/50: tau ")]
+    assert not part_tmux(store.get_run(result.run_id), inventory).has_session(eval_session(store.get_run(result.run_id)))
+    listed = subprocess.run([sys.executable, "-m", "dflashctl", "runs"], capture_output=True, text=True,
+                            env={**os.environ, "DFLASHCTL_STORE": store.path, "COLUMNS": "200"}, timeout=60)
+    assert f"{row['tau']:.2f}*" in listed.stdout  # partial, marked

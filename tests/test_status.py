@@ -85,7 +85,7 @@ def test_status_view(store):
     cells = {k: prod.cell(k) for k in ("state", "phase", "step", "progress", "tok_s", "loss", "accept", "mfu",
                                        "restarts", "eta")}
     assert cells == {"state": "running", "phase": "training", "step": "1,350/120,000", "progress": "1.1%",
-                     "tok_s": "12.3K", "loss": "1.800", "accept": "3.70", "mfu": "42%", "restarts": "1",
+                     "tok_s": "12.3K", "loss": "1.800", "accept": "4.70", "mfu": "42%", "restarts": "1",
                      "eta": prod.cell("eta")}
     assert prod.freshness.supervised and prod.freshness.live and prod.freshness.supervisor_pid == 1
     assert prod.last_event.message.startswith("4.3 Ktok/s = 34% of baseline")

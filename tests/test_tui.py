@@ -96,7 +96,7 @@ def test_question_mark_shows_the_keys_and_escape_closes_them(tmp_path):
             await pilot.pause()
             assert isinstance(app.screen, HelpScreen)
             text = screen_text(app)
-            for promise in ("Home / End", "filter runs", "stop the run", "tau, the expected acceptance length",
+            for promise in ("Home / End", "filter runs", "stop the run", "tau estimated in training: accept_len + 1",
                             "unsupervised (no supervisor ticks for it"):
                 assert promise in text, promise
             await pilot.press("escape")

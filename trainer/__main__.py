@@ -124,9 +124,12 @@ def subcommand_parser() -> argparse.ArgumentParser:
     ev.add_argument("--target", metavar="PATH", help="the target model directory on this machine, when it moved since training")
     ev.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's); 1 is fastest for small "
                                                 "models on a busy machine")
+    ev.add_argument("--timeout", type=float, metavar="SECONDS", help="begin no new prompt after this many seconds; "
+                                                                     "the report holds the prompts measured")
     ev.add_argument("--no-greedy", action="store_true", help="skip plain greedy decoding (no speed-up, no identity check)")
     ev.add_argument("--no-reference", action="store_true", help="skip the drafter-against-data figures")
-    ev.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE")
+    ev.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE, after every prompt (complete: "
+                                                  "false until the last): a timeout or Ctrl-C keeps what was measured")
     ev.add_argument("--json", action="store_true", help="print the JSON report instead of text")
     return p
 
@@ -168,10 +171,19 @@ def run_subcommand(argv: list[str]) -> int:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
             if args.threads:
                 torch.set_num_threads(args.threads)
-            log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: None)
+            def log(line: str) -> None:  # progress on stderr: stdout is the report
+                print(line, file=sys.stderr, flush=True)
+
+            def keep(partial: dict) -> None:
+                if args.out:
+                    contract.atomic_write_text(args.out, eval_mod.report_json(partial) + "\n")
+
+            # SIGTERM (a timeout, a stop) ends the eval as Ctrl-C does: with the report of what was measured.
+            signal.signal(signal.SIGTERM, lambda signum, frame: signal.default_int_handler(signum, frame))
             report = eval_mod.run_eval(args.checkpoint, args.data, args.prompts, args.max_new_tokens, args.temperature,
                                        args.seed, device, args.target, greedy=not args.no_greedy,
-                                       reference=not args.no_reference, log=log)
+                                       reference=not args.no_reference, log=log, timeout=args.timeout,
+                                       on_prompt=keep)
             if args.out:
                 contract.atomic_write_text(args.out, eval_mod.report_json(report) + "\n")
             print(eval_mod.report_json(report) if args.json else eval_mod.format_text(report))

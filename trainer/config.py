@@ -50,6 +50,32 @@ class ModelConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    """Responses written by the target itself before training (trainer/regenerate.py): the prompts of ``source``, the target's continuations, shards in ``out``."""
+
+    source: str = "synthetic"
+    """'synthetic' (the prompts of the built-in synthetic task) or shards (directory or glob) whose prompts (the tokens before each sample's first loss token) are kept and responses replaced."""
+    out: str = "regenerated"
+    """Directory of the regenerated shards, relative to the run directory unless absolute."""
+    max_new_tokens: int = 256
+    """Tokens the target writes per prompt (at most; it stops at its end-of-sequence token)."""
+    temperature: float = 0.0
+    """0: greedy; > 0: sampled at this temperature (seeded per shard, so a resumed run writes the same shards)."""
+    seed: int = 0
+    """Seed of sampling (temperature > 0) and of the synthetic prompts."""
+    batch_size: int = 16
+    """Prompts decoded together (prompts of one length share a batch)."""
+    shard_size: int = 256
+    """Prompts per output shard (a shard is the unit of resuming)."""
+    samples: Optional[int] = None
+    """Prompts taken from ``source`` at most (default: all; 'synthetic': data.synthetic_samples)."""
+    thinking: Optional[bool] = None
+    """Chat templates with a thinking switch (Qwen3's enable_thinking): recorded, passed to the template; None: the template's default."""
+    threads: Optional[int] = None
+    """CPU intra-op threads while the target writes (a CPU target only; default: torch's). 1 is fastest for a tiny target on a busy machine."""
+
+
+@dataclass
 class DataConfig:
     shards: Optional[str] = None
     """Directory (or glob) of token shards (see trainer/data.py); None: the synthetic task."""
@@ -67,6 +93,10 @@ class DataConfig:
     """Bad records skipped (each reported) before the run stops with a data error."""
     seed: int = 0
     """Seed of the batch order (reshuffled per epoch from (seed, epoch)), the anchors and the synthetic task."""
+    holdout: int = 0
+    """Samples set aside (chosen from data.seed) that training never reads; ``python -m trainer eval`` measures its prompts, ones the drafter never saw."""
+    regenerate: Optional[RegenerateConfig] = None
+    """Before training, the target writes the responses (trainer/regenerate.py) and training reads them; see RegenerateConfig."""
 
 
 @dataclass
@@ -216,6 +246,16 @@ class TrainerConfig:
                 problems.append(f"data.buckets[{i}]: {b} is not a positive multiple of 128")
         if d.batch_size < 1:
             problems.append("data.batch_size: must be at least 1")
+        if d.holdout < 0:
+            problems.append("data.holdout: must not be negative")
+        if d.regenerate is not None:
+            r = d.regenerate
+            if d.shards is not None:
+                problems.append("data.shards, data.regenerate: set one (regenerate writes the shards training reads)")
+            if r.max_new_tokens < 1 or r.batch_size < 1 or r.shard_size < 1:
+                problems.append("data.regenerate: max_new_tokens, batch_size and shard_size must be at least 1")
+            if r.temperature < 0:
+                problems.append("data.regenerate.temperature: must not be negative (0: greedy)")
         if d.synthetic_alphabet < 1:
             problems.append("data.synthetic_alphabet: must be at least 1")
         if self.placement.queue_depth < 1:

@@ -295,10 +295,41 @@ def collate(samples: list[tuple[list[int], list[int]]], bucket: int):
     return ids, mask
 
 
-class DataSource:
-    """What the pipeline reads: a data set, its batch order, and padded batches by index."""
+class Subset:
+    """The samples ``indices`` of a data set, as a data set (``len``, ``lengths``, ``get``)."""
 
-    def __init__(self, dataset, buckets: list[int], batch_size: int, seed: int):
+    def __init__(self, dataset, indices: list[int]):
+        self.base, self.indices = dataset, list(indices)
+        self.lengths = [dataset.lengths[i] for i in self.indices]
+        self.errors, self.short = dataset.errors, dataset.short
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def get(self, i: int) -> tuple[list[int], list[int]]:
+        return self.base.get(self.indices[i])
+
+
+def split_holdout(count: int, holdout: int, seed: int) -> tuple[list[int], list[int]]:
+    """(training indices, held-out indices) of ``count`` samples: ``holdout`` of them
+    chosen from ``seed`` alone, so training and eval agree on them without a file."""
+    if holdout >= count:
+        raise DataError(f"data.holdout: {holdout} held out of {count} samples leaves none to train on")
+    held = sorted(random.Random(f"holdout-{seed}").sample(range(count), holdout))
+    chosen = set(held)
+    return [i for i in range(count) if i not in chosen], held
+
+
+class DataSource:
+    """What the pipeline reads: a data set, its batch order, and padded batches by index.
+    ``holdout`` samples (``data.holdout``) are set aside: training never reads them,
+    eval measures on them (``self.holdout``, None when none are held out)."""
+
+    def __init__(self, dataset, buckets: list[int], batch_size: int, seed: int, holdout: int = 0):
+        self.holdout = None
+        if holdout:
+            train, held = split_holdout(len(dataset), holdout, seed)
+            dataset, self.holdout = Subset(dataset, train), Subset(dataset, held)
         self.dataset = dataset
         self.order = BatchOrder(dataset.lengths, buckets, batch_size, seed)
 
@@ -327,28 +358,91 @@ def build_source(cfg, vocab_size: int, mask_token_id: Optional[int], log=None) -
     """The data source the config asks for (shards, or the synthetic task when none)."""
     d, block = cfg.data, cfg.model.block_size
     max_len, min_loss = max(d.buckets), 2 * block
-    if d.shards is None:
-        reserved = (mask_token_id,) if mask_token_id is not None else ()
-        dataset = SyntheticDataset(d.synthetic_samples, vocab_size, max_len, min_loss, d.seed,
-                                   alphabet=d.synthetic_alphabet, reserved=reserved)
+    shards = d.shards if d.regenerate is None else regenerated_dir(cfg)
+    if shards is None:
+        dataset = synthetic_dataset(cfg, vocab_size, mask_token_id)
     else:
         budget = ErrorBudget(d.error_budget, log)
-        dataset = ShardDataset(shard_paths(d.shards), max_len, min_loss, vocab_size, budget)
-    return DataSource(dataset, d.buckets, d.batch_size, d.seed)
+        dataset = ShardDataset(shard_paths(shards), max_len, min_loss, vocab_size, budget)
+    return DataSource(dataset, d.buckets, d.batch_size, d.seed, d.holdout)
+
+
+def synthetic_dataset(cfg, vocab_size: int, mask_token_id: Optional[int]) -> SyntheticDataset:
+    """The synthetic task of ``cfg.data`` (the MASK token never in it)."""
+    d = cfg.data
+    reserved = (mask_token_id,) if mask_token_id is not None else ()
+    return SyntheticDataset(d.synthetic_samples, vocab_size, max(d.buckets), 2 * cfg.model.block_size, d.seed,
+                            alphabet=d.synthetic_alphabet, reserved=reserved)
+
+
+def regenerated_dir(cfg) -> str:
+    """Where ``data.regenerate`` writes its shards (relative: in the run directory)."""
+    out = os.path.expanduser(cfg.data.regenerate.out)
+    return out if os.path.isabs(out) else os.path.join(cfg.run_dir or ".", out)
+
+
+MANIFEST = "manifest.json"
+
+
+def provenance(cfg) -> Optional[dict]:
+    """The manifest beside the run's shards (what wrote them: regenerate's target and
+    decoding settings, or convert's tokenizer), or None (synthetic data, no manifest)."""
+    shards = cfg.data.shards if cfg.data.regenerate is None else regenerated_dir(cfg)
+    if shards is None:
+        return None
+    spec = os.path.expanduser(shards)
+    where = spec if os.path.isdir(spec) else os.path.dirname(spec)
+    try:
+        with open(os.path.join(where, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
 
 
 # ---------------------------------------------------------------------------- converter
 
 
-def _encode(tok, prompt: str, response: str, system: Optional[str]) -> tuple[list[int], list[int]]:
+def chat_records(path: str, errors: ErrorBudget, keys: tuple[str, ...] = ("prompt", "response")):
+    """The objects of a chat JSONL file whose ``keys`` are strings, in order; a bad line
+    is reported to ``errors`` (file:line: why) and skipped."""
+    expected = "{" + ", ".join(f'"{k}": "..."' for k in keys) + "}"
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError as e:
+                errors.bad(f"{path}:{line_no}", f"not valid JSON: {e}")
+                continue
+            if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in keys):
+                errors.bad(f"{path}:{line_no}", f"expected {expected}")
+                continue
+            yield obj
+
+
+def _messages(prompt: str, system: Optional[str]) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def chat_head(tok, prompt: str, system: Optional[str], **template) -> str:
+    """The text a response follows: the chat template with its generation prompt (``template``:
+    the template's switches, e.g. enable_thinking), or the system line and the prompt."""
     if getattr(tok, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        head = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        full = tok.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+        return tok.apply_chat_template(_messages(prompt, system), tokenize=False, add_generation_prompt=True,
+                                       **template)
+    return (system + "\n" if system else "") + prompt
+
+
+def _encode(tok, prompt: str, response: str, system: Optional[str]) -> tuple[list[int], list[int]]:
+    head = chat_head(tok, prompt, system)
+    if getattr(tok, "chat_template", None):
+        full = tok.apply_chat_template(_messages(prompt, system) + [{"role": "assistant", "content": response}],
+                                       tokenize=False)
         # Some templates rewrite earlier turns; then the reply is taken verbatim.
         tail = full[len(head):] if full.startswith(head) else response + (tok.eos_token or "")
     else:
-        head = (system + "\n" if system else "") + prompt
         tail = response + (tok.eos_token or "")
     p = tok(head, add_special_tokens=False)["input_ids"]
     r = tok(tail, add_special_tokens=False)["input_ids"]
@@ -375,25 +469,14 @@ def convert(in_path: str, out_dir: str, tokenizer: str, shard_size: int = 10000,
             shards.append(name)
             lines.clear()
 
-    with open(in_path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except ValueError as e:
-                errors.bad(f"{in_path}:{line_no}", f"not valid JSON: {e}")
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not isinstance(obj.get("response"), str):
-                errors.bad(f"{in_path}:{line_no}", 'expected {"prompt": "...", "response": "..."}')
-                continue
-            ids, mask = _encode(tok, obj["prompt"], obj["response"], obj.get("system"))
-            lines.append(json.dumps({"input_ids": ids, "loss_mask": mask}, separators=(",", ":")) + "\n")
-            counts["samples"] += 1
-            counts["tokens"] += len(ids)
-            counts["loss_tokens"] += sum(mask)
-            if len(lines) >= shard_size:
-                flush()
+    for obj in chat_records(in_path, errors):
+        ids, mask = _encode(tok, obj["prompt"], obj["response"], obj.get("system"))
+        lines.append(json.dumps({"input_ids": ids, "loss_mask": mask}, separators=(",", ":")) + "\n")
+        counts["samples"] += 1
+        counts["tokens"] += len(ids)
+        counts["loss_tokens"] += sum(mask)
+        if len(lines) >= shard_size:
+            flush()
     flush()
     manifest = {**counts, "bad_records": errors.count, "shards": shards, "source": os.path.abspath(in_path),
                 "tokenizer": os.path.abspath(tokenizer), "vocab_size": len(tok),
@@ -413,7 +496,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--tokenizer", required=True, help="local tokenizer directory (never downloaded)")
     c.add_argument("--shard-size", type=int, default=10000, help="samples per shard (default 10000)")
     c.add_argument("--error-budget", type=int, default=10, help="bad input lines skipped before giving up (default 10)")
+    r = sub.add_parser("regenerate", help="the target writes the responses of the prompts (trainer/regenerate.py)")
+    r.add_argument("input", help="'synthetic' (the built-in task's prompts), trainer shards (directory or glob: the "
+                                 "tokens before each first loss token are the prompt) or chat JSONL {\"prompt\": ...}")
+    r.add_argument("out_dir", help="directory for shard-NNNNN.jsonl and manifest.json (kept shards are resumed)")
+    r.add_argument("--model", required=True, help="the target: a preset name (tiny, qwen3-0.6b, ...) or a local "
+                                                  "model directory (its tokenizer and chat template are used)")
+    r.add_argument("--config", help="a trainer config (JSON/YAML) to take data.regenerate and model from; the "
+                                    "options given here win")
+    r.add_argument("--max-new-tokens", type=int, help="tokens per response at most (default 256)")
+    r.add_argument("--temperature", type=float, help="0: greedy (default); > 0: sampled, seeded per shard")
+    r.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    r.add_argument("--batch-size", type=int, help="prompts decoded together (default 16)")
+    r.add_argument("--shard-size", type=int, help="prompts per output shard, the unit of resuming (default 256)")
+    r.add_argument("--samples", type=int, help="prompts taken from the input at most (default all)")
+    r.add_argument("--thinking", choices=["on", "off"], help="chat templates with a thinking switch: enable_thinking "
+                                                             "(default: the template's own)")
+    r.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda or cuda:N")
+    r.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's; 1 is fastest for a tiny "
+                                               "target on a busy machine)")
     args = parser.parse_args(argv)
+    if args.command == "regenerate":
+        return _regenerate_command(args)
     try:
         manifest = convert(args.input, args.out_dir, args.tokenizer, args.shard_size, args.error_budget)
     except DataError as e:
@@ -423,6 +527,49 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DATA_ERROR
     print(json.dumps({k: manifest[k] for k in ("samples", "tokens", "loss_tokens", "bad_records", "shards")}))
+    return 0
+
+
+def _regenerate_command(args) -> int:
+    from dflashctl.contract import EXIT_CONFIG_ERROR, EXIT_DATA_ERROR
+    from trainer import config as config_mod
+
+    try:
+        raw = config_mod.load(args.config).to_dict() if args.config else {}
+        model = raw.setdefault("model", {})
+        if os.path.isdir(os.path.expanduser(args.model)):
+            model.update(path=os.path.expanduser(args.model), preset=None)
+        else:
+            model.update(preset=args.model, path=None)
+        data = raw.setdefault("data", {})
+        data["shards"] = None
+        regen = data.get("regenerate") or {}
+        for key in ("max_new_tokens", "temperature", "seed", "batch_size", "shard_size", "samples", "threads"):
+            if getattr(args, key) is not None:
+                regen[key] = getattr(args, key)
+        if args.thinking:
+            regen["thinking"] = args.thinking == "on"
+        regen.update(source=args.input, out=os.path.abspath(args.out_dir))
+        data["regenerate"] = regen
+        cfg = config_mod.from_dict(raw)
+    except (config_mod.ConfigError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    import torch
+
+    from trainer.regenerate import regenerate
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        manifest = regenerate(args.input, args.out_dir, cfg, device,
+                              log=lambda line: print(line, file=sys.stderr, flush=True))
+    except (DataError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DATA_ERROR
+    except config_mod.ConfigError as e:
+        print("error: " + "\nerror: ".join(e.problems), file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(json.dumps({k: manifest[k] for k in ("samples", "tokens", "loss_tokens", "shards", "seconds")}))
     return 0
 
 

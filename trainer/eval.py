@@ -1,6 +1,7 @@
 """``python -m trainer eval CKPT``: measured acceptance of a trained drafter.
 
-For each prompt of the data (the tokens before a sample's first loss token), the
+For each prompt of the data (the tokens before a sample's first loss token; by
+default the run's ``data.holdout`` samples, which it never trained on), the
 frozen target and the drafter decode with real speculative decoding
 (trainer/speculative.py), and the target alone decodes greedily as the reference
 and the speed baseline. The report (``run_eval``, a JSON-able dict) holds:
@@ -26,6 +27,14 @@ and the speed baseline. The report (``run_eval``, a JSON-able dict) holds:
 
 ``target_data`` writes synthetic shards whose responses the target itself wrote
 (greedy), the data on which measured and training figures must agree.
+
+Tau is accepted draft tokens + 1 per verification step, as published; the trainer's
+``accept_len`` + 1 is its training-time estimate ("τ est", dflashctl.contract).
+
+The report is handed over after every prompt (``on_prompt``; ``--out`` is rewritten
+each time) with ``complete`` false until the last; past ``timeout`` no prompt is
+begun and a Ctrl-C or SIGTERM ends the one in progress: ``stopped`` says which, and
+the figures are those of the prompts measured.
 
 Evaluation never changes a checkpoint or its run directory; the report goes where
 the caller says (``--out``).
@@ -54,9 +63,12 @@ def split_prompt(ids: list[int], loss_mask: list[int]) -> Optional[int]:
 
 
 def load_samples(cfg, data: Optional[str], vocab_size: int, mask_token_id: int, count: int,
-                 log: Callable[[str], None] = print) -> list[tuple[list[int], list[int]]]:
+                 log: Callable[[str], None] = print, run_dir: Optional[str] = None,
+                 ) -> tuple[list[tuple[list[int], list[int]]], str]:
     """The first ``count`` usable samples of ``data`` (shards), or of the checkpoint's own
-    data (its shards, or its synthetic task) when ``data`` is None."""
+    data when ``data`` is None: its ``data.holdout`` samples, which it never trained on,
+    when it held some out, else its training data (its shards, regenerated shards, or
+    its synthetic task). Returns (samples, what they are, in words)."""
     import copy
 
     from trainer.data import build_source
@@ -64,17 +76,25 @@ def load_samples(cfg, data: Optional[str], vocab_size: int, mask_token_id: int, 
     cfg = copy.deepcopy(cfg)
     if data:
         cfg.data.shards = data
+        cfg.data.holdout = 0
+    if run_dir:
+        cfg.run_dir = run_dir
     source = build_source(cfg, vocab_size, mask_token_id, log)
+    held = source.holdout if not data and source.holdout is not None else None
+    dataset = held if held is not None else source.dataset
+    where = data or (cfg.data.shards or ("regenerated" if cfg.data.regenerate else "synthetic"))
+    what = f"{where} (the {len(held)} held-out samples)" if held is not None else \
+        (where if data else f"{where} (training data: the run held none out, data.holdout)")
     out = []
-    for i in range(len(source.dataset)):
-        ids, mask = source.dataset.get(i)
+    for i in range(len(dataset)):
+        ids, mask = dataset.get(i)
         if split_prompt(ids, mask):
             out.append((list(ids), list(mask)))
         if len(out) == count:
             break
     if not out:
-        raise ConfigError([f"--data: no sample with a prompt and a response in {data or 'the run data'}"])
-    return out
+        raise ConfigError([f"--data: no sample with a prompt and a response in {where}"])
+    return out, what
 
 
 def target_data(target, out_dir: str, samples: int, prompt_len: int, new_tokens: int, warmup_tokens: int = 0,
@@ -185,98 +205,150 @@ def pooled_reference(rows: list[dict]) -> dict:
     }
 
 
+class EvalProgress:
+    """What has been measured so far; ``report()`` is the report of those prompts
+    (a partial one until every prompt is done)."""
+
+    def __init__(self, loaded, data: Optional[str], planned: int, temperature: float, seed: int, greedy: bool,
+                 reference: bool, source: str):
+        self.loaded, self.data, self.planned, self.source = loaded, data, planned, source
+        self.temperature, self.seed, self.greedy, self.reference = temperature, seed, greedy, reference
+        self.block = loaded.drafter.block_size
+        self.per_prompt: list[dict] = []
+        self.hist = [0] * self.block
+        self.spec_s = self.greedy_s = 0.0
+        self.new_total = self.forwards_total = 0
+        self.mismatched: list[int] = []
+        self.stopped: Optional[str] = None  # None, "timeout" or "interrupted"
+
+    def add(self, row: dict) -> None:
+        for a in row["accepted"]:
+            self.hist[a] += 1
+        self.spec_s += row["seconds"]
+        self.greedy_s += row.get("greedy_seconds") or 0.0
+        self.new_total += row["new_tokens"]
+        self.forwards_total += row["target_forwards"]
+        if row.get("identical") is False:
+            self.mismatched.append(row["index"])
+        self.per_prompt.append(row)
+
+    def report(self) -> dict:
+        target, drafter, meta = self.loaded.target, self.loaded.drafter, self.loaded.meta
+        hist, per_prompt, greedy = self.hist, self.per_prompt, self.greedy
+        steps = sum(hist)
+        spec_s, greedy_s, new_total = self.spec_s, self.greedy_s, self.new_total
+        report = {
+            "format": EVAL_FORMAT,
+            "checkpoint": self.loaded.path,
+            "step": meta.get("step"),
+            "device": str(target.device),
+            "dtype": str(target.dtype).replace("torch.", ""),
+            "data": self.source,
+            "temperature": self.temperature,
+            "seed": self.seed,
+            "block_size": self.block,
+            "mask_token_id": drafter.mask_token_id,
+            "prompts": len(per_prompt),
+            "prompts_planned": self.planned,
+            "complete": len(per_prompt) == self.planned,
+            "stopped": self.stopped,
+            "new_tokens": new_total,
+            "steps": steps,
+            "tau": sum((k + 1) * c for k, c in enumerate(hist)) / steps if steps else None,
+            "tau_mean": _mean([r["tau"] for r in per_prompt]),
+            "tau_per_prompt": [r["tau"] for r in per_prompt],
+            "accept_len_hist": list(hist),
+            "tokens_per_target_forward": new_total / self.forwards_total if self.forwards_total else None,
+            "greedy_identical": (not self.mismatched) if greedy and self.temperature == 0 and per_prompt else None,
+            "mismatched_prompts": list(self.mismatched),
+            "speed": {
+                "speculative_s": spec_s,
+                "speculative_tok_s": new_total / spec_s if spec_s else None,
+                "greedy_s": greedy_s if greedy else None,
+                "greedy_tok_s": new_total / greedy_s if greedy and greedy_s else None,
+                "speedup": greedy_s / spec_s if greedy and spec_s else None,
+            },
+            "training": training_figure(self.loaded.path, int(meta.get("step") or 0)),
+            "reference": None,
+            "per_prompt": [{k: v for k, v in r.items() if k != "reference"} for r in per_prompt],
+        }
+        if self.reference and per_prompt:
+            report["reference"] = pooled_reference([r["reference"] for r in per_prompt])
+            for out, row in zip(report["per_prompt"], per_prompt):
+                out["reference"] = {k: v for k, v in row["reference"].items() if k != "_sums"}
+        return report
+
+
 def run_eval(path: str, data: Optional[str] = None, prompts: int = 20, max_new_tokens: int = 256,
              temperature: float = 0.0, seed: int = 0, device: str = "cpu", target_path: Optional[str] = None,
-             greedy: bool = True, reference: bool = True, log: Callable[[str], None] = lambda line: None) -> dict:
-    """Evaluate checkpoint (or run directory) ``path``; returns the report (module docstring)."""
+             greedy: bool = True, reference: bool = True, log: Callable[[str], None] = lambda line: None,
+             timeout: Optional[float] = None, on_prompt: Callable[[dict], None] = lambda report: None,
+             clock: Callable[[], float] = None) -> dict:
+    """Evaluate checkpoint (or run directory) ``path``; returns the report (module docstring).
+
+    After each prompt ``on_prompt`` gets the report so far (``complete`` false), and
+    ``log`` one progress line. Past ``timeout`` seconds no new prompt is begun, and a
+    KeyboardInterrupt (Ctrl-C, or SIGTERM as the command maps it) ends the prompt in
+    progress: either way the report holds what was measured, with ``stopped`` saying
+    why it is short."""
+    import time
+
     import torch
 
     from trainer import restore
     from trainer.speculative import greedy_generate, speculative_generate
 
+    clock = clock or time.monotonic
+    began = clock()
     loaded = restore.load(path, device, target_path=target_path)
     target, drafter = loaded.target, loaded.drafter
     if target.device.type == "cuda":
         drafter.to(target.dtype)  # an engine runs the drafter in the target's precision
     block = drafter.block_size
-    samples = load_samples(loaded.cfg, data, target.vocab_size, drafter.mask_token_id, prompts, log)
+    samples, source = load_samples(loaded.cfg, data, target.vocab_size, drafter.mask_token_id, prompts, log,
+                                   run_dir=os.path.dirname(os.path.dirname(loaded.path)))
     generator = torch.Generator(device=target.device).manual_seed(seed)
-    log(f"eval {loaded.path}: {len(samples)} prompts, block {block}, temperature {temperature}, {target.device}")
+    log(f"eval {loaded.path}: {len(samples)} prompts of {source}, block {block}, temperature {temperature}, "
+        f"{target.device}" + (f", budget {timeout:.0f}s" if timeout else ""))
+    progress = EvalProgress(loaded, data, len(samples), temperature, seed, greedy, reference, source)
 
-    # ---- warm-up (first calls pay for lazy initialisation and kernel selection), not timed
-    ids0, mask0 = samples[0]
-    p0 = split_prompt(ids0, mask0)
-    speculative_generate(target, drafter, ids0[:p0], min(2 * block, 16), temperature, generator)
-    greedy_generate(target, ids0[:p0], 4)
+    try:
+        # ---- warm-up (first calls pay for lazy initialisation and kernel selection), not timed
+        ids0, mask0 = samples[0]
+        p0 = split_prompt(ids0, mask0)
+        speculative_generate(target, drafter, ids0[:p0], min(2 * block, 16), temperature, generator)
+        greedy_generate(target, ids0[:p0], 4)
 
-    per_prompt, hist = [], [0] * block
-    spec_s = greedy_s = 0.0
-    new_total = forwards_total = 0
-    mismatched = []
-    for index, (ids, mask) in enumerate(samples):
-        start = split_prompt(ids, mask)
-        prompt, n_new = ids[:start], min(max_new_tokens, len(ids) - start)
-        spec = speculative_generate(target, drafter, prompt, n_new, temperature, generator)
-        row = {"index": index, "prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
-               "accepted": spec.accepted, "target_forwards": spec.target_forwards,
-               "tokens_per_forward": spec.tokens_per_forward, "seconds": spec.seconds}
-        for a in spec.accepted:
-            hist[a] += 1
-        spec_s += spec.seconds
-        new_total += len(spec.tokens)
-        forwards_total += spec.target_forwards
-        if greedy:
-            base = greedy_generate(target, prompt, n_new)
-            greedy_s += base.seconds
-            row["greedy_seconds"] = base.seconds
-            if temperature == 0:
-                row["identical"] = base.tokens == spec.tokens
-                if not row["identical"]:
-                    mismatched.append(index)
-        if reference:
-            row["reference"] = reference_figures(target, drafter, ids, mask, start)
-        per_prompt.append(row)
-        log(f"prompt {index}: tau {spec.tau or 0:.2f}, {len(spec.tokens)} tokens in {spec.target_forwards} target forwards")
-
-    steps = sum(hist)
-    meta = loaded.meta
-    report = {
-        "format": EVAL_FORMAT,
-        "checkpoint": loaded.path,
-        "step": meta.get("step"),
-        "device": str(target.device),
-        "dtype": str(target.dtype).replace("torch.", ""),
-        "data": data or (loaded.cfg.data.shards or "synthetic"),
-        "temperature": temperature,
-        "seed": seed,
-        "block_size": block,
-        "mask_token_id": drafter.mask_token_id,
-        "prompts": len(per_prompt),
-        "new_tokens": new_total,
-        "steps": steps,
-        "tau": sum((k + 1) * c for k, c in enumerate(hist)) / steps if steps else None,
-        "tau_mean": _mean([r["tau"] for r in per_prompt]),
-        "tau_per_prompt": [r["tau"] for r in per_prompt],
-        "accept_len_hist": hist,
-        "tokens_per_target_forward": new_total / forwards_total if forwards_total else None,
-        "greedy_identical": (not mismatched) if greedy and temperature == 0 else None,
-        "mismatched_prompts": mismatched,
-        "speed": {
-            "speculative_s": spec_s,
-            "speculative_tok_s": new_total / spec_s if spec_s else None,
-            "greedy_s": greedy_s if greedy else None,
-            "greedy_tok_s": new_total / greedy_s if greedy and greedy_s else None,
-            "speedup": greedy_s / spec_s if greedy and spec_s else None,
-        },
-        "training": training_figure(loaded.path, int(meta.get("step") or 0)),
-        "reference": None,
-        "per_prompt": per_prompt,
-    }
-    if reference:
-        report["reference"] = pooled_reference([r["reference"] for r in per_prompt])
-        for r in per_prompt:
-            del r["reference"]["_sums"]
-    return report
+        for index, (ids, mask) in enumerate(samples):
+            if timeout is not None and clock() - began > timeout:
+                progress.stopped = "timeout"
+                log(f"eval: the budget of {timeout:.0f}s is spent after {index} of {len(samples)} prompts; "
+                    "reporting those")
+                break
+            start = split_prompt(ids, mask)
+            prompt, n_new = ids[:start], min(max_new_tokens, len(ids) - start)
+            spec = speculative_generate(target, drafter, prompt, n_new, temperature, generator)
+            row = {"index": index, "prompt_tokens": len(prompt), "new_tokens": len(spec.tokens), "tau": spec.tau,
+                   "accepted": spec.accepted, "target_forwards": spec.target_forwards,
+                   "tokens_per_forward": spec.tokens_per_forward, "seconds": spec.seconds}
+            if greedy:
+                base = greedy_generate(target, prompt, n_new)
+                row["greedy_seconds"] = base.seconds
+                if temperature == 0:
+                    row["identical"] = base.tokens == spec.tokens
+            if reference:
+                row["reference"] = reference_figures(target, drafter, ids, mask, start)
+            progress.add(row)
+            report = progress.report()
+            on_prompt(report)
+            log(f"prompt {index + 1}/{len(samples)}: tau {spec.tau or 0:.2f}, {len(spec.tokens)} tokens in "
+                f"{spec.target_forwards} target forwards; so far tau {_fmt(report['tau'])}"
+                + (f", {report['speed']['speedup']:.2f}x greedy" if report["speed"]["speedup"] else "")
+                + f" ({clock() - began:.0f}s)")
+    except KeyboardInterrupt:
+        progress.stopped = "interrupted"
+        log(f"eval: interrupted after {len(progress.per_prompt)} of {len(samples)} prompts; reporting those")
+    return progress.report()
 
 
 # ---------------------------------------------------------------------------- text
@@ -300,13 +372,21 @@ def format_text(report: dict) -> str:
         f"speed       speculative {_fmt(sp['speculative_tok_s'], '.1f')} tok/s, greedy {_fmt(sp['greedy_tok_s'], '.1f')} "
         f"tok/s, speed-up {_fmt(sp['speedup'])}x",
     ]
+    if not report.get("complete", True):
+        lines.append(f"partial     {report['prompts']} of {report['prompts_planned']} prompts measured "
+                     f"(stopped: {report.get('stopped') or 'unknown'})")
     if report["greedy_identical"] is not None:
         lines.append("greedy      " + ("identical to plain greedy decoding on every prompt" if report["greedy_identical"]
                                        else f"DIFFERS from plain greedy decoding on prompts {report['mismatched_prompts']}"))
     if tr:
-        lines.append(f"training    accept_len {_fmt(tr['accept_len'])} at step {tr['step']}: accept_len + 1 = "
-                     f"{_fmt(tr['tau_estimate'])} ({_fmt(tr['tau_estimate_recent'])} over the lines since step "
+        lines.append(f"training    τ est {_fmt(tr['tau_estimate'])} (accept_len {_fmt(tr['accept_len'])} + 1) at step "
+                     f"{tr['step']} ({_fmt(tr['tau_estimate_recent'])} over the lines since step "
                      f"{tr['recent_from_step']})")
+        from dflashctl.contract import tau_gap
+
+        gap = tau_gap(tr["tau_estimate"], report["tau"])
+        if gap:
+            lines.append("            " + gap)
     if ref:
         lines.append(f"reference   drafter against the data: anchor tau {_fmt(ref['anchor_tau'])}, harmonic "
                      f"{_fmt(ref['harmonic_tau'])}, chain {_fmt(ref['chain_tau'])}; the target's greedy choice is the "

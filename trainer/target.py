@@ -1,7 +1,10 @@
 """The frozen target model: a Hugging Face causal LM, from a local path or a preset.
 
 Presets are Qwen3 shapes with random, seeded weights: 'tiny' and 'small' for CPU
-tests and the demo (no tokenizer: the synthetic task draws token ids directly), and
+tests (no tokenizer: the synthetic task draws token ids directly), 'tiny-cycle' for
+the demo (the tiny shape arranged to write a cycle of tokens, ``arrange_cycle``: a
+target whose own text a small drafter learns in seconds, so the demo's measured tau
+is real), and
 real Qwen3 shapes ('qwen3-0.6b', 'qwen3-1.7b', 'qwen3-4b', 'qwen3-8b') to measure
 throughput on GPUs without downloading weights.
 
@@ -32,6 +35,9 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
                  rope_theta=10_000.0, max_position_embeddings=4096, tie_word_embeddings=False),
+    "tiny-cycle": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                       rope_theta=10_000.0, max_position_embeddings=4096, tie_word_embeddings=False),
     "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=12,
                   num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-6,
                   rope_theta=10_000.0, max_position_embeddings=8192, tie_word_embeddings=False),
@@ -65,6 +71,35 @@ def target_layer_ids(num_layers: int, k: int) -> list[int]:
             f"(layers 1..{end} are used); at most {max(1, end - start + 1)}"
         ])
     return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+
+
+CYCLE_PRESETS = {"tiny-cycle": 8}  # preset -> length of the cycle its weights write
+
+
+def preset_cycle(name: str) -> list[int]:
+    """The tokens a cycle preset writes, in order (never 0, the padding, nor the last
+    id, the default MASK token)."""
+    import random
+
+    vocab = PRESETS[name]["vocab_size"]
+    return random.Random(f"{name}-{PRESET_SEED}").sample(range(1, vocab - 1), CYCLE_PRESETS[name])
+
+
+def arrange_cycle(model: nn.Module, cycle: list[int]) -> None:
+    """Make a causal LM's greedy continuation of a ``cycle`` token its successor in the
+    cycle: every layer adds nothing to the residual stream (o_proj and down_proj zero),
+    so the last hidden state is the token's normalised embedding, and the lm_head row
+    of each successor is its predecessor's normalised embedding. Any other token's
+    largest logit is then almost always one of those rows: the target falls into the
+    cycle at once and stays there."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        normed = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
+        for i, token in enumerate(cycle):
+            model.lm_head.weight[cycle[(i + 1) % len(cycle)]] = normed[token]
 
 
 def _dtype_kwarg() -> str:
@@ -199,6 +234,8 @@ def build_target(cfg: ModelConfig, device: Union[str, torch.device], dtype: torc
             torch.manual_seed(PRESET_SEED)
             with device:
                 model = AutoModelForCausalLM.from_config(config, **kwargs)
+            if cfg.preset in CYCLE_PRESETS:
+                arrange_cycle(model, preset_cycle(cfg.preset))
     layer_ids = target_layer_ids(model.config.num_hidden_layers, cfg.num_target_layers)
     return Target(model, layer_ids, device, dtype)
 

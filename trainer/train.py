@@ -306,6 +306,18 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     startup.mark("models")
 
     # ---------------------------------------------------------------- data
+    if cfg.data.regenerate is not None:  # the target writes the responses first (trainer/regenerate.py)
+        from trainer.regenerate import ensure_regenerated
+
+        cfg.run_dir = run_dir
+        written = ensure_regenerated(cfg, str(first.device), log, target=first, should_stop=stop.is_set,
+                                     on_progress=lambda p: status.set(
+                                         detail={**(status.status.detail or {}), "regenerate": p}, blocking=False))
+        if written is None:  # a stop asked while the target wrote: its shards are kept, nothing to checkpoint
+            status.set(contract.PHASE_STOPPED, detail={"signal": stop.signal_name, "checkpoint": False,
+                                                       "regenerate": "stopped"})
+            return contract.EXIT_STOPPED
+        startup.mark("regenerate")
     source = build_source(cfg, first.vocab_size, master.mask_token_id)
     log(f"data: {len(source.dataset)} samples, {source.order.per_epoch} batches per epoch, buckets "
         f"{source.buckets_used()}, {source.dataset.errors.count} bad records skipped, {source.dataset.short} too short")

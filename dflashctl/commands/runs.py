@@ -204,17 +204,24 @@ def eval_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
     prompts: Optional[int] = typer.Option(None, "--prompts", min=1, help="Prompts to decode (default: the playbook's)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="Tokens per prompt."),
+    timeout: Optional[str] = typer.Option(None, "--timeout", help="Budget (30s, 5m, ...): the trainer begins no new "
+                                          "prompt past it and the prompts measured are kept (default: the playbook's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="CPU threads of a CPU eval (1 is fastest "
+                                          "for tiny models on a busy machine)."),
     as_json: bool = typer.Option(False, "--json", help="Print the trainer's JSON report."),
 ) -> None:
     """Measure the run's drafter with real speculative decoding on its host.
 
     Runs `python -m trainer eval` on the run's newest checkpoint, with the run's
-    environment and GPUs: the measured acceptance length tau per prompt and its
-    mean, tokens per target forward, and the speed-up over plain greedy decoding.
-    The report is stored with the run (`dflashctl runs` shows tau). A playbook's
-    `eval: {after_done: true}` runs it by itself when a run ends done.
+    environment and GPUs, in a tmux session beside the run's, on the run's held-out
+    prompts (data.holdout) when it has some: the measured tau (accepted draft tokens
+    + 1 per target forward), said per prompt as it comes, tokens per target forward,
+    and the speed-up over plain greedy decoding. The report is stored with the run
+    as it grows (`dflashctl runs` and `status` show it as τ beside τ est): a timeout
+    or Ctrl-C keeps the prompts measured. A playbook's `eval: {after_done: true}`
+    runs it by itself when a run ends done.
 
-    Example: dflashctl eval demo-20261130-203528-9854 --prompts 4"""
+    Example: dflashctl eval demo-20261130-203528-9854 --prompts 4 --timeout 2m --threads 1"""
     from dflashctl.config import EvalSettings
     from dflashctl.runhost import eval_run
     from dflashctl.supervisor import policy_for_run
@@ -222,8 +229,13 @@ def eval_command(
     store, inventory = _store(), _inventory()
     record = store.get_run(run)
     settings = policy_for_run(record, inventory, G.playbooks)[0].eval or EvalSettings()
-    changes = {k: v for k, v in (("prompts", prompts), ("max_new_tokens", max_new_tokens)) if v is not None}
-    report = eval_run(record.id, store, inventory, settings.model_copy(update=changes), progress=_progress(as_json))
+    budget = None if timeout is None else parse_duration_option(timeout, "--timeout")
+    changes = {k: v for k, v in (("prompts", prompts), ("max_new_tokens", max_new_tokens), ("timeout", budget),
+                                 ("threads", threads)) if v is not None}
+    try:
+        report = eval_run(record.id, store, inventory, settings.model_copy(update=changes), progress=_progress(as_json))
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None  # what was measured is stored (eval_run said so)
     if as_json:
         print(json.dumps(report, indent=2))
 
@@ -234,7 +246,8 @@ def _eval_summary(row: dict | None) -> dict | None:
     report = row.get("report") or {}
     return {"time": row["time"], "step": row["step"], "tau": row["tau"], "speedup": row["speedup"],
             "tokens_per_target_forward": report.get("tokens_per_target_forward"),
-            "greedy_identical": report.get("greedy_identical")}
+            "greedy_identical": report.get("greedy_identical"), "prompts": report.get("prompts"),
+            "complete": report.get("complete", True)}
 
 
 def _run_columns():
@@ -245,8 +258,8 @@ def _run_columns():
         Col("state", "state", 10, 0),
         Col("step", "step", 15, 1, "right"),
         Col("loss", "loss", 6, 1, "right"),
-        Col("accept", "accept", 6, 2, "right"),
-        Col("tau", "tau", 5, 2, "right"),
+        Col("tau_est", "τ est", 5, 2, "right"),
+        Col("tau", "τ", 6, 2, "right"),
         Col("speedup", "speedup", 7, 4, "right"),
         Col("restarts", "rst", 3, 2, "right"),
         Col("duration", "took", 7, 3, "right"),
@@ -261,9 +274,12 @@ def _run_summary(r, outcome: dict, evaluation: dict | None, now: float) -> dict:
     """What ``runs --json`` adds to a run's record: what it achieved."""
     from dflashctl.tui.model import _total_steps
 
+    from dflashctl.contract import tau_estimate
+
     start = r.started or r.created
     return {"step": outcome["step"], "total_steps": _total_steps(r), "loss": outcome["loss"],
-            "accept_len": outcome["accept_len"], "tau": (evaluation or {}).get("tau"),
+            "accept_len": outcome["accept_len"], "tau_est": tau_estimate(outcome["accept_len"]),
+            "tau": (evaluation or {}).get("tau"),
             "restarts": outcome["restarts"], "duration_s": max(0.0, (r.ended or now) - start) if start else None}
 
 
@@ -274,8 +290,8 @@ def _run_cells(r, s: dict) -> dict:
     return {
         "run": r.id, "state": r.state, "step": step,
         "loss": "-" if s["loss"] is None else f"{s['loss']:.3f}",
-        "accept": "-" if s["accept_len"] is None else f"{s['accept_len']:.2f}",
-        "tau": "-" if s["tau"] is None else f"{s['tau']:.2f}",
+        "tau_est": "-" if s["tau_est"] is None else f"{s['tau_est']:.2f}",
+        "tau": _tau(s["eval"]),
         "speedup": "-" if not (s["eval"] or {}).get("speedup") else f"{s['eval']['speedup']:.2f}x",
         "restarts": str(s["restarts"]),
         "duration": "-" if s["duration_s"] is None else fmt_duration(s["duration_s"]).replace(" ", ""),
@@ -286,6 +302,13 @@ def _run_cells(r, s: dict) -> dict:
     }
 
 
+def _tau(row: dict | None) -> str:
+    if not row or row.get("tau") is None:
+        return "-"
+    partial = "" if (row.get("report") or {}).get("complete", True) else "*"
+    return f"{row['tau']:.2f}{partial}"
+
+
 @app.command("runs")
 def runs_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
@@ -294,25 +317,29 @@ def runs_command(
 ) -> None:
     """List runs, newest first: state, what each achieved, how it ended.
 
-    Per run: the newest step of its total, the newest loss and acceptance length
-    (accept_len, the trainer's estimate), tau measured by `dflashctl eval` (with its
-    speed-up), restarts, how long it ran, host, when it was created, how it ended.
+    Per run: the newest step of its total, the newest loss, τ est (accept_len + 1,
+    the trainer's estimate), τ measured by `dflashctl eval` (* when the eval stopped
+    early) and its speed-up, restarts, how long it ran, host, when it was created, how
+    it ended; a line under the table names a τ that parts from τ est, and why.
     The columns that fit the terminal are shown, each cell cut to its column (never
     folded); a failed run's whole exit reason is on the line below it; `--json` has
-    every field (`summary`: step, total_steps, loss, accept_len, tau, restarts,
-    duration_s)."""
+    every field (`summary`: step, total_steps, loss, accept_len, tau_est, tau, restarts,
+    duration_s; `tau_note`)."""
     import time
 
     from dflashctl.tables import lines
 
     store = _store()
     runs = store.list_runs(playbook=playbook, limit=None if all_runs else 20)
+    from dflashctl.contract import tau_gap
+
     evals = store.latest_evals()
     outcomes = store.run_outcomes([r.id for r in runs])
     now = time.time()
     summaries = [_run_summary(r, outcomes[r.id], evals.get(r.id), now) for r in runs]
     if as_json:
-        print(json.dumps([{**r.to_dict(), "summary": s, "eval": _eval_summary(evals.get(r.id))}
+        print(json.dumps([{**r.to_dict(), "summary": s, "tau_est": s["tau_est"], "tau": s["tau"],
+                           "tau_note": tau_gap(s["tau_est"], s["tau"]), "eval": _eval_summary(evals.get(r.id))}
                           for r, s in zip(runs, summaries)], indent=2))
         return
     if not runs:
@@ -327,6 +354,15 @@ def runs_command(
     for line in lines(_run_columns(), rows, out.width, styles=[{"state": colors.get(r.state, "")} for r in runs],
                       details=details):
         out.print(line, highlight=False)
+    # Below the table, each on one line cut to the width: the legend, then each run whose τ parts from τ est.
+    out.print(Text(printable("τ est: accept_len + 1 in training; τ: measured by dflashctl eval (accepted draft "
+                             "tokens + 1 per target forward; * stopped early)"), style="dim"),
+              highlight=False, no_wrap=True, overflow="ellipsis")
+    for r, s in zip(runs, summaries):
+        note = tau_gap(s["tau_est"], s["tau"])
+        if note:
+            out.print(Text(printable(f"τ of {r.id}: {note}"), style="yellow"), highlight=False, no_wrap=True,
+                      overflow="ellipsis")
 
 
 @app.command("events")

@@ -11,7 +11,7 @@ ones), each with
   the time spent in it against the playbook's budget ("compiling 12 m / 30 m");
 - progress, tok/s averaged over ``SMOOTH_WINDOW_S`` and as a share of the
   baseline, an ETA from the step rate over the same window, loss, acceptance
-  length (tau), restarts, the event that matters last;
+  tau (the estimate, accept_len + 1, and the measured one of the newest eval), restarts, the event that matters last;
 - for a run on several hosts, each host's process as the supervisor last saw it
   (``RunHostView``), with how old that is;
 
@@ -38,7 +38,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from dflashctl.contract import describe_exit
+from dflashctl.contract import describe_exit, tau_estimate, tau_gap
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.freshness import Freshness, freshness
 from dflashctl.store import ACTIVE_STATES, FINAL_STATES, LAUNCHING, RESTARTING, Event, Run, Sample, Store
@@ -508,7 +508,9 @@ class RunView:
     mfu: float | None = None  # the trainer's estimate, 0..1 (GPU runs only)
     loss: float | None = None
     acc: float | None = None
-    accept_len: float | None = None  # tau: expected acceptance length
+    accept_len: float | None = None  # the trainer's expected run of correct drafter slots (tau_est - 1)
+    tau: float | None = None  # measured tau (accepted + 1 per target forward), the newest eval's
+    tau_eval: dict[str, Any] | None = None  # that eval: step, speedup, prompts, complete
     sample_time: float | None = None  # newest sample, trainer's clock
     restarts: int = 0
     last_event: EventView | None = None
@@ -536,6 +538,16 @@ class RunView:
         if not f.live and f.host_last_answer is not None:
             return "stale"
         return self.state
+
+    @property
+    def tau_est(self) -> float | None:
+        """The training-time tau, accept_len + 1 (dflashctl.contract.tau_estimate)."""
+        return tau_estimate(self.accept_len)
+
+    @property
+    def tau_note(self) -> str | None:
+        """Why the measured tau is well below the estimate, when it is (contract.tau_gap)."""
+        return tau_gap(self.tau_est, self.tau)
 
     @property
     def progress_pct(self) -> float | None:
@@ -599,7 +611,9 @@ class RunView:
         if key == "loss":
             return _num(self.loss, ".3f")
         if key == "accept":
-            return _num(self.accept_len, ".2f")
+            return _num(self.tau_est, ".2f")
+        if key == "tau":
+            return _num(self.tau, ".2f")
         if key == "mfu":
             return NA if self.mfu is None else f"{100 * self.mfu:.0f}%"
         if key == "restarts":
@@ -620,6 +634,8 @@ class RunView:
             return "bold red"
         if key == "last_event" and self.last_event is not None:
             return SEVERITY_STYLE.get(self.last_event.severity, "")
+        if key == "tau" and self.tau_note:
+            return "yellow"
         if key == "restarts" and self.restarts:
             return "yellow"
         return ""
@@ -628,7 +644,8 @@ class RunView:
         d = asdict(self)
         d["freshness"] = self.freshness.to_dict()
         d["phase"] = {**asdict(self.phase), "over_budget": self.phase.over_budget}
-        d.update(active=self.active, display_state=self.display_state, progress_pct=self.progress_pct)
+        d.update(active=self.active, display_state=self.display_state, progress_pct=self.progress_pct,
+                 tau_est=self.tau_est, tau_note=self.tau_note)
         d["roles"] = {str(k): v for k, v in self.roles.items()}
         return d
 
@@ -658,7 +675,8 @@ COLUMNS = (
     Column("age", "age", 5, 3, "right"),
     Column("history", "tok/s history", 13, 6),
     Column("loss", "loss", 6, 5, "right"),
-    Column("accept", "τ acc", 5, 5, "right"),
+    Column("accept", "τ est", 5, 5, "right"),
+    Column("tau", "τ", 5, 5, "right"),
     Column("restarts", "rst", 3, 5, "right"),
     Column("mfu", "MFU", 4, 7, "right"),
     Column("last_event", "last event", 24, 8),
@@ -955,6 +973,7 @@ class StatusReader:
         view.tok_s_history = [s.tok_s for s in process if s.tok_s is not None]
         view.loss_history = [s.loss for s in process if s.loss is not None]
         view.accept_history = [s.accept_len for s in process if s.accept_len is not None]
+        view.tau, view.tau_eval = measured_tau(store.evals(run.id))
         if newest is not None:
             view.step, view.tok_s_last, view.loss = newest.step, newest.tok_s, newest.loss
             view.acc, view.accept_len, view.mfu, view.sample_time = newest.acc, newest.accept_len, newest.mfu, newest.time
@@ -1072,7 +1091,21 @@ def notices_of(runs: Iterable[RunView], now: float) -> list[Notice]:
             out.append(Notice("warning", f"{r.id}: {f.note}", None, r.id))
         if r.phase.over_budget:
             out.append(Notice("warning", f"{r.id}: {r.phase.text()} (over budget)", f"dflashctl logs {r.id}", r.id))
+    for r in runs:
+        if r.tau_note:
+            out.append(Notice("warning", f"{r.id}: {r.tau_note}", f"dflashctl eval {r.id}", r.id))
     return out
+
+
+def measured_tau(evals: list[dict[str, Any]]) -> tuple[float | None, dict[str, Any] | None]:
+    """The newest evaluation with a measured tau (``Store.evals``, oldest first): its
+    tau and a summary of it (step, speed-up, prompts measured, complete), or (None, None)."""
+    for row in reversed(evals):
+        if row.get("error") is None and row.get("tau") is not None:
+            report = row.get("report") or {}
+            return row["tau"], {"time": row["time"], "step": row["step"], "speedup": row.get("speedup"),
+                                "prompts": report.get("prompts"), "complete": report.get("complete", True)}
+    return None, None
 
 
 def load_status(store: Store, now: float, run: str | None = None, selected: str | None = None, *,
@@ -1102,6 +1135,7 @@ JSON_SCHEMA: dict[str, Any] = {
             "type": "object",
             "required": ["id", "playbook", "host", "state", "display_state", "active", "freshness", "phase", "step",
                          "total_steps", "progress_pct", "tok_s", "baseline_pct", "eta_s", "loss", "accept_len",
+                         "tau_est", "tau",
                          "restarts", "last_event", "hosts"],
             "properties": {
                 "id": {"type": "string"}, "playbook": {"type": "string"}, "host": {"type": "string"},
@@ -1120,7 +1154,15 @@ JSON_SCHEMA: dict[str, Any] = {
                 "tok_s": {**_NUM, "description": "mean over window_s of the newest training samples"},
                 "tok_s_last": _NUM, "window_s": {"type": "number"}, "baseline_tok_s": _NUM, "baseline_pct": _NUM,
                 "eta_s": {**_NUM, "description": "from the step rate over window_s; null when the data is not live"},
-                "loss": _NUM, "acc": _NUM, "accept_len": {**_NUM, "description": "tau, expected acceptance length"},
+                "loss": _NUM, "acc": _NUM,
+                "accept_len": {**_NUM, "description": "the trainer's expected run of correct drafter slots at the "
+                                                      "training anchors (tau_est - 1)"},
+                "tau_est": {**_NUM, "description": "τ est: the training-time tau, accept_len + 1"},
+                "tau": {**_NUM, "description": "τ: measured tau (accepted draft tokens + 1 per target forward) "
+                                               "of the newest dflashctl eval"},
+                "tau_eval": {"type": ["object", "null"], "description": "that eval: time, step, speedup, prompts, "
+                                                                        "complete (false: stopped early)"},
+                "tau_note": {**_STR, "description": "why tau is more than contract.TAU_GAP_MARGIN below tau_est"},
                 "mfu": _NUM, "restarts": {"type": "integer"}, "exit_reason": _STR,
                 "last_event": {"type": ["object", "null"]}, "tok_s_history": {"type": "array"},
                 "gpus": {"type": "array"}, "roles": {"type": "object"},

@@ -19,6 +19,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, RichLog, Static, TabbedContent, TabPane
 from textual.worker import get_current_worker
 
+from dflashctl.contract import TAU_GAP_MARGIN
 from dflashctl.errors import DflashError, first_line
 from dflashctl.tui.model import STATE_STYLE, DetailView
 from dflashctl.tui.text import detail_text
@@ -47,7 +48,9 @@ LEGEND = [
     ("done", "share of the steps done; step: step / total"),
     ("ETA", "from the step rate over the newest 5 minutes of data; 'stale' when the data is not live"),
     ("tok/s", "mean over the newest 5 minutes of training samples; %base: share of the baseline"),
-    ("τ acc", "tau, the expected acceptance length (accept_len)"),
+    ("τ est", "tau estimated in training: accept_len + 1, the tokens one target forward would yield"),
+    ("τ", "tau measured by speculative decoding (dflashctl eval); yellow: more than "
+           f"{100 * TAU_GAP_MARGIN:.0f}% below τ est (the status line says why)"),
     ("age", "how old the newest sample is; rst: restarts"),
     ("GPUs", "per host: role (target / drafter), the run holding it, utilisation and memory bars, temperature, "
              "power, utilisation history"),

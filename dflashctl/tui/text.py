@@ -160,11 +160,13 @@ def run_text(run: RunView | None, events: list[EventView], width: int, now: floa
     if run.baseline_pct is not None:
         out.append(f" = {run.baseline_pct:.0f}% of baseline {fmt_tok_s(run.baseline_tok_s)}",
                    style="bold red" if run.baseline_pct < 60 else "")
-    out.append(f" · loss {run.cell('loss')} · τ accept_len {run.cell('accept')} · MFU {run.cell('mfu')}"
+    out.append(f" · loss {run.cell('loss')} · τ est {run.cell('accept')} · τ {tau_text(run)} · MFU {run.cell('mfu')}"
                f" · restarts {run.restarts} · data age {run.age_text()}")
+    if run.tau_note:
+        out.append(f"\n{run.tau_note}", style="yellow")
     histories = [("tok/s", run.tok_s_history, run.baseline_tok_s, "green")]
     if charts:
-        histories += [("loss", run.loss_history, None, "yellow"), ("τ acc", run.accept_history, None, "cyan")]
+        histories += [("loss", run.loss_history, None, "yellow"), ("τ est-1", run.accept_history, None, "cyan")]
     for name, values, high, style in histories:
         if values:
             out.append(f"\n{name:<6}")
@@ -214,7 +216,7 @@ def detail_text(d: DetailView, width: int, now: float) -> Text:
     out.append("\n")
     out.append_text(_chart("loss", [p["loss"] for p in d.series], cw, "yellow", lambda v: f"{v:.3f}"))
     out.append("\n")
-    out.append_text(_chart("τ accept_len", [p["accept_len"] for p in d.series], cw, "cyan", lambda v: f"{v:.2f}"))
+    out.append_text(_chart("accept_len (τ est - 1)", [p["accept_len"] for p in d.series], cw, "cyan", lambda v: f"{v:.2f}"))
     out.append("\n\nthresholds (the playbook's)\n", style="bold underline")
     for name, value in d.thresholds.lines():
         out.append(f"  {name:<15}", style="bold")
@@ -230,3 +232,16 @@ def detail_text(d: DetailView, width: int, now: float) -> Text:
     if not d.restarts:
         out.append("  none\n", style="dim")
     return out
+
+
+def tau_text(run) -> str:
+    """The measured tau with where it comes from: '6.9 (eval at step 300, 1.8x)', 'n/a (no eval yet)'."""
+    if run.tau is None:
+        return "n/a (no eval: dflashctl eval RUN)"
+    e = run.tau_eval or {}
+    parts = [f"eval at step {e['step']}" if e.get("step") is not None else "eval"]
+    if e.get("speedup"):
+        parts.append(f"{e['speedup']:.2f}x greedy")
+    if e.get("complete") is False:
+        parts.append(f"partial: {e.get('prompts')} prompts")
+    return f"{run.tau:.2f} ({', '.join(parts)})"
