@@ -45,25 +45,9 @@ from dflashctl.runhost import standby_session  # noqa: E402
 from dflashctl.store import Store  # noqa: E402
 from dflashctl.supervisor import Supervisor  # noqa: E402
 from dflashctl.tmux import SOCKET_ENV, UTF8_ENV, Tmux  # noqa: E402
+from bench_standby import status, wait_for  # noqa: E402  (this folder: the standby bench's helpers)
 
 HOSTS = ("local", "target")
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise SystemExit(f"timed out after {timeout:g}s waiting for {what}")
-
-
-def status(run_dir: str) -> dict:
-    try:
-        return json.loads(Path(run_dir, contract.STATUS_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 class CallLog:
@@ -144,7 +128,9 @@ def one_host(env, root: Path, host: str, args, calls: CallLog) -> dict:
         tmux.kill(run.tmux_session)
         tmux.kill(standby_session(run.tmux_session))
     rows = store.restarts(run_id)[: args.restarts]
+    woken = [e for e in store.events(run_id, kind="process") if (e.detail or {}).get("standby")]
     return {"host": host, "route": transport.connect(host, inventory).describe_route(),
+            "standby_woken": len(woken),
             "kill_to_first_step_s": kill_to_step,
             "downtime_s": [round(r.downtime_s, 2) for r in rows],
             "time_to_first_step_s": [round(r.time_to_first_step_s, 2) for r in rows],
@@ -204,12 +190,12 @@ def main() -> None:
         print(json.dumps({"hosts": results, "lifecycle_call": lifecycle, "ratio": round(ratio, 2)}))
         return
     print(f"{'host':<8} {'route':<34} {'kill->first step':>17} {'downtime_s':>11} {'issued->step':>13} "
-          f"{'restart cmds':>13} {'restart call':>13}  each kill->first step")
+          f"{'restart cmds':>13} {'restart call':>13} {'standby':>8}  each kill->first step")
     for r in results:
         print(f"{r['host']:<8} {r['route']:<34} {statistics.median(r['kill_to_first_step_s']):>17.2f} "
               f"{statistics.median(r['downtime_s']):>11.2f} {statistics.median(r['time_to_first_step_s']):>13.2f} "
               f"{statistics.median(r['restart_commands']):>13.0f} {statistics.median(r['restart_call_s']):>12.2f}s"
-              f"  {r['kill_to_first_step_s']}")
+              f" {r['standby_woken']:>4}/{args.restarts:<3}  {r['kill_to_first_step_s']}")
     print(f"ratio target / local (median kill -> first step): {ratio:.2f}x (target <= 1.5x)")
     for c in lifecycle:
         print(f"one tmux call on {c['host']}: {c['kept_open_s'] * 1000:.0f} ms on the kept-open connection, "

@@ -23,7 +23,9 @@ from dflashctl.store import Store
 from dflashctl.supervisor import Supervisor
 from dflashctl.tmux import SOCKET_ENV
 from tests.harness import environ
-from tests.test_supervisor import SOCKET, Background, kill_tmux_servers, kinds, read_status, states, wait_for, write_playbook
+from tests.test_supervisor import (
+    SOCKET, Background, end_trainer, kill_tmux_servers, kinds, read_status, states, wait_for, write_playbook,
+)
 
 INTERVAL = 0.5
 STALL_WINDOW = 10.0
@@ -82,13 +84,7 @@ def stopped_run(ssh_env, tmp_path_factory):
         finally:
             if run.background.thread.is_alive():
                 run.background.close()
-            status = read_status(run.run_dir)
-            if status and status.pid:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.kill(status.pid, sig)
-                    except ProcessLookupError:
-                        pass
+            end_trainer(run.run_dir)
             kill_tmux_servers([(ssh_env.inventory.get("target"), ssh_env.inventory, SOCKET)])
 
 
