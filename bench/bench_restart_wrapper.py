@@ -22,7 +22,6 @@ call through a fresh connection in a new Python process (what a forwarding
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -45,7 +44,7 @@ from dflashctl.runhost import standby_session  # noqa: E402
 from dflashctl.store import Store  # noqa: E402
 from dflashctl.supervisor import Supervisor  # noqa: E402
 from dflashctl.tmux import SOCKET_ENV, UTF8_ENV, Tmux  # noqa: E402
-from bench_standby import status, wait_for  # noqa: E402  (this folder: the standby bench's helpers)
+from bench_standby import arguments, status, trainer_config, wait_for  # noqa: E402  (this folder)
 
 HOSTS = ("local", "target")
 
@@ -72,10 +71,7 @@ class CallLog:
 
 
 def one_host(env, root: Path, host: str, args, calls: CallLog) -> dict:
-    trainer = {"model": {"preset": args.preset, "drafter_layers": 2, "block_size": 8},
-               "data": {"buckets": [args.bucket], "batch_size": 1, "max_anchors": 16},
-               "placement": {"device": args.device, "target": [0], "drafter": [0]},
-               "train": {"steps": 1_000_000, "log_every": 1, "checkpoint_every": 4}}
+    trainer = trainer_config(args)
     playbooks = root / f"playbooks-{host}"
     playbooks.mkdir()
     path = playbooks / "bench.yaml"
@@ -163,14 +159,7 @@ def lifecycle_call(env, host: str, calls: int = 10) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--bucket", type=int, default=128)
-    p.add_argument("--restarts", type=int, default=3)
-    p.add_argument("--interval", type=float, default=0.5, help="supervisor poll interval (detection delay)")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = arguments(__doc__).parse_args()
     os.environ.setdefault(SOCKET_ENV, f"bench-restart-{os.getpid()}")
     from tests.harness import SshEnv
 
