@@ -6,9 +6,11 @@
 Real OpenSSH servers on loopback (tests/harness: `target` is reached through the
 jump host `jump` and runs every command inside the test `pct exec 200 --`), real
 tmux, the real trainer, a real SQLite store and the supervisor in this process.
-For each host (`local`, then `target`) a run is launched with the standby on; after
-each checkpoint-and-step, once the standby has done its imports, the trainer is
-SIGKILLed and the supervisor restarts it (the standby renamed and woken). Printed
+A run is launched on each host (`local` and `target`) with the standby on; both
+train at once, and in turn (local, target, local, ...), after a checkpoint-and-step
+and once the standby has done its imports, each trainer is SIGKILLed and the
+supervisor restarts it (the standby renamed and woken): both hosts' figures are taken
+under the same load. Printed
 per host: kill -> first step of the new process (the bench's own clock: the kill,
 then the first stored sample after it), the restart row's ``downtime_s`` and
 ``time_to_first_step_s``, and the host commands the restart itself ran (count and
@@ -70,68 +72,76 @@ class CallLog:
         transport.Transport.run = run  # measuring only: the call itself is the real one
 
 
-def one_host(env, root: Path, host: str, args, calls: CallLog) -> dict:
-    trainer = trainer_config(args)
-    playbooks = root / f"playbooks-{host}"
-    playbooks.mkdir()
-    path = playbooks / "bench.yaml"
-    path.write_text(yaml.safe_dump({"host": host, "trainer": trainer, "poll_interval": args.interval,
-                                   "compile_cache": None,
-                                   "restart": {"backoff_initial": 0, "jitter": 0, "standby": True,
-                                               "max_restarts": args.restarts + 1, "crash_loop_k": args.restarts + 1}}))
-    store = Store(str(root / f"runs-{host}.db"))
-    inventory = env.inventory
-    run_id = launch_run(load_playbook(str(path), inventory=inventory), inventory, store, bundle=build_bundle()).run_id
-    run = store.get_run(run_id)
-    sup = Supervisor(store, inventory, interval=args.interval, playbooks_dir=str(playbooks))
-    sup.attach(run_id)
-    restart_fn_calls: list[tuple[int, float]] = []
+class HostRun:
+    """A run on one host, launched and supervised in this process (standby on)."""
 
-    def restart_fn(rid, serialized, st, inv):  # the supervisor's own restart, its host commands counted
+    def __init__(self, env, root: Path, host: str, args, calls: CallLog):
+        self.host, self.args, self.calls, self.inventory = host, args, calls, env.inventory
+        playbooks = root / f"playbooks-{host}"
+        playbooks.mkdir()
+        path = playbooks / "bench.yaml"
+        path.write_text(yaml.safe_dump({"host": host, "trainer": trainer_config(args), "poll_interval": args.interval,
+                                       "compile_cache": None,
+                                       "restart": {"backoff_initial": 0, "jitter": 0, "standby": True,
+                                                   "max_restarts": args.restarts + 1,
+                                                   "crash_loop_k": args.restarts + 1}}))
+        self.store = Store(str(root / f"runs-{host}.db"))
+        pb = load_playbook(str(path), inventory=self.inventory)
+        self.run_id = launch_run(pb, self.inventory, self.store, bundle=build_bundle()).run_id
+        self.run = self.store.get_run(self.run_id)
+        self.sup = Supervisor(self.store, self.inventory, interval=args.interval, playbooks_dir=str(playbooks))
+        self.sup.attach(self.run_id)
+        self.sup.restart_fn = self._restart
+        self.restart_calls: list[tuple[int, float]] = []
+        self.kill_to_step: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.sup.run, args=(self.stop,), daemon=True, name=f"bench-{host}")
+        self.thread.start()
+
+    def _restart(self, run_id, serialized, store, inventory) -> None:
+        """The supervisor's own restart, its host commands counted."""
         from dflashctl.runhost import restart_run
 
-        calls.thread, before = threading.get_ident(), len(calls.calls.get(host, []))
+        self.calls.thread, before = threading.get_ident(), len(self.calls.calls.get(self.host, []))
         started = time.monotonic()
         try:
-            restart_run(rid, serialized, st, inv, clock=sup.clock)
+            restart_run(run_id, serialized, store, inventory, clock=self.sup.clock)
         finally:
-            calls.thread = None
-            restart_fn_calls.append((len(calls.calls.get(host, [])) - before, time.monotonic() - started))
+            self.calls.thread = None
+            self.restart_calls.append((len(self.calls.calls.get(self.host, [])) - before, time.monotonic() - started))
 
-    sup.restart_fn = restart_fn
-    stop = threading.Event()
-    thread = threading.Thread(target=sup.run, args=(stop,), daemon=True, name="bench-supervisor")
-    thread.start()
-    kill_to_step = []
-    try:
-        for i in range(args.restarts):
-            wait_for(lambda: store.get_run(run_id).state == "running" and status(run.run_dir).get("phase") == "training"
-                     and (status(run.run_dir).get("step") or 0) % 4 >= 1, 600, "a trained step past a checkpoint")
-            wait_for(lambda: Path(run.run_dir, contract.STANDBY_FILE).exists()
-                     and json.loads(Path(run.run_dir, contract.STANDBY_FILE).read_text())["pid"]
-                     != status(run.run_dir)["pid"], 600, "the standby's imports")
-            time.sleep(1.0)
-            killed_at = time.time()
-            os.kill(status(run.run_dir)["pid"], signal.SIGKILL)  # every test host is this machine
-            row = wait_for(lambda: len(store.restarts(run_id)) > i and store.restarts(run_id)[i].time_to_first_step_s
-                           is not None and store.restarts(run_id)[i], 600, f"restart {i + 1}'s first step")
-            first = min(s.time for s in store.samples(run_id) if s.time > row.time)
-            kill_to_step.append(round(first - killed_at, 2))
-    finally:
-        stop.set()
-        thread.join(60)
-        tmux = Tmux(inventory.get(host), inventory)
-        tmux.kill(run.tmux_session)
-        tmux.kill(standby_session(run.tmux_session))
-    rows = store.restarts(run_id)[: args.restarts]
-    woken = [e for e in store.events(run_id, kind="process") if (e.detail or {}).get("standby")]
-    return {"host": host, "route": transport.connect(host, inventory).describe_route(),
-            "standby_woken": len(woken),
-            "kill_to_first_step_s": kill_to_step,
-            "downtime_s": [round(r.downtime_s, 2) for r in rows],
-            "time_to_first_step_s": [round(r.time_to_first_step_s, 2) for r in rows],
-            "restart_commands": [n for n, _ in restart_fn_calls],
-            "restart_call_s": [round(s, 2) for _, s in restart_fn_calls]}
+    def kill_once(self, i: int) -> None:
+        """After a checkpoint and a step, with the standby ready: SIGKILL, then the first step after."""
+        store, run_dir = self.store, self.run.run_dir
+        wait_for(lambda: store.get_run(self.run_id).state == "running" and status(run_dir).get("phase") == "training"
+                 and (status(run_dir).get("step") or 0) % 4 >= 1, 600, "a trained step past a checkpoint")
+        wait_for(lambda: Path(run_dir, contract.STANDBY_FILE).exists()
+                 and json.loads(Path(run_dir, contract.STANDBY_FILE).read_text())["pid"] != status(run_dir)["pid"],
+                 600, "the standby's imports")
+        time.sleep(1.0)
+        killed_at = time.time()
+        os.kill(status(run_dir)["pid"], signal.SIGKILL)  # every test host is this machine
+        row = wait_for(lambda: len(store.restarts(self.run_id)) > i and store.restarts(self.run_id)[i].time_to_first_step_s
+                       is not None and store.restarts(self.run_id)[i], 600, f"restart {i + 1}'s first step")
+        first = min(s.time for s in store.samples(self.run_id) if s.time > row.time)
+        self.kill_to_step.append(round(first - killed_at, 2))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        tmux = Tmux(self.inventory.get(self.host), self.inventory)
+        tmux.kill(self.run.tmux_session)
+        tmux.kill(standby_session(self.run.tmux_session))
+
+    def result(self) -> dict:
+        rows = self.store.restarts(self.run_id)[: self.args.restarts]
+        woken = [e for e in self.store.events(self.run_id, kind="process") if (e.detail or {}).get("standby")]
+        return {"host": self.host, "route": transport.connect(self.host, self.inventory).describe_route(),
+                "standby_woken": len(woken), "kill_to_first_step_s": self.kill_to_step,
+                "downtime_s": [round(r.downtime_s, 2) for r in rows],
+                "time_to_first_step_s": [round(r.time_to_first_step_s, 2) for r in rows],
+                "restart_commands": [n for n, _ in self.restart_calls],
+                "restart_call_s": [round(s, 2) for _, s in self.restart_calls]}
 
 
 def lifecycle_call(env, host: str, calls: int = 10) -> dict:
@@ -166,8 +176,17 @@ def main() -> None:
     calls = CallLog()
     with tempfile.TemporaryDirectory(prefix="bench-restart-wrapper-") as root:
         with SshEnv(os.path.join(root, "ssh")) as env:
+            runs = []
             try:
-                results = [one_host(env, Path(root), host, args, calls) for host in HOSTS]
+                runs = [HostRun(env, Path(root), host, args, calls) for host in HOSTS]
+                # Both runs train at once and their crashes alternate, so both hosts' figures
+                # are taken under the same load (this machine is shared).
+                for i in range(args.restarts):
+                    for r in runs:
+                        r.kill_once(i)
+                for r in runs:
+                    r.close()
+                results = [r.result() for r in runs]
                 lifecycle = [lifecycle_call(env, host) for host in HOSTS]
             finally:
                 for host in HOSTS:
