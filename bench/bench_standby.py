@@ -55,14 +55,31 @@ def status(run_dir: str) -> dict:
         return {}
 
 
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The options of a restart bench (this one and bench_restart_wrapper.py)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--bucket", type=int, default=128)
+    p.add_argument("--restarts", type=int, default=3)
+    p.add_argument("--interval", type=float, default=0.5, help="supervisor poll interval (detection delay)")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def trainer_config(args) -> dict:
+    """A run that checkpoints every 4 steps and logs every step, for ``arguments``."""
+    return {"model": {"preset": args.preset, "drafter_layers": 2, "block_size": 8},
+            "data": {"buckets": [args.bucket], "batch_size": 1, "max_anchors": 16},
+            "placement": {"device": args.device, "target": [0], "drafter": [0]},
+            "train": {"steps": 1_000_000, "log_every": 1, "checkpoint_every": 4}}
+
+
 def one_mode(root: Path, standby: bool, args) -> dict:
     inventory_path = root / "inventory.yaml"
     inventory_path.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local", "workdir": str(root / "work")}}}))
     inventory = load_inventory(str(inventory_path))
-    trainer = {"model": {"preset": args.preset, "drafter_layers": 2, "block_size": 8},
-               "data": {"buckets": [args.bucket], "batch_size": 1, "max_anchors": 16},
-               "placement": {"device": args.device, "target": [0], "drafter": [0]},
-               "train": {"steps": 1_000_000, "log_every": 1, "checkpoint_every": 4}}
+    trainer = trainer_config(args)
     (root / "playbooks").mkdir()
     path = root / "playbooks" / "bench.yaml"
     path.write_text(yaml.safe_dump({"host": "local", "trainer": trainer, "poll_interval": args.interval,
@@ -106,14 +123,7 @@ def one_mode(root: Path, standby: bool, args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--bucket", type=int, default=128)
-    p.add_argument("--restarts", type=int, default=3)
-    p.add_argument("--interval", type=float, default=0.5, help="supervisor poll interval (detection delay)")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = arguments(__doc__).parse_args()
     os.environ.setdefault(SOCKET_ENV, f"bench-standby-{os.getpid()}")
     results = []
     for standby in (True, False):

@@ -467,6 +467,18 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PLAYBOOK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
+def no_control_characters(value: str) -> str:
+    """``value`` when it has no control character (a newline, a tab, ESC, ...), else a
+    ValueError saying which and where: a value that reaches a shell, a file of lines
+    or a terminal on the host would be cut or misread there."""
+    for i, c in enumerate(value):
+        if ord(c) < 32 or 0x7F <= ord(c) < 0xA0:
+            raise ValueError(f"{value!r} contains a control character ({c!r} at position {i}): it would be cut or "
+                             "misread on the host; remove it (a path or a command with a newline, tab or escape "
+                             "cannot be used)")
+    return value
+
+
 class Host(BaseModel):
     """One machine and how to reach it. Commands run inside ``wrapper`` when one is set."""
 
@@ -541,6 +553,16 @@ class Host(BaseModel):
         if not _HOST_NAME.fullmatch(name):
             raise ValueError(f"host name '{name}': use letters, digits, '.', '_' or '-'")
         return name
+
+    @field_validator("python", "workdir")
+    @classmethod
+    def _no_control_characters(cls, value: str) -> str:
+        return no_control_characters(value)
+
+    @field_validator("wrapper")
+    @classmethod
+    def _wrapper_words(cls, value: list[str]) -> list[str]:
+        return [no_control_characters(word) for word in value]
 
     @field_validator("wrapper", mode="before")
     @classmethod

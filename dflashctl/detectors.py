@@ -40,6 +40,9 @@ SEVERITIES = ("info", "warning", "error", "critical")
 
 # Run states (store) in which the trainer should be alive on its host.
 ALIVE_STATES = ("launching", "running", "stalled")
+# Process states (/proc/PID/stat) of a trainer stopped on purpose: by a signal (T)
+# or a debugger (t, tracing stop). Left alone, never restarted.
+STOPPED_STATES = ("T", "t")
 # Phases in which the trainer holds GPU memory.
 GPU_PHASES = (contract.PHASE_COMPILING, contract.PHASE_TRAINING, contract.PHASE_CHECKPOINTING)
 
@@ -129,6 +132,7 @@ def detect(
     baseline_tok_s: float | None = None,
     assigned_gpus: Sequence[int] | None = None,
     phase_since: float | None = None,
+    held_until: float | None = None,
 ) -> list[Finding]:
     """Every finding for one run at ``now``.
 
@@ -138,7 +142,9 @@ def detect(
     ``baseline_from_history``); defaults to ``expect.baseline_tok_s``.
     assigned_gpus: the run's GPU indices on its host. phase_since: when the
     current phase was first seen (the supervisor tracks it; status.json has no
-    phase start time); before status.json exists, the launch time.
+    phase start time); before status.json exists, the launch time. held_until:
+    the end of the latest episode in which the detectors held back (see
+    ``detect_stall``).
     """
     findings: list[Finding] = []
     if state in ALIVE_STATES and probe is not None:
@@ -151,7 +157,7 @@ def detect(
         conflict = detect_conflict(probe, assigned_gpus)
         if conflict is not None:
             findings.append(conflict)
-        stall = detect_stall(samples, probe, expect, now, phase_since)
+        stall = detect_stall(samples, probe, expect, now, phase_since, held_until)
         if stall is not None:
             findings.append(stall)
     baseline = baseline_tok_s if baseline_tok_s is not None else expect.baseline_tok_s
@@ -300,41 +306,60 @@ def last_progress(samples: Sequence[Sample], status: contract.Status | None = No
     return best
 
 
+def holds_back(findings: Iterable[Finding]) -> bool:
+    """Whether these findings hold the stall detector back: a process stopped on
+    purpose (state T) is reported, not judged by its quiet time. Once it runs again,
+    the quiet time counts from the end of that episode (``held_until``), never from
+    a step made before it: a trainer resumed with SIGCONT after a stop longer than the
+    stall window has a whole window to write its next line."""
+    return any(f.kind == STALL and f.detail.get("process_state") in STOPPED_STATES for f in findings)
+
+
 def detect_stall(
     samples: Sequence[Sample],
     probe: "ProbeResult",
     expect: "Expect",
     now: float,
     phase_since: float | None = None,
+    held_until: float | None = None,
 ) -> Finding | None:
     """No progress where progress is due. GPU utilisation is never taken as a
-    sign of life: hung runs have been seen at 100%."""
+    sign of life: hung runs have been seen at 100%.
+
+    ``held_until``: when the latest episode in which the detector held back ended
+    (its process stopped, its host not answering), as first seen. Quiet time and
+    the phase budgets count from no earlier than that: what the trainer did not do
+    while it could not is not held against it."""
     proc = probe.process
-    if proc is not None and proc.state == "T":
+    if proc is not None and proc.state in STOPPED_STATES:
         return Finding(
             STALL,
             "error",
-            f"trainer process {proc.pid} is stopped (state T: SIGSTOP or a debugger); it makes no progress",
-            {"process_state": "T", "pid": proc.pid},
+            f"trainer process {proc.pid} is stopped (state {proc.state}: SIGSTOP or a debugger); it makes no progress",
+            {"process_state": proc.state, "pid": proc.pid},
         )
     status = probe.status
     # Nothing written yet: the trainer is still starting (its import may be what hangs).
     phase = status.phase if status else (samples[-1].phase if samples else contract.PHASE_STARTING)
     since = phase_since if phase_since is not None else (status.started if status else None)
+    resumed = held_until is not None and (since is None or held_until > since)
     budgets = {contract.PHASE_STARTING: expect.startup_budget, contract.PHASE_COMPILING: expect.compile_budget}
     if phase in budgets:
+        if resumed:
+            since = held_until
         if since is None or now - since <= budgets[phase]:
             return None
         return Finding(
             STALL,
             "error",
-            f"still {phase} after {fmt_duration(now - since)} (budget {fmt_duration(budgets[phase])})",
+            f"still {phase} after {fmt_duration(now - since)}" + (" since its process ran again" if resumed else "")
+            + f" (budget {fmt_duration(budgets[phase])})",
             {"phase": phase, "elapsed_s": now - since, "budget_s": budgets[phase]},
         )
     if phase not in (contract.PHASE_TRAINING, contract.PHASE_CHECKPOINTING):
         return None
     progress = last_progress(samples, status)
-    marks = [t for t in (progress[1] if progress else None, phase_since) if t is not None]
+    marks = [t for t in (progress[1] if progress else None, phase_since, held_until) if t is not None]
     if not marks:
         return None
     quiet = now - max(marks)
@@ -343,6 +368,8 @@ def detect_stall(
     message = f"no new step for {fmt_duration(quiet)} while {phase} (stall window {fmt_duration(expect.stall_window)})"
     if progress:
         message += f"; last step {progress[0]} at {fmt_clock(progress[1])}"
+    if held_until is not None and held_until == max(marks):
+        message += f"; counted from {fmt_clock(held_until)}, when its process ran again"
     busy = [g.utilization_pct for g in probe.gpus or [] if g.utilization_pct]
     if busy:
         message += f"; GPU utilisation {max(busy):.0f}% is not progress"

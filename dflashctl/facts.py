@@ -391,6 +391,24 @@ def launch_problems(host: "Host", facts: HostFacts, look: LookAgain | None, user
     return problems
 
 
+# The problems that end a launched trainer however its environment looks: `launch`
+# refuses a host that has one (`check` shows every problem).
+LAUNCH_BLOCKERS = ("pid-namespace", "detached-start", "detached-killed", "tmux-missing", "tmux-failed", "tmux-lost",
+                   "workdir")
+
+
+def prove_launchable(transport: Transport, timeout: float | None = None) -> tuple[HostFacts, list[Problem]]:
+    """`check`'s proof of what a launch needs, on one run host: the facts, with a
+    detached process and a tmux session started, then looked at again in a second
+    call (``look_again``, which stops them); the problems found."""
+    token = secrets.token_hex(6)
+    facts = gather_facts(transport, timeout, launch_token=token)
+    if facts.launch is None:
+        return facts, []
+    look = look_again(transport, facts.launch, token, timeout)
+    return facts, launch_problems(transport.host, facts, look, getattr(transport, "user", None))
+
+
 def gpu_count_problem(host: "Host", found: int | None, smi_present: bool = True) -> Problem | None:
     """A warning when the inventory's ``gpus:`` differs from the GPUs nvidia-smi
     shows (``found``; None: it gave no answer); None when they agree or nothing is claimed."""
@@ -466,12 +484,11 @@ def check_hosts(inventory: "Inventory", names: list[str] | None = None, timeout:
         found = blank(transport.name)
         host = transport.host
         started = time.monotonic()
-        token = None if jumps[transport.name] else secrets.token_hex(6)
         try:
-            found.facts = gather_facts(transport, timeout, launch_token=token)
-            if token is not None and found.facts.launch is not None:
-                look = look_again(transport, found.facts.launch, token, timeout)
-                found.problems = launch_problems(host, found.facts, look, getattr(transport, "user", None))
+            if jumps[transport.name]:
+                found.facts = gather_facts(transport, timeout)
+            else:
+                found.facts, found.problems = prove_launchable(transport, timeout)
             smi = found.facts.nvidia_smi is not None
             count = gpu_count_problem(host, None if found.facts.gpu_error else len(found.facts.gpus), smi)
             if count is not None:

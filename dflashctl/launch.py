@@ -296,6 +296,7 @@ class _Launcher:
         if not self.dry_run:
             self.transport = host_transport(host.name, self.inventory)
         self.say("connect", f"{host.name} via {_route(host.name, self.inventory)}")
+        self._prove_host(host, self.transport)
 
         trainer = pb.trainer.to_dict()
         gpus = self._check_gpus(wanted_gpus(trainer))
@@ -400,8 +401,9 @@ class _Launcher:
         bundle = self.bundle or build_bundle()
         self.say("bundle", f"trainer bundle {bundle.short} ({bundle.size} bytes, {len(bundle.files)} files)")
         transports = [None if self.dry_run else host_transport(h.name, self.inventory) for h in hosts]
-        for host in hosts:
+        for host, transport in zip(hosts, transports):
             self.say("connect", f"{host.name} via {_route(host.name, self.inventory)}")
+            self._prove_host(host, transport)
         trainer = pb.trainer.to_dict()
         wanted = wanted_gpus(trainer)
         gpus = []
@@ -467,6 +469,31 @@ class _Launcher:
         state = self._wait_started(run_id, self.store.get_run(run_id).parts()[0], names)
         return LaunchResult(run_id, state, hosts[0].name, parts[0]["run_dir"], run_id,
                             deploy=result.to_dict() if result else None, findings=findings)
+
+    def _prove_host(self, host: "Host", transport: "Transport | None") -> None:
+        """What `check` proves before anything is deployed or recorded: a detached
+        process and a tmux session started through the host's route outlive the call
+        (a wrapper that enters a fresh pid namespace per call kills the trainer when
+        the launch returns), the workdir is writable. Not for the local host (no
+        route, no wrapper: the controller's own machine)."""
+        if host.is_local:
+            return
+        if self.dry_run:
+            self.say("connect", f"would prove on {host.name} that a detached process and a tmux session outlive "
+                     "the call (as `dflashctl check` does)")
+            return
+        from dflashctl.facts import LAUNCH_BLOCKERS, prove_launchable
+
+        _, problems = prove_launchable(transport)
+        blocking = [p for p in problems if p.code in LAUNCH_BLOCKERS]
+        if blocking:
+            first = blocking[0]
+            more = "".join(f"; also: {p.message}" for p in blocking[1:])
+            raise LaunchError(f"{host.name} cannot hold a run: {first.message}{more}; not launching (nothing was "
+                              "deployed or recorded)",
+                              hint=f"{first.fix}; `dflashctl check {shlex.quote(host.name)}` shows every problem")
+        self.say("connect", f"{host.name}: a detached process and a tmux session outlive the call through "
+                 f"{'the wrapper' if host.wrapper else 'ssh'}")
 
     def _check_port(self, host: "Host", transport: "Transport | None", port: int) -> None:
         """Rank 0's host must be able to listen on the rendezvous port before anything starts."""

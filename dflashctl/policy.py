@@ -127,7 +127,7 @@ def _decide_trigger(
     rng: random.Random,
     healthy_since: float | None,
 ) -> Action:
-    if trigger.kind == detectors.STALL and trigger.detail.get("process_state") == "T":
+    if detectors.holds_back([trigger]):
         return Action(
             NONE,
             f"{trigger.message}; not restarting a process someone stopped on purpose "

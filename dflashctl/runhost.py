@@ -125,7 +125,7 @@ def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str
     whose exit code is written only once it has (trainer/standby.py)."""
     lines = [
         "#!/bin/sh",
-        f"# dflashctl run {run_id}: runs in tmux session {session} (tmux -L {socket}).",
+        _comment(f"dflashctl run {run_id}: runs in tmux session {session} (tmux -L {socket})."),
         "# Rewritten on every (re)start by dflashctl; edits here are lost.",
         f"cd {shlex.quote(run_dir)} || exit 1",
     ]
@@ -153,6 +153,12 @@ def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str
         "",
     ]
     return "\n".join(lines)
+
+
+def _comment(text: str) -> str:
+    """A shell comment line of ``text``: a control character in it (a newline would end
+    the comment and make the rest a command) is written as its escape."""
+    return "# " + "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def distributed_env(dist: dict[str, Any], rank: int) -> dict[str, str]:

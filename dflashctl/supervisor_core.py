@@ -23,9 +23,11 @@ phase tracking and the detectors the host's (host time - skew = local time).
 A restart's cost, in its restarts row:
 
     detect_delay_s        detection - failure. The failure time is the trainer's own
-                          when it reported one (status.json ``failed``), else the last
-                          poll that saw it healthy (an upper bound), and for a stall
-                          its last step.
+                          when it reported one (status.json ``failed``), else its
+                          latest sign of life: the last poll that saw it healthy (an
+                          upper bound) or, for a supervisor that re-attached and has
+                          seen no such poll, its newest metrics line; for a stall its
+                          last step, or the end of a stopped episode when later.
     downtime_s            failure -> first step of the restarted process
     time_to_first_step_s  restart issued -> first step of the restarted process
 """
@@ -59,6 +61,9 @@ REPEAT_FINDING_S = 600.0  # a lasting finding is written (and alerted) again thi
 # and before the answer arrived (plus this margin and two poll intervals).
 CLOCK_PAST_MARGIN_S = 600.0
 CLOCK_FUTURE_MARGIN_S = 120.0
+# A line's own account of when its process began training (time - elapsed_s) may
+# be this much before the restart that began it (rounding, the skew's error).
+ATTEMPT_SLACK_S = 1.0
 RESTART_MARKER = "--- dflashctl:"  # the trainer.log line written before each restart
 ROW_ERROR_CHARS = 500  # of a host's probe errors kept in its run_hosts row (host text: bounded)
 
@@ -174,6 +179,12 @@ class RunState:
     cache_fetch: bool = False  # the current process's compile artifacts were asked for (FetchCompileCache)
     ranks_ended: frozenset = frozenset()  # a multi-host run: (rank, pid) of the processes whose end was written
     standby_for: int | None = None  # pid of the process whose successor's standby was started
+    # The stall detector held back (its process stopped on purpose, ``detectors.holds_back``):
+    # ``holding`` while it does, ``held_until`` (host clock) the first poll after it,
+    # from which quiet time counts (``detectors.detect_stall``). A host that did not
+    # answer holds nothing back: the lines its trainer wrote meanwhile are read after.
+    holding: bool = False
+    held_until: float | None = None
 
     @property
     def id(self) -> str:
@@ -418,10 +429,14 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
     if s.run.state == RESTARTING and (s.pending is not None or not s.restart_issued):
         return  # a restart is coming: ours after its backoff, or an operator's
 
+    if s.holding:
+        s.held_until = now  # the first answer since the detector held back: quiet time counts from here
     findings = detectors.detect(
         list(s.samples), pr, LAUNCHING if s.run.state == RESTARTING else s.run.state, pol.run.expect, now,
         baseline_tok_s=s.baseline, assigned_gpus=s.run.gpus or None, phase_since=s.phase_since,
+        held_until=s.held_until,
     )
+    s.holding = detectors.holds_back(findings)
     if not {f.kind for f in findings} & {detectors.CRASH, detectors.STALL, detectors.FINISHED}:
         s.last_ok, s.crash_seen = local, None
     if not any(f.kind == detectors.CONFLICT for f in findings):
@@ -621,7 +636,7 @@ def _believed_status(s: RunState, pr: ProbeResult, skew: float, local: float, po
 def _progress(s: RunState, lines, skew: float, out: _Out) -> None:
     """The current process's steps: healthy_since, and its restart's cost and step_after."""
     # Lines an earlier process wrote but that are read only now do not count.
-    ours = [m for m in lines if s.attempt_started is None or m.time - skew >= s.attempt_started - 1.0]
+    ours = [m for m in lines if s.attempt_started is None or _of_this_attempt(m, skew, s.attempt_started)]
     if not ours:
         return
     _note_compile_cache(s, ours, out)
@@ -642,10 +657,25 @@ def _progress(s: RunState, lines, skew: float, out: _Out) -> None:
         if r.failed_at is not None:
             changes["downtime_s"] = round(max(0.0, first - r.failed_at), 3)
         out.event("restart", "info", f"training resumed at step {ours[0].step}, "
-                  f"{_seconds(first - r.issued_at)} after the restart"
-                  + (f" ({_seconds(first - r.failed_at)} down in all)" if r.failed_at else ""), changes)
+                  f"{_seconds(changes['time_to_first_step_s'])} after the restart"
+                  + (f" ({_seconds(changes['downtime_s'])} down in all)" if r.failed_at is not None else ""), changes)
     s.latest = r
     out.writes.append(RestartUpdate(changes))
+
+
+def _of_this_attempt(m: contract.Metrics, skew: float, started: float) -> bool:
+    """Whether a metrics line was written by the process a restart at ``started``
+    (local) began. Stamped before the restart: an earlier process's. A line that
+    says how long its process has trained (``elapsed_s``) is the new process's only
+    when that process began training after the restart (the previous one, resumed or
+    still writing while the restart was on its way, began long before): its first
+    line never makes a restart look negative or instant."""
+    if m.time - skew < started:
+        return False
+    elapsed = m.extra.get("elapsed_s")
+    if isinstance(elapsed, (int, float)) and not isinstance(elapsed, bool) and 0 <= elapsed < float("inf"):
+        return m.time - elapsed - skew >= started - ATTEMPT_SLACK_S
+    return True
 
 
 def _note_compile_cache(s: RunState, lines, out: _Out) -> None:
@@ -802,15 +832,26 @@ def _decided(s: RunState, pr: ProbeResult, trigger: Finding, decision: policy.Ac
 def _failure_time(s: RunState, pr: ProbeResult, trigger: Finding, skew: float) -> float | None:
     """Local time the failure happened (see the module docstring)."""
     status = pr.status
-    seen = s.last_ok or s.attempt_started
+    seen = _last_alive(s, skew)
     if trigger.kind == detectors.CRASH:
         if status is not None and status.phase == contract.PHASE_FAILED and status.updated:
             return status.updated - skew
         return seen
-    if trigger.detail.get("process_state") == "T":
+    if detectors.holds_back([trigger]):
         return seen
     progress = detectors.last_progress(list(s.samples), status)
-    return progress[1] - skew if progress else seen
+    marks = [t for t in (progress[1] if progress else None, s.held_until) if t is not None]
+    return max(marks) - skew if marks else seen
+
+
+def _last_alive(s: RunState, skew: float) -> float | None:
+    """Local time of the latest sign that the current process was alive: the last
+    poll that saw it healthy, its newest metrics line, or its start. A supervisor that
+    re-attached has seen no healthy poll yet: its newest line, not the previous
+    restart, is when it was last known alive."""
+    line = s.last_line[0] - skew if s.last_line is not None else None
+    marks = [t for t in (s.last_ok, s.attempt_started, line) if t is not None]
+    return max(marks) if marks else None
 
 
 def _finished(s: RunState, pr: ProbeResult, finding: Finding, pol: Policy, out: _Out) -> None:
@@ -877,6 +918,7 @@ def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -
     s.step_max = s.healthy_since = s.last_ok = None
     s.phase, s.phase_since = None, issued + done.skew
     s.compile_cache, s.cache_fetch = None, False
+    s.holding, s.held_until = False, None
 
 
 # --------------------------------------------------------------------------- hosts

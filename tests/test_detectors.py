@@ -290,6 +290,34 @@ CASES = [
         [("stall", "error", "trainer process 4242 is stopped (state T: SIGSTOP or a debugger); it makes no progress")],
     ),
     (
+        "process-in-a-debugger",
+        HEALTHY,
+        obs(state="t"),
+        "running",
+        {},
+        [("stall", "error", "trainer process 4242 is stopped (state t: SIGSTOP or a debugger); it makes no progress")],
+    ),
+    # Stopped 10 minutes (twice the window), running again since 4 minutes: its last
+    # step is 11 minutes old, but the quiet time counts from when it ran again.
+    ("resumed-after-a-stop-longer-than-the-window", steps(660), obs(), "running", {"held_until": NOW - 240}, []),
+    (
+        "resumed-and-quiet-for-a-whole-window",
+        steps(960),
+        obs(),
+        "running",
+        {"held_until": NOW - 310},
+        [("stall", "error", "no new step for 5.2 m while training (stall window 5 m); last step 100 at 07:44:00; "
+          "counted from 07:54:50, when its process ran again")],
+    ),
+    ("held-before-the-last-step", steps(400, 320), obs(), "running", {"held_until": NOW - 900},
+     [("stall", "error", "no new step for 5.3 m while training (stall window 5 m); last step 110 at 07:54:40")]),
+    # A compile budget: a stop in the middle of compiling is not compile time.
+    ("compiling-resumed", [], obs(contract.PHASE_COMPILING), "running",
+     {"phase_since": NOW - 2000, "held_until": NOW - 600}, []),
+    ("compiling-resumed-over-budget", [], obs(contract.PHASE_COMPILING), "running",
+     {"phase_since": NOW - 4000, "held_until": NOW - 1900},
+     [("stall", "error", "still compiling after 31.7 m since its process ran again (budget 30 m)")]),
+    (
         "regression-and-eta",
         steps(240, 180, 120, 60, tok_s=4300.0, eta_s=38.2 * DAY),
         obs(),

@@ -120,7 +120,7 @@ def test_an_unknown_key_on_a_hop_from_the_ssh_config_is_refused(ssh_env, ssh_hom
 
 
 def test_the_inventory_survives_a_json_round_trip_with_its_ssh_hosts(ssh_env, ssh_home, tmp_path):
-    # The tmux forwarder re-reads the inventory as JSON in another process.
+    # An inventory written out as JSON and read back routes every host the same way.
     inventory = load_inventory(write_inventory(tmp_path, {"gpu": {"ssh": ALIAS}, "far": {"ssh": "chained"}}))
     again = Inventory.model_validate(json.loads(inventory.model_dump_json()))
     for name in ("gpu", "far"):

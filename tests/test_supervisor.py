@@ -161,6 +161,17 @@ def kill_tmux_servers(servers) -> None:
             os.kill(pid, signal.SIGTERM)
 
 
+def end_trainer(run_dir: str) -> None:
+    """Kill the trainer its status.json names (continued first, in case a test stopped it)."""
+    status = read_status(run_dir)
+    if status and status.pid:  # test hosts are this machine: the pid is ours to end
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(status.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 # --------------------------------------------------------------------------- fixtures
 
 

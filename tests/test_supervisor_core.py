@@ -249,6 +249,90 @@ def test_a_stopped_process_is_a_stall_left_alone_then_running_again():
     assert not any("IssueRestart" in a for _, _, a in seen)
 
 
+def test_a_stop_longer_than_the_stall_window_then_continue_gets_a_whole_window_for_its_next_line():
+    """SIGSTOP for 90 s (the window is 60 s), SIGCONT, the next metrics line 55 s
+    later: a stall left alone, then running again, and no restart. The quiet time
+    counts from the first poll that saw the process run again, not from its last step."""
+    stopped = lambda t: core.Probed(probe(t, step=1, state="T"))  # noqa: E731
+    running = lambda t: core.Probed(probe(t, step=1))  # noqa: E731  (alive, no new line yet)
+    rows = [(T0, healthy(T0, 1)), (T0 + 5, stopped(T0 + 5)), (T0 + 50, stopped(T0 + 50)),
+            (T0 + 95, stopped(T0 + 95)), (T0 + 100, running(T0 + 100)), (T0 + 130, running(T0 + 130)),
+            (T0 + 155, running(T0 + 155)), (T0 + 156, healthy(T0 + 156, 2))]
+    state, seen = run_table(rows)
+    assert seen[1][0] == ["stalled"]
+    assert not any("IssueRestart" in actions for _, _, actions in seen), seen
+    assert not any(to == ["restarting"] for to, _, _ in seen)
+    assert seen[4][0] == ["running"] and "stall" in seen[4][1]  # cleared when it runs again
+    assert state.run.state == "running" and state.step_max == 2 and not state.holding
+    # Resumed and then silent for a whole window: that is a stall, and it is restarted.
+    state, seen = run_table(rows[:5] + [(T0 + 161, running(T0 + 161))])
+    assert seen[-1] == (["restarting"], ["stall"], ["IssueRestart", "Alert:stall"])
+    assert "counted from" in state.pending.reason and "when its process ran again" in state.pending.reason
+    # That stall's failure time is when it ran again, not its last step before the stop.
+    assert state.pending.failed_at == T0 + 100
+
+
+def test_each_of_ten_stops_longer_than_the_window_restarts_nothing():
+    rows, t, step = [(T0, healthy(T0, 1))], T0, 1
+    for _ in range(10):
+        rows += [(t + 10, core.Probed(probe(t + 10, step=step, state="T"))),
+                 (t + 80, core.Probed(probe(t + 80, step=step, state="T"))),
+                 (t + 85, core.Probed(probe(t + 85, step=step))),
+                 (t + 140, healthy(t + 140, step + 1))]
+        t, step = t + 140, step + 1
+    state, seen = run_table(rows)
+    assert not any("IssueRestart" in actions for _, _, actions in seen)
+    assert sum(to == ["stalled"] for to, _, _ in seen) == 10 and state.run.state == "running"
+
+
+def after_a_restart(issued: float = T0 + 11) -> core.RunState:
+    crash = core.Probed(probe(T0 + 10, session=False, alive=False, exit_code=1))
+    state, _ = run_table([(T0, healthy(T0, 10)), (T0 + 10, crash)])
+    state, _, _ = core.step(state, core.JobDone(core.RESTART, issued=issued), issued, make_policy())
+    return state
+
+
+def line(t: float, step: int, elapsed: float | None) -> contract.Metrics:
+    m = metrics(t, step)
+    return replace(m, extra={"elapsed_s": elapsed}) if elapsed is not None else m
+
+
+@pytest.mark.parametrize("old", [
+    line(T0 + 10.6, 12, 600.0),  # written 0.4 s before the restart was issued
+    line(T0 + 11.5, 12, 600.0),  # written while the restart was on its way (its process began 10 m ago)
+])
+def test_a_line_of_the_previous_process_read_after_the_restart_is_not_the_new_ones_first_step(old):
+    state = after_a_restart()
+    obs = core.Probed(probe(T0 + 16, step=11), lines=(old, line(T0 + 15, 11, 2.0)))
+    state, writes, _ = core.step(state, obs, T0 + 16, make_policy())
+    update = next(w for w in writes if isinstance(w, core.RestartUpdate))
+    assert update.changes["time_to_first_step_s"] == 4.0, update.changes
+    [event] = [w for w in writes if isinstance(w, core.Event) and w.kind == "restart"]
+    assert event.message.startswith("training resumed at step 11, 4.0 s after the restart"), event.message
+    assert state.healthy_since == T0 + 15
+
+
+def test_after_a_re_attach_downtime_counts_from_the_last_sign_of_life_not_the_previous_restart():
+    """A supervisor re-attached to a run restarted 17 minutes ago; its first poll finds
+    the trainer crashed. It was last known alive at its newest stored line (5 s before)."""
+    state = make_state()
+    state.history = (core.policy.Restart(T0 - 1040, 100, 101),)
+    state.attempt_started = T0 - 1040
+    state.latest = core.Latest(T0 - 1040, None, T0 - 1030, 101)
+    state.samples = (detectors.Sample(T0 - 5, 900),)
+    state.last_line = (T0 - 5, 900)
+    crash = core.Probed(probe(T0 + 10, step=900, session=False, alive=False, exit_code=1))
+    state, writes, _ = core.step(state, crash, T0 + 10, make_policy())
+    [row] = [w for w in writes if isinstance(w, core.RestartRow)]
+    assert row.detect_delay_s == 15.0
+    state, _, _ = core.step(state, core.JobDone(core.RESTART, issued=T0 + 11), T0 + 11, make_policy())
+    state, writes, _ = core.step(state, healthy(T0 + 15, 901), T0 + 15, make_policy())
+    update = next(w for w in writes if isinstance(w, core.RestartUpdate))
+    assert update.changes == {"step_after": 901, "time_to_first_step_s": 4.0, "downtime_s": 20.0}
+    [event] = [w for w in writes if isinstance(w, core.Event) and w.kind == "restart"]
+    assert "(20.0 s down in all)" in event.message
+
+
 # --------------------------------------------------------------------------- regression
 
 

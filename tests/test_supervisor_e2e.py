@@ -30,8 +30,8 @@ from dflashctl.supervisor import RESTART_MARKER, Supervisor
 from dflashctl.tmux import SOCKET_ENV
 from tests.harness import environ
 from tests.test_supervisor import (
-    REPO, SOCKET, Background, LocalEnv, Webhook, kill_tmux_servers, kinds, metrics_lines, read_status, states,
-    wait_for, write_playbook,
+    REPO, SOCKET, Background, LocalEnv, Webhook, end_trainer, kill_tmux_servers, kinds, metrics_lines, read_status,
+    states, wait_for, write_playbook,
 )
 
 pytestmark = pytest.mark.slow
@@ -230,13 +230,7 @@ def ssh_run(ssh_env, tmp_path_factory, hook):
     yield scenario
     if scenario.background.thread.is_alive():
         scenario.background.close()
-    status = read_status(scenario.run_dir)
-    if status and status.pid:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.kill(status.pid, sig)
-            except ProcessLookupError:
-                pass
+    end_trainer(scenario.run_dir)
     kill_tmux_servers([(ssh_env.inventory.get("target"), ssh_env.inventory, SOCKET)])
 
 

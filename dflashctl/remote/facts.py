@@ -39,7 +39,7 @@ Looking again, in a later call:
 
 answers whether that process still lives (same pid, same start time, not a
 zombie), this call's pid namespace (as above), and whether the tmux session is still there;
-then stops both. A detached process or a tmux session that dies when the first
+then stops both and removes the session's socket file. A detached process or a tmux session that dies when the first
 call returns cannot hold a run: the controller says why and what to use instead.
 
 A tool that is missing or fails is a value in the answer, never an exception; the
@@ -55,6 +55,7 @@ import platform
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 
@@ -199,13 +200,26 @@ def look(args):
                 pass
     tmux = shutil.which("tmux")
     token = args.get("token")
-    if tmux and isinstance(token, str) and token:
+    if tmux and isinstance(token, str) and token.isalnum():
         code, _, err = run(tmux_argv(tmux, token, "has-session", "-t", "=" + TMUX_SESSION))
         answer["tmux_alive"] = code == 0
         if code not in (0, 1):
             answer["tmux_error"] = err.strip()[-STDERR_MAX_CHARS:]
         run(tmux_argv(tmux, token, "kill-server"))
+        remove_socket(token)
     return answer
+
+
+def remove_socket(token):
+    """The check's own tmux socket file, once its server is gone: tmux leaves the file
+    behind when its server exits (kill-server, or a wrapper's namespace ending with
+    the first call), and a check must leave nothing on the host."""
+    path = os.path.join(os.environ.get("TMUX_TMPDIR") or "/tmp", "tmux-%d" % os.getuid(), TMUX_SOCKET_PREFIX + token)
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.remove(path)
+    except OSError:
+        pass
 
 
 def gather(args):
