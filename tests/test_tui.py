@@ -96,7 +96,8 @@ def test_question_mark_shows_the_keys_and_escape_closes_them(tmp_path):
             await pilot.pause()
             assert isinstance(app.screen, HelpScreen)
             text = screen_text(app)
-            for promise in ("Home / End", "filter runs", "stop the run", "tau, the expected acceptance length",
+            for promise in ("Home / End", "filter what is shown", "stop the run under the cursor",
+                            "tau, the expected acceptance length", "DFLASHCTL_READONLY=1",
                             "unsupervised (no supervisor ticks for it"):
                 assert promise in text, promise
             await pilot.press("escape")
@@ -439,3 +440,207 @@ def test_a_run_nobody_watches_is_probed_by_the_screen_itself(tmp_path):
     finally:
         trainer.kill()
         trainer.wait()
+
+
+# --------------------------------------------------------------------------- input safety
+
+
+def _no_action_was_taken(app, store, states: dict[str, str]) -> None:
+    from dflashctl.tui.screens import ConfirmScreen
+
+    assert app.actions_done == [], app.actions_done
+    assert not any(isinstance(s, ConfirmScreen) for s in app.screen_stack)
+    assert {run_id: store.get_run(run_id).state for run_id in states} == states
+
+
+@pytest.mark.parametrize("tab", ["overview", "events", "log"])
+def test_slash_then_r_y_in_the_detail_view_changes_nothing(tmp_path, tab):
+    """Defect: in the detail view `/` went to the main screen's hidden filter, so `r` `y`
+    then stopped and restarted a healthy run. Now `/` opens the detail's own filter and
+    every letter typed is text in it (the real `dflashctl` would run on a `y`)."""
+    from dflashctl.tui.screens import DetailScreen
+    from dflashctl.tui.widgets import FilterBox
+
+    store = build("healthy", tmp_path)
+    states = {PROD: "running", DEMO: "running"}
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("down", "enter")  # PROD, a healthy running run
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            assert app.screen.run_id == PROD
+            await pilot.press({"overview": "o", "events": "e", "log": "l"}[tab])
+            await pilot.pause()
+            await pilot.press("slash", "r", "y", "x", "y", "q")
+            await pilot.pause(0.3)
+            box = app.screen.query_one(FilterBox)
+            assert app.focused is box and box.value == "ryxyq" and box.region.height == 1
+            assert "ryxyq" in screen_text(app)  # what is typed is seen
+            _no_action_was_taken(app, store, states)
+            assert app.is_running and isinstance(app.screen, DetailScreen)
+            await pilot.press("escape")  # clears the filter, stays in the detail
+            await pilot.pause()
+            assert isinstance(app.screen, DetailScreen) and box.value == "" and not box.display
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, DetailScreen)
+            _no_action_was_taken(app, store, states)
+
+    run(scenario())
+
+
+def test_slash_error_in_the_events_tab_filters_the_events_and_opens_no_dialog(tmp_path):
+    """Defect: `/error` in the events tab opened the restart dialog (`e`, `r`, ...)."""
+    from dflashctl.tui.screens import DetailScreen
+
+    store = build("restarting", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("e")
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            events = app.screen.query_one("#detail-events")
+            every = events.row_count
+            await pilot.press("slash", *"error")
+            await pilot.pause(0.3)
+            _no_action_was_taken(app, store, {PROD: "restarting"})
+            rows = [" ".join(str(c) for c in events.get_row_at(i)) for i in range(events.row_count)]
+            assert 0 < len(rows) < every and all("error" in r.lower() for r in rows), rows
+            await pilot.press("enter")  # keeps the filter, back to the table: keys are keys again
+            await pilot.pause()
+            assert app.focused is events and events.row_count == len(rows)
+            loads = app.screen.loads
+            app.screen.reload()
+            await until(pilot, lambda: app.screen.loads > loads, "a refresh")
+            assert events.row_count == len(rows)  # a refresh keeps the filter
+
+    run(scenario())
+
+
+def test_the_main_filter_box_is_seen_above_the_footer(tmp_path):
+    """Defect: the filter box was under the footer: what was typed was invisible."""
+    from textual.widgets import Footer
+
+    from dflashctl.tui.widgets import FilterBox
+
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await loaded(pilot, app)
+            assert not app.query_one(FilterBox).display and app.focused is app.query_one("#runs")
+            await pilot.press("slash", *"prod")
+            await pilot.pause()
+            box, footer = app.query_one(FilterBox), app.query_one(Footer)
+            assert box.region.height == 1 and box.region.bottom <= footer.region.y
+            assert "prod" in screen_text(app).splitlines()[box.region.y]
+            _no_action_was_taken(app, store, {PROD: "running"})
+
+    run(scenario())
+
+
+def test_the_log_tab_is_filtered_by_slash(tmp_path):
+    from dflashctl.tui.screens import DetailScreen
+
+    store = Store(str(tmp_path / "runs.db"))
+    run_dir = tmp_path / "work" / "runs" / DEMO
+    run_dir.mkdir(parents=True)
+    (run_dir / contract.LOG_FILE).write_text("".join(f"step {i}/300 mark-{i}x\n" for i in range(1, 41)))
+    store.create_run("demo", "local", {}, NOW - 60, run_id=DEMO, run_dir=str(run_dir))
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("l")
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.log_lines >= 40, "the log")
+            await pilot.press("slash", *"mark-17x")
+            await pilot.pause(0.3)
+            log = app.screen.query_one("#log-text")
+            assert [line.text for line in log.lines] == ["step 17/300 mark-17x"]
+            await pilot.press("escape")
+            await pilot.pause()
+            assert len(log.lines) == 40
+
+    run(scenario())
+
+
+def test_the_dialog_says_a_running_trainer_is_stopped_first_and_only_y_says_yes(tmp_path):
+    """Defect: the restart dialog did not say that a running trainer is stopped first;
+    Enter said yes (and Enter also opens runs and keeps filters)."""
+    from dflashctl.tui.screens import ConfirmScreen
+
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("down", "r")  # the row under the cursor: PROD
+            await pilot.pause()
+            assert isinstance(app.screen, ConfirmScreen)
+            text = " ".join(screen_text(app).split())
+            assert f"Restart run {PROD}?" in text
+            assert app.screen.detail.startswith("Its trainer (running, step 3,950) on gpu1 is stopped first: SIGTERM, "
+                                                "it writes a checkpoint and exits")
+            assert "is stopped first:" in text and "a supervisor watches it" in text
+            # Under the question, the runs screen's keys do nothing.
+            await pilot.press("slash", "x", "r", "e", "s")
+            await pilot.pause()
+            assert sum(isinstance(s, ConfirmScreen) for s in app.screen_stack) == 1 and app.sort == "default"
+            await pilot.press("enter")
+            await pilot.pause()
+            _no_action_was_taken(app, store, {PROD: "running"})
+            await pilot.press("x")
+            await pilot.pause()
+            assert f"Stop run {PROD}?" in screen_text(app) and "gets SIGTERM" in " ".join(screen_text(app).split())
+            await pilot.press("escape")
+            # A finished run: nothing to stop, so no question.
+            await pilot.press("end", "x")
+            await pilot.pause()
+            assert not isinstance(app.screen, ConfirmScreen)
+            _no_action_was_taken(app, store, {PROD: "running", OLD: "done"})
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_readonly_removes_every_action(tmp_path, monkeypatch, how):
+    from dflashctl.tui.screens import DetailScreen
+
+    store = build("healthy", tmp_path)
+    if how == "environment":
+        monkeypatch.setenv("DFLASHCTL_READONLY", "1")
+
+    async def scenario():
+        app = app_for(store, tmp_path, **({"readonly": True} if how == "argument" else {}))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            assert "read-only" in screen_text(app).splitlines()[0]
+            footer = screen_text(app).splitlines()[-1]
+            assert "Stop" not in footer and "Restart" not in footer and "Filter" in footer
+            await pilot.press("down", "x", "y", "r", "y")
+            await pilot.pause()
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen), "the detail")
+            await pilot.press("x", "y", "r", "y")
+            await pilot.pause()
+            footer = screen_text(app).splitlines()[-1]
+            assert "Stop" not in footer and "Restart" not in footer
+            _no_action_was_taken(app, store, {PROD: "running"})
+
+    run(scenario())
+
+
+def test_a_readonly_environment_value_that_is_neither_on_nor_off_is_an_error():
+    from dflashctl.errors import ConfigError
+    from dflashctl.tui.actions import readonly_default
+
+    assert readonly_default({"DFLASHCTL_READONLY": "1"}) and not readonly_default({})
+    with pytest.raises(ConfigError, match="DFLASHCTL_READONLY='ture'"):
+        readonly_default({"DFLASHCTL_READONLY": "ture"})

@@ -24,6 +24,9 @@ def status_command(
     json_schema: bool = typer.Option(False, "--json-schema", help="Print the JSON Schema of --json and exit."),
     interval: str = typer.Option("2", "--interval", metavar="DURATION",
                                  help="Time between refreshes of the live screen (2, 0.5, 2s, 1m)."),
+    readonly: Optional[bool] = typer.Option(None, "--readonly/--no-readonly",
+                                            help="A screen with no stop / restart keys (default: "
+                                                 "DFLASHCTL_READONLY=1 sets it)."),
 ) -> None:
     """Live console of every run, host and GPU (a terminal UI; `--once` or `--json` to print).
 
@@ -34,7 +37,8 @@ def status_command(
     over the same window (never for data that is not live), loss, tau (acceptance
     length), restarts, last event. Per host: each GPU's role, the run holding it,
     utilisation and memory, temperature, power, history. `?` in the screen lists the
-    keys: Enter detail, `l` log, `e` events, `x` stop, `r` restart, `/` filter, `s` sort.
+    keys: Enter detail, `l` log, `e` events, `x` stop, `r` restart (both ask first; none with
+    `--readonly` or DFLASHCTL_READONLY=1), `/` filter, `s` sort.
 
     Read from the store only (the supervisors write it), so it never waits on a host."""
     from dflashctl.paths import store_path
@@ -64,7 +68,12 @@ def status_command(
         raise ConfigError(f"--interval: {interval} is too short", hint="give 0.2 seconds or more (2, 0.5, 2s, 1m)")
     from dflashctl.tui.app import StatusApp
 
-    StatusApp(path, run=run, interval=seconds, inventory_path=G.inventory, playbooks_dir=G.playbooks).run()
+    from dflashctl.tui.actions import readonly_default
+
+    if readonly is None:
+        readonly = readonly_default()
+    StatusApp(path, run=run, interval=seconds, inventory_path=G.inventory, playbooks_dir=G.playbooks,
+              readonly=readonly).run()
 
 
 def _now() -> float:

@@ -714,14 +714,24 @@ def sort_runs(runs: list[RunView], key: str) -> list[RunView]:
                                        -r.created))
 
 
-def filter_runs(runs: list[RunView], text: str) -> list[RunView]:
-    """Runs whose id, playbook, host, state or phase contains every word of ``text``."""
+def matching(items: Sequence[Any], text: str, words_of: Callable[[Any], str]) -> list[Any]:
+    """The items whose ``words_of(item)`` contains every word of ``text`` (any case);
+    all of them for an empty ``text``. The one filter of the console (runs, events,
+    log lines)."""
     words = text.lower().split()
     if not words:
-        return runs
-    return [r for r in runs
-            if all(w in " ".join([r.id, r.playbook, r.host, r.display_state, r.phase.name or ""]).lower()
-                   for w in words)]
+        return list(items)
+    return [item for item in items if all(w in words_of(item).lower() for w in words)]
+
+
+def filter_runs(runs: list[RunView], text: str) -> list[RunView]:
+    """Runs whose id, playbook, host, state or phase contains every word of ``text``."""
+    return matching(runs, text, lambda r: " ".join([r.id, r.playbook, r.host, r.display_state, r.phase.name or ""]))
+
+
+def filter_events(events: Sequence[EventView], text: str) -> list[EventView]:
+    """Events whose time, severity, class or message contains every word of ``text``."""
+    return matching(events, text, lambda e: " ".join(e.cells()))
 
 
 @dataclass
