@@ -449,6 +449,7 @@ def _no_action_was_taken(app, store, states: dict[str, str]) -> None:
     from dflashctl.tui.screens import ConfirmScreen
 
     assert app.actions_done == [], app.actions_done
+    assert not [w for w in app.workers if w.group == "control"]  # no dflashctl stop/restart under way
     assert not any(isinstance(s, ConfirmScreen) for s in app.screen_stack)
     assert {run_id: store.get_run(run_id).state for run_id in states} == states
 
@@ -458,8 +459,9 @@ def test_slash_then_r_y_in_the_detail_view_changes_nothing(tmp_path, tab):
     """Defect: in the detail view `/` went to the main screen's hidden filter, so `r` `y`
     then stopped and restarted a healthy run. Now `/` opens the detail's own filter and
     every letter typed is text in it (the real `dflashctl` would run on a `y`)."""
+    from textual.widgets import Input
+
     from dflashctl.tui.screens import DetailScreen
-    from dflashctl.tui.widgets import FilterBox
 
     store = build("healthy", tmp_path)
     states = {PROD: "running", DEMO: "running"}
@@ -475,10 +477,10 @@ def test_slash_then_r_y_in_the_detail_view_changes_nothing(tmp_path, tab):
             await pilot.pause()
             await pilot.press("slash", "r", "y", "x", "y", "q")
             await pilot.pause(0.3)
-            box = app.screen.query_one(FilterBox)
-            assert app.focused is box and box.value == "ryxyq" and box.region.height == 1
-            assert "ryxyq" in screen_text(app)  # what is typed is seen
             _no_action_was_taken(app, store, states)
+            box = app.focused
+            assert isinstance(box, Input) and box.screen is app.screen and box.value == "ryxyq"
+            assert box.region.height == 1 and "ryxyq" in screen_text(app)  # what is typed is seen
             assert app.is_running and isinstance(app.screen, DetailScreen)
             await pilot.press("escape")  # clears the filter, stays in the detail
             await pilot.pause()
@@ -523,9 +525,7 @@ def test_slash_error_in_the_events_tab_filters_the_events_and_opens_no_dialog(tm
 
 def test_the_main_filter_box_is_seen_above_the_footer(tmp_path):
     """Defect: the filter box was under the footer: what was typed was invisible."""
-    from textual.widgets import Footer
-
-    from dflashctl.tui.widgets import FilterBox
+    from textual.widgets import Footer, Input
 
     store = build("healthy", tmp_path)
 
@@ -533,10 +533,10 @@ def test_the_main_filter_box_is_seen_above_the_footer(tmp_path):
         app = app_for(store, tmp_path)
         async with app.run_test(size=(80, 24)) as pilot:
             await loaded(pilot, app)
-            assert not app.query_one(FilterBox).display and app.focused is app.query_one("#runs")
+            assert not app.query_one("#filter").display and app.focused is app.query_one("#runs")
             await pilot.press("slash", *"prod")
             await pilot.pause()
-            box, footer = app.query_one(FilterBox), app.query_one(Footer)
+            box, footer = app.query_one("#filter", Input), app.query_one(Footer)
             assert box.region.height == 1 and box.region.bottom <= footer.region.y
             assert "prod" in screen_text(app).splitlines()[box.region.y]
             _no_action_was_taken(app, store, {PROD: "running"})
@@ -644,3 +644,53 @@ def test_a_readonly_environment_value_that_is_neither_on_nor_off_is_an_error():
     assert readonly_default({"DFLASHCTL_READONLY": "1"}) and not readonly_default({})
     with pytest.raises(ConfigError, match="DFLASHCTL_READONLY='ture'"):
         readonly_default({"DFLASHCTL_READONLY": "ture"})
+
+
+# --------------------------------------------------------------------------- resizes
+
+
+def test_the_layout_follows_every_resize(tmp_path):
+    """Defect: on_resize read the old size: 201x60 -> 120x40 kept the wide layout, the
+    run pane 10 columns wide, folding letter by letter."""
+    store = build("healthy", tmp_path)
+
+    def layout(app) -> tuple[str, int]:
+        classes = app.screen_stack[0].classes
+        return next(m for m in ("compact", "normal", "wide") if f"-{m}" in classes), app.query_one("#run-box").size.width
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            normal = layout(app)
+            assert normal[0] == "normal" and normal[1] >= 118
+            await pilot.resize_terminal(201, 60)
+            await pilot.pause(0.2)
+            assert layout(app)[0] == "wide" and app.query_one("#gpu-box").region.x > 80
+            await pilot.resize_terminal(120, 40)
+            await pilot.pause(0.2)
+            assert layout(app) == normal
+            assert app.query_one("#gpu-box").region.x == 0
+            run_line = next(line for line in screen_text(app).splitlines() if line.startswith(DEMO))
+            assert "· demo on local · running" in run_line  # not folded letter by letter
+            await pilot.resize_terminal(80, 24)
+            await pilot.pause(0.2)
+            assert layout(app)[0] == "compact"
+
+    run(scenario())
+
+
+def test_the_selected_runs_fix_is_shown_at_80x24(tmp_path):
+    """Defect: at 80x24 the selected run's pane was hidden while 11 rows were empty."""
+    store = build("unsupervised", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await loaded(pilot, app)
+            box = app.query_one("#run-box")
+            assert box.display and box.region.height >= 6
+            text = screen_text(app)
+            assert f"{PROD} · prod on gpu1 · unsupervised" in text and "fix: dflashctl watch" in text
+
+    run(scenario())

@@ -2,10 +2,11 @@
 figures and events, and every GPU of the hosts with active runs, refreshed from
 the store on a timer.
 
-Layouts by size: compact below 100 columns or 30 rows (runs, then one short row
-per GPU: it fits 80x24 without scrolling), normal (runs, the highlighted run,
-GPUs with bars and history), wide from 180x45 (the run and GPU panels side by
-side). The run column is frozen; the columns shown are chosen by width, so cells
+Layouts by size: compact below 100 columns or 30 rows (runs, the highlighted
+run's state and fix, then one short row per GPU: it fits 80x24 without
+scrolling), normal (runs, the highlighted run, GPUs with bars and history), wide
+from 180x45 (the run and GPU panels side by side). The highlighted run gets the
+rows the GPUs do not need (its fix, state and events before empty rows). The run column is frozen; the columns shown are chosen by width, so cells
 are never folded.
 
 It reads the store in a thread worker, so a slow disk never freezes the screen;
@@ -36,7 +37,7 @@ from textual.worker import get_current_worker
 from dflashctl.errors import DflashError, first_line
 from dflashctl.store import Store
 from dflashctl.tui.actions import plan, readonly_default
-from dflashctl.tui.model import SORTS, DirectProbe, StatusReader, StatusView, filter_runs, sort_runs
+from dflashctl.tui.model import SORTS, DirectProbe, StatusReader, StatusView, filter_runs, fit_middle, sort_runs
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen
 from dflashctl.tui.text import gpu_text, notice_text, run_text
 from dflashctl.tui.widgets import FilterBox, Pane, RunsTable
@@ -74,13 +75,13 @@ class StatusApp(App):
     #notices.-shown { display: block; }
     #runs { height: auto; max-height: 50%; min-height: 3; }
     #lower { height: 1fr; layout: vertical; }
-    #run-box { height: 10; border-top: solid $primary-darken-2; }
-    #gpu-box { height: 1fr; border-top: solid $primary-darken-2; }
+    #run-box { height: 1fr; min-height: 4; border-top: solid $primary-darken-2; }
+    #gpu-box { height: auto; max-height: 50%; border-top: solid $primary-darken-2; }
     #gpus { text-wrap: nowrap; text-overflow: clip; }
-    Screen.-compact #run-box { display: none; }
+    Screen.-compact #gpu-box { max-height: 70%; }
     Screen.-wide #lower { layout: horizontal; }
     Screen.-wide #run-box { height: 1fr; width: 1fr; }
-    Screen.-wide #gpu-box { height: 1fr; width: 110; border-left: solid $primary-darken-2; }
+    Screen.-wide #gpu-box { height: 1fr; max-height: 100%; width: 110; border-left: solid $primary-darken-2; }
     """
     BINDINGS = [
         Binding("q", "quit", "Quit"),
@@ -246,7 +247,9 @@ class StatusApp(App):
             title.append(f" · filter '{self.filter_text}' ({len(runs)}/{len(view.runs)})", style="cyan")
         if self.readonly:
             title.append(" · read-only", style="bold cyan")
-        title.append(f" · store {shown_path(self.store_path)}", style="dim")
+        room = width - 2 - title.cell_len - len(" · store ")
+        if room >= 8:  # the store's path where it fits (the key panel has it whole)
+            title.append(f" · store {fit_middle(shown_path(self.store_path), room)}", style="dim")
         self.query_one("#title", Static).update(title)
         notices = self.query_one("#notices", Static)
         notices.set_class(bool(view.notices), "-shown")
