@@ -218,7 +218,7 @@ def test_filter_and_sort(tmp_path):
             assert app.focused is table and table.row_count == 1 and "filter 'done'" in screen_text(app)
             await pilot.press("escape")
             await pilot.pause()
-            assert table.row_count == 3 and "filter" not in screen_text(app).splitlines()[0]
+            assert table.row_count == 3 and "filter '" not in screen_text(app).splitlines()[0]
             await pilot.press("s")  # by state
             await pilot.pause()
             assert app.sort == "state" and [str(table.get_row_at(i)[0]) for i in range(3)] == [OLD, DEMO, PROD]
@@ -435,6 +435,8 @@ def test_a_run_nobody_watches_is_probed_by_the_screen_itself(tmp_path):
                 text = screen_text(app)
                 assert "unsupervised" in text and "fix: dflashctl watch" in text
                 assert "the trainer is alive but stopped (SIGSTOP), training at step 812" in text, app.probes
+                # Its row too: the probe's phase and step, marked probed (not "starting 0s/5m", N/A).
+                assert cell(app, DEMO, "phase") == "training (probed)" and cell(app, DEMO, "step") == "812 (probed)"
 
         run(scenario())
     finally:
@@ -694,3 +696,64 @@ def test_the_selected_runs_fix_is_shown_at_80x24(tmp_path):
             assert f"{PROD} · prod on gpu1 · unsupervised" in text and "fix: dflashctl watch" in text
 
     run(scenario())
+
+
+# --------------------------------------------------------------------------- truth in the corners
+
+
+@pytest.mark.parametrize("locked", [True, False])
+def test_a_live_supervisor_blocked_on_a_locked_store_shows_store_busy_not_unsupervised(tmp_path, monkeypatch,
+                                                                                       locked):
+    """Defect: a store whose write lock another process held showed every supervisor
+    as dead ("0 supervisor(s) ticking", every run unsupervised, fix: a second `watch`)
+    though their processes were alive, blocked on the lock. The supervisor here is a
+    real process of this machine; the lock is a real SQLite write transaction."""
+    import socket
+    import sqlite3
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)  # the header names the store relative to here
+    store = build("unsupervised", tmp_path)  # its supervisor ticked last 5 m ago
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    holder = sqlite3.connect(store.path, timeout=0, isolation_level=None)
+    try:
+        store.heartbeat("sup-1", pid=supervisor.pid, host=socket.gethostname(), started=NOW - 3600, interval=15.0,
+                        now=NOW - 70, runs=[PROD], hosts={"gpu1": {"last_ok": NOW - 70, "error": None,
+                                                                   "down_since": None}})
+        if locked:
+            holder.execute("BEGIN IMMEDIATE")  # another process's write transaction, never ending
+
+        async def scenario():
+            app = app_for(store, tmp_path)
+            async with app.run_test(size=(120, 40)) as pilot:
+                await loaded(pilot, app)
+                text = screen_text(app)
+                head = text.splitlines()[0]
+                assert head.rstrip().endswith("· store runs.db")  # the store the screen reads
+                state = cell(app, PROD, "state")
+                assert state != "unsupervised" and (state == "store busy" or not locked)
+                assert "dflashctl watch" not in text  # a second supervisor is not the fix
+                if locked:
+                    assert "1 alive, store busy 1.2m" in head
+                    assert f"supervisor pid {supervisor.pid} alive, store busy 1.2 m" in text
+                else:
+                    assert f"supervisor pid {supervisor.pid} alive but silent for 1.2 m" in text
+
+        run(scenario())
+    finally:
+        holder.close()
+        supervisor.kill()
+        supervisor.wait()
+
+
+def test_status_with_a_store_that_does_not_exist_is_an_error_and_makes_none(tmp_path):
+    """Defect: a mistyped store path was created empty and shown as "no runs yet"."""
+    import subprocess
+
+    path = tmp_path / "typo" / "runs.db"
+    for args in (["--once"], ["--json"]):
+        done = subprocess.run([sys.executable, "-m", "dflashctl", "status", *args], capture_output=True, text=True,
+                              env={**os.environ, "DFLASHCTL_STORE": str(path)}, timeout=60)
+        assert done.returncode != 0 and f"no run store at {path}" in done.stderr, done.stderr
+        assert "DFLASHCTL_STORE" in done.stderr and "Traceback" not in done.stderr
+        assert not path.exists() and not path.parent.exists()

@@ -8,6 +8,7 @@ imported only for the live screen, so ``--once`` and ``--json`` start fast.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional
 
@@ -52,6 +53,13 @@ def status_command(
     from dflashctl.tui.model import load_status
 
     path = store_path()
+    if not os.path.isfile(path):  # never made here: a mistyped path must not read as "no runs yet"
+        from dflashctl.errors import ConfigError
+
+        raise ConfigError(f"no run store at {path}" + (" (DFLASHCTL_STORE)" if os.environ.get("DFLASHCTL_STORE")
+                                                       else ""),
+                          hint="check DFLASHCTL_STORE (unset it for the default store), or launch a run first "
+                               "(dflashctl launch demo): launching creates the store")
     store = Store(path)
     view = load_status(store, _now(), run, playbooks_dir=G.playbooks)  # also checks RUN before any screen starts
     if as_json:

@@ -37,7 +37,7 @@ from textual.worker import get_current_worker
 from dflashctl.errors import DflashError, first_line
 from dflashctl.store import Store
 from dflashctl.tui.actions import plan, readonly_default
-from dflashctl.tui.model import SORTS, DirectProbe, StatusReader, StatusView, filter_runs, fit_middle, sort_runs
+from dflashctl.tui.model import SORTS, DirectProbe, StatusReader, StatusView, filter_runs, sort_runs
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen
 from dflashctl.tui.text import gpu_text, notice_text, run_text
 from dflashctl.tui.widgets import FilterBox, Pane, RunsTable
@@ -227,30 +227,24 @@ class StatusApp(App):
     def _probed(self, run_id: str, result: DirectProbe) -> None:
         self.probes[run_id] = result
         self.probing.discard(run_id)
-        if run_id == self.selected:
-            self.draw_run()
+        if self.view is not None:
+            self.draw()  # its row (phase, step: probed) and, selected, its pane
 
     # ----------------------------------------------------------------- drawing
 
     def shown_runs(self):
         view = self.view
-        return sort_runs(filter_runs(view.runs, self.filter_text), self.sort) if view else []
+        if view is None:
+            return []
+        for r in view.runs:  # what the screen's own probe saw, drawn with the store's figures
+            r.probe = self.probes.get(r.id)
+        return sort_runs(filter_runs(view.runs, self.filter_text), self.sort)
 
     def draw(self, width: int | None = None) -> None:
         view = self.view
         width = width or self.size.width
         runs = self.shown_runs()
-        title = Text.assemble(("dflashctl status", "bold"), " · ", view.summary(short=self.mode == "compact"))
-        if self.sort != SORTS[0]:
-            title.append(f" · sort {self.sort}", style="cyan")
-        if self.filter_text:
-            title.append(f" · filter '{self.filter_text}' ({len(runs)}/{len(view.runs)})", style="cyan")
-        if self.readonly:
-            title.append(" · read-only", style="bold cyan")
-        room = width - 2 - title.cell_len - len(" · store ")
-        if room >= 8:  # the store's path where it fits (the key panel has it whole)
-            title.append(f" · store {fit_middle(shown_path(self.store_path), room)}", style="dim")
-        self.query_one("#title", Static).update(title)
+        self.query_one("#title", Static).update(self.title_text(view, len(runs), width))
         notices = self.query_one("#notices", Static)
         notices.set_class(bool(view.notices), "-shown")
         notices.update(notice_text(view.notices, width - 2, lines=1 if self.mode == "compact" else 2))
@@ -261,6 +255,26 @@ class StatusApp(App):
         self.draw_run()
         compact = self.mode == "compact"
         self.query_one("#gpus", Pane).redraw(lambda w, h: gpu_text(view.hosts, w, view.now, compact=compact))
+
+    def title_text(self, view: StatusView, shown: int, width: int) -> Text:
+        """The header: the summary (short where the long one leaves the store's path no
+        room), sort, filter, read-only, the store's path (its tail where it does not fit;
+        the key panel has it whole)."""
+        path = shown_path(self.store_path)
+        for short in ((False, True) if self.mode != "compact" else (True,)):
+            title = Text.assemble(("dflashctl status", "bold"), " · ", view.summary(short=short))
+            if self.sort != SORTS[0]:
+                title.append(f" · sort {self.sort}", style="cyan")
+            if self.filter_text:
+                title.append(f" · filter '{self.filter_text}' ({shown}/{len(view.runs)})", style="cyan")
+            if self.readonly:
+                title.append(" · read-only", style="bold cyan")
+            room = width - 2 - title.cell_len - len(" · store ")
+            if room >= min(len(path), 24):
+                break
+        if room >= 8:
+            title.append(f" · store {path if len(path) <= room else '…' + path[1 - room:]}", style="dim")
+        return title
 
     def draw_run(self) -> None:
         view = self.view

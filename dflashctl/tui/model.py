@@ -33,8 +33,10 @@ import math
 import os
 import re
 import socket
+import sqlite3
 import statistics
 import threading
+import urllib.parse
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -59,7 +61,7 @@ NA = "N/A"
 STATE_STYLE = {
     "running": "green", "stalled": "bold yellow", "restarting": "yellow", "lost": "yellow", "failed": "bold red",
     "launching": "cyan", "done": "blue", "stopped": "dim", "unsupervised": "bold white on red",
-    "unreachable": "bold red", "stale": "yellow",
+    "unreachable": "bold red", "stale": "yellow", "store busy": "bold yellow",
 }
 SEVERITY_STYLE = {"info": "", "warning": "yellow", "error": "red", "critical": "bold red"}
 PHASE_STYLE = {"compiling": "magenta", "starting": "cyan", "checkpointing": "blue", "training": "green",
@@ -516,6 +518,14 @@ class RunView:
     gpus: list[int] = field(default_factory=list)
     roles: dict[int, str] = field(default_factory=dict)
     hosts: list[RunHostView] = field(default_factory=list)  # a multi-host run's, by rank ([]: one host)
+    probe: DirectProbe | None = None  # what the console saw itself of it, while nobody supervises it
+
+    @property
+    def probed(self) -> DirectProbe | None:
+        """The console's own probe, where it says more than the store: an active run
+        nobody supervises, probed without an error."""
+        p = self.probe
+        return p if p is not None and not p.error and self.active and not self.freshness.supervised else None
 
     @property
     def active(self) -> bool:
@@ -531,6 +541,8 @@ class RunView:
             return self.state
         if not f.supervised:
             return "unsupervised"
+        if f.store_busy:
+            return "store busy"
         if f.host_down_since is not None:
             return "unreachable"
         if not f.live and f.host_last_answer is not None:
@@ -578,7 +590,10 @@ class RunView:
             return self.id
         if key == "state":
             return self.display_state
+        probed = self.probed
         if key == "phase":
+            if probed is not None and (probed.phase or probed.exit_code is not None):
+                return f"{probed.phase or f'exit {probed.exit_code}'} (probed)"
             return self.phase.text(compact=True) if self.active else "-"
         if key == "progress":
             return self.progress_text()
@@ -589,6 +604,8 @@ class RunView:
         if key == "baseline":
             return NA if self.baseline_pct is None else f"{self.baseline_pct:.0f}%"
         if key == "step":
+            if probed is not None and probed.step is not None:
+                return f"{probed.step:,} (probed)"
             return self.step_text()
         if key == "host":
             return self.host
@@ -612,6 +629,8 @@ class RunView:
         """Style of one cell ('' for none)."""
         if key == "state":
             return STATE_STYLE.get(self.display_state, "")
+        if key in ("phase", "step") and self.probed is not None:
+            return "cyan"
         if key == "phase" and self.active:
             return "bold red" if self.phase.over_budget else PHASE_STYLE.get(self.phase.name or "", "")
         if key in ("eta", "tok_s", "age", "progress", "step") and self.active and not self.freshness.live:
@@ -744,6 +763,8 @@ class StatusView:
     hosts: list[HostView]
     notices: list[Notice] = field(default_factory=list)
     supervisors: int = 0  # supervisors ticking now
+    blocked: int = 0  # supervisors alive but unable to write: the store's write lock is held by another
+    busy_s: float = 0.0  # the longest of those silences
 
     @property
     def selected_run(self) -> RunView | None:
@@ -757,9 +778,10 @@ class StatusView:
         if not self.runs:
             return "no runs yet: dflashctl launch demo"
         active = sum(r.active for r in self.runs)
+        busy = f", {self.blocked} alive, store busy {short_duration(self.busy_s)}" if self.blocked else ""
         if short:
-            return f"{len(self.runs)} runs, {active} active, {self.supervisors} sup · {fmt_clock(self.now)}"
-        return (f"{len(self.runs)} run(s), {active} active · {self.supervisors} supervisor(s) ticking"
+            return f"{len(self.runs)} runs, {active} active, {self.supervisors} sup{busy} · {fmt_clock(self.now)}"
+        return (f"{len(self.runs)} run(s), {active} active · {self.supervisors} supervisor(s) ticking{busy}"
                 f" · read {fmt_clock(self.now)}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -871,14 +893,46 @@ def _process_gone(pid: Any) -> bool:
         return False
 
 
-def heartbeats_now(store: Store) -> list[dict]:
+def store_write_busy(path: str) -> bool:
+    """Whether another connection holds the store's write lock now (tried without
+    waiting, nothing written; a file that is not there is not busy, and is not made)."""
+    try:
+        conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=rw", uri=True, timeout=0)
+    except sqlite3.Error:
+        return False
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.rollback()
+        return False
+    except sqlite3.OperationalError as e:
+        return "locked" in str(e) or "busy" in str(e)
+    finally:
+        conn.close()
+
+
+def heartbeats_now(store: Store, now: float | None = None) -> list[dict]:
     """The supervisors' heartbeats; one of a supervisor of this machine whose process
     has ended (killed: it could not say so) reads as stopped at its last tick, so its
-    runs show as unsupervised at once, not only after its heartbeat grows old."""
+    runs show as unsupervised at once, not only after its heartbeat grows old. One
+    whose process is alive is marked ``alive``; if it is late (``now`` given), and
+    the store's write lock is held by another, ``store_busy`` too: it is blocked, not
+    gone."""
     here = socket.gethostname()
-    beats = store.supervisors()
-    return [{**b, "stopped": b.get("last_tick")} if not b.get("stopped") and b.get("host") == here
-            and _process_gone(b.get("pid")) else b for b in beats]
+    out = []
+    busy: bool | None = None
+    for b in store.supervisors():
+        if b.get("stopped") or b.get("host") != here:
+            out.append(b)
+        elif _process_gone(b.get("pid")):
+            out.append({**b, "stopped": b.get("last_tick")})
+        else:
+            b = {**b, "alive": True}
+            late = now is not None and now - (b.get("last_tick") or 0) > 3 * max(1.0, b.get("interval") or 1)
+            if late:
+                busy = store_write_busy(store.path) if busy is None else busy
+                b["store_busy"] = busy
+            out.append(b)
+    return out
 
 
 def select_runs(store: Store, run: str | None = None, recent: int = RECENT_RUNS) -> list[Run]:
@@ -1033,7 +1087,7 @@ class StatusReader:
         """Everything the status screen shows, read from the store at ``now``."""
         store = self.store
         rows = select_runs(store, run)
-        heartbeats = heartbeats_now(store)
+        heartbeats = heartbeats_now(store, now)
         runs = sort_runs([self.run_view(r, heartbeats, now, history) for r in rows], "default")
         if selected not in {r.id for r in runs}:
             selected = runs[0].id if runs else None
@@ -1042,14 +1096,16 @@ class StatusReader:
         recent = [EventView.from_event(e) for e in store.events(selected, limit=events)] if selected else []
         ticking = sum(1 for b in heartbeats if not b.get("stopped")
                       and now - (b.get("last_tick") or 0) <= 3 * max(1.0, b.get("interval") or 1))
-        return StatusView(now, store.path, runs, selected, recent, hosts, notices_of(runs, now), ticking)
+        blocked = [now - (b.get("last_tick") or now) for b in heartbeats if b.get("store_busy")]
+        return StatusView(now, store.path, runs, selected, recent, hosts, notices_of(runs, now), ticking,
+                          len(blocked), max(blocked, default=0.0))
 
     def detail(self, run_ref: str, now: float) -> DetailView:
         """One run in full: every event (the newest ``DETAIL_EVENTS``), its whole history
         as a chart series, its thresholds, the environment audit, its restarts."""
         store = self.store
         run = store.get_run(run_ref)
-        view = self.run_view(run, heartbeats_now(store), now)
+        view = self.run_view(run, heartbeats_now(store, now), now)
         events = [EventView.from_event(e) for e in store.events(run.id, limit=DETAIL_EVENTS)]
         snapshot = store.env_snapshot_at(run.host, run.created + 60.0)
         env = EnvSummary(findings=[e for e in events if e.kind in ("drift", "conflict", "preflight", "env-audit")])
