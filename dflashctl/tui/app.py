@@ -87,7 +87,9 @@ class StatusApp(App):
         Binding("q", "quit", "Quit"),
         Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("question_mark", "help", "Help", key_display="?"),
-        Binding("slash", "filter", "Filter", key_display="/"),
+        # Priority: acted on as the key is read, before the keys typed after it are handed
+        # to a widget, so each of them reaches the filter box (tmux send-keys, a paste).
+        Binding("slash", "filter", "Filter", key_display="/", priority=True),
         Binding("s", "sort", "Sort"),
         Binding("e", "events", "Events"),
         Binding("l", "logs", "Logs"),
@@ -374,6 +376,8 @@ class StatusApp(App):
         main = screen is self.screen_stack[0]
         if action in ("stop_run", "restart_run"):
             return not self.readonly and (main or isinstance(screen, DetailScreen))
+        if action == "filter" and isinstance(self.focused, FilterBox):
+            return False  # a '/' typed in the box is text
         if action in self.MAIN_ONLY:
             return main
         if action == "help":

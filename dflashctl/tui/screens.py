@@ -124,7 +124,7 @@ class DetailScreen(Screen):
     LOG_KEEP = 20000  # log lines kept for the filter (the RichLog shows at most its max_lines)
     BINDINGS = [
         Binding("escape", "back", "Back"),
-        Binding("slash", "filter", "Filter", key_display="/"),
+        Binding("slash", "filter", "Filter", key_display="/", priority=True),  # as in the app: see there
         Binding("o", "tab('overview')", "Overview"),
         Binding("e", "tab('events')", "Events"),
         Binding("l", "tab('log')", "Log"),
@@ -163,6 +163,11 @@ class DetailScreen(Screen):
         self.set_interval(self.app.interval, self.reload)
         if self.tab == "log":
             self.follow_log()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "filter" and isinstance(self.focused, FilterBox):
+            return False  # a '/' typed in the box is text
+        return True
 
     def action_back(self) -> None:
         box = self.query_one(FilterBox)

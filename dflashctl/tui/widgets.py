@@ -36,7 +36,10 @@ class FilterBox(Input):
     def open(self) -> None:
         self.disabled = False
         self.add_class("-shown")
-        self.focus()
+        # At once, not after a refresh (``focus()`` is deferred): keys typed right after
+        # `/` (a paste, a fast typist, send-keys) are already queued behind it, and each
+        # must reach the box, not the view's keys.
+        self.screen.set_focus(self)
 
     def close(self, clear: bool = True) -> None:
         """Hide it (its text kept unless ``clear``); the caller moves the focus."""
