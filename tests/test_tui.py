@@ -757,3 +757,25 @@ def test_status_with_a_store_that_does_not_exist_is_an_error_and_makes_none(tmp_
         assert done.returncode != 0 and f"no run store at {path}" in done.stderr, done.stderr
         assert "DFLASHCTL_STORE" in done.stderr and "Traceback" not in done.stderr
         assert not path.exists() and not path.parent.exists()
+
+
+@pytest.mark.parametrize("watched,code", [(True, 0), (False, 1)])
+def test_status_check_exits_1_on_a_run_that_needs_attention(tmp_path, watched, code):
+    """Defect: `status --once` exited 0 with failed and unsupervised runs: cron could not tell.
+    (On this machine's clock: the command reads the real time.)"""
+    import subprocess
+
+    store = Store(str(tmp_path / "runs.db"))
+    now = time.time()
+    store.create_run("demo", "local", {}, now - 60, run_id=DEMO)
+    store.transition(DEMO, "running", "trainer started (pid 777, phase training)", now - 50)
+    if watched:
+        store.heartbeat("sup-1", pid=4242, host="ops", started=now - 60, interval=15.0, now=now - 2, runs=[DEMO],
+                        hosts={"local": {"last_ok": now - 2, "error": None, "down_since": None}})
+    for args in (["--once", "--check"], ["--json", "--check"]):
+        done = subprocess.run([sys.executable, "-m", "dflashctl", "status", *args], capture_output=True, text=True,
+                              env={**os.environ, "DFLASHCTL_STORE": store.path, "COLUMNS": "160"}, timeout=60)
+        assert done.returncode == code, done.stderr
+        assert (f"check: 1 run(s) need attention: {DEMO} unsupervised" in done.stderr) == bool(code), done.stderr
+    assert subprocess.run([sys.executable, "-m", "dflashctl", "status", "--once"], capture_output=True,
+                          env={**os.environ, "DFLASHCTL_STORE": store.path}, timeout=60).returncode == 0

@@ -25,6 +25,9 @@ def status_command(
     json_schema: bool = typer.Option(False, "--json-schema", help="Print the JSON Schema of --json and exit."),
     interval: str = typer.Option("2", "--interval", metavar="DURATION",
                                  help="Time between refreshes of the live screen (2, 0.5, 2s, 1m)."),
+    check: bool = typer.Option(False, "--check",
+                               help="With --once or --json: exit 1 when a run is stalled, unsupervised, unreachable "
+                                    "or its store busy, or failed in the last 24 h (for cron / CI); 0 otherwise."),
     readonly: Optional[bool] = typer.Option(None, "--readonly/--no-readonly",
                                             help="A screen with no stop / restart keys (default: "
                                                  "DFLASHCTL_READONLY=1 sets it)."),
@@ -64,9 +67,11 @@ def status_command(
     view = load_status(store, _now(), run, playbooks_dir=G.playbooks)  # also checks RUN before any screen starts
     if as_json:
         print(json.dumps(view.to_dict(), indent=2))
+        _check(view, check)
         return
-    if once or not sys.stdout.isatty():
+    if once or not sys.stdout.isatty() or check:
         print_status(view, out.width)
+        _check(view, check)
         return
     store.close()
     seconds = parse_duration_option(interval, "--interval")
@@ -82,6 +87,27 @@ def status_command(
         readonly = readonly_default()
     StatusApp(path, run=run, interval=seconds, inventory_path=G.inventory, playbooks_dir=G.playbooks,
               readonly=readonly).run()
+
+
+CHECK_STATES = ("stalled", "unsupervised", "unreachable", "store busy")
+CHECK_FAILED_WITHIN_S = 24 * 3600.0
+
+
+def needs_attention(view) -> list:
+    """The runs ``--check`` fails on: active ones stalled, unsupervised, unreachable or
+    blocked on a busy store, and runs that failed in the last 24 hours."""
+    return [r for r in view.runs if r.display_state in CHECK_STATES or (
+        r.state == "failed" and view.now - (r.phase.since or r.created) <= CHECK_FAILED_WITHIN_S)]
+
+
+def _check(view, check: bool) -> None:
+    if not check:
+        return
+    bad = needs_attention(view)
+    if bad:
+        print(f"check: {len(bad)} run(s) need attention: "
+              + ", ".join(f"{r.id} {r.display_state}" for r in bad), file=sys.stderr)
+        raise typer.Exit(1)
 
 
 def _now() -> float:
