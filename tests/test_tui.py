@@ -176,22 +176,33 @@ def test_enter_opens_the_detail_and_escape_goes_back(tmp_path):
     run(scenario())
 
 
-def test_l_follows_the_trainers_log(tmp_path):
-    """The log of a run on this machine, read through its transport in a worker."""
-    from dflashctl.tui.screens import DetailScreen
-
+def run_with_log(tmp_path: Path, lines: list[str]) -> tuple[Store, Path]:
+    """A store with one run on this machine whose trainer log holds ``lines``."""
     store = Store(str(tmp_path / "runs.db"))
     run_dir = tmp_path / "work" / "runs" / DEMO
     run_dir.mkdir(parents=True)
-    (run_dir / contract.LOG_FILE).write_text("".join(f"step {i}/300 tok/s 900\n" for i in range(1, 41)))
+    (run_dir / contract.LOG_FILE).write_text("".join(f"{line}\n" for line in lines))
     store.create_run("demo", "local", {}, NOW - 60, run_id=DEMO, run_dir=str(run_dir))
+    return store, run_dir
+
+
+async def log_open(pilot, app, lines: int) -> None:
+    """`l` on the loaded screen, until the log tab shows ``lines`` lines."""
+    from dflashctl.tui.screens import DetailScreen
+
+    await loaded(pilot, app)
+    await pilot.press("l")
+    await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.log_lines >= lines, "the log")
+
+
+def test_l_follows_the_trainers_log(tmp_path):
+    """The log of a run on this machine, read through its transport in a worker."""
+    store, run_dir = run_with_log(tmp_path, [f"step {i}/300 tok/s 900" for i in range(1, 41)])
 
     async def scenario():
         app = app_for(store, tmp_path)
         async with app.run_test(size=(120, 40)) as pilot:
-            await loaded(pilot, app)
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.log_lines >= 40, "the log")
+            await log_open(pilot, app, 40)
             assert "step 40/300 tok/s 900" in screen_text(app)
             with open(run_dir / contract.LOG_FILE, "a") as f:
                 f.write("step 41/300 tok/s 901\n")
@@ -547,20 +558,12 @@ def test_the_main_filter_box_is_seen_above_the_footer(tmp_path):
 
 
 def test_the_log_tab_is_filtered_by_slash(tmp_path):
-    from dflashctl.tui.screens import DetailScreen
-
-    store = Store(str(tmp_path / "runs.db"))
-    run_dir = tmp_path / "work" / "runs" / DEMO
-    run_dir.mkdir(parents=True)
-    (run_dir / contract.LOG_FILE).write_text("".join(f"step {i}/300 mark-{i}x\n" for i in range(1, 41)))
-    store.create_run("demo", "local", {}, NOW - 60, run_id=DEMO, run_dir=str(run_dir))
+    store, _ = run_with_log(tmp_path, [f"step {i}/300 mark-{i}x" for i in range(1, 41)])
 
     async def scenario():
         app = app_for(store, tmp_path)
         async with app.run_test(size=(120, 40)) as pilot:
-            await loaded(pilot, app)
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.log_lines >= 40, "the log")
+            await log_open(pilot, app, 40)
             await pilot.press("slash", *"mark-17x")
             await pilot.pause(0.3)
             log = app.screen.query_one("#log-text")
