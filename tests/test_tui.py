@@ -782,3 +782,31 @@ def test_status_check_exits_1_on_a_run_that_needs_attention(tmp_path, watched, c
         assert (f"check: 1 run(s) need attention: {DEMO} unsupervised" in done.stderr) == bool(code), done.stderr
     assert subprocess.run([sys.executable, "-m", "dflashctl", "status", "--once"], capture_output=True,
                           env={**os.environ, "DFLASHCTL_STORE": store.path}, timeout=60).returncode == 0
+
+
+# --------------------------------------------------------------------------- charts
+
+
+def test_a_chart_of_a_two_hour_history_starts_at_the_runs_start(tmp_path):
+    """Defect: `spark(values, width)` kept the newest `width` buckets: at 120 columns the
+    start of the run (the loss drop, the slow first half hour) was not drawn under a
+    title naming the whole history. Here 2 h of real samples in a real store: the first
+    30 min at 2 Ktok/s, then 12 Ktok/s; the chart's first cells are the low ones and its
+    time axis starts at the first sample."""
+    from dflashctl.detectors import fmt_clock
+    from dflashctl.tui.model import StatusReader
+    from dflashctl.tui.text import detail_text
+
+    store = Store(str(tmp_path / "runs.db"))
+    start = NOW - 7200
+    store.create_run("demo", "local", {}, start - 60, run_id=DEMO)
+    store.add_samples(DEMO, [{"time": start + 10 * i, "step": i, "tok_s": 2000.0 if i < 180 else 12000.0,
+                              "loss": 4.0 - i / 720, "phase": "training"} for i in range(720)], observed=NOW)
+    view = StatusReader(store).detail(DEMO, NOW)
+    assert len(view.series) == 240 and view.series[0]["time"] - start < 30  # a bucket's time is its last sample's
+    lines = detail_text(view, 120, NOW).plain.splitlines()
+    chart = lines[lines.index(next(line for line in lines if line.startswith("tok/s  now"))) + 1]
+    assert len(chart) == 118  # the whole history in the width, not its newest 118 of 240 buckets
+    assert set(chart[:25]) == {"▂"} and set(chart[35:]) == {"█"}, chart
+    axis = next(line for line in lines if line.startswith(fmt_clock(view.series[0]["time"])))
+    assert axis.rstrip().endswith(fmt_clock(view.series[-1]["time"]))

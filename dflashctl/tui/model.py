@@ -91,6 +91,20 @@ def spark(values: Sequence[float | None], width: int = 12, low: float | None = 0
     return "".join(_BARS[round((v - low) / (high - low) * (len(_BARS) - 1))] for v in values)
 
 
+def resample(values: Sequence[float | None], width: int) -> list[float | None]:
+    """``values`` (oldest first) in at most ``width`` buckets spanning all of them, each
+    the mean of its values (None where it has none): a chart of the whole series,
+    its first bucket the first value, never only the newest ``width`` values."""
+    n = len(values)
+    if n <= width:
+        return list(values)
+    out: list[float | None] = []
+    for i in range(width):
+        part = [v for v in values[i * n // width:(i + 1) * n // width] if v is not None and math.isfinite(v)]
+        out.append(statistics.fmean(part) if part else None)
+    return out
+
+
 def bar(fraction: float | None, width: int) -> str:
     """A horizontal bar of ``width`` cells filled to ``fraction`` (eighths of a cell)."""
     if fraction is None or not math.isfinite(fraction) or width <= 0:
