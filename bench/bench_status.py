@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_status.py            # everything
     .venv/bin/python bench/bench_status.py --refresh  # only the refresh
     .venv/bin/python bench/bench_status.py --startup  # only the CLI start-up
+    .venv/bin/python bench/bench_status.py --paint    # only the live screen's first paint
 
 Refresh: a store with 8 hosts x 8 GPUs (one active run per host, every sample with
 its 8 GPU readings) and 50 runs of recorded history (8 active + 42 finished, 2000
@@ -165,12 +166,60 @@ def bench_startup(store_path: str, repeat: int = 7) -> None:
     print(f"  (python -c pass      {_ms(min(base))} best: the interpreter alone)")
 
 
+def _first_paint(env: dict, needle: bytes, timeout: float = 60.0) -> float:
+    """Seconds from starting ``dflashctl status`` in a pseudo-terminal (120x40) until
+    its output holds ``needle`` (a run id: the first screen with the store's runs);
+    then ``q``."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "status", "--interval", "600"], stdin=follower,
+                            stdout=follower, stderr=follower, env=env, close_fds=True)
+    os.close(follower)
+    seen, took = b"", None
+    try:
+        while took is None and time.perf_counter() - t0 < timeout:
+            if select.select([leader], [], [], 0.05)[0]:
+                seen += os.read(leader, 65536)
+                if needle in seen:
+                    took = time.perf_counter() - t0
+        os.write(leader, b"q")
+        deadline = time.monotonic() + 20
+        while proc.poll() is None and time.monotonic() < deadline:  # read on: a full terminal blocks the app
+            if select.select([leader], [], [], 0.1)[0]:
+                try:
+                    os.read(leader, 65536)
+                except OSError:
+                    break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        os.close(leader)
+    if took is None:
+        raise SystemExit(f"no first paint within {timeout:g} s: {seen[-500:]!r}")
+    return took
+
+
+def bench_paint(store: Store, repeat: int = 5) -> None:
+    """First paint of the live screen, and the idle CPU of the console process."""
+    env = {**os.environ, "DFLASHCTL_STORE": store.path, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
+    needle = store.list_runs(active_only=True)[0].id.encode()
+    times = [_first_paint(env, needle) for _ in range(repeat)]
+    print(f"first paint of `dflashctl status` (pty 120x40, best / median of {repeat}; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): {_ms(min(times))} best, "
+          f"{_ms(statistics.median(times))} median   target < 1000 ms on an idle machine")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--refresh", action="store_true", help="only the refresh")
     parser.add_argument("--startup", action="store_true", help="only the CLI start-up")
+    parser.add_argument("--paint", action="store_true", help="only the live screen's first paint")
     args = parser.parse_args()
-    both = not (args.refresh or args.startup)
+    both = not (args.refresh or args.startup or args.paint)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
@@ -180,6 +229,8 @@ def main() -> None:
             bench_refresh(store, str(root / "playbooks"))
         if args.startup or both:
             bench_startup(store.path)
+        if args.paint or both:
+            bench_paint(store)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,10 @@ class Freshness:
     note: str  # one line for the operator ("" when live)
     fix: str | None  # the command that fixes it
     stale_after_s: float | None = None  # a host answer older than this is not live (None: a finished run)
+    # Its supervisor's process is alive (seen on this machine) though it has not ticked
+    # for this long; ``store_busy``: because the store's write lock is held by another.
+    silent_s: float | None = None
+    store_busy: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +63,15 @@ def freshness(run: Any, heartbeats: Sequence[dict], newest_sample: Any, now: flo
     last_answer, down_since, error = host.get("last_ok"), host.get("down_since"), host.get("error")
     answering = last_answer is not None and now - last_answer <= window and down_since is None
     fix = None
+    if not ticking and beat is not None and beat.get("alive") and not beat.get("stopped"):
+        # Alive but silent: watched still, and a second supervisor is not the fix.
+        silent = max(0.0, now - (beat.get("last_tick") or now))
+        busy = bool(beat.get("store_busy"))
+        note = (f"supervisor pid {beat.get('pid')} alive, store busy {fmt_duration(silent)}: another process holds "
+                "the store's write lock, so it cannot record what it sees" if busy else
+                f"supervisor pid {beat.get('pid')} alive but silent for {fmt_duration(silent)} (stopped? hung?)")
+        return Freshness(True, beat.get("pid"), beat.get("last_tick"), None, last_answer, down_since, error,
+                         data_time, data_age, False, note, None, window, silent, busy)
     if not ticking:
         since = (beat or {}).get("last_tick") or run.updated or run.created
         note = f"unsupervised since {_ago(now, since)}: nobody watches this run"

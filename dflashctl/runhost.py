@@ -831,11 +831,13 @@ exit 0
 
 
 def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False, n: int = 50,
-         poll: float = POLL_SECONDS, host: str | None = None) -> Iterator[str]:
+         poll: float = POLL_SECONDS, host: str | None = None,
+         stop: Callable[[], bool] | None = None) -> Iterator[str]:
     """The last ``n`` lines of the run's trainer.log; with ``follow``, then what is
-    appended, until the trainer has ended (or the caller stops iterating). A
-    multi-host run: every host's log, each line prefixed with ``[host]``, or only
-    ``host``'s (unprefixed)."""
+    appended, until the trainer has ended, the caller stops iterating, or ``stop()``
+    says so (checked at every poll: a log that grows no more never yields, so a
+    caller in a thread could not stop it otherwise). A multi-host run: every host's
+    log, each line prefixed with ``[host]``, or only ``host``'s (unprefixed)."""
     run = store.get_run(run_id)
     parts = run.parts()
     if host is not None:
@@ -861,7 +863,7 @@ def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False
             # Nothing more will come once the exit code is written and the log has been read.
             ended[i] = bool(done) and offsets[i] == size
             offsets[i] = size
-        if not follow or all(ended):
+        if not follow or all(ended) or (stop is not None and stop()):
             return
         time.sleep(poll)
 

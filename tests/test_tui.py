@@ -96,7 +96,8 @@ def test_question_mark_shows_the_keys_and_escape_closes_them(tmp_path):
             await pilot.pause()
             assert isinstance(app.screen, HelpScreen)
             text = screen_text(app)
-            for promise in ("Home / End", "filter runs", "stop the run", "tau estimated in training: accept_len + 1",
+            for promise in ("Home / End", "filter what is shown", "stop the run under the cursor",
+                            "tau estimated in training: accept_len + 1", "DFLASHCTL_READONLY=1",
                             "unsupervised (no supervisor ticks for it"):
                 assert promise in text, promise
             await pilot.press("escape")
@@ -175,22 +176,33 @@ def test_enter_opens_the_detail_and_escape_goes_back(tmp_path):
     run(scenario())
 
 
-def test_l_follows_the_trainers_log(tmp_path):
-    """The log of a run on this machine, read through its transport in a worker."""
-    from dflashctl.tui.screens import DetailScreen
-
+def run_with_log(tmp_path: Path, lines: list[str]) -> tuple[Store, Path]:
+    """A store with one run on this machine whose trainer log holds ``lines``."""
     store = Store(str(tmp_path / "runs.db"))
     run_dir = tmp_path / "work" / "runs" / DEMO
     run_dir.mkdir(parents=True)
-    (run_dir / contract.LOG_FILE).write_text("".join(f"step {i}/300 tok/s 900\n" for i in range(1, 41)))
+    (run_dir / contract.LOG_FILE).write_text("".join(f"{line}\n" for line in lines))
     store.create_run("demo", "local", {}, NOW - 60, run_id=DEMO, run_dir=str(run_dir))
+    return store, run_dir
+
+
+async def log_open(pilot, app, lines: int) -> None:
+    """`l` on the loaded screen, until the log tab shows ``lines`` lines."""
+    from dflashctl.tui.screens import DetailScreen
+
+    await loaded(pilot, app)
+    await pilot.press("l")
+    await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.log_lines >= lines, "the log")
+
+
+def test_l_follows_the_trainers_log(tmp_path):
+    """The log of a run on this machine, read through its transport in a worker."""
+    store, run_dir = run_with_log(tmp_path, [f"step {i}/300 tok/s 900" for i in range(1, 41)])
 
     async def scenario():
         app = app_for(store, tmp_path)
         async with app.run_test(size=(120, 40)) as pilot:
-            await loaded(pilot, app)
-            await pilot.press("l")
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.log_lines >= 40, "the log")
+            await log_open(pilot, app, 40)
             assert "step 40/300 tok/s 900" in screen_text(app)
             with open(run_dir / contract.LOG_FILE, "a") as f:
                 f.write("step 41/300 tok/s 901\n")
@@ -217,7 +229,7 @@ def test_filter_and_sort(tmp_path):
             assert app.focused is table and table.row_count == 1 and "filter 'done'" in screen_text(app)
             await pilot.press("escape")
             await pilot.pause()
-            assert table.row_count == 3 and "filter" not in screen_text(app).splitlines()[0]
+            assert table.row_count == 3 and "filter '" not in screen_text(app).splitlines()[0]
             await pilot.press("s")  # by state
             await pilot.pause()
             assert app.sort == "state" and [str(table.get_row_at(i)[0]) for i in range(3)] == [OLD, DEMO, PROD]
@@ -434,8 +446,367 @@ def test_a_run_nobody_watches_is_probed_by_the_screen_itself(tmp_path):
                 text = screen_text(app)
                 assert "unsupervised" in text and "fix: dflashctl watch" in text
                 assert "the trainer is alive but stopped (SIGSTOP), training at step 812" in text, app.probes
+                # Its row too: the probe's phase and step, marked probed (not "starting 0s/5m", N/A).
+                assert cell(app, DEMO, "phase") == "training (probed)" and cell(app, DEMO, "step") == "812 (probed)"
 
         run(scenario())
     finally:
         trainer.kill()
         trainer.wait()
+
+
+# --------------------------------------------------------------------------- input safety
+
+
+def _no_action_was_taken(app, store, states: dict[str, str]) -> None:
+    from dflashctl.tui.screens import ConfirmScreen
+
+    assert app.actions_done == [], app.actions_done
+    assert not [w for w in app.workers if w.group == "control"]  # no dflashctl stop/restart under way
+    assert not any(isinstance(s, ConfirmScreen) for s in app.screen_stack)
+    assert {run_id: store.get_run(run_id).state for run_id in states} == states
+
+
+@pytest.mark.parametrize("tab", ["overview", "events", "log"])
+def test_slash_then_r_y_in_the_detail_view_changes_nothing(tmp_path, tab):
+    """Defect: in the detail view `/` went to the main screen's hidden filter, so `r` `y`
+    then stopped and restarted a healthy run. Now `/` opens the detail's own filter and
+    every letter typed is text in it (the real `dflashctl` would run on a `y`)."""
+    from textual.widgets import Input
+
+    from dflashctl.tui.screens import DetailScreen
+
+    store = build("healthy", tmp_path)
+    states = {PROD: "running", DEMO: "running"}
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("down", "enter")  # PROD, a healthy running run
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            assert app.screen.run_id == PROD
+            await pilot.press({"overview": "o", "events": "e", "log": "l"}[tab])
+            await pilot.pause()
+            await pilot.press("slash", "r", "y", "x", "y", "q")
+            await pilot.pause(0.3)
+            _no_action_was_taken(app, store, states)
+            box = app.focused
+            assert isinstance(box, Input) and box.screen is app.screen and box.value == "ryxyq"
+            assert box.region.height == 1 and "ryxyq" in screen_text(app)  # what is typed is seen
+            assert app.is_running and isinstance(app.screen, DetailScreen)
+            await pilot.press("escape")  # clears the filter, stays in the detail
+            await pilot.pause()
+            assert isinstance(app.screen, DetailScreen) and box.value == "" and not box.display
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, DetailScreen)
+            _no_action_was_taken(app, store, states)
+
+    run(scenario())
+
+
+def test_slash_error_in_the_events_tab_filters_the_events_and_opens_no_dialog(tmp_path):
+    """Defect: `/error` in the events tab opened the restart dialog (`e`, `r`, ...)."""
+    from dflashctl.tui.screens import DetailScreen
+
+    store = build("restarting", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("e")
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            events = app.screen.query_one("#detail-events")
+            every = events.row_count
+            await pilot.press("slash", *"error")
+            await pilot.pause(0.3)
+            _no_action_was_taken(app, store, {PROD: "restarting"})
+            rows = [" ".join(str(c) for c in events.get_row_at(i)) for i in range(events.row_count)]
+            assert 0 < len(rows) < every and all("error" in r.lower() for r in rows), rows
+            await pilot.press("enter")  # keeps the filter, back to the table: keys are keys again
+            await pilot.pause()
+            assert app.focused is events and events.row_count == len(rows)
+            loads = app.screen.loads
+            app.screen.reload()
+            await until(pilot, lambda: app.screen.loads > loads, "a refresh")
+            assert events.row_count == len(rows)  # a refresh keeps the filter
+
+    run(scenario())
+
+
+def test_the_main_filter_box_is_seen_above_the_footer(tmp_path):
+    """Defect: the filter box was under the footer: what was typed was invisible."""
+    from textual.widgets import Footer, Input
+
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await loaded(pilot, app)
+            assert not app.query_one("#filter").display and app.focused is app.query_one("#runs")
+            await pilot.press("slash", *"prod")
+            await pilot.pause()
+            box, footer = app.query_one("#filter", Input), app.query_one(Footer)
+            assert box.region.height == 1 and box.region.bottom <= footer.region.y
+            assert "prod" in screen_text(app).splitlines()[box.region.y]
+            _no_action_was_taken(app, store, {PROD: "running"})
+
+    run(scenario())
+
+
+def test_the_log_tab_is_filtered_by_slash(tmp_path):
+    store, _ = run_with_log(tmp_path, [f"step {i}/300 mark-{i}x" for i in range(1, 41)])
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await log_open(pilot, app, 40)
+            await pilot.press("slash", *"mark-17x")
+            await pilot.pause(0.3)
+            log = app.screen.query_one("#log-text")
+            assert [line.text for line in log.lines] == ["step 17/300 mark-17x"]
+            await pilot.press("escape")
+            await pilot.pause()
+            assert len(log.lines) == 40
+
+    run(scenario())
+
+
+def test_the_dialog_says_a_running_trainer_is_stopped_first_and_only_y_says_yes(tmp_path):
+    """Defect: the restart dialog did not say that a running trainer is stopped first;
+    Enter said yes (and Enter also opens runs and keeps filters)."""
+    from dflashctl.tui.screens import ConfirmScreen
+
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("down", "r")  # the row under the cursor: PROD
+            await pilot.pause()
+            assert isinstance(app.screen, ConfirmScreen)
+            text = " ".join(screen_text(app).split())
+            assert f"Restart run {PROD}?" in text
+            assert app.screen.detail.startswith("Its trainer (running, step 3,950) on gpu1 is stopped first: SIGTERM, "
+                                                "it writes a checkpoint and exits")
+            assert "is stopped first:" in text and "a supervisor watches it" in text
+            # Under the question, the runs screen's keys do nothing.
+            await pilot.press("slash", "x", "r", "e", "s")
+            await pilot.pause()
+            assert sum(isinstance(s, ConfirmScreen) for s in app.screen_stack) == 1 and app.sort == "default"
+            await pilot.press("enter")
+            await pilot.pause()
+            _no_action_was_taken(app, store, {PROD: "running"})
+            await pilot.press("x")
+            await pilot.pause()
+            assert f"Stop run {PROD}?" in screen_text(app) and "gets SIGTERM" in " ".join(screen_text(app).split())
+            await pilot.press("escape")
+            # A finished run: nothing to stop, so no question.
+            await pilot.press("end", "x")
+            await pilot.pause()
+            assert not isinstance(app.screen, ConfirmScreen)
+            _no_action_was_taken(app, store, {PROD: "running", OLD: "done"})
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_readonly_removes_every_action(tmp_path, monkeypatch, how):
+    from dflashctl.tui.screens import DetailScreen
+
+    store = build("healthy", tmp_path)
+    if how == "environment":
+        monkeypatch.setenv("DFLASHCTL_READONLY", "1")
+
+    async def scenario():
+        app = app_for(store, tmp_path, **({"readonly": True} if how == "argument" else {}))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            assert "read-only" in screen_text(app).splitlines()[0]
+            footer = screen_text(app).splitlines()[-1]
+            assert "Stop" not in footer and "Restart" not in footer and "Filter" in footer
+            await pilot.press("down", "x", "y", "r", "y")
+            await pilot.pause()
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen), "the detail")
+            await pilot.press("x", "y", "r", "y")
+            await pilot.pause()
+            footer = screen_text(app).splitlines()[-1]
+            assert "Stop" not in footer and "Restart" not in footer
+            _no_action_was_taken(app, store, {PROD: "running"})
+
+    run(scenario())
+
+
+def test_a_readonly_environment_value_that_is_neither_on_nor_off_is_an_error():
+    from dflashctl.errors import ConfigError
+    from dflashctl.tui.actions import readonly_default
+
+    assert readonly_default({"DFLASHCTL_READONLY": "1"}) and not readonly_default({})
+    with pytest.raises(ConfigError, match="DFLASHCTL_READONLY='ture'"):
+        readonly_default({"DFLASHCTL_READONLY": "ture"})
+
+
+# --------------------------------------------------------------------------- resizes
+
+
+def test_the_layout_follows_every_resize(tmp_path):
+    """Defect: on_resize read the old size: 201x60 -> 120x40 kept the wide layout, the
+    run pane 10 columns wide, folding letter by letter."""
+    store = build("healthy", tmp_path)
+
+    def layout(app) -> tuple[str, int]:
+        classes = app.screen_stack[0].classes
+        return next(m for m in ("compact", "normal", "wide") if f"-{m}" in classes), app.query_one("#run-box").size.width
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            normal = layout(app)
+            assert normal[0] == "normal" and normal[1] >= 118
+            await pilot.resize_terminal(201, 60)
+            await pilot.pause(0.2)
+            assert layout(app)[0] == "wide" and app.query_one("#gpu-box").region.x > 80
+            await pilot.resize_terminal(120, 40)
+            await pilot.pause(0.2)
+            assert layout(app) == normal
+            assert app.query_one("#gpu-box").region.x == 0
+            run_line = next(line for line in screen_text(app).splitlines() if line.startswith(DEMO))
+            assert "· demo on local · running" in run_line  # not folded letter by letter
+            await pilot.resize_terminal(80, 24)
+            await pilot.pause(0.2)
+            assert layout(app)[0] == "compact"
+
+    run(scenario())
+
+
+def test_the_selected_runs_fix_is_shown_at_80x24(tmp_path):
+    """Defect: at 80x24 the selected run's pane was hidden while 11 rows were empty."""
+    store = build("unsupervised", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await loaded(pilot, app)
+            box = app.query_one("#run-box")
+            assert box.display and box.region.height >= 6
+            text = screen_text(app)
+            assert f"{PROD} · prod on gpu1 · unsupervised" in text and "fix: dflashctl watch" in text
+
+    run(scenario())
+
+
+# --------------------------------------------------------------------------- truth in the corners
+
+
+@pytest.mark.parametrize("locked", [True, False])
+def test_a_live_supervisor_blocked_on_a_locked_store_shows_store_busy_not_unsupervised(tmp_path, monkeypatch,
+                                                                                       locked):
+    """Defect: a store whose write lock another process held showed every supervisor
+    as dead ("0 supervisor(s) ticking", every run unsupervised, fix: a second `watch`)
+    though their processes were alive, blocked on the lock. The supervisor here is a
+    real process of this machine; the lock is a real SQLite write transaction."""
+    import socket
+    import sqlite3
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)  # the header names the store relative to here
+    store = build("unsupervised", tmp_path)  # its supervisor ticked last 5 m ago
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    holder = sqlite3.connect(store.path, timeout=0, isolation_level=None)
+    try:
+        store.heartbeat("sup-1", pid=supervisor.pid, host=socket.gethostname(), started=NOW - 3600, interval=15.0,
+                        now=NOW - 70, runs=[PROD], hosts={"gpu1": {"last_ok": NOW - 70, "error": None,
+                                                                   "down_since": None}})
+        if locked:
+            holder.execute("BEGIN IMMEDIATE")  # another process's write transaction, never ending
+
+        async def scenario():
+            app = app_for(store, tmp_path)
+            async with app.run_test(size=(120, 40)) as pilot:
+                await loaded(pilot, app)
+                text = screen_text(app)
+                head = text.splitlines()[0]
+                assert head.rstrip().endswith("· store runs.db")  # the store the screen reads
+                state = cell(app, PROD, "state")
+                assert state != "unsupervised" and (state == "store busy" or not locked)
+                assert "dflashctl watch" not in text  # a second supervisor is not the fix
+                if locked:
+                    assert "1 alive, store busy 1.2m" in head
+                    assert f"supervisor pid {supervisor.pid} alive, store busy 1.2 m" in text
+                else:
+                    assert f"supervisor pid {supervisor.pid} alive but silent for 1.2 m" in text
+
+        run(scenario())
+    finally:
+        holder.close()
+        supervisor.kill()
+        supervisor.wait()
+
+
+def test_status_with_a_store_that_does_not_exist_is_an_error_and_makes_none(tmp_path):
+    """Defect: a mistyped store path was created empty and shown as "no runs yet"."""
+    import subprocess
+
+    path = tmp_path / "typo" / "runs.db"
+    for args in (["--once"], ["--json"]):
+        done = subprocess.run([sys.executable, "-m", "dflashctl", "status", *args], capture_output=True, text=True,
+                              env={**os.environ, "DFLASHCTL_STORE": str(path)}, timeout=60)
+        assert done.returncode != 0 and f"no run store at {path}" in done.stderr, done.stderr
+        assert "DFLASHCTL_STORE" in done.stderr and "Traceback" not in done.stderr
+        assert not path.exists() and not path.parent.exists()
+
+
+@pytest.mark.parametrize("watched,code", [(True, 0), (False, 1)])
+def test_status_check_exits_1_on_a_run_that_needs_attention(tmp_path, watched, code):
+    """Defect: `status --once` exited 0 with failed and unsupervised runs: cron could not tell.
+    (On this machine's clock: the command reads the real time.)"""
+    import subprocess
+
+    store = Store(str(tmp_path / "runs.db"))
+    now = time.time()
+    store.create_run("demo", "local", {}, now - 60, run_id=DEMO)
+    store.transition(DEMO, "running", "trainer started (pid 777, phase training)", now - 50)
+    if watched:
+        store.heartbeat("sup-1", pid=4242, host="ops", started=now - 60, interval=15.0, now=now - 2, runs=[DEMO],
+                        hosts={"local": {"last_ok": now - 2, "error": None, "down_since": None}})
+    for args in (["--once", "--check"], ["--json", "--check"]):
+        done = subprocess.run([sys.executable, "-m", "dflashctl", "status", *args], capture_output=True, text=True,
+                              env={**os.environ, "DFLASHCTL_STORE": store.path, "COLUMNS": "160"}, timeout=60)
+        assert done.returncode == code, done.stderr
+        assert (f"check: 1 run(s) need attention: {DEMO} unsupervised" in done.stderr) == bool(code), done.stderr
+    assert subprocess.run([sys.executable, "-m", "dflashctl", "status", "--once"], capture_output=True,
+                          env={**os.environ, "DFLASHCTL_STORE": store.path}, timeout=60).returncode == 0
+
+
+# --------------------------------------------------------------------------- charts
+
+
+def test_a_chart_of_a_two_hour_history_starts_at_the_runs_start(tmp_path):
+    """Defect: `spark(values, width)` kept the newest `width` buckets: at 120 columns the
+    start of the run (the loss drop, the slow first half hour) was not drawn under a
+    title naming the whole history. Here 2 h of real samples in a real store: the first
+    30 min at 2 Ktok/s, then 12 Ktok/s; the chart's first cells are the low ones and its
+    time axis starts at the first sample."""
+    from dflashctl.detectors import fmt_clock
+    from dflashctl.tui.model import StatusReader
+    from dflashctl.tui.text import detail_text
+
+    store = Store(str(tmp_path / "runs.db"))
+    start = NOW - 7200
+    store.create_run("demo", "local", {}, start - 60, run_id=DEMO)
+    store.add_samples(DEMO, [{"time": start + 10 * i, "step": i, "tok_s": 2000.0 if i < 180 else 12000.0,
+                              "loss": 4.0 - i / 720, "phase": "training"} for i in range(720)], observed=NOW)
+    view = StatusReader(store).detail(DEMO, NOW)
+    assert len(view.series) == 240 and view.series[0]["time"] - start < 30  # a bucket's time is its last sample's
+    lines = detail_text(view, 120, NOW).plain.splitlines()
+    chart = lines[lines.index(next(line for line in lines if line.startswith("tok/s  now"))) + 1]
+    assert len(chart) == 118  # the whole history in the width, not its newest 118 of 240 buckets
+    assert set(chart[:25]) == {"▂"} and set(chart[35:]) == {"█"}, chart
+    axis = next(line for line in lines if line.startswith(fmt_clock(view.series[0]["time"])))
+    assert axis.rstrip().endswith(fmt_clock(view.series[-1]["time"]))

@@ -19,10 +19,11 @@ SIZES = [(80, 24), (120, 40), (200, 60)]
 
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 @pytest.mark.parametrize("scene", SCENES)
-def test_scene(snap_compare, tmp_path, scene, size):
+def test_scene(snap_compare, tmp_path, monkeypatch, scene, size):
     from dflashctl.tui.app import StatusApp
 
     utc()
+    monkeypatch.chdir(tmp_path)  # the header names the store: 'runs.db', the same on every machine
     store = build(scene, tmp_path)
     app = StatusApp(store.path, interval=600, clock=lambda: NOW, playbooks_dir=str(tmp_path / "playbooks"),
                     probe_unsupervised=False)  # the scenes' hosts exist only in the store

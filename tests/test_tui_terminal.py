@@ -1,7 +1,8 @@
 """The status console in a real terminal: `dflashctl status` in a tmux pane of
 120x40 against a real run (the fake trainer, started by the launcher's own run.sh
 in tmux) watched by a real `dflashctl watch` process. Captures of the pane show
-the step advancing; SIGSTOP on the trainer shows the stall within its stall
+the step advancing; `/` `r` `y` in the detail view typed into its filter (no
+restart); a held write lock on the store shown as "store busy"; SIGSTOP on the trainer shows the stall within its stall
 window; kill -9 on the supervisor turns the run "unsupervised" within two poll
 intervals.
 
@@ -104,6 +105,32 @@ def test_status_in_tmux_follows_a_real_run(tmp_path):
             later, _ = wait_pane("tui", lambda t: (step_of(t, run_id) or 0) > step_of(first, run_id) + 5, 30,
                                  "the step advancing")
             assert "running" in row(later, run_id) and "training" in row(later, run_id)
+
+            # In the detail view `/` `r` `y` is text in the filter box, never a restart.
+            restarts = len(store.restarts(run_id))
+            tmux("send-keys", "-t", "tui", "Enter")
+            wait_pane("tui", lambda t: "o overview · e events · l log · / filter" in t, 30, "the detail view")
+            tmux("send-keys", "-t", "tui", "/", "r", "y")
+            wait_pane("tui", lambda t: "ry" in t.splitlines()[1], 10, "the typed text in the filter box")
+            time.sleep(2 * POLL_S)
+            assert store.get_run(run_id).state == "running" and len(store.restarts(run_id)) == restarts
+            assert "Restart run" not in pane("tui")
+            tmux("send-keys", "-t", "tui", "Escape")
+            tmux("send-keys", "-t", "tui", "Escape")
+            wait_pane("tui", lambda t: row(t, run_id) and "/ filter" not in t, 30, "the runs again")
+
+            # Another process holds the store's write lock: the supervisor, alive, cannot
+            # tick; the screen says "store busy", never unsupervised.
+            import sqlite3
+
+            holder = sqlite3.connect(env["DFLASHCTL_STORE"], timeout=0, isolation_level=None)
+            try:
+                holder.execute("BEGIN IMMEDIATE")
+                busy, _ = wait_pane("tui", lambda t: "store busy" in row(t, run_id), 30, "store busy")
+                assert "unsupervised" not in busy and f"dflashctl watch {run_id}" not in busy
+            finally:
+                holder.close()
+            wait_pane("tui", lambda t: "running" in row(t, run_id), 30, "the supervisor writing again")
 
             # SIGSTOP the trainer: the stall shows within the stall window (plus a poll to see it).
             trainer = read_status(store.get_run(run_id).run_dir).pid

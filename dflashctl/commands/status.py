@@ -8,6 +8,7 @@ imported only for the live screen, so ``--once`` and ``--json`` start fast.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional
 
@@ -24,6 +25,12 @@ def status_command(
     json_schema: bool = typer.Option(False, "--json-schema", help="Print the JSON Schema of --json and exit."),
     interval: str = typer.Option("2", "--interval", metavar="DURATION",
                                  help="Time between refreshes of the live screen (2, 0.5, 2s, 1m)."),
+    check: bool = typer.Option(False, "--check",
+                               help="With --once or --json: exit 1 when a run is stalled, unsupervised, unreachable "
+                                    "or its store busy, or failed in the last 24 h (for cron / CI); 0 otherwise."),
+    readonly: Optional[bool] = typer.Option(None, "--readonly/--no-readonly",
+                                            help="A screen with no stop / restart keys (default: "
+                                                 "DFLASHCTL_READONLY=1 sets it)."),
 ) -> None:
     """Live console of every run, host and GPU (a terminal UI; `--once` or `--json` to print).
 
@@ -34,7 +41,8 @@ def status_command(
     over the same window (never for data that is not live), loss, tau (acceptance
     length), restarts, last event. Per host: each GPU's role, the run holding it,
     utilisation and memory, temperature, power, history. `?` in the screen lists the
-    keys: Enter detail, `l` log, `e` events, `x` stop, `r` restart, `/` filter, `s` sort.
+    keys: Enter detail, `l` log, `e` events, `x` stop, `r` restart (both ask first; none with
+    `--readonly` or DFLASHCTL_READONLY=1), `/` filter, `s` sort.
 
     Read from the store only (the supervisors write it), so it never waits on a host."""
     from dflashctl.paths import store_path
@@ -48,13 +56,22 @@ def status_command(
     from dflashctl.tui.model import load_status
 
     path = store_path()
+    if not os.path.isfile(path):  # never made here: a mistyped path must not read as "no runs yet"
+        from dflashctl.errors import ConfigError
+
+        raise ConfigError(f"no run store at {path}" + (" (DFLASHCTL_STORE)" if os.environ.get("DFLASHCTL_STORE")
+                                                       else ""),
+                          hint="check DFLASHCTL_STORE (unset it for the default store), or launch a run first "
+                               "(dflashctl launch demo): launching creates the store")
     store = Store(path)
     view = load_status(store, _now(), run, playbooks_dir=G.playbooks)  # also checks RUN before any screen starts
     if as_json:
         print(json.dumps(view.to_dict(), indent=2))
+        _check(view, check)
         return
-    if once or not sys.stdout.isatty():
+    if once or not sys.stdout.isatty() or check:
         print_status(view, out.width)
+        _check(view, check)
         return
     store.close()
     seconds = parse_duration_option(interval, "--interval")
@@ -64,7 +81,33 @@ def status_command(
         raise ConfigError(f"--interval: {interval} is too short", hint="give 0.2 seconds or more (2, 0.5, 2s, 1m)")
     from dflashctl.tui.app import StatusApp
 
-    StatusApp(path, run=run, interval=seconds, inventory_path=G.inventory, playbooks_dir=G.playbooks).run()
+    from dflashctl.tui.actions import readonly_default
+
+    if readonly is None:
+        readonly = readonly_default()
+    StatusApp(path, run=run, interval=seconds, inventory_path=G.inventory, playbooks_dir=G.playbooks,
+              readonly=readonly).run()
+
+
+CHECK_STATES = ("stalled", "unsupervised", "unreachable", "store busy")
+CHECK_FAILED_WITHIN_S = 24 * 3600.0
+
+
+def needs_attention(view) -> list:
+    """The runs ``--check`` fails on: active ones stalled, unsupervised, unreachable or
+    blocked on a busy store, and runs that failed in the last 24 hours."""
+    return [r for r in view.runs if r.display_state in CHECK_STATES or (
+        r.state == "failed" and view.now - (r.phase.since or r.created) <= CHECK_FAILED_WITHIN_S)]
+
+
+def _check(view, check: bool) -> None:
+    if not check:
+        return
+    bad = needs_attention(view)
+    if bad:
+        print(f"check: {len(bad)} run(s) need attention: "
+              + ", ".join(f"{r.id} {r.display_state}" for r in bad), file=sys.stderr)
+        raise typer.Exit(1)
 
 
 def _now() -> float:

@@ -2,10 +2,11 @@
 figures and events, and every GPU of the hosts with active runs, refreshed from
 the store on a timer.
 
-Layouts by size: compact below 100 columns or 30 rows (runs, then one short row
-per GPU: it fits 80x24 without scrolling), normal (runs, the highlighted run,
-GPUs with bars and history), wide from 180x45 (the run and GPU panels side by
-side). The run column is frozen; the columns shown are chosen by width, so cells
+Layouts by size: compact below 100 columns or 30 rows (runs, the highlighted
+run's state and fix, then one short row per GPU: it fits 80x24 without
+scrolling), normal (runs, the highlighted run, GPUs with bars and history), wide
+from 180x45 (the run and GPU panels side by side). The highlighted run gets the
+rows the GPUs do not need (its fix, state and events before empty rows). The run column is frozen; the columns shown are chosen by width, so cells
 are never folded.
 
 It reads the store in a thread worker, so a slow disk never freezes the screen;
@@ -30,20 +31,39 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, VerticalScroll
-from textual.widgets import DataTable, Footer, Input, Static
+from textual.widgets import DataTable, Footer, Static
 from textual.worker import get_current_worker
 
 from dflashctl.errors import DflashError, first_line
 from dflashctl.store import Store
+from dflashctl.tui.actions import plan, readonly_default
 from dflashctl.tui.model import SORTS, DirectProbe, StatusReader, StatusView, filter_runs, sort_runs
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen
 from dflashctl.tui.text import gpu_text, notice_text, run_text
-from dflashctl.tui.widgets import Pane, RunsTable
+from dflashctl.tui.widgets import FilterBox, Pane, RunsTable
 
 COMPACT_WIDTH, COMPACT_HEIGHT = 100, 30
 PROBE_EVERY_S = 10.0  # a run nobody supervises is probed by the screen this often
 PROBE_TIMEOUT_S = 20.0
 WIDE_WIDTH, WIDE_HEIGHT = 180, 45
+
+
+def shown_path(path: str) -> str:
+    """A file's path as the header shows it: relative under the working directory,
+    ``~/...`` under the home directory, else whole."""
+    path = os.path.abspath(path)
+    cwd = os.getcwd()
+    if path.startswith(cwd + os.sep):
+        return os.path.relpath(path, cwd)
+    home = os.path.expanduser("~")
+    return "~" + path[len(home):] if home not in ("", "/") and path.startswith(home + os.sep) else path
+
+
+def mode_for(width: int, height: int) -> str:
+    """The layout at a terminal size: compact, normal or wide."""
+    if width < COMPACT_WIDTH or height < COMPACT_HEIGHT:
+        return "compact"
+    return "wide" if width >= WIDE_WIDTH and height >= WIDE_HEIGHT else "normal"
 
 
 class StatusApp(App):
@@ -55,21 +75,21 @@ class StatusApp(App):
     #notices.-shown { display: block; }
     #runs { height: auto; max-height: 50%; min-height: 3; }
     #lower { height: 1fr; layout: vertical; }
-    #run-box { height: 10; border-top: solid $primary-darken-2; }
-    #gpu-box { height: 1fr; border-top: solid $primary-darken-2; }
+    #run-box { height: 1fr; min-height: 4; border-top: solid $primary-darken-2; }
+    #gpu-box { height: auto; max-height: 50%; border-top: solid $primary-darken-2; }
     #gpus { text-wrap: nowrap; text-overflow: clip; }
-    #filter { dock: bottom; display: none; height: 1; border: none; padding: 0 1; }
-    #filter.-shown { display: block; }
-    Screen.-compact #run-box { display: none; }
+    Screen.-compact #gpu-box { max-height: 70%; }
     Screen.-wide #lower { layout: horizontal; }
     Screen.-wide #run-box { height: 1fr; width: 1fr; }
-    Screen.-wide #gpu-box { height: 1fr; width: 110; border-left: solid $primary-darken-2; }
+    Screen.-wide #gpu-box { height: 1fr; max-height: 100%; width: 110; border-left: solid $primary-darken-2; }
     """
     BINDINGS = [
         Binding("q", "quit", "Quit"),
         Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("question_mark", "help", "Help", key_display="?"),
-        Binding("slash", "filter", "Filter", key_display="/"),
+        # Priority: acted on as the key is read, before the keys typed after it are handed
+        # to a widget, so each of them reaches the filter box (tmux send-keys, a paste).
+        Binding("slash", "filter", "Filter", key_display="/", priority=True),
         Binding("s", "sort", "Sort"),
         Binding("e", "events", "Events"),
         Binding("l", "logs", "Logs"),
@@ -82,8 +102,10 @@ class StatusApp(App):
     def __init__(self, store_path: str, run: str | None = None, interval: float = 2.0, *,
                  clock: Callable[[], float] = time.time, inventory_path: str | None = None,
                  playbooks_dir: str | None = None, control: Callable[[list[str]], tuple[int, str]] | None = None,
-                 probe_unsupervised: bool = True):
+                 probe_unsupervised: bool = True, readonly: bool | None = None):
         super().__init__()
+        # Read-only: no key stops or restarts anything (the bindings are gone, the actions refuse).
+        self.readonly = readonly_default() if readonly is None else readonly
         self.store_path = store_path
         self.run_ref = run
         self.interval = interval
@@ -92,6 +114,7 @@ class StatusApp(App):
         self.playbooks_dir = playbooks_dir
         self.control = control or self._run_command
         self.selected: str | None = None
+        self._mode: str | None = None  # set from each resize's own size
         self.view: StatusView | None = None
         self.sort = SORTS[0]
         self.filter_text = ""
@@ -112,38 +135,37 @@ class StatusApp(App):
     def compose(self) -> ComposeResult:
         yield Static(id="title")
         yield Static(id="notices")
+        # Above the runs it filters, never under the footer: what is typed is seen.
+        yield FilterBox(placeholder="filter: words in id, playbook, host, state, phase (Enter keeps, Esc clears)",
+                        id="filter")
         yield RunsTable(id="runs")
         with Container(id="lower"):
             with VerticalScroll(id="run-box"):
                 yield Pane(id="run")
             with VerticalScroll(id="gpu-box"):
                 yield Pane(id="gpus")
-        yield Input(placeholder="filter: words in id, playbook, host, state, phase (Enter keeps, Esc clears)",
-                    id="filter")
         yield Footer(compact=True)
 
     @property
     def mode(self) -> str:
-        width, height = self.size
-        if width < COMPACT_WIDTH or height < COMPACT_HEIGHT:
-            return "compact"
-        return "wide" if width >= WIDE_WIDTH and height >= WIDE_HEIGHT else "normal"
+        return self._mode or mode_for(*self.size)
 
-    def _apply_mode(self) -> None:
-        mode = self.mode
+    def _apply_mode(self, width: int, height: int) -> None:
+        self._mode = mode = mode_for(width, height)
         screen = self.screen_stack[0]
         for name in ("compact", "normal", "wide"):
             screen.set_class(name == mode, f"-{name}")
 
-    def on_resize(self) -> None:
-        self._apply_mode()
+    def on_resize(self, event) -> None:
+        # The event's size: ``self.size`` is still the old one while the event is handled.
+        self._apply_mode(event.size.width, event.size.height)
         if self.view is not None:
-            self.draw()
+            self.draw(event.size.width)
 
     def on_mount(self) -> None:
         self.store = Store(self.store_path)
         self.reader = StatusReader(self.store, self.playbooks_dir)
-        self._apply_mode()
+        self._apply_mode(*self.size)
         self.query_one(RunsTable).focus()
         self.action_reload()
         self.set_interval(self.interval, self.action_reload)
@@ -207,25 +229,24 @@ class StatusApp(App):
     def _probed(self, run_id: str, result: DirectProbe) -> None:
         self.probes[run_id] = result
         self.probing.discard(run_id)
-        if run_id == self.selected:
-            self.draw_run()
+        if self.view is not None:
+            self.draw()  # its row (phase, step: probed) and, selected, its pane
 
     # ----------------------------------------------------------------- drawing
 
     def shown_runs(self):
         view = self.view
-        return sort_runs(filter_runs(view.runs, self.filter_text), self.sort) if view else []
+        if view is None:
+            return []
+        for r in view.runs:  # what the screen's own probe saw, drawn with the store's figures
+            r.probe = self.probes.get(r.id)
+        return sort_runs(filter_runs(view.runs, self.filter_text), self.sort)
 
-    def draw(self) -> None:
+    def draw(self, width: int | None = None) -> None:
         view = self.view
-        width = self.size.width
+        width = width or self.size.width
         runs = self.shown_runs()
-        title = Text.assemble(("dflashctl status", "bold"), " · ", view.summary(short=self.mode == "compact"))
-        if self.sort != SORTS[0]:
-            title.append(f" · sort {self.sort}", style="cyan")
-        if self.filter_text:
-            title.append(f" · filter '{self.filter_text}' ({len(runs)}/{len(view.runs)})", style="cyan")
-        self.query_one("#title", Static).update(title)
+        self.query_one("#title", Static).update(self.title_text(view, len(runs), width))
         notices = self.query_one("#notices", Static)
         notices.set_class(bool(view.notices), "-shown")
         notices.update(notice_text(view.notices, width - 2, lines=1 if self.mode == "compact" else 2))
@@ -236,6 +257,26 @@ class StatusApp(App):
         self.draw_run()
         compact = self.mode == "compact"
         self.query_one("#gpus", Pane).redraw(lambda w, h: gpu_text(view.hosts, w, view.now, compact=compact))
+
+    def title_text(self, view: StatusView, shown: int, width: int) -> Text:
+        """The header: the summary (short where the long one leaves the store's path no
+        room), sort, filter, read-only, the store's path (its tail where it does not fit;
+        the key panel has it whole)."""
+        path = shown_path(self.store_path)
+        for short in ((False, True) if self.mode != "compact" else (True,)):
+            title = Text.assemble(("dflashctl status", "bold"), " · ", view.summary(short=short))
+            if self.sort != SORTS[0]:
+                title.append(f" · sort {self.sort}", style="cyan")
+            if self.filter_text:
+                title.append(f" · filter '{self.filter_text}' ({shown}/{len(view.runs)})", style="cyan")
+            if self.readonly:
+                title.append(" · read-only", style="bold cyan")
+            room = width - 2 - title.cell_len - len(" · store ")
+            if room >= min(len(path), 24):
+                break
+        if room >= 8:
+            title.append(f" · store {path if len(path) <= room else '…' + path[1 - room:]}", style="dim")
+        return title
 
     def draw_run(self) -> None:
         view = self.view
@@ -275,34 +316,30 @@ class StatusApp(App):
         self.push_screen(HelpScreen())
 
     def action_back(self) -> None:
-        box = self.query_one("#filter", Input)
-        if box.has_class("-shown") or self.filter_text:
-            box.value = ""
+        box = self.query_one(FilterBox)
+        if box.shown or self.filter_text:
+            box.close()
             self.filter_text = ""
-            box.remove_class("-shown")
             self.query_one(RunsTable).focus()
             if self.view is not None:
                 self.draw()
 
     def action_filter(self) -> None:
-        box = self.query_one("#filter", Input)
-        box.add_class("-shown")
-        box.focus()
+        self.query_one(FilterBox).open()
 
-    def on_input_changed(self, message: Input.Changed) -> None:
+    def on_input_changed(self, message: FilterBox.Changed) -> None:
         if message.input.id == "filter":
             self.filter_text = message.value.strip()
             if self.view is not None:
                 self.draw()
 
-    def on_input_submitted(self, message: Input.Submitted) -> None:
+    def on_input_submitted(self, message: FilterBox.Submitted) -> None:
         if message.input.id == "filter":
-            if not self.filter_text:
-                message.input.remove_class("-shown")
+            message.input.close(clear=not self.filter_text)  # the filter stays in force (the title says it)
             self.query_one(RunsTable).focus()
 
     def on_key(self, event) -> None:
-        if event.key == "escape" and self.focused is self.query_one("#filter", Input):
+        if event.key == "escape" and self.screen is self.screen_stack[0] and self.focused is self.query_one(FilterBox):
             event.stop()
             self.action_back()
 
@@ -324,18 +361,49 @@ class StatusApp(App):
             self.push_screen(DetailScreen(run, tab=tab))
 
     def action_stop_run(self) -> None:
-        self._confirm("stop", "The trainer checkpoints and exits; its session is then closed (dflashctl stop).")
+        self._confirm("stop")
 
     def action_restart_run(self) -> None:
-        self._confirm("restart", "Its trainer starts again from the last checkpoint, compile cache kept, then a "
-                                 "supervisor watches it (dflashctl restart).")
+        self._confirm("restart")
 
-    def _confirm(self, command: str, what: str) -> None:
-        """Ask, then run ``dflashctl COMMAND RUN`` on the run under the cursor."""
-        run = self._current()
-        if run is not None:
-            self.push_screen(ConfirmScreen(f"{command.capitalize()} run {run}?", what),
-                             lambda yes: yes and self.control_run([command, run]))
+    MAIN_ONLY = ("filter", "sort", "events", "logs", "back")  # keys of the runs screen
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Which of the app's keys work where: read-only, the stop / restart keys are gone
+        from every screen; they act on the runs screen and a run's detail only, the runs
+        screen's own keys on it only (never under a question or the key panel)."""
+        screen = self.screen
+        main = screen is self.screen_stack[0]
+        if action in ("stop_run", "restart_run"):
+            return not self.readonly and (main or isinstance(screen, DetailScreen))
+        if action == "filter" and isinstance(self.focused, FilterBox):
+            return False  # a '/' typed in the box is text
+        if action in self.MAIN_ONLY:
+            return main
+        if action == "help":
+            return main or isinstance(screen, DetailScreen)
+        return True
+
+    def _confirm(self, command: str) -> None:
+        """Ask, saying what happens to the trainer, then run ``dflashctl COMMAND RUN``
+        on the run under the cursor (the one named in the question, whatever the
+        refreshes do to the rows meanwhile)."""
+        if self.readonly:  # check_action already refuses; this guards any other way in
+            self.notify("read-only console: no run is stopped or restarted from here", severity="warning")
+            return
+        run_id = self._current()
+        if run_id is None:
+            return
+        run = next((r for r in (self.view.runs if self.view else []) if r.id == run_id), None)
+        if run is None:
+            self.notify(f"run {run_id} is not in the newest read of the store yet", severity="warning")
+            return
+        step = plan(command, run)
+        if step.refused:
+            self.notify(step.refused, severity="warning")
+            return
+        self.push_screen(ConfirmScreen(step.question, step.detail),
+                         lambda yes: yes and self.control_run(step.argv))
 
     # ----------------------------------------------------------------- actions on runs
 

@@ -33,8 +33,10 @@ import math
 import os
 import re
 import socket
+import sqlite3
 import statistics
 import threading
+import urllib.parse
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -59,7 +61,7 @@ NA = "N/A"
 STATE_STYLE = {
     "running": "green", "stalled": "bold yellow", "restarting": "yellow", "lost": "yellow", "failed": "bold red",
     "launching": "cyan", "done": "blue", "stopped": "dim", "unsupervised": "bold white on red",
-    "unreachable": "bold red", "stale": "yellow",
+    "unreachable": "bold red", "stale": "yellow", "store busy": "bold yellow",
 }
 SEVERITY_STYLE = {"info": "", "warning": "yellow", "error": "red", "critical": "bold red"}
 PHASE_STYLE = {"compiling": "magenta", "starting": "cyan", "checkpointing": "blue", "training": "green",
@@ -87,6 +89,20 @@ def spark(values: Sequence[float | None], width: int = 12, low: float | None = 0
     if high - low <= 1e-12 * max(abs(high), 1.0):
         return _BARS[len(_BARS) // 2] * len(values)
     return "".join(_BARS[round((v - low) / (high - low) * (len(_BARS) - 1))] for v in values)
+
+
+def resample(values: Sequence[float | None], width: int) -> list[float | None]:
+    """``values`` (oldest first) in at most ``width`` buckets spanning all of them, each
+    the mean of its values (None where it has none): a chart of the whole series,
+    its first bucket the first value, never only the newest ``width`` values."""
+    n = len(values)
+    if n <= width:
+        return list(values)
+    out: list[float | None] = []
+    for i in range(width):
+        part = [v for v in values[i * n // width:(i + 1) * n // width] if v is not None and math.isfinite(v)]
+        out.append(statistics.fmean(part) if part else None)
+    return out
 
 
 def bar(fraction: float | None, width: int) -> str:
@@ -518,6 +534,14 @@ class RunView:
     gpus: list[int] = field(default_factory=list)
     roles: dict[int, str] = field(default_factory=dict)
     hosts: list[RunHostView] = field(default_factory=list)  # a multi-host run's, by rank ([]: one host)
+    probe: DirectProbe | None = None  # what the console saw itself of it, while nobody supervises it
+
+    @property
+    def probed(self) -> DirectProbe | None:
+        """The console's own probe, where it says more than the store: an active run
+        nobody supervises, probed without an error."""
+        p = self.probe
+        return p if p is not None and not p.error and self.active and not self.freshness.supervised else None
 
     @property
     def active(self) -> bool:
@@ -533,6 +557,8 @@ class RunView:
             return self.state
         if not f.supervised:
             return "unsupervised"
+        if f.store_busy:
+            return "store busy"
         if f.host_down_since is not None:
             return "unreachable"
         if not f.live and f.host_last_answer is not None:
@@ -590,7 +616,10 @@ class RunView:
             return self.id
         if key == "state":
             return self.display_state
+        probed = self.probed
         if key == "phase":
+            if probed is not None and (probed.phase or probed.exit_code is not None):
+                return f"{probed.phase or f'exit {probed.exit_code}'} (probed)"
             return self.phase.text(compact=True) if self.active else "-"
         if key == "progress":
             return self.progress_text()
@@ -601,6 +630,8 @@ class RunView:
         if key == "baseline":
             return NA if self.baseline_pct is None else f"{self.baseline_pct:.0f}%"
         if key == "step":
+            if probed is not None and probed.step is not None:
+                return f"{probed.step:,} (probed)"
             return self.step_text()
         if key == "host":
             return self.host
@@ -626,6 +657,8 @@ class RunView:
         """Style of one cell ('' for none)."""
         if key == "state":
             return STATE_STYLE.get(self.display_state, "")
+        if key in ("phase", "step") and self.probed is not None:
+            return "cyan"
         if key == "phase" and self.active:
             return "bold red" if self.phase.over_budget else PHASE_STYLE.get(self.phase.name or "", "")
         if key in ("eta", "tok_s", "age", "progress", "step") and self.active and not self.freshness.live:
@@ -732,14 +765,24 @@ def sort_runs(runs: list[RunView], key: str) -> list[RunView]:
                                        -r.created))
 
 
-def filter_runs(runs: list[RunView], text: str) -> list[RunView]:
-    """Runs whose id, playbook, host, state or phase contains every word of ``text``."""
+def matching(items: Sequence[Any], text: str, words_of: Callable[[Any], str]) -> list[Any]:
+    """The items whose ``words_of(item)`` contains every word of ``text`` (any case);
+    all of them for an empty ``text``. The one filter of the console (runs, events,
+    log lines)."""
     words = text.lower().split()
     if not words:
-        return runs
-    return [r for r in runs
-            if all(w in " ".join([r.id, r.playbook, r.host, r.display_state, r.phase.name or ""]).lower()
-                   for w in words)]
+        return list(items)
+    return [item for item in items if all(w in words_of(item).lower() for w in words)]
+
+
+def filter_runs(runs: list[RunView], text: str) -> list[RunView]:
+    """Runs whose id, playbook, host, state or phase contains every word of ``text``."""
+    return matching(runs, text, lambda r: " ".join([r.id, r.playbook, r.host, r.display_state, r.phase.name or ""]))
+
+
+def filter_events(events: Sequence[EventView], text: str) -> list[EventView]:
+    """Events whose time, severity, class or message contains every word of ``text``."""
+    return matching(events, text, lambda e: " ".join(e.cells()))
 
 
 @dataclass
@@ -752,6 +795,8 @@ class StatusView:
     hosts: list[HostView]
     notices: list[Notice] = field(default_factory=list)
     supervisors: int = 0  # supervisors ticking now
+    blocked: int = 0  # supervisors alive but unable to write: the store's write lock is held by another
+    busy_s: float = 0.0  # the longest of those silences
 
     @property
     def selected_run(self) -> RunView | None:
@@ -765,9 +810,10 @@ class StatusView:
         if not self.runs:
             return "no runs yet: dflashctl launch demo"
         active = sum(r.active for r in self.runs)
+        busy = f", {self.blocked} alive, store busy {short_duration(self.busy_s)}" if self.blocked else ""
         if short:
-            return f"{len(self.runs)} runs, {active} active, {self.supervisors} sup · {fmt_clock(self.now)}"
-        return (f"{len(self.runs)} run(s), {active} active · {self.supervisors} supervisor(s) ticking"
+            return f"{len(self.runs)} runs, {active} active, {self.supervisors} sup{busy} · {fmt_clock(self.now)}"
+        return (f"{len(self.runs)} run(s), {active} active · {self.supervisors} supervisor(s) ticking{busy}"
                 f" · read {fmt_clock(self.now)}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -879,14 +925,46 @@ def _process_gone(pid: Any) -> bool:
         return False
 
 
-def heartbeats_now(store: Store) -> list[dict]:
+def store_write_busy(path: str) -> bool:
+    """Whether another connection holds the store's write lock now (tried without
+    waiting, nothing written; a file that is not there is not busy, and is not made)."""
+    try:
+        conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=rw", uri=True, timeout=0)
+    except sqlite3.Error:
+        return False
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.rollback()
+        return False
+    except sqlite3.OperationalError as e:
+        return "locked" in str(e) or "busy" in str(e)
+    finally:
+        conn.close()
+
+
+def heartbeats_now(store: Store, now: float | None = None) -> list[dict]:
     """The supervisors' heartbeats; one of a supervisor of this machine whose process
     has ended (killed: it could not say so) reads as stopped at its last tick, so its
-    runs show as unsupervised at once, not only after its heartbeat grows old."""
+    runs show as unsupervised at once, not only after its heartbeat grows old. One
+    whose process is alive is marked ``alive``; if it is late (``now`` given), and
+    the store's write lock is held by another, ``store_busy`` too: it is blocked, not
+    gone."""
     here = socket.gethostname()
-    beats = store.supervisors()
-    return [{**b, "stopped": b.get("last_tick")} if not b.get("stopped") and b.get("host") == here
-            and _process_gone(b.get("pid")) else b for b in beats]
+    out = []
+    busy: bool | None = None
+    for b in store.supervisors():
+        if b.get("stopped") or b.get("host") != here:
+            out.append(b)
+        elif _process_gone(b.get("pid")):
+            out.append({**b, "stopped": b.get("last_tick")})
+        else:
+            b = {**b, "alive": True}
+            late = now is not None and now - (b.get("last_tick") or 0) > 3 * max(1.0, b.get("interval") or 1)
+            if late:
+                busy = store_write_busy(store.path) if busy is None else busy
+                b["store_busy"] = busy
+            out.append(b)
+    return out
 
 
 def select_runs(store: Store, run: str | None = None, recent: int = RECENT_RUNS) -> list[Run]:
@@ -1042,7 +1120,7 @@ class StatusReader:
         """Everything the status screen shows, read from the store at ``now``."""
         store = self.store
         rows = select_runs(store, run)
-        heartbeats = heartbeats_now(store)
+        heartbeats = heartbeats_now(store, now)
         runs = sort_runs([self.run_view(r, heartbeats, now, history) for r in rows], "default")
         if selected not in {r.id for r in runs}:
             selected = runs[0].id if runs else None
@@ -1051,14 +1129,16 @@ class StatusReader:
         recent = [EventView.from_event(e) for e in store.events(selected, limit=events)] if selected else []
         ticking = sum(1 for b in heartbeats if not b.get("stopped")
                       and now - (b.get("last_tick") or 0) <= 3 * max(1.0, b.get("interval") or 1))
-        return StatusView(now, store.path, runs, selected, recent, hosts, notices_of(runs, now), ticking)
+        blocked = [now - (b.get("last_tick") or now) for b in heartbeats if b.get("store_busy")]
+        return StatusView(now, store.path, runs, selected, recent, hosts, notices_of(runs, now), ticking,
+                          len(blocked), max(blocked, default=0.0))
 
     def detail(self, run_ref: str, now: float) -> DetailView:
         """One run in full: every event (the newest ``DETAIL_EVENTS``), its whole history
         as a chart series, its thresholds, the environment audit, its restarts."""
         store = self.store
         run = store.get_run(run_ref)
-        view = self.run_view(run, heartbeats_now(store), now)
+        view = self.run_view(run, heartbeats_now(store, now), now)
         events = [EventView.from_event(e) for e in store.events(run.id, limit=DETAIL_EVENTS)]
         snapshot = store.env_snapshot_at(run.host, run.created + 60.0)
         env = EnvSummary(findings=[e for e in events if e.kind in ("drift", "conflict", "preflight", "env-audit")])

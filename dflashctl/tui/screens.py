@@ -21,9 +21,9 @@ from textual.worker import get_current_worker
 
 from dflashctl.contract import TAU_GAP_MARGIN
 from dflashctl.errors import DflashError, first_line
-from dflashctl.tui.model import STATE_STYLE, DetailView
+from dflashctl.tui.model import STATE_STYLE, DetailView, filter_events, matching
 from dflashctl.tui.text import detail_text
-from dflashctl.tui.widgets import EventsTable, Pane
+from dflashctl.tui.widgets import EventsTable, FilterBox, Pane
 
 KEYS = [
     ("↑ ↓  PgUp PgDn", "move between runs; the panels below follow the cursor"),
@@ -31,13 +31,16 @@ KEYS = [
     ("Enter", "the run's detail: overview, history charts, thresholds, environment"),
     ("e", "the run's events, each with its class"),
     ("l", "the run's trainer log, followed as it grows"),
-    ("x", "stop the run (asks first): the trainer checkpoints and exits"),
-    ("r", "restart the run from its last checkpoint (asks first)"),
-    ("/", "filter runs by id, playbook, host, state or phase (Enter keeps it, Esc clears)"),
+    ("x", "stop the run under the cursor (asks first, saying what happens): the trainer checkpoints and exits"),
+    ("r", "restart the run under the cursor from its last checkpoint (asks first; a running trainer is stopped "
+          "first); y in the question says yes, anything else no"),
+    ("/", "filter what is shown: runs by id, playbook, host, state or phase; in a run's detail its events or log "
+          "lines (typed keys go to the filter box; Enter keeps it, Esc clears)"),
     ("s", "sort: needs attention first, state, host, progress, tok/s, ETA, newest"),
     ("F5 / Ctrl+R", "read the store now"),
     ("Esc", "back: close a panel, clear the filter, leave a detail view"),
     ("? ", "this panel"),
+    ("--readonly", "status --readonly (or DFLASHCTL_READONLY=1): no stop / restart keys at all"),
     ("q / Ctrl+C", "quit"),
 ]
 
@@ -86,14 +89,16 @@ class HelpScreen(ModalScreen):
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    """A yes/no question; y or Enter says yes, n or Esc no."""
+    """A yes/no question: only ``y`` says yes; n, Esc or Enter no (Enter submits a
+    filter or opens a run elsewhere: a stray one must never stop a trainer), and
+    every other key is swallowed here."""
 
     DEFAULT_CSS = """
     ConfirmScreen { align: center middle; }
     ConfirmScreen > Vertical { width: 70; max-width: 95%; height: auto; border: thick $warning;
                                background: $surface; padding: 1 2; }
     """
-    BINDINGS = [Binding("y,enter", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n,escape,enter", "answer(False)", "No")]
 
     def __init__(self, question: str, detail: str = "") -> None:
         super().__init__()
@@ -104,21 +109,25 @@ class ConfirmScreen(ModalScreen[bool]):
             yield Static(Text(self.question, style="bold"), id="question")
             if self.detail:
                 yield Static(Text(self.detail, style="dim"))
-            yield Static(Text.assemble(("y", "bold green"), " yes   ", ("n", "bold red"), " / Esc no"))
+            yield Static(Text.assemble(("y", "bold green"), " yes   ", ("n", "bold red"), " / Esc / Enter no"))
 
     def action_answer(self, yes: bool) -> None:
         self.dismiss(yes)
 
 
 class DetailScreen(Screen):
-    """One run in full; its tabs: overview, events, log."""
+    """One run in full; its tabs: overview, events, log. ``/`` filters the events or
+    the log lines (from the overview: the events); while the filter box has the
+    focus every printable key is text in it, never a command."""
 
     DEFAULT_CSS = """
     #detail-title { height: 1; background: $boost; padding: 0 1; }
     #overview-box, #log-text { height: 1fr; }
     """
+    LOG_KEEP = 20000  # log lines kept for the filter (the RichLog shows at most its max_lines)
     BINDINGS = [
         Binding("escape", "back", "Back"),
+        Binding("slash", "filter", "Filter", key_display="/", priority=True),  # as in the app: see there
         Binding("o", "tab('overview')", "Overview"),
         Binding("e", "tab('events')", "Events"),
         Binding("l", "tab('log')", "Log"),
@@ -134,9 +143,13 @@ class DetailScreen(Screen):
         self.loads = 0
         self.log_lines = 0
         self.following = False
+        self.log_kept: list[str] = []  # the lines read, for the filter
+        self.filter_text = ""
 
     def compose(self) -> ComposeResult:
         yield Static(Text(f"run {self.run_id}"), id="detail-title")
+        yield FilterBox(placeholder="filter the events or log lines: words they contain (Enter keeps, Esc clears)",
+                        id="detail-filter")
         with TabbedContent(initial=self.tab, id="tabs"):
             with TabPane("overview", id="overview"):
                 with VerticalScroll(id="overview-box"):
@@ -148,13 +161,65 @@ class DetailScreen(Screen):
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
+        self._focus_tab()
         self.reload()
         self.set_interval(self.app.interval, self.reload)
         if self.tab == "log":
             self.follow_log()
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "filter" and isinstance(self.focused, FilterBox):
+            return False  # a '/' typed in the box is text
+        return True
+
     def action_back(self) -> None:
+        box = self.query_one(FilterBox)
+        if box.shown or self.filter_text:  # Esc clears the filter first
+            box.close()
+            self._set_filter("")
+            self._focus_tab()
+            return
         self.app.pop_screen()
+
+    def action_filter(self) -> None:
+        tabs = self.query_one(TabbedContent)
+        if tabs.active == "overview":
+            tabs.active = "events"
+        self.query_one(FilterBox).open()
+
+    def _focus_tab(self) -> None:
+        active = self.query_one(TabbedContent).active
+        if active == "events":
+            self.query_one(EventsTable).focus()
+        elif active == "log":
+            self.query_one("#log-text", RichLog).focus()
+
+    def on_input_changed(self, message: FilterBox.Changed) -> None:
+        if message.input.id == "detail-filter":
+            message.stop()
+            self._set_filter(message.value.strip())
+
+    def on_input_submitted(self, message: FilterBox.Submitted) -> None:
+        if message.input.id == "detail-filter":
+            message.stop()
+            self.query_one(FilterBox).close(clear=not self.filter_text)  # the filter stays in force
+            self._focus_tab()
+
+    def on_key(self, event) -> None:
+        if event.key == "escape" and self.focused is self.query_one(FilterBox):
+            event.stop()
+            self.action_back()
+
+    def _set_filter(self, text: str) -> None:
+        if text == self.filter_text:
+            return
+        self.filter_text = text
+        if self.view is not None:
+            self.query_one(EventsTable).show(filter_events(self.view.events, text))
+        log = self.query_one("#log-text", RichLog)
+        log.clear()
+        for line in matching(self.log_kept, text, str):
+            log.write(Text(line))
 
     def action_tab(self, tab: str) -> None:
         self.query_one(TabbedContent).active = tab
@@ -188,10 +253,10 @@ class DetailScreen(Screen):
         run = view.run
         title = Text.assemble(("run ", "dim"), (run.id, "bold"), f" · {run.playbook} on {run.host} · ",
                               (run.display_state, STATE_STYLE.get(run.display_state, "")),
-                              ("   o overview · e events · l log · Esc back", "dim"))
+                              ("   o overview · e events · l log · / filter · Esc back", "dim"))
         self.query_one("#detail-title", Static).update(title)
         self.query_one("#overview-text", Pane).redraw(lambda width, height: detail_text(view, width, now))
-        self.query_one(EventsTable).show(view.events)
+        self.query_one(EventsTable).show(filter_events(view.events, self.filter_text))
         self.loads += 1
 
     @work(thread=True, exclusive=True, group="log")
@@ -204,7 +269,8 @@ class DetailScreen(Screen):
         app, worker = self.app, get_current_worker()
         log = self.query_one("#log-text", RichLog)
         try:
-            for chunk in logs(self.run_id, app.reader.store, app.inventory(), follow=True, n=200):
+            for chunk in logs(self.run_id, app.reader.store, app.inventory(), follow=True, n=200,
+                              stop=lambda: worker.is_cancelled):
                 if worker.is_cancelled:
                     return
                 app.call_from_thread(self._append, printable(chunk))
@@ -220,5 +286,9 @@ class DetailScreen(Screen):
     def _append(self, text: str) -> None:
         log = self.query_one("#log-text", RichLog)
         for line in text.rstrip("\n").split("\n"):
+            self.log_kept.append(line)
+            if not matching([line], self.filter_text, str):
+                continue
             log.write(Text(line))
             self.log_lines += 1
+        del self.log_kept[:-self.LOG_KEEP]

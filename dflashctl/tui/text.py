@@ -15,7 +15,7 @@ from dflashctl.terminal import printable
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.tui.model import (
     NA, PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, DirectProbe, EventView, HostView,
-    Notice, RunHostView, RunView, bar, fit, fit_middle, spark,
+    Notice, RunHostView, RunView, bar, fit, fit_middle, resample, spark,
 )
 
 def notice_text(notices: list[Notice], width: int, lines: int = 2) -> Text:
@@ -189,9 +189,28 @@ def _chart(title: str, values: list[float | None], width: int, style: str, fmt) 
     if not vals:
         return out.append(f"  {NA}")
     out.append(f"  now {fmt(vals[-1])}, min {fmt(min(vals))}, max {fmt(max(vals))}\n")
-    line = spark(values, width)
-    out.append(line, style=style)
+    # The whole run, start to now: every bucket of the series in ``width`` cells.
+    out.append(_spark_cells(resample(values, width)), style=style)
     return out
+
+
+def _spark_cells(values: list[float | None]) -> str:
+    """One cell per value (a gap stays a cell), scaled as ``spark`` scales."""
+    known = [v for v in values if v is not None]
+    cells = iter(spark(known, len(known)))
+    return "".join(next(cells) if v is not None else " " for v in values)
+
+
+def time_axis(t0: float, t1: float, width: int) -> str:
+    """A line of ``width`` cells under a chart from ``t0`` to ``t1``: the clock at its
+    start, middle and end."""
+    if width < 20 or t1 <= t0:
+        return fmt_clock(t0)
+    left, mid, right = fmt_clock(t0), fmt_clock((t0 + t1) / 2), fmt_clock(t1)
+    line = [" "] * width
+    for at, text in ((0, left), ((width - len(mid)) // 2, mid), (width - len(right), right)):
+        line[at:at + len(text)] = text
+    return "".join(line)[:width]
 
 
 def detail_text(d: DetailView, width: int, now: float) -> Text:
@@ -217,6 +236,8 @@ def detail_text(d: DetailView, width: int, now: float) -> Text:
     out.append_text(_chart("loss", [p["loss"] for p in d.series], cw, "yellow", lambda v: f"{v:.3f}"))
     out.append("\n")
     out.append_text(_chart("accept_len (τ est - 1)", [p["accept_len"] for p in d.series], cw, "cyan", lambda v: f"{v:.2f}"))
+    if d.series:
+        out.append("\n" + time_axis(d.series[0]["time"], d.series[-1]["time"], min(cw, len(d.series))), style="dim")
     out.append("\n\nthresholds (the playbook's)\n", style="bold underline")
     for name, value in d.thresholds.lines():
         out.append(f"  {name:<15}", style="bold")

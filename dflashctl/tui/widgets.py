@@ -7,13 +7,46 @@ from __future__ import annotations
 from rich.text import Text
 from textual.binding import Binding
 from textual.message import Message
-from textual.widgets import DataTable, Static
+from textual.widgets import DataTable, Input, Static
 
 from dflashctl.tui.model import (
     COMPACT_RUN_WIDTH, SEVERITY_STYLE, Column, EventView, RunView, fit, fit_middle, select_columns,
 )
 
 # --------------------------------------------------------------------------- widgets
+
+
+class FilterBox(Input):
+    """The ``/`` filter of a screen: hidden and disabled until opened, so it never
+    takes the focus (nor a key) unseen; open, it has the focus and every printable
+    key is text in it, never a command."""
+
+    DEFAULT_CSS = """
+    FilterBox { display: none; padding: 0 1; }
+    FilterBox.-shown { display: block; }
+    """
+
+    def __init__(self, **kw) -> None:
+        super().__init__(disabled=True, compact=True, **kw)
+
+    @property
+    def shown(self) -> bool:
+        return self.has_class("-shown")
+
+    def open(self) -> None:
+        self.disabled = False
+        self.add_class("-shown")
+        # At once, not after a refresh (``focus()`` is deferred): keys typed right after
+        # `/` (a paste, a fast typist, send-keys) are already queued behind it, and each
+        # must reach the box, not the view's keys.
+        self.screen.set_focus(self)
+
+    def close(self, clear: bool = True) -> None:
+        """Hide it (its text kept unless ``clear``); the caller moves the focus."""
+        if clear:
+            self.value = ""
+        self.remove_class("-shown")
+        self.disabled = True
 
 
 def _current_key(table: DataTable) -> str | None:
