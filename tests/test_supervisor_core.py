@@ -591,3 +591,82 @@ def test_no_standby_while_starting_or_when_the_playbook_says_so():
     assert seen[0][2] == []
     _, seen = run_table([(T0, healthy(T0, 1))], make_state(), make_policy(standby=False))
     assert seen[0][2] == []
+
+
+# --------------------------------------------------------------------------- blame and hung peers, several hosts
+
+
+def _failed_naming(t: float, culprit: int, claimed_host: str, **kw) -> ProbeResult:
+    """A rank's answer after its trainer failed naming ``culprit`` (trainer/train.py report_failure)."""
+    pr = probe(t, "failed", session=False, alive=False, exit_code=1, error="DistributedError: watchdog on rank N "
+               f"after step N: rank {culprit} on {claimed_host} failed first (its heartbeat stopped)", **kw)
+    return replace(pr, status=replace(pr.status, detail={"rank": 1 - culprit, "world_size": 2,
+                                                         "failed_rank": culprit, "failed_host": claimed_host}))
+
+
+def _crash_events(rows, state):
+    events = []
+    for t, obs in rows:
+        state, writes, actions = core.step(state, obs, t, make_policy())
+        events += [w for w in writes if isinstance(w, core.Event) and w.kind == "crash"]
+    return state, events
+
+
+def test_a_killed_rank_0_is_blamed_on_rank_0s_host_by_rank_1s_own_record():
+    """kill -9 of rank 0: both processes are seen gone in one poll; rank 1's status
+    names rank 0 (the host it claims is not believed: the controller's is named)."""
+    killed = core.Probed(probe(T0 + 2, step=10, session=False, alive=False, exit_code=137))
+    rank1 = _failed_naming(T0 + 2, 0, "somewhere-else", step=10)
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10)),
+            (T0 + 2, replace(killed, members=(core.Member(1, "gpu2", rank1),)))]
+    _, [crash] = _crash_events(rows, two_host_state())
+    assert crash.detail["host"] == "gpu1" and crash.detail["rank"] == 0, crash
+    assert "[host gpu1, rank 0: failed first by the record of rank 1]" in crash.message
+
+
+def test_with_no_record_the_rank_this_controller_saw_end_first_is_blamed_rank_0_included():
+    """No status names anyone (both killed): the controller's own receive times say
+    who ended first; rank 0's process went first here, its exit code came later."""
+    settling = core.Probed(probe(T0 + 1, step=10, alive=False))  # gone, run.sh not done yet
+    gone = dict(step=10, session=False, alive=False, exit_code=137)
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10)),
+            (T0 + 1, with_member(settling, T0 + 1, step=10)),
+            (T0 + 2, with_member(settling, T0 + 2, **gone)),
+            (T0 + 5, with_member(core.Probed(probe(T0 + 5, **gone)), T0 + 5, **gone))]
+    _, [crash] = _crash_events(rows, two_host_state())
+    assert crash.detail["host"] == "gpu1" and crash.detail["rank"] == 0, crash
+    assert "[host gpu1, rank 0: its process ended first]" in crash.message
+
+
+def _hung_state(timeout: float = 20.0) -> core.RunState:
+    s = two_host_state()
+    return replace(s, run=replace(s.run, config={"trainer": {"distributed": {"timeout": timeout}}}))
+
+
+def test_a_stopped_rank_0_named_by_the_rank_that_ended_is_ended_and_the_run_restarted():
+    stopped = core.Probed(probe(T0, step=10, state="T"))
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10))]
+    rows += [(T0 + t, with_member(replace(stopped, result=replace(stopped.result, host_time=T0 + t)), T0 + t, step=10))
+             for t in (5, 10, 15)]
+    failed = replace(stopped, members=(core.Member(1, "gpu2", _failed_naming(T0 + 24, 0, "gpu1", step=10)),))
+    rows.append((T0 + 24, failed))
+    state, seen = run_table(rows, _hung_state())
+    assert all("IssueRestart" not in acts for _, _, acts in seen[:-1])  # one signal (state T) alone: left alone
+    assert seen[-1][0][-1] == "restarting" and "IssueRestart" in seen[-1][2], seen[-1]
+    _, [crash] = _crash_events(rows, _hung_state())
+    assert crash.detail["host"] == "gpu1" and crash.detail["rank"] == 0 and crash.detail["hung_rank"] == 0
+    assert crash.detail["signature"] == "rank_failed" and crash.detail["process_state"] == "T"
+    assert "rank 0 on gpu1 stopped answering" in crash.message
+
+
+def test_a_rank_named_hung_that_still_makes_steps_or_not_for_long_enough_is_not_ended():
+    """Two signals or nothing: a record naming rank 0 while this controller sees
+    rank 0 step on (or quiet for less than distributed.timeout) changes nothing."""
+    failed = lambda t: core.Member(1, "gpu2", _failed_naming(t, 0, "gpu1", step=10))  # noqa: E731
+    moving = [(T0 + t, replace(healthy(T0 + t, 10 + t), members=(failed(T0 + t),))) for t in range(0, 40, 5)]
+    _, seen = run_table(moving, _hung_state())
+    assert not any("IssueRestart" in acts for _, _, acts in seen)
+    early = [(T0, with_member(healthy(T0, 10), T0, step=10)),
+             (T0 + 10, replace(core.Probed(probe(T0 + 10, step=10, state="T")), members=(failed(T0 + 10),)))]
+    _, seen = run_table(early, _hung_state())
+    assert not any("IssueRestart" in acts for _, _, acts in seen)
