@@ -1,23 +1,39 @@
-"""An operator's stop and relaunch of a two-host run, as the real CLI, over the sshd
-harness (rank 0 on ``target2``, rank 1 on ``target`` inside the ``pct exec``
-wrapper), with no supervisor: what is already gone on a host (its tmux session, its
-whole tmux server) counts as stopped there, `stop` exits 0 once nothing of the run
-runs on any host, the store says ``stopped`` without a supervisor to record it, a
-second `stop` is a no-op, and the playbook launches again at once."""
+"""A two-host run's operations over the sshd harness (rank 0 on ``target2``, rank 1 on
+``target`` inside the ``pct exec`` wrapper), with real tmux, trainers and store.
+
+An operator's stop and relaunch, as the real CLI, with no supervisor: what is
+already gone on a host (its tmux session, its whole tmux server) counts as stopped
+there, `stop` exits 0 once nothing of the run runs on any host, the store says so
+without a supervisor to record it, a second `stop` is a no-op, and the playbook
+launches again at once. A hung rank 0 (SIGSTOP): rank 1 ends by its watchdog,
+naming it, and the supervisor ends the stopped process and restarts the run."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
+import time
+from pathlib import Path
+
+import yaml
+
 from dflashctl.bundle import build_bundle
+from dflashctl.config import load_playbook
 from dflashctl.launch import launch_run
+from dflashctl.supervisor import Supervisor
 from dflashctl.tmux import SOCKET_ENV, Tmux
-from tests.test_multihost import _status, pair  # noqa: F401  (the two-host fixture)
-from tests.test_supervisor import SOCKET, wait_for
+from tests.test_multihost import INTERVAL, _checkpoints, _status, pair  # noqa: F401  (the two-host fixture)
+from tests.test_supervisor import SOCKET, Background, kinds, wait_for
+from trainer.distributed import HUNG_MARGIN_S
+
+# The supervisor's part after the surviving rank ended: a poll or two to see it, the
+# restart's kill of the hung process through the wrapper, and slack for a loaded machine.
+SUPERVISOR_MARGIN_S = 20.0
 
 pytestmark = pytest.mark.slow
 
@@ -102,3 +118,43 @@ def test_a_rank_that_ends_between_the_stops_look_and_its_signal_is_stopped_there
     assert stopped.state in ("stopped", "failed"), said
     assert any("on target had already ended" in m for m in said), said
     assert not any(_alive(p) for p in pids)
+
+
+def test_a_stopped_rank_0_ends_every_process_in_bounded_time_and_the_run_restarts(ssh_env, pair):  # noqa: F811
+    store, playbook, playbooks_dir = pair
+    raw = yaml.safe_load(Path(playbook.source).read_text())
+    raw["trainer"]["train"]["steps"] = 100_000  # long enough to still be training when it is stopped
+    long_path = Path(playbooks_dir, "pair-long.yaml")
+    long_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    playbook = load_playbook(str(long_path), inventory=ssh_env.inventory)
+    timeout = float(raw["trainer"]["distributed"]["timeout"])
+    result = launch_run(playbook, ssh_env.inventory, store, bundle=build_bundle())
+    run = store.get_run(result.run_id)
+    dirs = [h["run_dir"] for h in run.hosts]
+    sup = Supervisor(store, ssh_env.inventory, interval=INTERVAL, playbooks_dir=playbooks_dir)
+    sup.attach(run.id)
+    background = Background(sup)
+    try:
+        wait_for(lambda: _checkpoints(dirs[0]) and (_status(dirs[1], 1) or {}).get("step", 0) >= 7, 180,
+                 "a checkpoint and rank 1 past it")
+        pids = [_status(d, r)["pid"] for r, d in enumerate(dirs)]
+        os.kill(pids[0], signal.SIGSTOP)  # rank 0 hangs: it holds the rendezvous store too
+        stopped_at = time.monotonic()
+        wait_for(lambda: not _alive(pids[1]), timeout + HUNG_MARGIN_S + 5, "rank 1 to end by its watchdog")
+        rank1_s = time.monotonic() - stopped_at
+        wait_for(lambda: not _alive(pids[0]), timeout + HUNG_MARGIN_S + SUPERVISOR_MARGIN_S, "the hung rank 0 ended")
+        rank0_s = time.monotonic() - stopped_at
+        print(f"SIGSTOP of rank 0: rank 1 ended after {rank1_s:.1f} s, rank 0 after {rank0_s:.1f} s "
+              f"(distributed.timeout {timeout:g} s)")
+        assert rank1_s <= timeout + HUNG_MARGIN_S and rank0_s <= timeout + HUNG_MARGIN_S + SUPERVISOR_MARGIN_S
+        record = _status(dirs[1], 1)
+        assert record["phase"] == "failed" and record["detail"]["failed_rank"] == 0, record
+        crash = wait_for(lambda: kinds(store, run.id, "crash"), 10, "the hung rank's crash event")[0]
+        assert crash.detail["host"] == "target2" and crash.detail["rank"] == 0, crash
+        assert crash.detail["signature"] == "rank_failed" and "rank 0 on target2 stopped answering" in crash.message
+        wait_for(lambda: store.restarts(run.id) and store.restarts(run.id)[0].time_to_first_step_s is not None, 180,
+                 "the restarted run's first step")
+        assert all(_alive((_status(d, r) or {}).get("pid")) and (_status(d, r) or {}).get("pid") != pids[r]
+                   for r, d in enumerate(dirs))  # a new process on each host
+    finally:
+        background.close()
