@@ -177,6 +177,7 @@ class RunState:
     standby_for: int | None = None  # pid of the process whose successor's standby was started
     rank_gone_at: dict = field(default_factory=dict)  # a multi-host run: rank -> local time its end was first seen
     rank_steps: dict = field(default_factory=dict)  # a multi-host run: rank -> (step, local time first seen at it)
+    members_down: dict = field(default_factory=dict)  # a multi-host run: rank -> (down since, polls, severity written)
 
     @property
     def id(self) -> str:
@@ -222,6 +223,7 @@ class Unreachable:
     polls: int  # failed polls in a row
     since: float
     worse: bool  # a new or worse severity for the host: written and alerted
+    members: tuple["Member", ...] = ()  # a multi-host run: its other ranks, whose hosts may have answered
 
 
 @dataclass(frozen=True)
@@ -376,7 +378,7 @@ def step(state: RunState, obs: Observation, now: float, pol: Policy) -> tuple[Ru
             _host_back(s, obs, now, pol, out)
         _observe(s, obs, now, pol, out)
     elif isinstance(obs, Unreachable):
-        _unreachable(s, obs, pol, out)
+        _unreachable(s, obs, now, pol, out)
     elif isinstance(obs, JobDone):
         s.job = None
         if obs.kind == RESTART:
@@ -413,7 +415,7 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
     if s.run.hosts:
         _note_ends(s, pr, obs.members, local)
         _note_steps(s, pr, obs.members, local)
-        _members(s, obs, out)
+        _members(s, obs, local, pol, out)
     started = status is not None and pr.exit_code is None and status.phase not in contract.FINAL_PHASES
     if started and pol.act and s.run.state == LAUNCHING:
         _transition(s, out, RUNNING, f"trainer started (pid {status.pid}, phase {status.phase})")
@@ -471,17 +473,46 @@ def _host_row(rank: int, host: str, pr: ProbeResult | None, error: str | None = 
     if pr is None:
         return {"rank": rank, "host": host, "answered": False, "error": (error or "")[:ROW_ERROR_CHARS] or None}
     st = pr.status
-    return {"rank": rank, "host": host, "phase": st.phase if st else None, "step": st.step if st else None,
+    phase = st.phase if st else None
+    letter = pr.process.state if pr.process is not None and pr.process.alive else None
+    if letter in _STOPPED_STATES and letter != "Z":  # status.json still says what it did before it stopped
+        phase = f"{phase or 'process'}, {_STOPPED_STATES[letter].replace('its process ', 'process ')} (state {letter})"
+    return {"rank": rank, "host": host, "phase": phase, "step": st.step if st else None,
             "pid": st.pid if st else None, "alive": None if pr.process is None else pr.process.alive,
             "exit_code": pr.exit_code, "error": "; ".join(pr.errors[:2])[:ROW_ERROR_CHARS] or None}
 
 
-def _members(s: RunState, obs: Probed, out: _Out) -> None:
+def _member_hosts(s: RunState, members: tuple[Member, ...], local: float, pol: Policy, out: _Out) -> None:
+    """Another rank's host that does not answer is an ``unreachable`` event and alert,
+    as rank 0's host is (when new or worse: a warning, an error once it lasts
+    ``escalate_after``), and its return an event; nothing else changes (its process
+    may still be running there; rank 0 says when it is gone)."""
+    for m in members:
+        down = s.members_down.get(m.rank)
+        if m.result is None:
+            since, polls, written = down if down is not None else (local, 0, None)
+            f = detectors.detect_unreachable(m.host, since, polls + 1, local, error=m.error,
+                                             escalate_after=pol.escalate_after)
+            worse = written is None or _rank(f.severity) > _rank(written)
+            s.members_down = {**s.members_down, m.rank: (since, polls + 1, f.severity if worse else written)}
+            if worse:
+                message = f"{f.message} (rank {m.rank} of this run; its process may still be running there)"
+                out.event(detectors.UNREACHABLE, f.severity, message, {**f.detail, "rank": m.rank})
+                out.alert(detectors.UNREACHABLE, f.severity, message, {**f.detail, "rank": m.rank})
+        elif down is not None:
+            s.members_down = {r: v for r, v in s.members_down.items() if r != m.rank}
+            message = f"host {m.host} (rank {m.rank}) reachable again after {fmt_duration(local - down[0])} " \
+                      f"({down[1]} failed poll(s))"
+            out.event(detectors.UNREACHABLE, "info", message, {"host": m.host, "rank": m.rank, "down_s": local - down[0]})
+
+
+def _members(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> None:
     """Each host's row, and the end of a process on another host, written once. Its
     end alone changes nothing: rank 0 fails within distributed.timeout when a peer is
     gone (and names it), or stops making steps; that confirms it."""
     out.writes.append(HostRows((_host_row(0, s.run.host, obs.result),
                                 *(_host_row(m.rank, m.host, m.result, m.error) for m in obs.members))))
+    _member_hosts(s, obs.members, local, pol, out)
     for m in obs.members:
         if m.result is None or not _gone(m.result) or s.run.state not in (RUNNING, STALLED):
             continue
@@ -1002,8 +1033,12 @@ def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -
 # --------------------------------------------------------------------------- hosts
 
 
-def _unreachable(s: RunState, obs: Unreachable, pol: Policy, out: _Out) -> None:
+def _unreachable(s: RunState, obs: Unreachable, local: float, pol: Policy, out: _Out) -> None:
     f = obs.finding
+    if s.run.hosts and obs.members:  # the ranks whose hosts answered are shown as seen, rank 0's row ages
+        out.writes.append(HostRows((_host_row(0, s.run.host, None, f.detail.get("error") or "not answering"),
+                                    *(_host_row(m.rank, m.host, m.result, m.error) for m in obs.members))))
+        _member_hosts(s, obs.members, local, pol, out)
     if obs.worse:
         out.event(detectors.UNREACHABLE, f.severity, f.message, f.detail)
         out.alert(detectors.UNREACHABLE, f.severity, f.message, f.detail)

@@ -670,3 +670,43 @@ def test_a_rank_named_hung_that_still_makes_steps_or_not_for_long_enough_is_not_
              (T0 + 10, replace(core.Probed(probe(T0 + 10, step=10, state="T")), members=(failed(T0 + 10),)))]
     _, seen = run_table(early, _hung_state())
     assert not any("IssueRestart" in acts for _, _, acts in seen)
+
+
+# --------------------------------------------------------------------------- what each host shows, several hosts
+
+
+def test_another_ranks_host_not_answering_is_an_event_and_an_alert_and_its_return_is_said():
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10)),
+            (T0 + 1, with_member(healthy(T0 + 1, 11), T0 + 1, down=True)),
+            (T0 + 2, with_member(healthy(T0 + 2, 12), T0 + 2, down=True)),
+            (T0 + 400, with_member(healthy(T0 + 400, 13), T0 + 400, down=True)),  # past escalate_after
+            (T0 + 401, with_member(healthy(T0 + 401, 14), T0 + 401, step=14))]
+    state, seen = two_host_state(), []
+    for t, obs in rows:
+        state, writes, actions = core.step(state, obs, t, make_policy())
+        seen.append(([(w.severity, w.message) for w in writes if isinstance(w, core.Event) and w.kind == "unreachable"],
+                     [a.severity for a in actions if isinstance(a, core.Alert) and a.kind == "unreachable"]))
+    assert seen[0] == ([], []) and seen[2] == ([], [])  # said when new or worse, not at every poll
+    [(severity, message)] = seen[1][0]
+    assert severity == "warning" and seen[1][1] == ["warning"] and "host gpu2 unreachable" in message
+    assert "rank 1" in message and "ssh: timed out" in message
+    assert [s for s, _ in seen[3][0]] == ["error"] and seen[3][1] == ["error"]
+    [(severity, message)] = seen[4][0]
+    assert severity == "info" and "host gpu2 (rank 1) reachable again after" in message
+    assert state.run.state == "running"  # nothing else changes
+
+
+def test_while_rank_0s_host_is_down_the_ranks_that_answered_are_shown_seen():
+    finding = detectors.detect_unreachable("gpu1", T0, 1, T0, error="ssh: connection refused")
+    member = core.Member(1, "gpu2", probe(T0, step=12))
+    _, writes, _ = core.step(two_host_state(), core.Unreachable("gpu1", finding, 1, T0, True, (member,)), T0,
+                             make_policy())
+    [rows] = [w for w in writes if isinstance(w, core.HostRows)]
+    assert rows.rows[0] == {"rank": 0, "host": "gpu1", "answered": False, "error": "ssh: connection refused"}
+    assert rows.rows[1]["rank"] == 1 and rows.rows[1].get("answered", True) and rows.rows[1]["step"] == 12
+
+
+def test_a_stopped_rank_is_shown_stopped_at_once_not_as_its_last_phase():
+    _, writes, _ = core.step(two_host_state(), with_member(healthy(T0, 10), T0, step=10, state="T"), T0, make_policy())
+    [rows] = [w for w in writes if isinstance(w, core.HostRows)]
+    assert rows.rows[1]["phase"] == "training, process is stopped (state T)" and rows.rows[0]["phase"] == "training"
