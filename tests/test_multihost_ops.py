@@ -158,3 +158,50 @@ def test_a_stopped_rank_0_ends_every_process_in_bounded_time_and_the_run_restart
                    for r, d in enumerate(dirs))  # a new process on each host
     finally:
         background.close()
+
+
+def test_each_hosts_outage_is_said_and_the_ranks_that_answer_stay_fresh(ssh_env, pair):  # noqa: F811
+    store, playbook, playbooks_dir = pair
+    raw = yaml.safe_load(Path(playbook.source).read_text())
+    raw["trainer"]["train"]["steps"] = 100_000
+    long_path = Path(playbooks_dir, "pair-long.yaml")
+    long_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    playbook = load_playbook(str(long_path), inventory=ssh_env.inventory)
+    result = launch_run(playbook, ssh_env.inventory, store, bundle=build_bundle())
+    run = store.get_run(result.run_id)
+    dirs = [h["run_dir"] for h in run.hosts]
+    sup = Supervisor(store, ssh_env.inventory, interval=INTERVAL, playbooks_dir=playbooks_dir)
+    sup.attach(run.id)
+    background = Background(sup)
+    rows = lambda: store.get_run(run.id).hosts  # noqa: E731
+    try:
+        wait_for(lambda: all(r["seen"] and r["phase"] == "training" for r in rows()), 180, "both ranks training")
+        # Rank 1's host goes away: an event names it and its rank; its return is said too.
+        ssh_env.stop("target")
+        try:
+            said = wait_for(lambda: [e for e in kinds(store, run.id, "unreachable") if (e.detail or {}).get("rank") == 1],
+                            60, "rank 1's host said unreachable")
+            assert "host target unreachable" in said[0].message and said[0].severity == "warning", said[0]
+        finally:
+            ssh_env.start("target")
+        wait_for(lambda: any("host target (rank 1) reachable again" in e.message
+                             for e in kinds(store, run.id, "unreachable")), 60, "rank 1's host back")
+        # Rank 0's host goes away: rank 1, which answers, is still shown seen (never stale).
+        ssh_env.stop("target2")
+        try:
+            down = time.time()
+            wait_for(lambda: rows()[1]["seen"] > down + 3 * INTERVAL and rows()[0]["seen"] < down, 60,
+                     "rank 1 seen while rank 0's host is down")
+        finally:
+            ssh_env.start("target2")
+        wait_for(lambda: rows()[0]["seen"] > time.time() - 5, 60, "rank 0's host answering again")
+        # A stopped rank 1 is shown stopped at the next poll, not as its last phase.
+        pid = _status(dirs[1], 1)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: "process is stopped (state T)" in (rows()[1]["phase"] or ""), 10 * INTERVAL + 5,
+                     "rank 1 shown stopped")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        background.close()
