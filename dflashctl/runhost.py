@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from dflashctl import contract, deploy
 from dflashctl.bundle import build_bundle
 from dflashctl.errors import DflashError, StoreError, TransportError, first_line
+from dflashctl.parsers import RESTART_MARKER
 from dflashctl.store import (
     DONE, FAILED, FINAL_STATES, RESTARTING, RUNNING, STOPPED, TRANSITIONS, Run, Store,
 )
@@ -809,6 +810,7 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
             return run.state
     store.transition(run.id, RESTARTING, "restart requested by the operator", clock())
     try:
+        _mark_restart(run, inventory, clock())
         restart_run(run.id, serialized_warmup, store, inventory, progress, clock=clock)
     except BaseException as e:
         store.transition(run.id, FAILED, f"restart failed: {first_line(e)}", clock(), exit_reason="restart failed")
@@ -818,6 +820,19 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
             _release_standby(run, inventory, held)
     transport = host_transport(run.host, inventory)
     return wait_started(store, store.get_run(run.id), transport, start_timeout, clock, progress)
+
+
+# trainer.log is appended to by every process of the run: the marker says where the
+# next one's output begins (parsers.this_attempt), as the supervisor's restarts do.
+_APPEND_MARKER = 'cd "$1" && printf "%s\\n" "$2" >> "$3"'
+
+
+def _mark_restart(run: Run, inventory: "Inventory", now: float) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+    marker = f"{RESTART_MARKER} restart by the operator at {stamp} ---"
+    for part, transport, _ in _on_hosts(run, inventory):
+        transport.run(["sh", "-c", _APPEND_MARKER, "dflashctl-mark", part.run_dir, marker, contract.LOG_FILE],
+                      timeout=30, check=False)
 
 
 # --------------------------------------------------------------------------- logs
