@@ -121,6 +121,7 @@ class Pending:
     failed_at: float | None
     step_before: int | None
     tries: int = 0
+    hung: bool = False  # a process that stopped answering is ended by it: its stacks are asked for first
 
 
 @dataclass(frozen=True)
@@ -939,7 +940,7 @@ def _decided(s: RunState, pr: ProbeResult, trigger: Finding, decision: policy.Ac
     s.pending = Pending(
         due=local + decision.delay, action=decision.kind, reason=decision.reason, signature=decision.signature,
         detected_at=s.crash_seen or local, failed_at=_failure_time(s, pr, trigger, skew),
-        step_before=s.step_max,
+        step_before=s.step_max, hung=trigger.detail.get("hung_rank") is not None,
     )
     s.crash_seen = None
     if not _transition(s, out, RESTARTING, decision.reason, detail, severity=decision.severity):
@@ -990,7 +991,7 @@ def _issue_restart(s: RunState, now: float, out: _Out) -> None:
     marker = (f"{RESTART_MARKER} restart {len(s.history) + 1} at {stamp} "
               f"({p.signature or 'unknown'}{', serialized warm-up' if serialized else ''}) ---")
     s.job = RESTART
-    out.actions.append(IssueRestart(serialized, marker, hung=p.signature == policy.STALL_SIGNATURE))
+    out.actions.append(IssueRestart(serialized, marker, hung=p.hung or p.signature == policy.STALL_SIGNATURE))
 
 
 def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -> None:

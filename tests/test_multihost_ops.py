@@ -56,14 +56,29 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
-def test_stop_with_one_hosts_tmux_server_gone_exits_0_and_a_relaunch_starts(ssh_env, pair):  # noqa: F811
-    store, playbook, playbooks_dir = pair
+def _started(ssh_env, store, playbook, past: int = 2):
+    """Launch the two-host run; once both ranks are past step ``past``: (run, run dirs, pids)."""
     result = launch_run(playbook, ssh_env.inventory, store, bundle=build_bundle())
+    assert result.state == "running", result
     run = store.get_run(result.run_id)
     dirs = [h["run_dir"] for h in run.hosts]
-    wait_for(lambda: all((_status(d, r) or {}).get("step", 0) >= 2 for r, d in enumerate(dirs)), 180,
-             "both ranks past step 2")
-    pids = [_status(d, r)["pid"] for r, d in enumerate(dirs)]
+    wait_for(lambda: all((_status(d, r) or {}).get("step", 0) >= past for r, d in enumerate(dirs)), 180,
+             f"both ranks past step {past}")
+    return run, dirs, [(_status(d, r) or {}).get("pid") for r, d in enumerate(dirs)]
+
+
+def _long(ssh_env, playbook, playbooks_dir: str):
+    """The pair's playbook with steps enough to be training still whatever the test waits for."""
+    raw = yaml.safe_load(Path(playbook.source).read_text())
+    raw["trainer"]["train"]["steps"] = 100_000
+    path = Path(playbooks_dir, "pair-long.yaml")
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return load_playbook(str(path), inventory=ssh_env.inventory), raw
+
+
+def test_stop_with_one_hosts_tmux_server_gone_exits_0_and_a_relaunch_starts(ssh_env, pair):  # noqa: F811
+    store, playbook, playbooks_dir = pair
+    run, _, pids = _started(ssh_env, store, playbook)
     # Rank 1's host loses its whole tmux server (its trainer goes with it).
     Tmux(ssh_env.inventory.get("target"), ssh_env.inventory, SOCKET).kill_server()
     wait_for(lambda: not _alive(pids[1]), 30, "rank 1's process to end with its tmux server")
@@ -76,12 +91,7 @@ def test_stop_with_one_hosts_tmux_server_gone_exits_0_and_a_relaunch_starts(ssh_
     assert again.returncode == 0, again.stdout + again.stderr
 
     # The playbook launches again right away: the run is not held running, the port is free.
-    relaunched = launch_run(playbook, ssh_env.inventory, store, bundle=build_bundle())
-    assert relaunched.state == "running", relaunched
-    new = store.get_run(relaunched.run_id)
-    ndirs = [h["run_dir"] for h in new.hosts]
-    wait_for(lambda: all((_status(d, r) or {}).get("step", 0) >= 1 for r, d in enumerate(ndirs)), 180,
-             "the relaunched run's first step on both hosts")
+    new, _, _ = _started(ssh_env, store, playbook, past=1)
     done = _cli(ssh_env, store.path, playbooks_dir, "stop", new.id, "--timeout", "60")
     assert done.returncode == 0, done.stdout + done.stderr
     assert store.get_run(new.id).state in ("stopped", "done")  # (a fast host may finish its steps first)
@@ -95,12 +105,7 @@ def test_a_rank_that_ends_between_the_stops_look_and_its_signal_is_stopped_there
     from dflashctl import runhost
 
     store, playbook, _ = pair
-    result = launch_run(playbook, ssh_env.inventory, store, bundle=build_bundle())
-    run = store.get_run(result.run_id)
-    dirs = [h["run_dir"] for h in run.hosts]
-    wait_for(lambda: all((_status(d, r) or {}).get("step", 0) >= 2 for r, d in enumerate(dirs)), 180,
-             "both ranks past step 2")
-    pids = [_status(d, r)["pid"] for r, d in enumerate(dirs)]
+    run, _, pids = _started(ssh_env, store, playbook)
     real, looked = runhost.probe_run, []
 
     def look(transport, part, **kw):
@@ -122,15 +127,9 @@ def test_a_rank_that_ends_between_the_stops_look_and_its_signal_is_stopped_there
 
 def test_a_stopped_rank_0_ends_every_process_in_bounded_time_and_the_run_restarts(ssh_env, pair):  # noqa: F811
     store, playbook, playbooks_dir = pair
-    raw = yaml.safe_load(Path(playbook.source).read_text())
-    raw["trainer"]["train"]["steps"] = 100_000  # long enough to still be training when it is stopped
-    long_path = Path(playbooks_dir, "pair-long.yaml")
-    long_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    playbook = load_playbook(str(long_path), inventory=ssh_env.inventory)
+    playbook, raw = _long(ssh_env, playbook, playbooks_dir)
     timeout = float(raw["trainer"]["distributed"]["timeout"])
-    result = launch_run(playbook, ssh_env.inventory, store, bundle=build_bundle())
-    run = store.get_run(result.run_id)
-    dirs = [h["run_dir"] for h in run.hosts]
+    run, dirs, _ = _started(ssh_env, store, playbook, past=0)
     sup = Supervisor(store, ssh_env.inventory, interval=INTERVAL, playbooks_dir=playbooks_dir)
     sup.attach(run.id)
     background = Background(sup)
@@ -162,14 +161,7 @@ def test_a_stopped_rank_0_ends_every_process_in_bounded_time_and_the_run_restart
 
 def test_each_hosts_outage_is_said_and_the_ranks_that_answer_stay_fresh(ssh_env, pair):  # noqa: F811
     store, playbook, playbooks_dir = pair
-    raw = yaml.safe_load(Path(playbook.source).read_text())
-    raw["trainer"]["train"]["steps"] = 100_000
-    long_path = Path(playbooks_dir, "pair-long.yaml")
-    long_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    playbook = load_playbook(str(long_path), inventory=ssh_env.inventory)
-    result = launch_run(playbook, ssh_env.inventory, store, bundle=build_bundle())
-    run = store.get_run(result.run_id)
-    dirs = [h["run_dir"] for h in run.hosts]
+    run, dirs, _ = _started(ssh_env, store, _long(ssh_env, playbook, playbooks_dir)[0], past=0)
     sup = Supervisor(store, ssh_env.inventory, interval=INTERVAL, playbooks_dir=playbooks_dir)
     sup.attach(run.id)
     background = Background(sup)

@@ -653,6 +653,9 @@ def test_a_stopped_rank_0_named_by_the_rank_that_ended_is_ended_and_the_run_rest
     state, seen = run_table(rows, _hung_state())
     assert all("IssueRestart" not in acts for _, _, acts in seen[:-1])  # one signal (state T) alone: left alone
     assert seen[-1][0][-1] == "restarting" and "IssueRestart" in seen[-1][2], seen[-1]
+    _, _, actions = core.step(run_table(rows[:-1], _hung_state())[0], rows[-1][1], T0 + 24, make_policy())
+    [issue] = [a for a in actions if isinstance(a, core.IssueRestart)]
+    assert issue.hung  # its stacks are asked for before it is killed (a process in D still dumps them)
     _, [crash] = _crash_events(rows, _hung_state())
     assert crash.detail["host"] == "gpu1" and crash.detail["rank"] == 0 and crash.detail["hung_rank"] == 0
     assert crash.detail["signature"] == "rank_failed" and crash.detail["process_state"] == "T"
