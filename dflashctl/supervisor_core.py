@@ -669,7 +669,7 @@ def _hung_peer(s: RunState, pr: ProbeResult, members: tuple[Member, ...], local:
 
 def _name_host(f: Finding, s: RunState, pr: ProbeResult, members: tuple[Member, ...]) -> Finding:
     """A crash or stall of a multi-host run says which host it started on."""
-    if f.kind not in (detectors.CRASH, detectors.STALL) or f.detail.get("hung_rank") is not None:
+    if f.kind not in (detectors.CRASH, detectors.STALL):
         return f
     suspect = _suspect(s, pr, members)
     if suspect is None:
