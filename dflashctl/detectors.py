@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from dflashctl import contract
-from dflashctl.parsers import last_traceback
+from dflashctl.parsers import last_traceback, this_attempt
 
 if TYPE_CHECKING:
     from dflashctl.config import Expect
@@ -226,7 +226,7 @@ def detect_crash(probe: "ProbeResult", assigned_gpus: Sequence[int] | None = Non
         code = probe.pane_dead_status
         evidence.append("the trainer's tmux pane exited" + (f" (status {code})" if code is not None else ""))
     pane_tb = last_traceback(probe.pane_tail)
-    tb = pane_tb or last_traceback(probe.log_tail)
+    tb = pane_tb or last_traceback(this_attempt(probe.log_tail))  # never an earlier attempt's error
     exception = (tb.exception or None) if tb is not None else None
     # Only the pane counts here: trainer.log may still end with an earlier attempt's error.
     if not evidence and pane_tb is not None and pane_tb.lines_after == 0 and pane_tb.exception:

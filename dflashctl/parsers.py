@@ -394,6 +394,21 @@ def tail_lines(text: str | None, n: int) -> str:
     return "\n".join(lines[-n:])
 
 
+RESTART_MARKER = "--- dflashctl:"  # the trainer.log line written before each restart (by the supervisor or an operator)
+
+
+def this_attempt(log: str | None) -> str:
+    """What trainer.log holds of its current process: the text after the last restart
+    marker (the whole text when it has none). Every process of a run appends to the
+    same file, so an earlier attempt's error is never this one's."""
+    log = log or ""
+    cut = log.rfind(RESTART_MARKER)
+    if cut < 0:
+        return log
+    end = log.find("\n", cut)
+    return log[end + 1 :] if end >= 0 else ""
+
+
 def last_traceback(text: str | None) -> Traceback | None:
     """The last traceback in ``text``, or None. Line prefixes that a launcher adds
     (``[rank0]: ``) are removed; chained exceptions give the final one."""

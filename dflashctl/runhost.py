@@ -56,10 +56,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from dflashctl import contract, deploy
 from dflashctl.bundle import build_bundle
 from dflashctl.errors import DflashError, StoreError, TransportError, first_line
+from dflashctl.parsers import RESTART_MARKER
 from dflashctl.store import (
     DONE, FAILED, FINAL_STATES, RESTARTING, RUNNING, STOPPED, TRANSITIONS, Run, Store,
 )
-from dflashctl.tmux import Tmux, socket_name
+from dflashctl.tmux import Tmux, TmuxError, socket_name
 
 if TYPE_CHECKING:
     from dflashctl.config import EvalSettings, Host, Inventory
@@ -445,13 +446,7 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
         for (part, transport, tmux), probe in zip(parts, probes):
             if _ended(probe):
                 continue
-            where = f" on {part.host}" if run.hosts else ""
-            answer = transport.run(signal_trainer_argv(part.run_dir, rank=part.rank), check=False)
-            if answer.stdout.startswith("signalled"):
-                say("stop", f"sent SIGTERM to the trainer{where} ({answer.stdout.split()[-1]}); waiting for its checkpoint")
-            else:
-                tmux.send_keys(part.tmux_session, "C-c")
-                say("stop", f"sent Ctrl-C to the trainer's tmux pane{where}; waiting for its checkpoint")
+            _signal_stop(part, transport, tmux, f" on {part.host}" if run.hosts else "", say)
         deadline = time.monotonic() + timeout
         while not all(_ended(p) for p in probes) and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
@@ -488,6 +483,25 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
                      exit_reason=reason)
     say("stop", f"run {run.id} {state}{at} ({reason})")
     return store.get_run(run.id)
+
+
+def _signal_stop(part: Run, transport: "Transport", tmux: Tmux, where: str, say: Progress) -> None:
+    """SIGTERM to the part's trainer, else Ctrl-C in its pane. A process that ended
+    since it was looked at (the other ranks of a multi-host run stop with rank 0,
+    often before a slow host's turn comes), its session or its whole tmux server
+    gone with it, is stopped there: success, not an error."""
+    answer = transport.run(signal_trainer_argv(part.run_dir, rank=part.rank), check=False)
+    if answer.stdout.startswith("signalled"):
+        say("stop", f"sent SIGTERM to the trainer{where} ({answer.stdout.split()[-1]}); waiting for its checkpoint")
+        return
+    try:
+        tmux.send_keys(part.tmux_session, "C-c")
+    except TmuxError:
+        if tmux.has_session(part.tmux_session):  # raises when tmux cannot be asked: "gone" is never a guess
+            raise
+        say("stop", f"the trainer{where} had already ended (its tmux session is gone)")
+        return
+    say("stop", f"sent Ctrl-C to the trainer's tmux pane{where}; waiting for its checkpoint")
 
 
 def _record_last_steps(store: Store, run: Run, transport: "Transport", probe: "ProbeResult",
@@ -802,6 +816,7 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
             return run.state
     store.transition(run.id, RESTARTING, "restart requested by the operator", clock())
     try:
+        _mark_restart(run, inventory, clock())
         restart_run(run.id, serialized_warmup, store, inventory, progress, clock=clock)
     except BaseException as e:
         store.transition(run.id, FAILED, f"restart failed: {first_line(e)}", clock(), exit_reason="restart failed")
@@ -811,6 +826,19 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
             _release_standby(run, inventory, held)
     transport = host_transport(run.host, inventory)
     return wait_started(store, store.get_run(run.id), transport, start_timeout, clock, progress)
+
+
+# trainer.log is appended to by every process of the run: the marker says where the
+# next one's output begins (parsers.this_attempt), as the supervisor's restarts do.
+_APPEND_MARKER = 'cd "$1" && printf "%s\\n" "$2" >> "$3"'
+
+
+def _mark_restart(run: Run, inventory: "Inventory", now: float) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+    marker = f"{RESTART_MARKER} restart by the operator at {stamp} ---"
+    for part, transport, _ in _on_hosts(run, inventory):
+        transport.run(["sh", "-c", _APPEND_MARKER, "dflashctl-mark", part.run_dir, marker, contract.LOG_FILE],
+                      timeout=30, check=False)
 
 
 # --------------------------------------------------------------------------- logs

@@ -515,7 +515,7 @@ class Supervisor:
         watched = [w for w, rank in entries if rank == 0]
         if isinstance(answer, Exception):
             report.hosts[host] = first_line(answer)
-            self._host_failed(host, watched, report.hosts[host], t)
+            self._host_failed(host, watched, report.hosts[host], t, members)
             return
         result, sent, received = answer
         for note in getattr(result, "notes", None) or ():  # e.g. a wedged connection replaced
@@ -523,7 +523,7 @@ class Supervisor:
         if isinstance(parsed, ProbeError):
             tail = (result.stderr.strip() or parsed.output_tail.strip())[-300:]
             report.hosts[host] = f"the probe failed (exit {result.exit_code}): {parsed.message}: {tail}"
-            self._host_failed(host, watched, report.hosts[host], t)
+            self._host_failed(host, watched, report.hosts[host], t, members)
             return
         report.hosts[host] = received - sent
         hs = self.hosts.setdefault(host, _HostState())
@@ -555,7 +555,8 @@ class Supervisor:
             if self.metrics:
                 t.metrics.extend((w.id, m) for m in lines)
 
-    def _host_failed(self, host: str, watched: list[Watched], error: str, t: _Tick) -> None:
+    def _host_failed(self, host: str, watched: list[Watched], error: str, t: _Tick,
+                     members: dict[str, list[core.Member]] | None = None) -> None:
         now = self.clock()
         hs = self.hosts.setdefault(host, _HostState())
         if hs.down_since is None:
@@ -566,7 +567,8 @@ class Supervisor:
                                                escalate_after=self.escalate_after)
         worse = hs.severity is None or _rank(finding.severity) > _rank(hs.severity)
         for w in watched:
-            self._step(w, core.Unreachable(host, finding, hs.polls, hs.down_since, worse), now, t)
+            others = tuple(sorted((members or {}).get(w.id, ()), key=lambda m: m.rank))
+            self._step(w, core.Unreachable(host, finding, hs.polls, hs.down_since, worse, others), now, t)
         if worse:
             hs.severity = finding.severity
 

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Union
 
-from dflashctl import contract, detectors, policy, signatures
+from dflashctl import contract, detectors, parsers, policy, signatures
 from dflashctl.detectors import Finding, Sample, fmt_duration
 from dflashctl.parsers import Rejected
 from dflashctl.probe import ProbeArgs, ProbeResult
@@ -64,7 +64,8 @@ CLOCK_FUTURE_MARGIN_S = 120.0
 # A line's own account of when its process began training (time - elapsed_s) may
 # be this much before the restart that began it (rounding, the skew's error).
 ATTEMPT_SLACK_S = 1.0
-RESTART_MARKER = "--- dflashctl:"  # the trainer.log line written before each restart
+RESTART_MARKER = parsers.RESTART_MARKER  # the trainer.log line written before each restart
+DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0  # the trainer's distributed.timeout when a run's config has none
 ROW_ERROR_CHARS = 500  # of a host's probe errors kept in its run_hosts row (host text: bounded)
 
 KILL = "kill"
@@ -125,6 +126,7 @@ class Pending:
     failed_at: float | None
     step_before: int | None
     tries: int = 0
+    hung: bool = False  # a process that stopped answering is ended by it: its stacks are asked for first
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,9 @@ class RunState:
     # answer holds nothing back: the lines its trainer wrote meanwhile are read after.
     holding: bool = False
     held_until: float | None = None
+    rank_gone_at: dict = field(default_factory=dict)  # a multi-host run: rank -> local time its end was first seen
+    rank_steps: dict = field(default_factory=dict)  # a multi-host run: rank -> (step, local time first seen at it)
+    members_down: dict = field(default_factory=dict)  # a multi-host run: rank -> (down since, polls, severity written)
 
     @property
     def id(self) -> str:
@@ -230,6 +235,7 @@ class Unreachable:
     polls: int  # failed polls in a row
     since: float
     worse: bool  # a new or worse severity for the host: written and alerted
+    members: tuple["Member", ...] = ()  # a multi-host run: its other ranks, whose hosts may have answered
 
 
 @dataclass(frozen=True)
@@ -384,7 +390,7 @@ def step(state: RunState, obs: Observation, now: float, pol: Policy) -> tuple[Ru
             _host_back(s, obs, now, pol, out)
         _observe(s, obs, now, pol, out)
     elif isinstance(obs, Unreachable):
-        _unreachable(s, obs, pol, out)
+        _unreachable(s, obs, now, pol, out)
     elif isinstance(obs, JobDone):
         s.job = None
         if obs.kind == RESTART:
@@ -419,7 +425,9 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
     _track_phase(s, pr, now, skew, out)
 
     if s.run.hosts:
-        _members(s, obs, out)
+        _note_ends(s, pr, obs.members, local)
+        _note_steps(s, pr, obs.members, local)
+        _members(s, obs, local, pol, out)
     started = status is not None and pr.exit_code is None and status.phase not in contract.FINAL_PHASES
     if started and pol.act and s.run.state == LAUNCHING:
         _transition(s, out, RUNNING, f"trainer started (pid {status.pid}, phase {status.phase})")
@@ -449,6 +457,9 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
             findings = [f for f in findings if f.kind != detectors.CONFLICT]
     if s.run.hosts:
         findings = [_name_host(f, s, pr, obs.members) for f in findings]
+        hung = _hung_peer(s, pr, obs.members, local)
+        if hung is not None and not any(f.kind == detectors.CRASH for f in findings):
+            findings = [hung, *findings]
     _act(s, pr, findings, local, skew, pol, out)
     _fetch_compile_cache(s, local, pol, out)
     _standby(s, status, pol, out)
@@ -478,17 +489,46 @@ def _host_row(rank: int, host: str, pr: ProbeResult | None, error: str | None = 
     if pr is None:
         return {"rank": rank, "host": host, "answered": False, "error": (error or "")[:ROW_ERROR_CHARS] or None}
     st = pr.status
-    return {"rank": rank, "host": host, "phase": st.phase if st else None, "step": st.step if st else None,
+    phase = st.phase if st else None
+    letter = pr.process.state if pr.process is not None and pr.process.alive else None
+    if letter in _STOPPED_STATES and letter != "Z":  # status.json still says what it did before it stopped
+        phase = f"{phase or 'process'}, {_STOPPED_STATES[letter].replace('its process ', 'process ')} (state {letter})"
+    return {"rank": rank, "host": host, "phase": phase, "step": st.step if st else None,
             "pid": st.pid if st else None, "alive": None if pr.process is None else pr.process.alive,
             "exit_code": pr.exit_code, "error": "; ".join(pr.errors[:2])[:ROW_ERROR_CHARS] or None}
 
 
-def _members(s: RunState, obs: Probed, out: _Out) -> None:
+def _member_hosts(s: RunState, members: tuple[Member, ...], local: float, pol: Policy, out: _Out) -> None:
+    """Another rank's host that does not answer is an ``unreachable`` event and alert,
+    as rank 0's host is (when new or worse: a warning, an error once it lasts
+    ``escalate_after``), and its return an event; nothing else changes (its process
+    may still be running there; rank 0 says when it is gone)."""
+    for m in members:
+        down = s.members_down.get(m.rank)
+        if m.result is None:
+            since, polls, written = down if down is not None else (local, 0, None)
+            f = detectors.detect_unreachable(m.host, since, polls + 1, local, error=m.error,
+                                             escalate_after=pol.escalate_after)
+            worse = written is None or _rank(f.severity) > _rank(written)
+            s.members_down = {**s.members_down, m.rank: (since, polls + 1, f.severity if worse else written)}
+            if worse:
+                message = f"{f.message} (rank {m.rank} of this run; its process may still be running there)"
+                out.event(detectors.UNREACHABLE, f.severity, message, {**f.detail, "rank": m.rank})
+                out.alert(detectors.UNREACHABLE, f.severity, message, {**f.detail, "rank": m.rank})
+        elif down is not None:
+            s.members_down = {r: v for r, v in s.members_down.items() if r != m.rank}
+            message = f"host {m.host} (rank {m.rank}) reachable again after {fmt_duration(local - down[0])} " \
+                      f"({down[1]} failed poll(s))"
+            out.event(detectors.UNREACHABLE, "info", message, {"host": m.host, "rank": m.rank, "down_s": local - down[0]})
+
+
+def _members(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> None:
     """Each host's row, and the end of a process on another host, written once. Its
     end alone changes nothing: rank 0 fails within distributed.timeout when a peer is
     gone (and names it), or stops making steps; that confirms it."""
     out.writes.append(HostRows((_host_row(0, s.run.host, obs.result),
                                 *(_host_row(m.rank, m.host, m.result, m.error) for m in obs.members))))
+    _member_hosts(s, obs.members, local, pol, out)
     for m in obs.members:
         if m.result is None or not _gone(m.result) or s.run.state not in (RUNNING, STALLED):
             continue
@@ -510,35 +550,144 @@ _STOPPED_STATES = {"T": "its process is stopped", "t": "its process is stopped",
                    "D": "its process waits in uninterruptible I/O", "Z": "its process is a zombie"}
 
 
-def _suspect(s: RunState, members: tuple[Member, ...]) -> tuple[Member, str] | None:
-    """The host a stall or crash of a multi-host run most likely started on, and why:
-    one not answering, then one whose process ended, then one whose process is stopped
-    (T, D, Z), then the one furthest behind."""
-    def step_of(m: Member) -> int:
-        return (m.result.status.step or 0) if m.result is not None and m.result.status else 0
+def _ranks(s: RunState, pr: ProbeResult, members: tuple[Member, ...]) -> list[Member]:
+    """Every process of the run as this tick saw it, rank 0 (``pr``) first."""
+    return [Member(0, s.run.host, pr), *sorted(members, key=lambda m: m.rank)]
 
-    for m in members:
+
+def _step_of(s: RunState, m: Member) -> int:
+    if m.rank == 0:
+        return max(s.step_max or 0, (m.result.status.step or 0) if m.result.status else 0)
+    return (m.result.status.step or 0) if m.result is not None and m.result.status else 0
+
+
+def _records(s: RunState, ranks: list[Member]) -> tuple[Member, str] | None:
+    """The trainer's own word on who failed first, read from each rank's status file:
+    a rank whose status says it failed by itself (not in a collective: no
+    ``failed_rank`` in it), else the rank the others' failure records name (each
+    rank finds it on its own monotonic clock, never by comparing host clocks). The
+    named rank's host is the controller's, never the one the record claims."""
+    by_rank = {m.rank: m for m in ranks}
+    own, named = [], {}
+    for m in ranks:
+        st = m.result.status if m.result is not None else None
+        if st is None or st.phase != contract.PHASE_FAILED:
+            continue
+        detail = st.detail if isinstance(st.detail, dict) else {}
+        if "failed_rank" not in detail:
+            own.append(m)
+            continue
+        culprit = detail.get("failed_rank")
+        if isinstance(culprit, int) and not isinstance(culprit, bool) and culprit in by_rank and culprit != m.rank:
+            named.setdefault(culprit, []).append(m.rank)
+    if own:
+        first = min(own, key=lambda m: (s.rank_gone_at.get(m.rank, float("inf")), m.rank))
+        return first, "its own status says it failed"
+    if named:
+        culprit = max(sorted(named), key=lambda r: len(named[r]))
+        return by_rank[culprit], (f"failed first by the record of rank {', '.join(map(str, named[culprit]))}")
+    return None
+
+
+def _suspect(s: RunState, pr: ProbeResult, members: tuple[Member, ...]) -> tuple[Member, str] | None:
+    """The host a stall or crash of a multi-host run most likely started on, and why,
+    rank 0 included: the ranks' own failure records first (``_records``), then the
+    controller's own evidence: a host not answering, a process that ended (the one
+    this controller saw end first, by its own receive times), a process stopped (T,
+    D, Z), the one furthest behind. No host clock is compared with another's."""
+    ranks = _ranks(s, pr, members)
+    found = _records(s, ranks)
+    if found is not None:
+        return found
+    for m in ranks:
         if m.result is None:
             return m, "not answering"
-    for m in members:
-        if _gone(m.result):
-            return m, "its process ended"
-    for m in members:
+    ended = [m for m in ranks if _gone(m.result)]
+    if ended:
+        first = min(ended, key=lambda m: (s.rank_gone_at.get(m.rank, float("inf")), m.rank))
+        return first, "its process ended" + (" first" if len(ended) > 1 else "")
+    for m in ranks:
         if m.result.process is not None and m.result.process.state in _STOPPED_STATES:
             return m, _STOPPED_STATES[m.result.process.state]
-    behind = min(members, key=step_of, default=None)
-    return (behind, "furthest behind") if behind is not None and step_of(behind) < (s.step_max or 0) else None
+    top = max((_step_of(s, m) for m in ranks), default=0)
+    behind = min(ranks, key=lambda m: _step_of(s, m), default=None)
+    return (behind, "furthest behind") if behind is not None and _step_of(s, behind) < top else None
+
+
+def _note_ends(s: RunState, pr: ProbeResult, members: tuple[Member, ...], local: float) -> None:
+    """When this controller first saw each rank's process gone (its own clock)."""
+    for m in _ranks(s, pr, members):
+        if m.result is not None and _gone(m.result) and m.rank not in s.rank_gone_at:
+            s.rank_gone_at = {**s.rank_gone_at, m.rank: local}
+
+
+def _note_steps(s: RunState, pr: ProbeResult, members: tuple[Member, ...], local: float) -> None:
+    """Each rank's step and since when this controller sees it there (its own receive
+    times: how long a rank has made no progress never depends on a host clock)."""
+    for m in _ranks(s, pr, members):
+        if m.result is None:
+            continue
+        step = _step_of(s, m)
+        if s.rank_steps.get(m.rank, (None,))[0] != step:
+            s.rank_steps = {**s.rank_steps, m.rank: (step, local)}
+
+
+def distributed_timeout(run) -> float:
+    """The run's ``distributed.timeout`` (the trainer's default when its config has none)."""
+    trainer = (run.config or {}).get("trainer")
+    dist = trainer.get("distributed") if isinstance(trainer, dict) else None
+    value = dist.get("timeout") if isinstance(dist, dict) else None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return float(value) if ok else DEFAULT_DISTRIBUTED_TIMEOUT_S
+
+
+def _hung_peer(s: RunState, pr: ProbeResult, members: tuple[Member, ...], local: float) -> Finding | None:
+    """A rank that stopped answering while the others ended because of it: its end is
+    the supervisor's to make (a stopped process never ends by itself, and the run
+    would wait on it). Two independent signals, never one: a rank that ended failed
+    names it in its own status (its watchdog found it quiet on that rank's monotonic
+    clock), AND this controller has seen it make no step for ``distributed.timeout``
+    on its own clock while its process still lives. Then it is a crash of the run,
+    classified by the survivor's record, named after the hung rank and its host."""
+    if s.run.state not in (RUNNING, STALLED):
+        return None
+    ranks = _ranks(s, pr, members)
+    by_rank = {m.rank: m for m in ranks}
+    window = distributed_timeout(s.run)
+    for m in ranks:
+        st = m.result.status if m.result is not None else None
+        if st is None or st.phase != contract.PHASE_FAILED or not _gone(m.result):
+            continue
+        culprit = (st.detail if isinstance(st.detail, dict) else {}).get("failed_rank")
+        if not isinstance(culprit, int) or isinstance(culprit, bool) or culprit == m.rank or culprit not in by_rank:
+            continue
+        hung = by_rank[culprit]
+        if hung.result is None or _gone(hung.result):
+            continue  # not answering, or gone too: not a process to end (the usual crash path applies)
+        quiet = local - s.rank_steps.get(culprit, (None, local))[1]
+        if quiet < window:
+            continue
+        letter = hung.result.process.state if hung.result.process is not None else None
+        how = _STOPPED_STATES.get(letter, "its process lives") + (f" (state {letter})" if letter else "")
+        message = (f"rank {culprit} on {hung.host} stopped answering: rank {m.rank}'s failure names it and it has "
+                   f"made no step for {_seconds(quiet)} (distributed.timeout {window:g}s); {how}: it is ended and "
+                   f"the run restarted from its checkpoint [host {hung.host}, rank {culprit}: hung]")
+        record = "\n".join(t for t in (st.error, str((st.detail or {}).get("message") or "")[:500]) if t)
+        return Finding(detectors.CRASH, "error", message,
+                       {"evidence": [f"rank {m.rank}'s status: failed, naming rank {culprit}",
+                                     f"no step from rank {culprit} for {quiet:.0f}s", how],
+                        "host": hung.host, "rank": culprit, "hung_rank": culprit, "process_state": letter,
+                        "quiet_s": round(quiet, 1), "reported_by": m.rank, "record": record,
+                        "phase": st.phase, "step": _step_of(s, hung)})
+    return None
 
 
 def _name_host(f: Finding, s: RunState, pr: ProbeResult, members: tuple[Member, ...]) -> Finding:
     """A crash or stall of a multi-host run says which host it started on."""
     if f.kind not in (detectors.CRASH, detectors.STALL):
         return f
-    detail = (pr.status.detail if pr.status is not None and isinstance(pr.status.detail, dict) else {}) or {}
-    suspect = _suspect(s, members)
-    if f.kind == detectors.CRASH and detail.get("failed_host") is not None:
-        rank, host, why = detail.get("failed_rank"), detail["failed_host"], "failed first (rank 0's report)"
-    elif suspect is None:
+    suspect = _suspect(s, pr, members)
+    if suspect is None:
         rank, host, why = 0, s.run.host, "rank 0's host; every other host looks healthy"
     else:
         (m, why), rank, host = suspect, suspect[0].rank, suspect[0].host
@@ -754,8 +903,10 @@ def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, sk
         if pr.exit_code is None and pr.session_alive and proc is not None and not proc.alive \
                 and local - s.crash_seen < SETTLE_S:
             return  # run.sh is writing the exit code: classify with it at the next poll
+        record = crash.detail.get("record")  # a hung peer: the surviving rank's failure names it
         classification = signatures.classify(
-            attempt_output(pr), pr.status.error if pr.status else None, pr.exit_code, pol.run.signatures
+            record if record else attempt_output(pr), None if record else (pr.status.error if pr.status else None),
+            None if record else pr.exit_code, pol.run.signatures
         )
         crash = replace(crash, detail={**crash.detail, "signature": classification.name,
                                        "matched_line": classification.matched_line})
@@ -819,7 +970,7 @@ def _decided(s: RunState, pr: ProbeResult, trigger: Finding, decision: policy.Ac
     s.pending = Pending(
         due=local + decision.delay, action=decision.kind, reason=decision.reason, signature=decision.signature,
         detected_at=s.crash_seen or local, failed_at=_failure_time(s, pr, trigger, skew),
-        step_before=s.step_max,
+        step_before=s.step_max, hung=trigger.detail.get("hung_rank") is not None,
     )
     s.crash_seen = None
     if not _transition(s, out, RESTARTING, decision.reason, detail, severity=decision.severity):
@@ -881,7 +1032,7 @@ def _issue_restart(s: RunState, now: float, out: _Out) -> None:
     marker = (f"{RESTART_MARKER} restart {len(s.history) + 1} at {stamp} "
               f"({p.signature or 'unknown'}{', serialized warm-up' if serialized else ''}) ---")
     s.job = RESTART
-    out.actions.append(IssueRestart(serialized, marker, hung=p.signature == policy.STALL_SIGNATURE))
+    out.actions.append(IssueRestart(serialized, marker, hung=p.hung or p.signature == policy.STALL_SIGNATURE))
 
 
 def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -> None:
@@ -919,13 +1070,18 @@ def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -
     s.phase, s.phase_since = None, issued + done.skew
     s.compile_cache, s.cache_fetch = None, False
     s.holding, s.held_until = False, None
+    s.rank_gone_at, s.rank_steps = {}, {}
 
 
 # --------------------------------------------------------------------------- hosts
 
 
-def _unreachable(s: RunState, obs: Unreachable, pol: Policy, out: _Out) -> None:
+def _unreachable(s: RunState, obs: Unreachable, local: float, pol: Policy, out: _Out) -> None:
     f = obs.finding
+    if s.run.hosts and obs.members:  # the ranks whose hosts answered are shown as seen, rank 0's row ages
+        out.writes.append(HostRows((_host_row(0, s.run.host, None, f.detail.get("error") or "not answering"),
+                                    *(_host_row(m.rank, m.host, m.result, m.error) for m in obs.members))))
+        _member_hosts(s, obs.members, local, pol, out)
     if obs.worse:
         out.event(detectors.UNREACHABLE, f.severity, f.message, f.detail)
         out.alert(detectors.UNREACHABLE, f.severity, f.message, f.detail)
@@ -979,11 +1135,7 @@ def _transition(s: RunState, out: _Out, to: str, message: str, detail: dict | No
 def attempt_output(pr: ProbeResult) -> str:
     """The current process's output: trainer.log after the last restart marker, else
     the pane (which holds only this process's output, but is gone once it ended)."""
-    log = pr.log_tail or ""
-    cut = log.rfind(RESTART_MARKER)
-    if cut >= 0:
-        end = log.find("\n", cut)
-        log = log[end + 1 :] if end >= 0 else ""
+    log = parsers.this_attempt(pr.log_tail)
     return log if log.strip() else (pr.pane_tail or "")
 
 

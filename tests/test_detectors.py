@@ -12,6 +12,7 @@ from dflashctl.detectors import (
     Finding,
     Sample,
     baseline_from_history,
+    detect_crash,
     detect,
     detect_unreachable,
     env_drift,
@@ -458,3 +459,18 @@ def test_fmt_duration(seconds, text) -> None:
 )
 def test_fmt_tok_s(value, text) -> None:
     assert fmt_tok_s(value) == text
+
+
+def test_a_crash_quotes_only_the_error_its_own_attempt_wrote():
+    """trainer.log holds every attempt of the run: the error an earlier one ended
+    with (before the restart marker) is never this crash's last error."""
+    earlier = ("step 306\nTraceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+               "DistributedError: all_reduce failed on rank 0 after step 306: rank 1 on gpu2 failed first\n")
+    marker = "--- dflashctl: restart 1 at 2026-01-01 00:00:00 (rank_failed) ---\n"
+    killed = obs(session_alive=False, alive=False, exit_code=137, log=earlier + marker + "step 700\nstep 760\n")
+    finding = detect_crash(killed)
+    assert finding is not None and "306" not in finding.message and finding.detail["exception"] is None, finding
+    assert finding.message == "the trainer exited with code 137 (killed by signal 9)"
+    # The attempt's own error is quoted as before.
+    own = obs(session_alive=False, alive=False, exit_code=1, log=earlier + marker + "step 760\n" + TRACEBACK + "\n")
+    assert f"last error: {OOM}" in detect_crash(own).message

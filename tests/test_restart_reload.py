@@ -6,6 +6,8 @@ on the local host in real tmux, the real CLI, a real SQLite store."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -74,5 +76,36 @@ def test_a_restart_after_a_playbook_change_says_so_and_reload_takes_it(local_env
         assert on_host["train"]["steps"] == 200000  # the new process reads it
         [event] = env.store.events(run_id, kind="config")
         assert event.detail["changes"] == [{"key": "train.steps", "from": 100000, "to": 200000}]
+    finally:
+        env.tmux.kill(run_id)
+
+
+def test_after_an_operators_restart_a_crash_quotes_only_its_own_attempts_error(local_env):
+    """trainer.log keeps every attempt: the error the process before an operator's
+    restart ended with is never quoted as the next crash's (a kill -9 prints nothing)."""
+    from dflashctl.detectors import detect_crash
+    from dflashctl.runhost import host_transport, probe_run
+
+    env = local_env
+    earlier = "RuntimeError: the earlier attempt failed at step 2"
+    pb = env.playbook("quoted", {"train": {"steps": 100000, "log_every": 1, "checkpoint_every": 2},
+                                 "fault": {"kind": "exit", "after_steps": 2, "exit_code": 1,
+                                           "message": 'Traceback (most recent call last):\n  File "t.py", line 1, '
+                                                      f"in step\n{earlier}"}})
+    run_id = env.start(pb)
+    try:
+        wait_for(lambda: Path(env.run_dir(run_id), contract.EXIT_CODE_FILE).exists(), 30, "the injected failure")
+        first = env.trainer_pid(run_id)
+        again = _cli(env, "restart", run_id, "--no-watch")
+        assert again.returncode == 0, again.stderr
+        pid = env.trainer_pid(run_id, other_than=first)
+        wait_for(lambda: len(metrics_lines(env.run_dir(run_id))) > 3, 30, "the restarted process's steps")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: Path(env.run_dir(run_id), contract.EXIT_CODE_FILE).exists(), 30, "run.sh's exit code")
+        run = env.store.get_run(run_id)
+        probe = probe_run(host_transport(run.host, env.inventory), run)
+        assert earlier in probe.log_tail  # still in the file
+        crash = detect_crash(probe)
+        assert crash is not None and "earlier attempt" not in crash.message and crash.detail["exception"] is None, crash
     finally:
         env.tmux.kill(run_id)

@@ -675,3 +675,125 @@ def test_no_standby_while_starting_or_when_the_playbook_says_so():
     assert seen[0][2] == []
     _, seen = run_table([(T0, healthy(T0, 1))], make_state(), make_policy(standby=False))
     assert seen[0][2] == []
+
+
+# --------------------------------------------------------------------------- blame and hung peers, several hosts
+
+
+def _failed_naming(t: float, culprit: int, claimed_host: str, **kw) -> ProbeResult:
+    """A rank's answer after its trainer failed naming ``culprit`` (trainer/train.py report_failure)."""
+    pr = probe(t, "failed", session=False, alive=False, exit_code=1, error="DistributedError: watchdog on rank N "
+               f"after step N: rank {culprit} on {claimed_host} failed first (its heartbeat stopped)", **kw)
+    return replace(pr, status=replace(pr.status, detail={"rank": 1 - culprit, "world_size": 2,
+                                                         "failed_rank": culprit, "failed_host": claimed_host}))
+
+
+def _crash_events(rows, state):
+    events = []
+    for t, obs in rows:
+        state, writes, actions = core.step(state, obs, t, make_policy())
+        events += [w for w in writes if isinstance(w, core.Event) and w.kind == "crash"]
+    return state, events
+
+
+def test_a_killed_rank_0_is_blamed_on_rank_0s_host_by_rank_1s_own_record():
+    """kill -9 of rank 0: both processes are seen gone in one poll; rank 1's status
+    names rank 0 (the host it claims is not believed: the controller's is named)."""
+    killed = core.Probed(probe(T0 + 2, step=10, session=False, alive=False, exit_code=137))
+    rank1 = _failed_naming(T0 + 2, 0, "somewhere-else", step=10)
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10)),
+            (T0 + 2, replace(killed, members=(core.Member(1, "gpu2", rank1),)))]
+    _, [crash] = _crash_events(rows, two_host_state())
+    assert crash.detail["host"] == "gpu1" and crash.detail["rank"] == 0, crash
+    assert "[host gpu1, rank 0: failed first by the record of rank 1]" in crash.message
+
+
+def test_with_no_record_the_rank_this_controller_saw_end_first_is_blamed_rank_0_included():
+    """No status names anyone (both killed): the controller's own receive times say
+    who ended first; rank 0's process went first here, its exit code came later."""
+    settling = core.Probed(probe(T0 + 1, step=10, alive=False))  # gone, run.sh not done yet
+    gone = dict(step=10, session=False, alive=False, exit_code=137)
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10)),
+            (T0 + 1, with_member(settling, T0 + 1, step=10)),
+            (T0 + 2, with_member(settling, T0 + 2, **gone)),
+            (T0 + 5, with_member(core.Probed(probe(T0 + 5, **gone)), T0 + 5, **gone))]
+    _, [crash] = _crash_events(rows, two_host_state())
+    assert crash.detail["host"] == "gpu1" and crash.detail["rank"] == 0, crash
+    assert "[host gpu1, rank 0: its process ended first]" in crash.message
+
+
+def _hung_state(timeout: float = 20.0) -> core.RunState:
+    s = two_host_state()
+    return replace(s, run=replace(s.run, config={"trainer": {"distributed": {"timeout": timeout}}}))
+
+
+def test_a_stopped_rank_0_named_by_the_rank_that_ended_is_ended_and_the_run_restarted():
+    stopped = core.Probed(probe(T0, step=10, state="T"))
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10))]
+    rows += [(T0 + t, with_member(replace(stopped, result=replace(stopped.result, host_time=T0 + t)), T0 + t, step=10))
+             for t in (5, 10, 15)]
+    failed = replace(stopped, members=(core.Member(1, "gpu2", _failed_naming(T0 + 24, 0, "gpu1", step=10)),))
+    rows.append((T0 + 24, failed))
+    state, seen = run_table(rows, _hung_state())
+    assert all("IssueRestart" not in acts for _, _, acts in seen[:-1])  # one signal (state T) alone: left alone
+    assert seen[-1][0][-1] == "restarting" and "IssueRestart" in seen[-1][2], seen[-1]
+    _, _, actions = core.step(run_table(rows[:-1], _hung_state())[0], rows[-1][1], T0 + 24, make_policy())
+    [issue] = [a for a in actions if isinstance(a, core.IssueRestart)]
+    assert issue.hung  # its stacks are asked for before it is killed (a process in D still dumps them)
+    _, [crash] = _crash_events(rows, _hung_state())
+    assert crash.detail["host"] == "gpu1" and crash.detail["rank"] == 0 and crash.detail["hung_rank"] == 0
+    assert crash.detail["signature"] == "rank_failed" and crash.detail["process_state"] == "T"
+    assert "rank 0 on gpu1 stopped answering" in crash.message
+
+
+def test_a_rank_named_hung_that_still_makes_steps_or_not_for_long_enough_is_not_ended():
+    """Two signals or nothing: a record naming rank 0 while this controller sees
+    rank 0 step on (or quiet for less than distributed.timeout) changes nothing."""
+    failed = lambda t: core.Member(1, "gpu2", _failed_naming(t, 0, "gpu1", step=10))  # noqa: E731
+    moving = [(T0 + t, replace(healthy(T0 + t, 10 + t), members=(failed(T0 + t),))) for t in range(0, 40, 5)]
+    _, seen = run_table(moving, _hung_state())
+    assert not any("IssueRestart" in acts for _, _, acts in seen)
+    early = [(T0, with_member(healthy(T0, 10), T0, step=10)),
+             (T0 + 10, replace(core.Probed(probe(T0 + 10, step=10, state="T")), members=(failed(T0 + 10),)))]
+    _, seen = run_table(early, _hung_state())
+    assert not any("IssueRestart" in acts for _, _, acts in seen)
+
+
+# --------------------------------------------------------------------------- what each host shows, several hosts
+
+
+def test_another_ranks_host_not_answering_is_an_event_and_an_alert_and_its_return_is_said():
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10)),
+            (T0 + 1, with_member(healthy(T0 + 1, 11), T0 + 1, down=True)),
+            (T0 + 2, with_member(healthy(T0 + 2, 12), T0 + 2, down=True)),
+            (T0 + 400, with_member(healthy(T0 + 400, 13), T0 + 400, down=True)),  # past escalate_after
+            (T0 + 401, with_member(healthy(T0 + 401, 14), T0 + 401, step=14))]
+    state, seen = two_host_state(), []
+    for t, obs in rows:
+        state, writes, actions = core.step(state, obs, t, make_policy())
+        seen.append(([(w.severity, w.message) for w in writes if isinstance(w, core.Event) and w.kind == "unreachable"],
+                     [a.severity for a in actions if isinstance(a, core.Alert) and a.kind == "unreachable"]))
+    assert seen[0] == ([], []) and seen[2] == ([], [])  # said when new or worse, not at every poll
+    [(severity, message)] = seen[1][0]
+    assert severity == "warning" and seen[1][1] == ["warning"] and "host gpu2 unreachable" in message
+    assert "rank 1" in message and "ssh: timed out" in message
+    assert [s for s, _ in seen[3][0]] == ["error"] and seen[3][1] == ["error"]
+    [(severity, message)] = seen[4][0]
+    assert severity == "info" and "host gpu2 (rank 1) reachable again after" in message
+    assert state.run.state == "running"  # nothing else changes
+
+
+def test_while_rank_0s_host_is_down_the_ranks_that_answered_are_shown_seen():
+    finding = detectors.detect_unreachable("gpu1", T0, 1, T0, error="ssh: connection refused")
+    member = core.Member(1, "gpu2", probe(T0, step=12))
+    _, writes, _ = core.step(two_host_state(), core.Unreachable("gpu1", finding, 1, T0, True, (member,)), T0,
+                             make_policy())
+    [rows] = [w for w in writes if isinstance(w, core.HostRows)]
+    assert rows.rows[0] == {"rank": 0, "host": "gpu1", "answered": False, "error": "ssh: connection refused"}
+    assert rows.rows[1]["rank"] == 1 and rows.rows[1].get("answered", True) and rows.rows[1]["step"] == 12
+
+
+def test_a_stopped_rank_is_shown_stopped_at_once_not_as_its_last_phase():
+    _, writes, _ = core.step(two_host_state(), with_member(healthy(T0, 10), T0, step=10, state="T"), T0, make_policy())
+    [rows] = [w for w in writes if isinstance(w, core.HostRows)]
+    assert rows.rows[1]["phase"] == "training, process is stopped (state T)" and rows.rows[0]["phase"] == "training"
