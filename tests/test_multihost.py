@@ -141,7 +141,8 @@ def test_stop_ends_the_process_on_every_host_with_a_checkpoint(ssh_env, pair):
     said = []
     stopped = stop(run.id, store, ssh_env.inventory, progress=lambda step, message: said.append(message))
     assert stopped.state == "stopped", said
-    assert any("on target2" in m for m in said) and any("on target " in m for m in said), said
+    # Rank 1 stops with rank 0, so by its turn it may be gone already (then its pane gets Ctrl-C).
+    assert any("on target2" in m for m in said) and any("on target " in m or "on target;" in m for m in said), said
     for rank, d in enumerate(dirs):  # each host's process checkpointed and exited as stopped
         assert _status(d, rank)["phase"] == contract.PHASE_STOPPED, (
             _status(d, rank), Path(d, contract.LOG_FILE).read_text()[-3000:])

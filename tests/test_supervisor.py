@@ -596,6 +596,9 @@ def test_a_run_with_a_live_supervisor_is_refused(local_env):
     try:
         import socket as socketlib
 
+        # Until the child has exec'd, /proc shows the parent's command line.
+        wait_for(lambda: b"watch" in open(f"/proc/{other.pid}/cmdline", "rb").read(), 10, "the child's exec")
+
         local_env.store.set_supervisor(run_id, {"pid": other.pid, "host": socketlib.gethostname(), "kind": "process"})
         assert live_supervisor(local_env.store.get_run(run_id).supervisor)["pid"] == other.pid
         with pytest.raises(SupervisorConflict, match=f"already supervised by pid {other.pid}"):
