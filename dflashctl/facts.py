@@ -601,7 +601,7 @@ def input_problems(found: InputsCheck, trainer: dict[str, Any], host: str, sourc
         elif s["first_error"]:
             problems.append(Problem("shard-unreadable", "error",
                                     f"{where}: the first of {s['count']} shard(s), {s['first']}: {s['first_error']}",
-                                    "fix or re-convert that shard (trainer/data.py describes the format: one JSON "
+                                    "fix or re-convert that shard (trainer/data/__init__.py describes the format: one JSON "
                                     "object per line with input_ids and loss_mask), or point `trainer.data.shards` "
                                     f"at good shards {again}"))
     m = found.model

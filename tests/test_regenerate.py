@@ -41,7 +41,8 @@ def shards_of(path) -> dict[str, bytes]:
 
 def test_regenerated_shards_are_the_targets_greedy_decoding_and_read_back(tmp_path):
     from trainer.config import ModelConfig
-    from trainer.data import ErrorBudget, ShardDataset, main, shard_paths
+    from trainer.data import ErrorBudget, ShardDataset, shard_paths
+    from trainer.data.__main__ import main
     from trainer.target import build_target
 
     assert main(["regenerate", "synthetic", str(tmp_path / "out"), "--model", "tiny", "--shard-size", "8",
@@ -66,7 +67,7 @@ def test_regenerate_resumed_after_kill_9_writes_identical_shards(tmp_path, capsy
     """A real process killed with SIGKILL between shards, then resumed: the same bytes
     as one uninterrupted run (both of those in this process: a process start costs
     seconds of imports)."""
-    from trainer.data import main
+    from trainer.data.__main__ import main
 
     assert main(["regenerate", "synthetic", str(tmp_path / "whole"), *ARGS]) == 0
     expected = shards_of(tmp_path / "whole")
@@ -97,7 +98,7 @@ def test_regenerate_resumed_after_kill_9_writes_identical_shards(tmp_path, capsy
 
 
 def test_resuming_with_other_settings_is_refused_and_keeps_the_shards(tmp_path):
-    from trainer.data import main
+    from trainer.data.__main__ import main
 
     base = ["regenerate", "synthetic", str(tmp_path / "out"), "--model", "tiny", "--samples", "4", "--shard-size",
             "4", "--max-new-tokens", "8", "--device", "cpu"]
@@ -108,7 +109,7 @@ def test_resuming_with_other_settings_is_refused_and_keeps_the_shards(tmp_path):
 
 
 def test_sampled_regeneration_is_seeded_per_shard(tmp_path):
-    from trainer.data import main
+    from trainer.data.__main__ import main
 
     common = ["--model", "tiny", "--samples", "8", "--shard-size", "4", "--max-new-tokens", "12", "--temperature",
               "1.0", "--device", "cpu"]
@@ -126,7 +127,7 @@ def test_sampled_regeneration_is_seeded_per_shard(tmp_path):
 
 def test_chat_prompts_go_through_the_template_with_the_thinking_switch_recorded(tmp_path):
     from tests.test_export import write_model_dir
-    from trainer.data import main
+    from trainer.data.__main__ import main
 
     model = write_model_dir(tmp_path / "model")
     make_tokenizer(tmp_path / "model", chat_template=True)
@@ -147,7 +148,7 @@ def test_chat_prompts_go_through_the_template_with_the_thinking_switch_recorded(
 
 
 def test_bad_input_names_itself(tmp_path):
-    from trainer.data import main
+    from trainer.data.__main__ import main
 
     assert main(["regenerate", str(tmp_path / "nothing"), str(tmp_path / "out"), "--model", "tiny",
                  "--device", "cpu"]) == 3

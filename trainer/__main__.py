@@ -111,7 +111,7 @@ def subcommand_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="speculative decoding with the frozen target: measured tau, tokens per target "
                                      "forward, speed-up over greedy, agreement with training")
     ev.add_argument("checkpoint", help=ckpt_help)
-    ev.add_argument("--data", metavar="SHARDS", help="shards (directory or glob, trainer/data.py format); prompts are the "
+    ev.add_argument("--data", metavar="SHARDS", help="shards (directory or glob, trainer/data/ format); prompts are the "
                                                      "tokens before each sample's first loss token (default: the run's own data)")
     ev.add_argument("--prompts", type=int, default=20, help="number of prompts (default 20)")
     ev.add_argument("--max-new-tokens", type=int, default=256,

@@ -78,7 +78,7 @@ class RegenerateConfig:
 @dataclass
 class DataConfig:
     shards: Optional[str] = None
-    """Directory (or glob) of token shards (see trainer/data.py); None: the synthetic task."""
+    """Directory (or glob) of token shards (see trainer/data/); None: the synthetic task."""
     synthetic_samples: int = 512
     """Size of the built-in learnable synthetic data set when ``shards`` is None."""
     synthetic_alphabet: int = 8

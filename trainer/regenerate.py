@@ -5,7 +5,7 @@ other model wrote, it learns those, and in serving the target decodes otherwise:
 training acceptance high, measured tau near 1. The standard recipe (z-lab's DFlash
 data, SpecForge's regeneration scripts) is to keep the prompts and let the target
 write the responses; this module does that and writes shards in the trainer's
-format (trainer/data.py).
+format (trainer/data/).
 
 Input: shards (the tokens before each sample's first loss token are the prompt),
 chat JSONL (``{"prompt": ...[, "system": ...]}`` per line, through the target's
