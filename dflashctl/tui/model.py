@@ -51,6 +51,7 @@ FINISHED_HISTORY = 12  # of a finished run
 SMOOTH_WINDOW_S = 300.0  # tok/s and the ETA are averaged over this much of the newest data
 GPU_HISTORY = 16  # GPU readings per GPU in its history
 EVENTS = 40  # recent events of the selected run
+ERRORS = 20  # newest error events of every run read on each refresh (the console's banner and bell)
 DETAIL_EVENTS = 500  # events in a run's detail view
 RECENT_RUNS = 20  # finished runs shown besides the active ones
 SERIES_POINTS = 240  # buckets of a run's whole history in its charts
@@ -336,10 +337,26 @@ class EventView:
     severity: str
     message: str
     classification: str = ""
+    id: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_event(cls, e: Event) -> "EventView":
-        return cls(e.time, e.run_id, e.kind, e.severity, e.message, classify(e))
+        return cls(e.time, e.run_id, e.kind, e.severity, e.message, classify(e), e.id,
+                   e.detail if isinstance(e.detail, dict) else {})
+
+    @property
+    def first_error(self) -> str | None:
+        """The trainer's own first error line behind the event, as it printed it (the
+        line its crash signature matched, else the exception of its traceback, else
+        the error its status.json named), never the signature's numberless pattern."""
+        d = self.detail
+        finding = d.get("finding") if isinstance(d.get("finding"), dict) else {}
+        for value in (d.get("matched_line"), d.get("exception"), finding.get("matched_line"),
+                      finding.get("exception"), d.get("status_error")):
+            if isinstance(value, str) and value.strip():
+                return value.strip()
+        return None
 
     def cells(self) -> tuple[str, ...]:
         return (fmt_clock(self.time), self.severity, self.classification or self.kind, self.message)
@@ -535,6 +552,7 @@ class RunView:
     roles: dict[int, str] = field(default_factory=dict)
     hosts: list[RunHostView] = field(default_factory=list)  # a multi-host run's, by rank ([]: one host)
     probe: DirectProbe | None = None  # what the console saw itself of it, while nobody supervises it
+    attention: str | None = None  # failed, crash loop, stalled, regressed: what sorts it first (``ATTENTION``)
 
     @property
     def probed(self) -> DirectProbe | None:
@@ -615,7 +633,13 @@ class RunView:
         if key == "run":
             return self.id
         if key == "state":
-            return self.display_state
+            # A run that crashed and was restarted carries its count ("running ↻2") where
+            # it fits the column (and is underlined, ``style``): it never looks like one
+            # that never crashed, whichever columns fit.
+            shown = self.attention if self.attention in ("crash loop", "regressed") \
+                and self.display_state in PROGRESSING + (RESTARTING,) else self.display_state
+            mark = f" ↻{self.restarts}" if self.restarts and shown != RESTARTING else ""
+            return shown + mark if len(shown + mark) <= COLUMN["state"].width else shown
         probed = self.probed
         if key == "phase":
             if probed is not None and (probed.phase or probed.exit_code is not None):
@@ -656,7 +680,9 @@ class RunView:
     def style(self, key: str) -> str:
         """Style of one cell ('' for none)."""
         if key == "state":
-            return STATE_STYLE.get(self.display_state, "")
+            if self.attention in ("crash loop", "regressed") and self.display_state in PROGRESSING + (RESTARTING,):
+                return "bold red"
+            return STATE_STYLE.get(self.display_state, "") + (" underline" if self.restarts else "")
         if key in ("phase", "step") and self.probed is not None:
             return "cyan"
         if key == "phase" and self.active:
@@ -670,7 +696,7 @@ class RunView:
         if key == "tau" and self.tau_note:
             return "yellow"
         if key == "restarts" and self.restarts:
-            return "yellow"
+            return "bold red" if self.attention == "crash loop" else "bold yellow"
         return ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -747,8 +773,6 @@ SORTS = ("default", "state", "host", "progress", "tok/s", "ETA", "created")
 def sort_runs(runs: list[RunView], key: str) -> list[RunView]:
     """Runs in the order of a sort key (``SORTS``); ``default``: needs-attention first,
     then active, then newest."""
-    attention = {"unsupervised": 0, "unreachable": 1, "failed": 2, "stalled": 2, "lost": 3, "stale": 3,
-                 "restarting": 4}
     if key == "state":
         return sorted(runs, key=lambda r: (r.display_state, -r.created))
     if key == "host":
@@ -761,8 +785,43 @@ def sort_runs(runs: list[RunView], key: str) -> list[RunView]:
         return sorted(runs, key=lambda r: (r.eta_s is None, r.eta_s or 0))
     if key == "created":
         return sorted(runs, key=lambda r: -r.created)
-    return sorted(runs, key=lambda r: (attention.get(r.display_state, 9) if r.active else 9, not r.active,
-                                       -r.created))
+    return sorted(runs, key=lambda r: (attention_rank(r), not r.active, -r.created))
+
+
+# What needs the operator first: a run's ``attention`` (failed, crash loop, stalled,
+# regressed), then an active run's display state; everything else after, active first.
+ATTENTION = {"failed": 0, "crash loop": 0, "unsupervised": 1, "stalled": 1, "unreachable": 2, "regressed": 2,
+             "lost": 3, "stale": 3, "store busy": 3, "restarting": 4}
+FAILED_RECENT_S = 24 * 3600.0  # a failed run sorts first this long after it ended
+CRASH_LOOP_RESTARTS = 2  # counted restarts in the playbook's restart window without step progress
+
+
+def attention_rank(r: RunView) -> int:
+    ranks = [ATTENTION[r.attention]] if r.attention in ATTENTION else []
+    if r.active:
+        ranks.append(ATTENTION.get(r.display_state, 8))
+    return min(ranks, default=9)
+
+
+def attention_of(run: Run, display_state: str, restarts: Sequence[Any], regression: Event | None, now: float,
+                 window_s: float) -> str | None:
+    """Why a run needs the operator before the others (None: it does not): it failed
+    (within ``FAILED_RECENT_S``), it is crash-looping (``CRASH_LOOP_RESTARTS`` counted
+    restarts within ``window_s`` with no step gained between them), it is stalled,
+    or its newest regression finding has not been cleared."""
+    if run.state == "failed":
+        return "failed" if now - (run.ended or run.updated or run.created) <= FAILED_RECENT_S else None
+    if run.state not in ACTIVE_STATES:
+        return None
+    recent = [r for r in restarts if r.counts and now - r.time <= window_s]
+    steps = {r.step_before for r in recent}
+    if len(recent) >= CRASH_LOOP_RESTARTS and len(steps) == 1:
+        return "crash loop"
+    if display_state == "stalled":
+        return "stalled"
+    if regression is not None and regression.severity != "info":
+        return "regressed"
+    return None
 
 
 def matching(items: Sequence[Any], text: str, words_of: Callable[[Any], str]) -> list[Any]:
@@ -797,6 +856,7 @@ class StatusView:
     supervisors: int = 0  # supervisors ticking now
     blocked: int = 0  # supervisors alive but unable to write: the store's write lock is held by another
     busy_s: float = 0.0  # the longest of those silences
+    errors: list[EventView] = field(default_factory=list)  # the newest error events of every run, oldest first
 
     @property
     def selected_run(self) -> RunView | None:
@@ -1047,6 +1107,9 @@ class StatusReader:
             gpus=run.gpus, roles=roles_of(run),
             hosts=[RunHostView.from_row(h, now, fresh.stale_after_s) for h in run.hosts],
         )
+        regression = store.events(run.id, kind="regression", limit=1) if run.active else []
+        view.attention = attention_of(run, view.display_state, restarts, regression[-1] if regression else None, now,
+                                      self.thresholds(run).restart_window_s if restarts else 0.0)
         process = current_process(samples)
         view.tok_s_history = [s.tok_s for s in process if s.tok_s is not None]
         view.loss_history = [s.loss for s in process if s.loss is not None]
@@ -1130,8 +1193,9 @@ class StatusReader:
         ticking = sum(1 for b in heartbeats if not b.get("stopped")
                       and now - (b.get("last_tick") or 0) <= 3 * max(1.0, b.get("interval") or 1))
         blocked = [now - (b.get("last_tick") or now) for b in heartbeats if b.get("store_busy")]
+        errors = [EventView.from_event(e) for e in store.events(min_severity="error", limit=ERRORS)]
         return StatusView(now, store.path, runs, selected, recent, hosts, notices_of(runs, now), ticking,
-                          len(blocked), max(blocked, default=0.0))
+                          len(blocked), max(blocked, default=0.0), errors)
 
     def detail(self, run_ref: str, now: float) -> DetailView:
         """One run in full: every event (the newest ``DETAIL_EVENTS``), its whole history
@@ -1244,6 +1308,8 @@ JSON_SCHEMA: dict[str, Any] = {
                                                                         "complete (false: stopped early)"},
                 "tau_note": {**_STR, "description": "why tau is more than contract.TAU_GAP_MARGIN below tau_est"},
                 "mfu": _NUM, "restarts": {"type": "integer"}, "exit_reason": _STR,
+                "attention": {**_STR, "description": "why it sorts first: failed (within a day), crash loop, "
+                                                     "stalled, regressed; null: nothing needs the operator"},
                 "last_event": {"type": ["object", "null"]}, "tok_s_history": {"type": "array"},
                 "gpus": {"type": "array"}, "roles": {"type": "object"},
                 "hosts": {"type": "array", "description": "a run on several hosts: one per host, by rank, as the "

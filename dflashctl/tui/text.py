@@ -9,6 +9,8 @@ a host.
 
 from __future__ import annotations
 
+import textwrap
+
 from rich.text import Text
 
 from dflashctl.terminal import printable
@@ -172,12 +174,78 @@ def run_text(run: RunView | None, events: list[EventView], width: int, now: floa
             out.append(f"\n{name:<6}")
             out.append(spark(values, max(8, min(60, width - 30)), high=high), style=style)
             out.append(f" {len(values)} newest samples, from 0", style="dim")
-    shown = events[-event_lines:] if event_lines > 0 else []
-    for e in shown:
+    out.append_text(event_lines_text(events, width, event_lines))
+    return out
+
+
+EVENT_FOLD = 3  # lines an event's message may take in the run pane (its end, the fix, is never cut off)
+
+
+def event_lines_text(events: list[EventView], width: int, lines: int) -> Text:
+    """The newest events that fit ``lines`` lines, oldest first, each message folded
+    onto up to ``EVENT_FOLD`` indented lines rather than cut: a finding's fix is at
+    its end ("resume it with `kill -CONT`")."""
+    out = Text()
+    body = max(10, width - 17)
+    blocks: list[list[str]] = []
+    used = 0
+    for e in reversed(events):
+        if used >= lines:
+            break
+        folded = textwrap.wrap(f"{_one_line(e.classification or e.kind):<14} {_one_line(e.message)}", body) or [""]
+        folded = folded[:min(EVENT_FOLD, max(1, lines - used))]
+        if len(folded) == EVENT_FOLD or used + len(folded) >= lines:
+            folded[-1] = fit(folded[-1], body)
+        blocks.append(folded)
+        used += len(folded)
+    shown = events[len(events) - len(blocks):] if blocks else []
+    for e, folded in zip(shown, reversed(blocks)):
         out.append("\n")
         out.append(f"{fmt_clock(e.time)} ", style="dim")
         out.append(f"{e.severity:<7} ", style=SEVERITY_STYLE.get(e.severity, ""))
-        out.append(fit(f"{e.classification or e.kind:<14} {e.message}", max(10, width - 17)))
+        out.append(folded[0])
+        for more in folded[1:]:
+            out.append(f"\n{'':17}{more}")
+    return out
+
+
+def banner_text(e: EventView, width: int, lines: int = 3) -> Text:
+    """The banner over the runs for a new error event: its run, time and message
+    (folded, not cut), and the trainer's own first error line."""
+    head = f"✖ new {e.severity} {fmt_clock(e.time)} {e.run_id or ''} {e.classification or e.kind}: "
+    first = e.first_error
+    text = _one_line(head + e.message + (f" · first error: {first}" if first and first not in e.message else ""))
+    folded = textwrap.wrap(text, max(10, width)) or [""]
+    if len(folded) > lines:
+        folded = folded[:lines]
+        folded[-1] = fit(folded[-1] + " …", max(10, width - 12)) + "  (Esc hides)"
+    return Text("\n".join(folded), style="bold")
+
+
+def event_text(e: EventView) -> Text:
+    """One event in full (the event window): when, what, its whole message, the
+    trainer's own first error line, then the signature it matched and its details."""
+    out = Text()
+    out.append(f"{fmt_clock(e.time)} ", style="dim")
+    out.append(e.severity, style=SEVERITY_STYLE.get(e.severity, "") or "bold")
+    out.append(f" · {e.classification or e.kind} · run {e.run_id or '-'}\n\n")
+    out.append(printable(e.message) + "\n")
+    first = e.first_error
+    if first:
+        out.append("\nfirst error line: ", style="bold")
+        out.append(printable(first) + "\n", style="red")
+    d = e.detail
+    finding = d.get("finding") if isinstance(d.get("finding"), dict) else {}
+    signature = d.get("signature") or finding.get("signature")
+    if signature:
+        out.append("signature: ", style="bold")
+        out.append(f"{signature}\n")
+    shown = {k: v for k, v in d.items() if k not in ("signature", "matched_line", "exception")}
+    for key, value in shown.items():
+        if isinstance(value, list):
+            value = "; ".join(map(str, value))
+        out.append(f"  {key}: ", style="dim")
+        out.append(printable(str(value)) + "\n")
     return out
 
 
