@@ -375,6 +375,28 @@ def classify(e: Event) -> str:
 
 
 @dataclass
+class AppView:
+    """A compute process on a GPU: whose it is (the run's trainer or standby, or
+    ``foreign``: no process of a run)."""
+
+    pid: int | None
+    name: str | None
+    used_memory_mib: float | None
+    role: str | None = None  # trainer | standby | None (foreign)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "AppView":
+        pid = row.get("pid") if isinstance(row.get("pid"), int) else None
+        name = row.get("name") if isinstance(row.get("name"), str) else None
+        role = row.get("role") if row.get("role") in ("trainer", "standby") else None
+        return cls(pid, name, _float(row.get("used_memory_mib")), role)
+
+    @property
+    def foreign(self) -> bool:
+        return self.role is None
+
+
+@dataclass
 class GpuView:
     """One GPU of a host, from the newest sample that read it."""
 
@@ -392,6 +414,23 @@ class GpuView:
     power_limit_w: float | None = None
     utilization_history: list[float] = field(default_factory=list)
     memory_history: list[float] = field(default_factory=list)  # used fraction 0..1
+    apps: list[AppView] = field(default_factory=list)  # its compute processes (nvidia-smi --query-compute-apps)
+    apps_read: bool = False  # the reading listed compute processes (an older supervisor's did not)
+    stale_after_s: float | None = None  # three polls of the run whose supervisor read it
+
+    IDLE_PCT = 5.0  # at most this busy, no process and no run holding it: idle (drawn dim)
+
+    @property
+    def idle(self) -> bool:
+        return self.run_id is None and not self.apps and (self.utilization_pct or 0.0) <= self.IDLE_PCT
+
+    def age_s(self, now: float) -> float | None:
+        return None if self.time is None else max(0.0, now - self.time)
+
+    def stale(self, now: float) -> bool:
+        """Older than three polls: the readings are not today's, whatever the host says."""
+        age = self.age_s(now)
+        return age is not None and self.stale_after_s is not None and age > self.stale_after_s
 
     @property
     def memory_fraction(self) -> float | None:
@@ -1158,10 +1197,12 @@ class StatusReader:
                 for s in samples:
                     for g in gpu_readings(s.gpu):
                         history.setdefault(g.get("index"), []).append(g)
+                stale_after = 3 * self.thresholds(run).poll_interval_s
                 for g in gpu_readings(samples[-1].gpu):
                     index = g.get("index") if isinstance(g.get("index"), int) else None
                     holder, role = holders.get(index, (None, None))
                     past = history.get(g.get("index"), [])
+                    apps = g.get("apps") if isinstance(g.get("apps"), list) else None
                     hv.gpus.append(GpuView(
                         host, index, g.get("name") if isinstance(g.get("name"), str) else None, role, holder,
                         _sample_clock(samples[-1]), _float(g.get("utilization_pct")), _float(g.get("memory_used_mib")),
@@ -1169,7 +1210,9 @@ class StatusReader:
                         _float(g.get("power_draw_w")), _float(g.get("power_limit_w")),
                         [v for v in (_float(p.get("utilization_pct")) for p in past) if v is not None],
                         [u / t for u, t in ((_float(p.get("memory_used_mib")), _float(p.get("memory_total_mib")))
-                                            for p in past) if u is not None and t]))
+                                            for p in past) if u is not None and t],
+                        [AppView.from_row(a) for a in apps or [] if isinstance(a, dict)], apps is not None,
+                        stale_after))
             else:
                 for index, (holder, role) in sorted(holders.items()):
                     hv.gpus.append(GpuView(host, index, role=role, run_id=holder))

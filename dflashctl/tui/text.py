@@ -17,7 +17,7 @@ from dflashctl.terminal import printable
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.tui.model import (
     NA, PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, DirectProbe, EventView, HostView,
-    Notice, RunHostView, RunView, bar, fit, fit_middle, resample, spark,
+    Notice, RunHostView, RunView, bar, fit, fit_middle, resample, short_duration, spark,
 )
 
 def notice_text(notices: list[Notice], width: int, lines: int = 2) -> Text:
@@ -37,10 +37,20 @@ def notice_text(notices: list[Notice], width: int, lines: int = 2) -> Text:
     return out
 
 
+def _age(g, now: float) -> tuple[str, str]:
+    """A reading's age and its style: red past three polls (``GpuView.stale``)."""
+    age = g.age_s(now)
+    if age is None:
+        return NA, "dim"
+    return short_duration(age), "bold red" if g.stale(now) else "dim"
+
+
 def _gpu_row(g, width: int, compact: bool, now: float) -> Text:
     role = {"target": "target", "drafter": "drafter", "target+drafter": "tgt+drf"}.get(g.role or "", "-")
     util = NA if g.utilization_pct is None else f"{g.utilization_pct:3.0f}%"
     temp = NA if g.temperature_c is None else f"{g.temperature_c:.0f}°C"
+    age, age_style = _age(g, now)
+    foreign = sum(a.foreign for a in g.apps)
     row = Text()
     if compact:
         row.append(f" {'' if g.index is None else g.index:>2} ")
@@ -49,22 +59,48 @@ def _gpu_row(g, width: int, compact: bool, now: float) -> Text:
         row.append(f" {util:>4} ")
         row.append(bar(g.memory_fraction, 5), style="cyan")
         row.append(f" {g.memory_text():>8} {temp:>5} {g.power_text():>9} ")
+        row.append(f"{age:>4} ", style=age_style)
+        if foreign:
+            row.append(f"⚠{foreign} ", style="bold yellow")
         room = width - row.cell_len - 1
         if room > 8 and g.run_id:
             row.append(fit_middle(g.run_id, min(room, 25)), style="dim")
-        return row
-    bars = max(6, min(20, (width - 92) // 3 + 8))
-    hist = max(6, min(24, width - 80 - 2 * bars))
-    row.append(f" {'' if g.index is None else g.index:>2} ")
-    row.append(f"{role:<8}", style="bold")
-    row.append(f"{fit_middle(g.run_id or '-', 16):<16} ", style="dim" if not g.run_id else "")
-    row.append("util ")
-    row.append(bar((g.utilization_pct or 0) / 100 if g.utilization_pct is not None else None, bars), style="green")
-    row.append(f" {util:>4}  mem ")
-    row.append(bar(g.memory_fraction, bars), style="cyan")
-    row.append(f" {g.memory_text():>8}  {temp:>5}  {g.power_text():>9}  ")
-    row.append(spark(g.utilization_history, hist, high=100.0), style="green")
+    else:
+        bars = max(6, min(20, (width - 100) // 3 + 7))  # the row is 79 cells besides its bars and history
+        hist = max(6, min(24, width - 80 - 2 * bars))
+        row.append(f" {'' if g.index is None else g.index:>2} ")
+        row.append(f"{role:<8}", style="bold")
+        row.append(f"{fit_middle(g.run_id or ('idle' if g.idle else '-'), 16):<16} ", style="dim" if not g.run_id else "")
+        row.append("util ")
+        row.append(bar((g.utilization_pct or 0) / 100 if g.utilization_pct is not None else None, bars), style="green")
+        row.append(f" {util:>4}  mem ")
+        row.append(bar(g.memory_fraction, bars), style="cyan")
+        row.append(f" {g.memory_text():>8}  {temp:>5}  {g.power_text():>9}  ")
+        row.append(f"{age:>5} ", style=age_style)
+        row.append(spark(g.utilization_history, hist, high=100.0), style="green")
+    if g.idle:
+        row.stylize("dim")
     return row
+
+
+def _app_rows(g, width: int) -> Text:
+    """A GPU's compute processes, one line each: pid, memory, name; the run's trainer
+    (or standby) named, any other process marked foreign."""
+    out = Text()
+    for a in g.apps:
+        out.append("\n")
+        line = Text(f"      pid {a.pid if a.pid is not None else NA:>7}  "
+                    f"{NA if a.used_memory_mib is None else f'{a.used_memory_mib / 1024:.1f}G':>6}  ")
+        if a.foreign:
+            line.append("foreign ", style="bold yellow")
+        else:
+            line.append(f"{a.role} ", style="bold green")
+            if g.run_id:
+                line.append(f"of {g.run_id} ", style="dim")
+        line.append(_one_line(a.name or ""), style="dim")
+        line.truncate(width, overflow="ellipsis")
+        out.append_text(line)
+    return out
 
 
 def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = False) -> Text:
@@ -85,6 +121,8 @@ def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = Fals
         for g in h.gpus:
             out.append("\n")
             out.append_text(_gpu_row(g, width, compact, now))
+            if not compact:
+                out.append_text(_app_rows(g, width))
     return out
 
 
