@@ -161,3 +161,24 @@ def test_a_long_event_message_is_folded_so_its_fix_is_seen(tmp_path):
             assert "nothing is restarted: resume it with `kill -CONT 4343`" in text
 
     run(scenario())
+
+
+def test_a_crash_read_from_status_json_opens_with_the_trainers_words_not_its_signature():
+    """status.json's error is a signature with its numbers blanked ("allocate N.N
+    GiB", for matching); the event's first error line is what the trainer said."""
+    from dflashctl import contract
+    from dflashctl.detectors import detect
+    from dflashctl.store import Event
+    from dflashctl.tui.model import EventView
+    from tests.test_detectors import EXPECT, HEALTHY, obs
+    from tests.test_detectors import NOW as T
+
+    said = "CUDA out of memory. Tried to allocate 2.50 GiB (GPU 3; 139.81 GiB total capacity)"
+    signature = contract.error_signature("OutOfMemoryError", said)  # as trainer/train.py writes it
+    assert "allocate N.N GiB" in signature
+    seen = obs(contract.PHASE_FAILED, session_alive=False, alive=False, exit_code=1, error=signature)
+    seen.status.detail = {"message": said, "exit_code": 1}
+    [f] = detect(HEALTHY, seen, "running", EXPECT, T)
+    assert f.detail["status_error"] == signature  # kept for matching
+    event = EventView.from_event(Event(1, PROD, T, f.kind, f.severity, f.message, f.detail))
+    assert event.first_error == f"OutOfMemoryError: {said}"

@@ -353,10 +353,14 @@ class EventView:
         d = self.detail
         finding = d.get("finding") if isinstance(d.get("finding"), dict) else {}
         for value in (d.get("matched_line"), d.get("exception"), finding.get("matched_line"),
-                      finding.get("exception"), d.get("status_error")):
+                      finding.get("exception")):
             if isinstance(value, str) and value.strip():
                 return value.strip()
-        return None
+        signature, message = d.get("status_error"), d.get("status_message")
+        if isinstance(message, str) and message.strip():  # status.json's: "Type: N" -> "Type: " + its real words
+            kind = signature.split(":", 1)[0] if isinstance(signature, str) and ":" in signature else None
+            return f"{kind}: {message.strip()}" if kind else message.strip()
+        return signature if isinstance(signature, str) and signature.strip() else None
 
     def cells(self) -> tuple[str, ...]:
         return (fmt_clock(self.time), self.severity, self.classification or self.kind, self.message)
