@@ -244,7 +244,9 @@ def detect_crash(probe: "ProbeResult", assigned_gpus: Sequence[int] | None = Non
         "evidence": evidence,
         "exception": exception,
         "exit_code": probe.exit_code,
-        "status_error": status.error if status else None,
+        "status_error": status.error if status else None,  # the signature (numbers blanked): for matching
+        # The trainer's own words for it (status.json's detail.message), numbers kept: for the operator.
+        "status_message": (status.detail or {}).get("message") if status else None,
         "phase": status.phase if status else None,
         "step": status.step if status else None,
     }

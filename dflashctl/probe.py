@@ -95,6 +95,7 @@ class ProbeResult:
     gpus: list[GpuReading] | None = None  # None: not asked for or nvidia-smi failed
     compute_apps: list[ComputeApp] | None = None
     errors: list[str] = field(default_factory=list)
+    standby_pid: int | None = None  # the pid in standby.json: the next restart's trainer, waiting
 
     def next_args(self, previous: ProbeArgs) -> ProbeArgs:
         """The arguments for the next poll of this run: the metrics offset moves on
@@ -275,6 +276,7 @@ def _run_result(raw: dict, host_time: float, hostname, gpus, apps, host_errors: 
         gpus=gpus,
         compute_apps=apps,
         errors=errors + host_errors,
+        standby_pid=check.int("standby_pid", 1, 2**31 - 1),
     )
 
 

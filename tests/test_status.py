@@ -77,14 +77,17 @@ def store(tmp_path):
 def test_status_view(store):
     now = time.time()
     view = load_status(store, now)
-    # Needs attention first (the launching run nobody watches), then active, then newest.
-    assert [r.id for r in view.runs] == [RUN_C, RUN_A, RUN_B]
-    assert view.selected == RUN_C and [e.message for e in view.events] == ["launch requested"]
-    smoke, prod, demo = view.runs
+    # Needs attention first: the run that failed 50 s ago, the launching run nobody
+    # watches, the regressed one (its regression warning stands); then active, then newest.
+    assert [r.id for r in view.runs] == [RUN_B, RUN_C, RUN_A]
+    assert view.selected == RUN_B and [e.message for e in view.events] == [
+        "launch requested", "trainer started", "the trainer ended: crash"]
+    demo, smoke, prod = view.runs
+    assert (demo.attention, smoke.attention, prod.attention) == ("failed", None, "regressed")
 
     cells = {k: prod.cell(k) for k in ("state", "phase", "step", "progress", "tok_s", "loss", "accept", "mfu",
                                        "restarts", "eta")}
-    assert cells == {"state": "running", "phase": "training", "step": "1,350/120,000", "progress": "1.1%",
+    assert cells == {"state": "regressed ↻1", "phase": "training", "step": "1,350/120,000", "progress": "1.1%",
                      "tok_s": "12.3K", "loss": "1.800", "accept": "4.70", "mfu": "42%", "restarts": "1",
                      "eta": prod.cell("eta")}
     assert prod.freshness.supervised and prod.freshness.live and prod.freshness.supervisor_pid == 1
@@ -105,7 +108,7 @@ def test_status_view(store):
     assert (g0.role, g0.run_id, g0.memory_text(), g0.power_text()) == ("target", RUN_A, "88/140G", "650/700W")
     assert (g1.role, g1.utilization_pct, g1.memory_text()) == ("drafter", None, NA)
     payload = json.loads(json.dumps(view.to_dict()))
-    assert payload["schema"] == SCHEMA and payload["runs"][1]["tok_s_history"] == PROD_TOK_S
+    assert payload["schema"] == SCHEMA and payload["runs"][2]["tok_s_history"] == PROD_TOK_S
 
 
 def test_one_run_by_prefix_and_unknown_runs(store):
@@ -255,7 +258,7 @@ def test_cli_once_and_json(store):
     once = _cli(store.path, "--once")
     assert once.returncode == 0, once.stderr
     text = once.stdout
-    for needle in (RUN_A, RUN_B, RUN_C, "1,350/120,000", "12.3K", f"events of {RUN_C}", "GPUs", "88/140G",
+    for needle in (RUN_A, RUN_B, RUN_C, "1,350/120,000", "12.3K", f"events of {RUN_B}", "GPUs", "88/140G",
                    "unsupervised", f"dflashctl watch {RUN_C}"):
         assert needle in text, needle
     # Not a terminal: the table, not the live screen.
@@ -263,8 +266,9 @@ def test_cli_once_and_json(store):
         [line.split()[:3] for line in text.splitlines()[2:6]]
 
     payload = json.loads(_cli(store.path, "--json").stdout)
-    assert [r["id"] for r in payload["runs"]] == [RUN_C, RUN_A, RUN_B]
-    prod = payload["runs"][1]
+    assert [r["id"] for r in payload["runs"]] == [RUN_B, RUN_C, RUN_A]
+    assert [r["attention"] for r in payload["runs"]] == ["failed", None, "regressed"]
+    prod = payload["runs"][2]
     assert (prod["step"], prod["total_steps"], prod["restarts"], prod["active"]) == (1350, 120000, 1, True)
     assert prod["freshness"]["supervised"] and prod["phase"]["name"] == "training"
     assert prod["tok_s_history"] == PROD_TOK_S and len(payload["gpus"]) == 2

@@ -42,6 +42,7 @@ STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.jsonl"
 LOG_FILE = "trainer.log"
 EXIT_CODE_FILE = "exit_code"
+STANDBY_FILE = "standby.json"  # a standby trainer's pid, once it waits (its GPU process is named by it)
 
 TMUX_SOCKET = "dflash"  # tmux -L socket when a run spec names none (dflashctl.probe.TMUX_SOCKET)
 
@@ -269,6 +270,17 @@ def read_exit_code(path):
     return int(text)
 
 
+def read_standby_pid(path):
+    """The pid a standby trainer wrote in standby.json (None: no standby waits)."""
+    data = read_bounded(path, EXIT_CODE_MAX_BYTES * 64)
+    if data is None or not data.strip():
+        return None
+    pid = json.loads(data.decode("utf-8", "replace")).get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= MAX_PID:
+        raise ValueError("no pid in standby.json: %r" % (pid,))
+    return pid
+
+
 def process_state(pid):
     try:
         os.kill(pid, 0)
@@ -346,6 +358,8 @@ def probe_run(spec, default_timeout):
                           spec_number(spec, "metrics_max_bytes", METRICS_DEFAULT_BYTES, 1, METRICS_MAX_BYTES, errors))
     out["log_tail"] = step(errors, LOG_FILE, timeout, read_tail, os.path.join(run_dir, LOG_FILE), lines)
     out["exit_code"] = step(errors, EXIT_CODE_FILE, timeout, read_exit_code, os.path.join(run_dir, EXIT_CODE_FILE))
+    if spec.get("nvidia_smi", True):  # names the standby's GPU process in the GPU pane
+        out["standby_pid"] = step(errors, STANDBY_FILE, timeout, read_standby_pid, os.path.join(run_dir, STANDBY_FILE))
     pid = (status or {}).get("pid") or spec_number(spec, "pid_hint", 0, 0, MAX_PID, errors)
     if pid > 0:  # kill(0 or -N, 0) would address a process group
         out["process"] = step(errors, "process %d" % pid, timeout, process_state, pid)

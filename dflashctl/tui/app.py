@@ -37,9 +37,9 @@ from textual.worker import get_current_worker
 from dflashctl.errors import DflashError, first_line
 from dflashctl.store import Store
 from dflashctl.tui.actions import plan, readonly_default
-from dflashctl.tui.model import SORTS, DirectProbe, StatusReader, StatusView, filter_runs, sort_runs
+from dflashctl.tui.model import SORTS, DirectProbe, EventView, StatusReader, StatusView, filter_runs, sort_runs
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen
-from dflashctl.tui.text import gpu_text, notice_text, run_text
+from dflashctl.tui.text import banner_text, gpu_text, notice_text, run_text
 from dflashctl.tui.widgets import FilterBox, Pane, RunsTable
 
 COMPACT_WIDTH, COMPACT_HEIGHT = 100, 30
@@ -71,6 +71,8 @@ class StatusApp(App):
     ENABLE_COMMAND_PALETTE = False
     CSS = """
     #title { height: 1; background: $boost; padding: 0 1; }
+    #banner { height: auto; max-height: 3; padding: 0 1; display: none; background: $error 30%; }
+    #banner.-shown { display: block; }
     #notices { height: auto; max-height: 2; padding: 0 1; display: none; }
     #notices.-shown { display: block; }
     #runs { height: auto; max-height: 50%; min-height: 3; }
@@ -124,6 +126,11 @@ class StatusApp(App):
         self.probe_unsupervised = probe_unsupervised
         self.probes: dict[str, DirectProbe] = {}
         self.probing: set[str] = set()
+        # Error events already announced: the first read takes what is there as known,
+        # each later one that is new rings the bell once and raises the banner.
+        self.seen_error: int | None = None
+        self.banner: EventView | None = None
+        self.bells = 0
         # What the workers use to reach a host, imported now: once the screen runs,
         # sys.stdout is Textual's capture, and libtmux reads sys.stdout.encoding on import.
         import dflashctl.config  # noqa: F401
@@ -134,6 +141,7 @@ class StatusApp(App):
 
     def compose(self) -> ComposeResult:
         yield Static(id="title")
+        yield Static(id="banner")
         yield Static(id="notices")
         # Above the runs it filters, never under the footer: what is typed is seen.
         yield FilterBox(placeholder="filter: words in id, playbook, host, state, phase (Enter keeps, Esc clears)",
@@ -192,11 +200,30 @@ class StatusApp(App):
 
     def show(self, view: StatusView) -> None:
         self.view = view
+        self.announce(view.errors)
         if self.selected is None or self.selected not in {r.id for r in view.runs}:
             self.selected = view.selected
         self.draw()
         self.loads += 1
         self.probe_unwatched(view)
+
+    def announce(self, errors: list[EventView]) -> None:
+        """A new error event (one not in an earlier read): the terminal bell, a toast,
+        and the banner over the runs, once per event, never on a refresh that brings
+        none."""
+        newest = max((e.id for e in errors), default=0)
+        if self.seen_error is None:
+            self.seen_error = newest
+            return
+        new = [e for e in errors if e.id > self.seen_error]
+        self.seen_error = max(self.seen_error, newest)
+        if not new:
+            return
+        self.banner = new[-1]
+        self.bell()
+        self.bells += 1
+        more = f" (+{len(new) - 1} more)" if len(new) > 1 else ""
+        self.notify(f"{new[-1].run_id}: {new[-1].message}{more}", title="new error", severity="error", timeout=10)
 
     # ----------------------------------------------------------------- runs nobody watches
 
@@ -247,6 +274,10 @@ class StatusApp(App):
         width = width or self.size.width
         runs = self.shown_runs()
         self.query_one("#title", Static).update(self.title_text(view, len(runs), width))
+        banner = self.query_one("#banner", Static)
+        banner.set_class(self.banner is not None, "-shown")
+        if self.banner is not None:
+            banner.update(banner_text(self.banner, width - 2, lines=1 if self.mode == "compact" else 3))
         notices = self.query_one("#notices", Static)
         notices.set_class(bool(view.notices), "-shown")
         notices.update(notice_text(view.notices, width - 2, lines=1 if self.mode == "compact" else 2))
@@ -317,6 +348,11 @@ class StatusApp(App):
 
     def action_back(self) -> None:
         box = self.query_one(FilterBox)
+        if self.banner is not None and not (box.shown or self.filter_text):
+            self.banner = None  # Esc puts the banner away (the event stays in the run's events)
+            if self.view is not None:
+                self.draw()
+            return
         if box.shown or self.filter_text:
             box.close()
             self.filter_text = ""

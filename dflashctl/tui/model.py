@@ -51,6 +51,7 @@ FINISHED_HISTORY = 12  # of a finished run
 SMOOTH_WINDOW_S = 300.0  # tok/s and the ETA are averaged over this much of the newest data
 GPU_HISTORY = 16  # GPU readings per GPU in its history
 EVENTS = 40  # recent events of the selected run
+ERRORS = 20  # newest error events of every run read on each refresh (the console's banner and bell)
 DETAIL_EVENTS = 500  # events in a run's detail view
 RECENT_RUNS = 20  # finished runs shown besides the active ones
 SERIES_POINTS = 240  # buckets of a run's whole history in its charts
@@ -336,10 +337,30 @@ class EventView:
     severity: str
     message: str
     classification: str = ""
+    id: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_event(cls, e: Event) -> "EventView":
-        return cls(e.time, e.run_id, e.kind, e.severity, e.message, classify(e))
+        return cls(e.time, e.run_id, e.kind, e.severity, e.message, classify(e), e.id,
+                   e.detail if isinstance(e.detail, dict) else {})
+
+    @property
+    def first_error(self) -> str | None:
+        """The trainer's own first error line behind the event, as it printed it (the
+        line its crash signature matched, else the exception of its traceback, else
+        the error its status.json named), never the signature's numberless pattern."""
+        d = self.detail
+        finding = d.get("finding") if isinstance(d.get("finding"), dict) else {}
+        for value in (d.get("matched_line"), d.get("exception"), finding.get("matched_line"),
+                      finding.get("exception")):
+            if isinstance(value, str) and value.strip():
+                return value.strip()
+        signature, message = d.get("status_error"), d.get("status_message")
+        if isinstance(message, str) and message.strip():  # status.json's: "Type: N" -> "Type: " + its real words
+            kind = signature.split(":", 1)[0] if isinstance(signature, str) and ":" in signature else None
+            return f"{kind}: {message.strip()}" if kind else message.strip()
+        return signature if isinstance(signature, str) and signature.strip() else None
 
     def cells(self) -> tuple[str, ...]:
         return (fmt_clock(self.time), self.severity, self.classification or self.kind, self.message)
@@ -355,6 +376,28 @@ def classify(e: Event) -> str:
     if signature is None and isinstance(detail.get("finding"), dict):
         signature = detail["finding"].get("signature")
     return f"{e.kind}:{signature}" if signature else e.kind
+
+
+@dataclass
+class AppView:
+    """A compute process on a GPU: whose it is (the run's trainer or standby, or
+    ``foreign``: no process of a run)."""
+
+    pid: int | None
+    name: str | None
+    used_memory_mib: float | None
+    role: str | None = None  # trainer | standby | None (foreign)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "AppView":
+        pid = row.get("pid") if isinstance(row.get("pid"), int) else None
+        name = row.get("name") if isinstance(row.get("name"), str) else None
+        role = row.get("role") if row.get("role") in ("trainer", "standby") else None
+        return cls(pid, name, _float(row.get("used_memory_mib")), role)
+
+    @property
+    def foreign(self) -> bool:
+        return self.role is None
 
 
 @dataclass
@@ -375,6 +418,23 @@ class GpuView:
     power_limit_w: float | None = None
     utilization_history: list[float] = field(default_factory=list)
     memory_history: list[float] = field(default_factory=list)  # used fraction 0..1
+    apps: list[AppView] = field(default_factory=list)  # its compute processes (nvidia-smi --query-compute-apps)
+    apps_read: bool = False  # the reading listed compute processes (an older supervisor's did not)
+    stale_after_s: float | None = None  # three polls of the run whose supervisor read it
+
+    IDLE_PCT = 5.0  # at most this busy, no process and no run holding it: idle (drawn dim)
+
+    @property
+    def idle(self) -> bool:
+        return self.run_id is None and not self.apps and (self.utilization_pct or 0.0) <= self.IDLE_PCT
+
+    def age_s(self, now: float) -> float | None:
+        return None if self.time is None else max(0.0, now - self.time)
+
+    def stale(self, now: float) -> bool:
+        """Older than three polls: the readings are not today's, whatever the host says."""
+        age = self.age_s(now)
+        return age is not None and self.stale_after_s is not None and age > self.stale_after_s
 
     @property
     def memory_fraction(self) -> float | None:
@@ -535,6 +595,7 @@ class RunView:
     roles: dict[int, str] = field(default_factory=dict)
     hosts: list[RunHostView] = field(default_factory=list)  # a multi-host run's, by rank ([]: one host)
     probe: DirectProbe | None = None  # what the console saw itself of it, while nobody supervises it
+    attention: str | None = None  # failed, crash loop, stalled, regressed: what sorts it first (``ATTENTION``)
 
     @property
     def probed(self) -> DirectProbe | None:
@@ -615,7 +676,13 @@ class RunView:
         if key == "run":
             return self.id
         if key == "state":
-            return self.display_state
+            # A run that crashed and was restarted carries its count ("running ↻2") where
+            # it fits the column (and is underlined, ``style``): it never looks like one
+            # that never crashed, whichever columns fit.
+            shown = self.attention if self.attention in ("crash loop", "regressed") \
+                and self.display_state in PROGRESSING + (RESTARTING,) else self.display_state
+            mark = f" ↻{self.restarts}" if self.restarts and shown != RESTARTING else ""
+            return shown + mark if len(shown + mark) <= COLUMN["state"].width else shown
         probed = self.probed
         if key == "phase":
             if probed is not None and (probed.phase or probed.exit_code is not None):
@@ -656,7 +723,9 @@ class RunView:
     def style(self, key: str) -> str:
         """Style of one cell ('' for none)."""
         if key == "state":
-            return STATE_STYLE.get(self.display_state, "")
+            if self.attention in ("crash loop", "regressed") and self.display_state in PROGRESSING + (RESTARTING,):
+                return "bold red"
+            return STATE_STYLE.get(self.display_state, "") + (" underline" if self.restarts else "")
         if key in ("phase", "step") and self.probed is not None:
             return "cyan"
         if key == "phase" and self.active:
@@ -670,7 +739,7 @@ class RunView:
         if key == "tau" and self.tau_note:
             return "yellow"
         if key == "restarts" and self.restarts:
-            return "yellow"
+            return "bold red" if self.attention == "crash loop" else "bold yellow"
         return ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -747,8 +816,6 @@ SORTS = ("default", "state", "host", "progress", "tok/s", "ETA", "created")
 def sort_runs(runs: list[RunView], key: str) -> list[RunView]:
     """Runs in the order of a sort key (``SORTS``); ``default``: needs-attention first,
     then active, then newest."""
-    attention = {"unsupervised": 0, "unreachable": 1, "failed": 2, "stalled": 2, "lost": 3, "stale": 3,
-                 "restarting": 4}
     if key == "state":
         return sorted(runs, key=lambda r: (r.display_state, -r.created))
     if key == "host":
@@ -761,8 +828,43 @@ def sort_runs(runs: list[RunView], key: str) -> list[RunView]:
         return sorted(runs, key=lambda r: (r.eta_s is None, r.eta_s or 0))
     if key == "created":
         return sorted(runs, key=lambda r: -r.created)
-    return sorted(runs, key=lambda r: (attention.get(r.display_state, 9) if r.active else 9, not r.active,
-                                       -r.created))
+    return sorted(runs, key=lambda r: (attention_rank(r), not r.active, -r.created))
+
+
+# What needs the operator first: a run's ``attention`` (failed, crash loop, stalled,
+# regressed), then an active run's display state; everything else after, active first.
+ATTENTION = {"failed": 0, "crash loop": 0, "unsupervised": 1, "stalled": 1, "unreachable": 2, "regressed": 2,
+             "lost": 3, "stale": 3, "store busy": 3, "restarting": 4}
+FAILED_RECENT_S = 24 * 3600.0  # a failed run sorts first this long after it ended
+CRASH_LOOP_RESTARTS = 2  # counted restarts in the playbook's restart window without step progress
+
+
+def attention_rank(r: RunView) -> int:
+    ranks = [ATTENTION[r.attention]] if r.attention in ATTENTION else []
+    if r.active:
+        ranks.append(ATTENTION.get(r.display_state, 8))
+    return min(ranks, default=9)
+
+
+def attention_of(run: Run, display_state: str, restarts: Sequence[Any], regression: Event | None, now: float,
+                 window_s: float) -> str | None:
+    """Why a run needs the operator before the others (None: it does not): it failed
+    (within ``FAILED_RECENT_S``), it is crash-looping (``CRASH_LOOP_RESTARTS`` counted
+    restarts within ``window_s`` with no step gained between them), it is stalled,
+    or its newest regression finding has not been cleared."""
+    if run.state == "failed":
+        return "failed" if now - (run.ended or run.updated or run.created) <= FAILED_RECENT_S else None
+    if run.state not in ACTIVE_STATES:
+        return None
+    recent = [r for r in restarts if r.counts and now - r.time <= window_s]
+    steps = {r.step_before for r in recent}
+    if len(recent) >= CRASH_LOOP_RESTARTS and len(steps) == 1:
+        return "crash loop"
+    if display_state == "stalled":
+        return "stalled"
+    if regression is not None and regression.severity != "info":
+        return "regressed"
+    return None
 
 
 def matching(items: Sequence[Any], text: str, words_of: Callable[[Any], str]) -> list[Any]:
@@ -797,6 +899,7 @@ class StatusView:
     supervisors: int = 0  # supervisors ticking now
     blocked: int = 0  # supervisors alive but unable to write: the store's write lock is held by another
     busy_s: float = 0.0  # the longest of those silences
+    errors: list[EventView] = field(default_factory=list)  # the newest error events of every run, oldest first
 
     @property
     def selected_run(self) -> RunView | None:
@@ -1047,6 +1150,9 @@ class StatusReader:
             gpus=run.gpus, roles=roles_of(run),
             hosts=[RunHostView.from_row(h, now, fresh.stale_after_s) for h in run.hosts],
         )
+        regression = store.events(run.id, kind="regression", limit=1) if run.active else []
+        view.attention = attention_of(run, view.display_state, restarts, regression[-1] if regression else None, now,
+                                      self.thresholds(run).restart_window_s if restarts else 0.0)
         process = current_process(samples)
         view.tok_s_history = [s.tok_s for s in process if s.tok_s is not None]
         view.loss_history = [s.loss for s in process if s.loss is not None]
@@ -1095,10 +1201,12 @@ class StatusReader:
                 for s in samples:
                     for g in gpu_readings(s.gpu):
                         history.setdefault(g.get("index"), []).append(g)
+                stale_after = 3 * self.thresholds(run).poll_interval_s
                 for g in gpu_readings(samples[-1].gpu):
                     index = g.get("index") if isinstance(g.get("index"), int) else None
                     holder, role = holders.get(index, (None, None))
                     past = history.get(g.get("index"), [])
+                    apps = g.get("apps") if isinstance(g.get("apps"), list) else None
                     hv.gpus.append(GpuView(
                         host, index, g.get("name") if isinstance(g.get("name"), str) else None, role, holder,
                         _sample_clock(samples[-1]), _float(g.get("utilization_pct")), _float(g.get("memory_used_mib")),
@@ -1106,7 +1214,9 @@ class StatusReader:
                         _float(g.get("power_draw_w")), _float(g.get("power_limit_w")),
                         [v for v in (_float(p.get("utilization_pct")) for p in past) if v is not None],
                         [u / t for u, t in ((_float(p.get("memory_used_mib")), _float(p.get("memory_total_mib")))
-                                            for p in past) if u is not None and t]))
+                                            for p in past) if u is not None and t],
+                        [AppView.from_row(a) for a in apps or [] if isinstance(a, dict)], apps is not None,
+                        stale_after))
             else:
                 for index, (holder, role) in sorted(holders.items()):
                     hv.gpus.append(GpuView(host, index, role=role, run_id=holder))
@@ -1130,8 +1240,9 @@ class StatusReader:
         ticking = sum(1 for b in heartbeats if not b.get("stopped")
                       and now - (b.get("last_tick") or 0) <= 3 * max(1.0, b.get("interval") or 1))
         blocked = [now - (b.get("last_tick") or now) for b in heartbeats if b.get("store_busy")]
+        errors = [EventView.from_event(e) for e in store.events(min_severity="error", limit=ERRORS)]
         return StatusView(now, store.path, runs, selected, recent, hosts, notices_of(runs, now), ticking,
-                          len(blocked), max(blocked, default=0.0))
+                          len(blocked), max(blocked, default=0.0), errors)
 
     def detail(self, run_ref: str, now: float) -> DetailView:
         """One run in full: every event (the newest ``DETAIL_EVENTS``), its whole history
@@ -1244,6 +1355,8 @@ JSON_SCHEMA: dict[str, Any] = {
                                                                         "complete (false: stopped early)"},
                 "tau_note": {**_STR, "description": "why tau is more than contract.TAU_GAP_MARGIN below tau_est"},
                 "mfu": _NUM, "restarts": {"type": "integer"}, "exit_reason": _STR,
+                "attention": {**_STR, "description": "why it sorts first: failed (within a day), crash loop, "
+                                                     "stalled, regressed; null: nothing needs the operator"},
                 "last_event": {"type": ["object", "null"]}, "tok_s_history": {"type": "array"},
                 "gpus": {"type": "array"}, "roles": {"type": "object"},
                 "hosts": {"type": "array", "description": "a run on several hosts: one per host, by rank, as the "

@@ -21,15 +21,15 @@ from textual.worker import get_current_worker
 
 from dflashctl.contract import TAU_GAP_MARGIN
 from dflashctl.errors import DflashError, first_line
-from dflashctl.tui.model import STATE_STYLE, DetailView, filter_events, matching
-from dflashctl.tui.text import detail_text
+from dflashctl.tui.model import STATE_STYLE, DetailView, EventView, filter_events, matching
+from dflashctl.tui.text import detail_text, event_text
 from dflashctl.tui.widgets import EventsTable, FilterBox, Pane
 
 KEYS = [
     ("↑ ↓  PgUp PgDn", "move between runs; the panels below follow the cursor"),
     ("Home / End", "first / last run"),
     ("Enter", "the run's detail: overview, history charts, thresholds, environment"),
-    ("e", "the run's events, each with its class"),
+    ("e", "the run's events, each with its class; Enter on one shows it in full with the trainer's first error line"),
     ("l", "the run's trainer log, followed as it grows"),
     ("x", "stop the run under the cursor (asks first, saying what happens): the trainer checkpoints and exits"),
     ("r", "restart the run under the cursor from its last checkpoint (asks first; a running trainer is stopped "
@@ -38,7 +38,7 @@ KEYS = [
           "lines (typed keys go to the filter box; Enter keeps it, Esc clears)"),
     ("s", "sort: needs attention first, state, host, progress, tok/s, ETA, newest"),
     ("F5 / Ctrl+R", "read the store now"),
-    ("Esc", "back: close a panel, clear the filter, leave a detail view"),
+    ("Esc", "back: close a panel, put away the new-error banner, clear the filter, leave a detail view"),
     ("? ", "this panel"),
     ("--readonly", "status --readonly (or DFLASHCTL_READONLY=1): no stop / restart keys at all"),
     ("q / Ctrl+C", "quit"),
@@ -113,6 +113,29 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def action_answer(self, yes: bool) -> None:
         self.dismiss(yes)
+
+
+class EventScreen(ModalScreen[None]):
+    """One event in full (Enter on an event): its whole message, the trainer's own
+    first error line and the signature it matched. Esc, Enter or q closes it."""
+
+    DEFAULT_CSS = """
+    EventScreen { align: center middle; }
+    EventScreen > VerticalScroll { width: 100; max-width: 95%; height: auto; max-height: 90%;
+                                   border: thick $error; background: $surface; padding: 1 2; }
+    """
+    BINDINGS = [Binding("escape,enter,q", "close", "Close")]
+
+    def __init__(self, event: EventView) -> None:
+        super().__init__()
+        self.event = event
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Static(event_text(self.event), id="event-text")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
 
 
 class DetailScreen(Screen):
@@ -220,6 +243,13 @@ class DetailScreen(Screen):
         log.clear()
         for line in matching(self.log_kept, text, str):
             log.write(Text(line))
+
+    def on_data_table_row_selected(self, message) -> None:
+        if message.data_table.id == "detail-events" and message.row_key is not None:
+            message.stop()
+            event = self.query_one(EventsTable).event_at(message.row_key.value)
+            if event is not None:
+                self.app.push_screen(EventScreen(event))
 
     def action_tab(self, tab: str) -> None:
         self.query_one(TabbedContent).active = tab

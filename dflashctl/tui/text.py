@@ -9,13 +9,15 @@ a host.
 
 from __future__ import annotations
 
+import textwrap
+
 from rich.text import Text
 
 from dflashctl.terminal import printable
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.tui.model import (
     NA, PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, DirectProbe, EventView, HostView,
-    Notice, RunHostView, RunView, bar, fit, fit_middle, resample, spark,
+    Notice, RunHostView, RunView, bar, fit, fit_middle, resample, short_duration, spark,
 )
 
 def notice_text(notices: list[Notice], width: int, lines: int = 2) -> Text:
@@ -35,10 +37,20 @@ def notice_text(notices: list[Notice], width: int, lines: int = 2) -> Text:
     return out
 
 
+def _age(g, now: float) -> tuple[str, str]:
+    """A reading's age and its style: red past three polls (``GpuView.stale``)."""
+    age = g.age_s(now)
+    if age is None:
+        return NA, "dim"
+    return short_duration(age), "bold red" if g.stale(now) else "dim"
+
+
 def _gpu_row(g, width: int, compact: bool, now: float) -> Text:
     role = {"target": "target", "drafter": "drafter", "target+drafter": "tgt+drf"}.get(g.role or "", "-")
     util = NA if g.utilization_pct is None else f"{g.utilization_pct:3.0f}%"
     temp = NA if g.temperature_c is None else f"{g.temperature_c:.0f}°C"
+    age, age_style = _age(g, now)
+    foreign = sum(a.foreign for a in g.apps)
     row = Text()
     if compact:
         row.append(f" {'' if g.index is None else g.index:>2} ")
@@ -47,22 +59,48 @@ def _gpu_row(g, width: int, compact: bool, now: float) -> Text:
         row.append(f" {util:>4} ")
         row.append(bar(g.memory_fraction, 5), style="cyan")
         row.append(f" {g.memory_text():>8} {temp:>5} {g.power_text():>9} ")
+        row.append(f"{age:>4} ", style=age_style)
+        if foreign:
+            row.append(f"⚠{foreign} ", style="bold yellow")
         room = width - row.cell_len - 1
         if room > 8 and g.run_id:
             row.append(fit_middle(g.run_id, min(room, 25)), style="dim")
-        return row
-    bars = max(6, min(20, (width - 92) // 3 + 8))
-    hist = max(6, min(24, width - 80 - 2 * bars))
-    row.append(f" {'' if g.index is None else g.index:>2} ")
-    row.append(f"{role:<8}", style="bold")
-    row.append(f"{fit_middle(g.run_id or '-', 16):<16} ", style="dim" if not g.run_id else "")
-    row.append("util ")
-    row.append(bar((g.utilization_pct or 0) / 100 if g.utilization_pct is not None else None, bars), style="green")
-    row.append(f" {util:>4}  mem ")
-    row.append(bar(g.memory_fraction, bars), style="cyan")
-    row.append(f" {g.memory_text():>8}  {temp:>5}  {g.power_text():>9}  ")
-    row.append(spark(g.utilization_history, hist, high=100.0), style="green")
+    else:
+        bars = max(6, min(20, (width - 100) // 3 + 7))  # the row is 79 cells besides its bars and history
+        hist = max(6, min(24, width - 80 - 2 * bars))
+        row.append(f" {'' if g.index is None else g.index:>2} ")
+        row.append(f"{role:<8}", style="bold")
+        row.append(f"{fit_middle(g.run_id or ('idle' if g.idle else '-'), 16):<16} ", style="dim" if not g.run_id else "")
+        row.append("util ")
+        row.append(bar((g.utilization_pct or 0) / 100 if g.utilization_pct is not None else None, bars), style="green")
+        row.append(f" {util:>4}  mem ")
+        row.append(bar(g.memory_fraction, bars), style="cyan")
+        row.append(f" {g.memory_text():>8}  {temp:>5}  {g.power_text():>9}  ")
+        row.append(f"{age:>5} ", style=age_style)
+        row.append(spark(g.utilization_history, hist, high=100.0), style="green")
+    if g.idle:
+        row.stylize("dim")
     return row
+
+
+def _app_rows(g, width: int) -> Text:
+    """A GPU's compute processes, one line each: pid, memory, name; the run's trainer
+    (or standby) named, any other process marked foreign."""
+    out = Text()
+    for a in g.apps:
+        out.append("\n")
+        line = Text(f"      pid {a.pid if a.pid is not None else NA:>7}  "
+                    f"{NA if a.used_memory_mib is None else f'{a.used_memory_mib / 1024:.1f}G':>6}  ")
+        if a.foreign:
+            line.append("foreign ", style="bold yellow")
+        else:
+            line.append(f"{a.role} ", style="bold green")
+            if g.run_id:
+                line.append(f"of {g.run_id} ", style="dim")
+        line.append(_one_line(a.name or ""), style="dim")
+        line.truncate(width, overflow="ellipsis")
+        out.append_text(line)
+    return out
 
 
 def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = False) -> Text:
@@ -83,6 +121,8 @@ def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = Fals
         for g in h.gpus:
             out.append("\n")
             out.append_text(_gpu_row(g, width, compact, now))
+            if not compact:
+                out.append_text(_app_rows(g, width))
     return out
 
 
@@ -172,12 +212,78 @@ def run_text(run: RunView | None, events: list[EventView], width: int, now: floa
             out.append(f"\n{name:<6}")
             out.append(spark(values, max(8, min(60, width - 30)), high=high), style=style)
             out.append(f" {len(values)} newest samples, from 0", style="dim")
-    shown = events[-event_lines:] if event_lines > 0 else []
-    for e in shown:
+    out.append_text(event_lines_text(events, width, event_lines))
+    return out
+
+
+EVENT_FOLD = 3  # lines an event's message may take in the run pane (its end, the fix, is never cut off)
+
+
+def event_lines_text(events: list[EventView], width: int, lines: int) -> Text:
+    """The newest events that fit ``lines`` lines, oldest first, each message folded
+    onto up to ``EVENT_FOLD`` indented lines rather than cut: a finding's fix is at
+    its end ("resume it with `kill -CONT`")."""
+    out = Text()
+    body = max(10, width - 17)
+    blocks: list[list[str]] = []
+    used = 0
+    for e in reversed(events):
+        if used >= lines:
+            break
+        folded = textwrap.wrap(f"{_one_line(e.classification or e.kind):<14} {_one_line(e.message)}", body) or [""]
+        folded = folded[:min(EVENT_FOLD, max(1, lines - used))]
+        if len(folded) == EVENT_FOLD or used + len(folded) >= lines:
+            folded[-1] = fit(folded[-1], body)
+        blocks.append(folded)
+        used += len(folded)
+    shown = events[len(events) - len(blocks):] if blocks else []
+    for e, folded in zip(shown, reversed(blocks)):
         out.append("\n")
         out.append(f"{fmt_clock(e.time)} ", style="dim")
         out.append(f"{e.severity:<7} ", style=SEVERITY_STYLE.get(e.severity, ""))
-        out.append(fit(f"{e.classification or e.kind:<14} {e.message}", max(10, width - 17)))
+        out.append(folded[0])
+        for more in folded[1:]:
+            out.append(f"\n{'':17}{more}")
+    return out
+
+
+def banner_text(e: EventView, width: int, lines: int = 3) -> Text:
+    """The banner over the runs for a new error event: its run, time and message
+    (folded, not cut), and the trainer's own first error line."""
+    head = f"✖ new {e.severity} {fmt_clock(e.time)} {e.run_id or ''} {e.classification or e.kind}: "
+    first = e.first_error
+    text = _one_line(head + e.message + (f" · first error: {first}" if first and first not in e.message else ""))
+    folded = textwrap.wrap(text, max(10, width)) or [""]
+    if len(folded) > lines:
+        folded = folded[:lines]
+        folded[-1] = fit(folded[-1] + " …", max(10, width - 12)) + "  (Esc hides)"
+    return Text("\n".join(folded), style="bold")
+
+
+def event_text(e: EventView) -> Text:
+    """One event in full (the event window): when, what, its whole message, the
+    trainer's own first error line, then the signature it matched and its details."""
+    out = Text()
+    out.append(f"{fmt_clock(e.time)} ", style="dim")
+    out.append(e.severity, style=SEVERITY_STYLE.get(e.severity, "") or "bold")
+    out.append(f" · {e.classification or e.kind} · run {e.run_id or '-'}\n\n")
+    out.append(printable(e.message) + "\n")
+    first = e.first_error
+    if first:
+        out.append("\nfirst error line: ", style="bold")
+        out.append(printable(first) + "\n", style="red")
+    d = e.detail
+    finding = d.get("finding") if isinstance(d.get("finding"), dict) else {}
+    signature = d.get("signature") or finding.get("signature")
+    if signature:
+        out.append("signature: ", style="bold")
+        out.append(f"{signature}\n")
+    shown = {k: v for k, v in d.items() if k not in ("signature", "matched_line", "exception")}
+    for key, value in shown.items():
+        if isinstance(value, list):
+            value = "; ".join(map(str, value))
+        out.append(f"  {key}: ", style="dim")
+        out.append(printable(str(value)) + "\n")
     return out
 
 

@@ -131,10 +131,18 @@ class RunsTable(DataTable):
 
 
 class EventsTable(DataTable):
-    """A run's events, newest at the bottom, each with its class."""
+    """A run's events, newest at the bottom, each with its class; Enter opens one
+    in full (``screens.EventScreen``)."""
 
     def __init__(self, **kw) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, **kw)
+        self.events: list[EventView] = []
+
+    def event_at(self, key: str) -> EventView | None:
+        try:
+            return self.events[int(key)]
+        except (ValueError, IndexError):
+            return None
 
     def on_mount(self) -> None:
         self.add_column("time", key="time")
@@ -144,6 +152,7 @@ class EventsTable(DataTable):
 
     def show(self, events: list[EventView]) -> None:
         at_end = self.cursor_row >= self.row_count - 1
+        self.events = list(events)
         self.clear()
         for i, e in enumerate(events):
             time_text, severity, kind, message = e.cells()
