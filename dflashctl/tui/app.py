@@ -131,8 +131,8 @@ class StatusApp(App):
         self.seen_error: int | None = None
         self.banner: EventView | None = None
         self.bells = 0
-        # What the workers use to reach a host, imported now: once the screen runs,
-        # sys.stdout is Textual's capture, and libtmux reads sys.stdout.encoding on import.
+        # What the workers use to reach a host, imported now, before the screen runs and
+        # sys.stdout becomes Textual's capture (imports in a worker then would read it).
         import dflashctl.config  # noqa: F401
         import dflashctl.runhost  # noqa: F401
         import dflashctl.transport  # noqa: F401
