@@ -16,7 +16,6 @@ process's own import time (status.json's startup_s).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,7 +28,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_standby import status, wait_for  # noqa: E402  (this directory is on sys.path)
+from bench_standby import arguments, status, wait_for  # noqa: E402  (this directory is on sys.path)
 from dflashctl import contract  # noqa: E402
 from dflashctl.bundle import build_bundle  # noqa: E402
 from dflashctl.config import load_inventory, load_playbook  # noqa: E402
@@ -99,13 +98,8 @@ def one_mode(root: Path, standby: bool, args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--bucket", type=int, default=128)
-    p.add_argument("--restarts", type=int, default=2)
-    p.add_argument("--interval", type=float, default=0.5, help="supervisor poll interval")
-    p.add_argument("--json", action="store_true")
+    p = arguments(__doc__)
+    p.set_defaults(restarts=2)
     args = p.parse_args()
     os.environ.setdefault(SOCKET_ENV, f"bench-restart-{os.getpid()}")
     results = []
