@@ -178,7 +178,8 @@ def recompile_limit(n_devices: int, n_buckets: int, margin: int) -> int:
 
 
 class Discipline:
-    """The compile settings every thread applies (``enter_thread``) and their state."""
+    """The compile settings, applied for every thread by ``enter_thread`` (called in main,
+    before any thread starts), and their state."""
 
     def __init__(self, cfg, n_devices: int, enabled: bool, guard_eager_flex: bool):
         self.enabled = enabled

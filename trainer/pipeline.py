@@ -159,8 +159,7 @@ class Pipeline:
         return [th.name for th in self.threads if th.is_alive()]
 
     def _guard(self, body: Callable, index: int) -> None:
-        try:
-            self.discipline.enter_thread()
+        try:  # the compile settings are already in force here (Discipline.enter_thread, in main)
             body(index)
         except Stopped:
             pass

@@ -372,7 +372,9 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                         keep=cfg.train.keep_checkpoints)
 
     # ---------------------------------------------------------------- compile: artifacts, then warm-up before threads run free
-    discipline.enter_thread()
+    discipline.enter_thread()  # for every thread: the pipeline's, and torch's own backward threads
+    if discipline.enabled:
+        log(f"compile: a new thread sees {discipline.check_in_force()}")  # raises if it does not see the limits
     artifacts = compile_cache.Outcome()
     cache_fields: dict = {}
     if path.name == FLEX_COMPILED and cfg.compile.artifacts:
