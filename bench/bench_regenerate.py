@@ -50,15 +50,16 @@ def throughput(args) -> None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         began, tokens = time.perf_counter(), 0
-        for b in range(0, len(prompts), batch):
-            tokens += sum(map(len, decode_batch(target.model, prompts[b:b + batch], args.new_tokens, args.temperature,
+        timed = prompts[:batch * args.batches] if args.batches else prompts
+        for b in range(0, len(timed), batch):
+            tokens += sum(map(len, decode_batch(target.model, timed[b:b + batch], args.new_tokens, args.temperature,
                                                 set(), target.device)))
         if target.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - began
         print(json.dumps({"part": "regenerate", "preset": args.preset, "device": str(target.device),
                           "dtype": str(target.dtype).replace("torch.", ""), "batch_size": batch,
-                          "prompts": len(prompts), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                          "prompts": len(timed), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                           "temperature": args.temperature, "seconds": round(seconds, 3),
                           "tok_s": round(tokens / seconds, 1),
                           "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -111,6 +112,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
+    p.add_argument("--batches", type=int, default=0,
+                   help="part 1: time at most this many batches per batch size (default: all the prompts)")
     p.add_argument("--threads", type=int, help="CPU intra-op threads")
     p.add_argument("--e2e", action="store_true", help="part 2: regenerate, train, eval on the held-out prompts")
     p.add_argument("--steps", type=int, default=300)

@@ -28,10 +28,17 @@
 #                                 # preset with 2 drafter threads and the qwen3-0.6b preset with 3 drafter threads
 #                                 # and two buckets, at once; with OLD (another checkout), the small preset on
 #                                 # OLD's trainer beside them (the proof that the soak fails where it should)
-# Parts 6-9 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
+#   bash bench/gpu_session.sh 13  # 1 GPU: warm and artifact starts alternated (part 10's series); the sliding
+#                                 # BlockMask of both semantics against the dense mask, and its attention speed;
+#                                 # flex_attention on a sliding layer of each semantics; regeneration tokens/s
+#   bash bench/gpu_session.sh 14 [MIN]  # 1 GPU: regeneration tokens/s; regenerate -> train -> eval on held-out
+#                                 # prompts (tiny-cycle target); then part 12's two soaks for MIN minutes (default 4)
+#   bash bench/gpu_session.sh 15  # 1 GPU: reference size, 30 steps cold and warm; the threaded cold-start drill
+#                                 # (5 fresh caches with the discipline, 2 without)
+# Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|12" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|15" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -52,6 +59,26 @@ capture() {  # nvidia-smi under load, for tests/fixtures/nvidia-smi; $1: seconds
   nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu,temperature.gpu,power.draw,power.limit,clocks.sm \
     --format=csv,noheader,nounits > "$out/$2-query.csv"
   nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_uuid --format=csv,noheader,nounits > "$out/$2-apps.csv"
+}
+
+soak() {  # soak MIN OLD DIR: the small and qwen3-0.6b soaks at once for MIN minutes (and OLD's trainer beside them)
+  local min=$1 old=$2 dir=$3
+  if [ -n "$old" ]; then
+    python3 bench/bench_soak.py --preset small --drafters 2 --buckets 1024 --minutes "$min" --repo "$old" \
+      --work-dir /tmp/soak-old > "$dir/soak-small-old.log" 2>&1 &
+  fi
+  python3 bench/bench_soak.py --preset small --drafters 2 --buckets 1024 --minutes "$min" \
+    --work-dir /tmp/soak-small > "$dir/soak-small.log" 2>&1 &
+  python3 bench/bench_soak.py --preset qwen3-0.6b --drafters 3 --buckets 512,1024 --minutes "$min" \
+    --work-dir /tmp/soak-qwen > "$dir/soak-qwen.log" 2>&1 &
+  capture 120 soak
+  wait
+  tail -n 2 "$dir"/soak-*.log
+}
+
+artifacts() {  # artifacts DIR TIMEOUT: a cold start, then warm and artifact starts alternated (reference size)
+  timeout "$2" python3 bench/bench_trainer.py --runs cold,warm,artifact,warm,artifact,warm,artifact --steps 6 \
+    --timeout 110 --work-dir "$1/artifacts" --cache-dir "$1/cache-ref" 2>&1 | tee "$1/artifacts.log"
 }
 
 case "${1:-}" in
@@ -174,8 +201,7 @@ PY
     ;;
   10)
     work=$(mktemp -d)
-    timeout 330 python3 bench/bench_trainer.py --runs cold,warm,artifact,warm,artifact,warm,artifact --steps 6 \
-      --timeout 110 --work-dir "$work/artifacts" --cache-dir "$work/cache-ref" 2>&1 | tee "$work/artifacts.log"
+    artifacts "$work" 330
     python3 - "$work" <<'PY' 2>&1 | tee "$work/unpack.log"
 import glob, json, os, shutil, sys, time
 from trainer import bytecode, compile_cache as cc
@@ -218,18 +244,40 @@ for name in ("split", "shared"):
 PY
     pack "$work"
     ;;
+  13)
+    work=$(mktemp -d)
+    artifacts "$work" 300
+    timeout 120 python3 bench/bench_masks.py --device cuda --batch 2 --builders direct,eager --check-dense --attention \
+      2>&1 | tee "$work/masks.log"
+    for sem in causal_in_block bidirectional; do
+      timeout 90 python3 bench/bench_flex.py --device cuda --variants default --window 512 --semantics $sem 2>&1 \
+        | tee -a "$work/flex.log"
+    done
+    timeout 150 python3 bench/bench_regenerate.py --device cuda --preset qwen3-0.6b --prompts 256 --prompt-len 128 \
+      --new-tokens 256 --batch-sizes 1,16,64,128 --batches 2 2>&1 | tee "$work/regenerate.log"
+    pack "$work"
+    ;;
+  14)
+    work=$(mktemp -d)
+    timeout 150 python3 bench/bench_regenerate.py --device cuda --preset qwen3-0.6b --prompts 256 --prompt-len 128 \
+      --new-tokens 256 --batch-sizes 1,16,64,128 --batches 2 2>&1 | tee "$work/regenerate.log"
+    timeout 240 python3 bench/bench_regenerate.py --device cuda --preset tiny-cycle --e2e --steps 300 --samples 512 \
+      --holdout 32 --eval-prompts 16 --block-size 16 --bucket 512 --new-tokens 256 --batch-sizes 64 2>&1 \
+      | tee "$work/regenerate-e2e.log"
+    soak "${2:-4}" "" "$work"
+    pack "$work"
+    ;;
+  15)
+    work=$(mktemp -d)
+    timeout 150 python3 bench/bench_trainer.py --runs cold,warm --steps 30 --timeout 120 --work-dir "$work/ref" \
+      2>&1 | tee "$work/ref.log"
+    timeout 300 python3 bench/bench_coldstart.py --cold 5 --warm 0 --steps 6 --timeout 80 \
+      --work-dir "$work/safe" 2>&1 | tee "$work/coldstart.log"
+    timeout 130 python3 bench/bench_coldstart.py --unsafe --cold 2 --warm 0 --steps 6 --timeout 60 \
+      --work-dir "$work/unsafe" 2>&1 | tee "$work/coldstart-unsafe.log"
+    pack "$work"
+    ;;
   12)
-    min=${2:-8.5}
-    if [ -n "${3:-}" ]; then
-      python3 bench/bench_soak.py --preset small --drafters 2 --buckets 1024 --minutes "$min" --repo "$3" \
-        --work-dir /tmp/soak-old > "$out/soak-small-old.log" 2>&1 &
-    fi
-    python3 bench/bench_soak.py --preset small --drafters 2 --buckets 1024 --minutes "$min" \
-      --work-dir /tmp/soak-small > "$out/soak-small.log" 2>&1 &
-    python3 bench/bench_soak.py --preset qwen3-0.6b --drafters 3 --buckets 512,1024 --minutes "$min" \
-      --work-dir /tmp/soak-qwen > "$out/soak-qwen.log" 2>&1 &
-    capture 120 soak
-    wait
-    tail -n 2 "$out"/soak-*.log
+    soak "${2:-8.5}" "${3:-}" "$out"
     ;;
 esac

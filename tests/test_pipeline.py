@@ -256,11 +256,13 @@ def test_mfu_is_against_the_nominal_peak_with_the_measured_rate_beside_it() -> N
     flops = pl.FlopModel(drafter_params=10_000_000, target_params=500_000_000, hidden=1024, vocab=151_936,
                          drafter_layers=5, attn_width=2048, block_size=16)
     report = pl.Report(replica=0, step=1, index=0, bucket=2048, loss=2.0, stats={}, query_tokens=8192,
-                       seq_tokens=32768, anchor_mean=1024.0, wait_s=0.0, fwd_s=0.1, bwd_s=0.2)
+                       seq_tokens=32768, anchor_mean=1024.0, wait_s=0.0, fwd_s=0.1, bwd_s=0.2,
+                       sequences=16, anchors=512)
     w = pl.Window(start=0.0)
     w.add([report], 0.0, 0.01, 0.5, 1.0, end=0.5)
     nominal, measured, name = pl.PEAK_FLOPS["H200"]
     f = pl.window_fields(w, 1, flops, nominal, 1, 1, 1, measured)["extra"]
+    assert (f["samples_s"], f["anchors_s"]) == (32.0, 1024.0)  # 16 samples and 512 anchor blocks in 0.5 s
     achieved = f["tflops"] * 1e12
     assert f["mfu"] == pytest.approx(achieved / 989e12, rel=1e-3)
     assert f["mfu_measured"] == pytest.approx(achieved / 790e12, rel=1e-3)

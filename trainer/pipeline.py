@@ -84,6 +84,8 @@ class Report:
     wait_s: float
     fwd_s: float
     bwd_s: float
+    sequences: int = 0  # samples in the batch
+    anchors: int = 0  # valid anchor blocks (each block_size query slots)
 
 
 def thread_name(role: str, index: int, device: torch.device) -> str:
@@ -291,10 +293,12 @@ class Pipeline:
                 with self.discipline.step_guard(threading.current_thread().name, item.bucket):
                     loss, stats, fwd_s, bwd_s = self.drafter_step(r, item)
                 valid = item.valid
-                anchor_mean = float(item.anchors[valid].float().mean()) if bool(valid.any()) else 0.0
+                n_anchors = int(valid.sum())
+                anchor_mean = float(item.anchors[valid].float().mean()) if n_anchors else 0.0
                 self.reports.put(Report(r, step, k, item.bucket, loss, stats,
                                         int(stats.get("query_tokens", 0)), item.seq_tokens,
-                                        anchor_mean, wait_s, fwd_s, bwd_s))
+                                        anchor_mean, wait_s, fwd_s, bwd_s,
+                                        int(item.anchors.shape[0]), n_anchors))
                 del item
                 self._wait_release(step)
 
@@ -546,6 +550,9 @@ def window_fields(w: Window, n_replicas: int, flops: Optional[FlopModel], peak: 
         "extra": {
             "tok_s_per_drafter": [round(x, 1) for x in per_replica],
             "seq_tok_s": round(seq / elapsed, 1),
+            # The units public trainers quote: samples (sequences) and anchor blocks per second.
+            "samples_s": round(sum(r.sequences for r in reps) / elapsed, 2),
+            "anchors_s": round(sum(r.anchors for r in reps) / elapsed, 1),
             "step_ms": ms(w.step_s),
             "time_ms": {
                 "wait": ms(sum(r.wait_s for r in reps) / n_replicas),

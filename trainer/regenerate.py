@@ -117,7 +117,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     ids_BP, mask_BP = ids_BP.to(device), mask_BP.to(device)
     positions_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
     out: list[list[int]] = [[] for _ in prompts]
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    done = [False] * len(prompts)  # on the host: one device sync per token (the tolist below), not one per row
     from transformers import DynamicCache
 
     from trainer.speculative import _cache_keyword, _takes
@@ -139,9 +139,8 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
             for b, t in enumerate(next_B.tolist()):
                 if not done[b]:
                     out[b].append(t)
-            if eos:
-                done |= torch.isin(next_B, torch.tensor(sorted(eos), device=device))
-            if bool(done.all()):
+                    done[b] = t in eos
+            if all(done):
                 break
             mask_BP = torch.cat([mask_BP, torch.ones_like(mask_BP[:, :1])], dim=1)
             last_pos = last_pos + 1

@@ -297,9 +297,6 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     if path.name == FLEX_COMPILED and cfg.compile.drafter_layers:
         for replica in replicas:
             replica.compile_layers()
-    if path.name == FLEX_COMPILED and cfg.compile.target:
-        for target in {id(t): t for t in targets}.values():  # threads on one device share a target
-            target.compile_layers()
     first, master = targets[0], replicas[0]
     optimizer = build_optimizer(master.trainable_parameters(), cfg, main_dev)
     scheduler = build_scheduler(optimizer, cfg)
@@ -318,6 +315,11 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                                                        "regenerate": "stopped"})
             return contract.EXIT_STOPPED
         startup.mark("regenerate")
+    # After the regeneration: its decoding (a KV cache one token longer every step) would
+    # recompile a compiled layer at every step until the recompile limit.
+    if path.name == FLEX_COMPILED and cfg.compile.target:
+        for target in {id(t): t for t in targets}.values():  # threads on one device share a target
+            target.compile_layers()
     source = build_source(cfg, first.vocab_size, master.mask_token_id)
     log(f"data: {len(source.dataset)} samples, {source.order.per_epoch} batches per epoch, buckets "
         f"{source.buckets_used()}, {source.dataset.errors.count} bad records skipped, {source.dataset.short} too short")
