@@ -92,6 +92,11 @@ def metrics_file(rank: int = 0) -> str:
 # --------------------------------------------------------------------------- phases
 
 PHASE_STARTING = "starting"
+# data.regenerate: the target writes the training data before training starts; it
+# rewrites status.json (detail "regenerate": prompts done, tok/s, ETA) at least every
+# REGENERATE_BEAT_S, so a silence longer than the stall window is a hang.
+PHASE_REGENERATING = "regenerating"
+REGENERATE_BEAT_S = 10.0
 PHASE_COMPILING = "compiling"
 PHASE_TRAINING = "training"
 PHASE_CHECKPOINTING = "checkpointing"
@@ -100,6 +105,7 @@ PHASE_STOPPED = "stopped"
 PHASE_FAILED = "failed"
 PHASES = (
     PHASE_STARTING,
+    PHASE_REGENERATING,
     PHASE_COMPILING,
     PHASE_TRAINING,
     PHASE_CHECKPOINTING,

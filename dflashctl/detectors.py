@@ -358,6 +358,8 @@ def detect_stall(
             + f" (budget {fmt_duration(budgets[phase])})",
             {"phase": phase, "elapsed_s": now - since, "budget_s": budgets[phase]},
         )
+    if phase == contract.PHASE_REGENERATING:
+        return _regeneration_stall(status, expect, now, since, held_until)
     if phase not in (contract.PHASE_TRAINING, contract.PHASE_CHECKPOINTING):
         return None
     progress = last_progress(samples, status)
@@ -380,6 +382,32 @@ def detect_stall(
         "error",
         message,
         {"phase": phase, "quiet_s": quiet, "stall_window_s": expect.stall_window, "last_step": progress[0] if progress else None},
+    )
+
+
+def _regeneration_stall(status: contract.Status | None, expect: "Expect", now: float, since: float | None,
+                        held_until: float | None) -> Finding | None:
+    """The target writing the training data (hours, for a real corpus) is judged by
+    its sign of life, not by a start budget: it rewrites status.json every few
+    seconds while it decodes (contract.REGENERATE_BEAT_S); a stall is a silence
+    longer than the stall window."""
+    marks = [t for t in (status.updated if status else None, since, held_until) if t is not None]
+    if not marks:
+        return None
+    quiet = now - max(marks)
+    if quiet <= expect.stall_window:
+        return None
+    progress = (status.detail or {}).get("regenerate") if status else None
+    done = progress.get("prompts_done") if isinstance(progress, dict) else None
+    total = progress.get("prompts") if isinstance(progress, dict) else None
+    where = f"; {done}/{total} prompts written" if isinstance(done, int) and isinstance(total, int) else ""
+    return Finding(
+        STALL,
+        "error",
+        f"regeneration wrote no progress for {fmt_duration(quiet)} (stall window "
+        f"{fmt_duration(expect.stall_window)}){where}",
+        {"phase": contract.PHASE_REGENERATING, "quiet_s": quiet, "stall_window_s": expect.stall_window,
+         "prompts_done": done},
     )
 
 

@@ -274,6 +274,17 @@ CASES = [
         [("stall", "error", "still starting after 11 m (budget 10 m)")],
     ),
     ("no-status-yet", [], obs(no_status=True), "launching", {"phase_since": NOW - 300}, []),
+    # The target writing the data for hours: judged by its sign of life, not by the start budget.
+    ("regenerating-for-hours", [], obs(contract.PHASE_REGENERATING, started=NOW - 3 * 3600, updated=NOW - 20),
+     "running", {"phase_since": NOW - 3 * 3600 + 30}, []),
+    (
+        "regenerating-silent",
+        [],
+        obs(contract.PHASE_REGENERATING, started=NOW - 3600, updated=NOW - 400),
+        "running",
+        {"phase_since": NOW - 3500},
+        [("stall", "error", "regeneration wrote no progress for 6.7 m (stall window 5 m)")],
+    ),
     (
         "no-status-past-startup-budget",
         [],

@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict
 from typing import Callable, Optional
 
+from dflashctl.contract import REGENERATE_BEAT_S
 from trainer.data import (
     MANIFEST, PAD_ID, DataError, ErrorBudget, ShardDataset, chat_head, chat_records, shard_paths,
 )
@@ -104,8 +105,9 @@ def is_chat_file(path: str) -> bool:
 
 
 def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos: set[int],
-                 device, generator=None) -> list[list[int]]:
-    """The target's response to each prompt (a list of token ids, eos included when reached)."""
+                 device, generator=None, on_step: Optional[Callable[[int], None]] = None) -> list[list[int]]:
+    """The target's response to each prompt (a list of token ids, eos included when reached).
+    ``on_step(n)`` after each of the n decoding steps (a long batch's sign of life)."""
     import torch
 
     width = max(len(p) for p in prompts)
@@ -129,7 +131,9 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
         step = model(input_ids=ids_BP, attention_mask=mask_BP, position_ids=positions_BP, use_cache=True,
                      **cache, **last)
         last_pos = positions_BP[:, -1:]
-        for _ in range(max_new_tokens):
+        for n in range(max_new_tokens):
+            if on_step is not None:
+                on_step(n)
             logits_BV = step.logits[:, -1, :].float()
             if temperature > 0:
                 probs_BV = torch.softmax(logits_BV / temperature, dim=-1)
@@ -268,6 +272,14 @@ def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock,
         log(f"regenerate: {len(kept)} of {len(shards)} shards already in {out_dir}; writing the other "
             f"{len(shards) - len(kept)}")
     began, last_said, new_tokens, done_prompts = clock(), 0.0, 0, len(kept) * size
+    state = {"shard": 0, "shards": len(shards), "prompts_done": done_prompts, "prompts": len(prompts),
+             "tok_s": None, "eta_s": None}
+    last_beat = [clock()]
+
+    def beat(n: int) -> None:  # status.json rewritten while one batch decodes: the controller sees it alive
+        if clock() - last_beat[0] >= REGENERATE_BEAT_S / 2:
+            last_beat[0] = clock()
+            on_progress({**state, "batch_step": n, "batch_steps": settings.max_new_tokens})
     for k, name in enumerate(shards):
         if k in kept:
             continue
@@ -281,7 +293,7 @@ def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock,
                 return None
             batch = order[b:b + settings.batch_size]
             for i, response in zip(batch, decode_batch(model, [chunk[i] for i in batch], settings.max_new_tokens,
-                                                       settings.temperature, eos, target.device, generator)):
+                                                       settings.temperature, eos, target.device, generator, beat)):
                 responses[i] = response
                 new_tokens += len(response)
             done_prompts += len(batch)
@@ -292,6 +304,7 @@ def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock,
             state = {"shard": k + 1, "shards": len(shards), "prompts_done": done_prompts, "prompts": len(prompts),
                      "tok_s": rate, "eta_s": remaining * per_prompt}
             on_progress(state)
+            last_beat[0] = clock()
             if elapsed - last_said >= PROGRESS_EVERY_S or done_prompts == len(prompts):
                 last_said = elapsed
                 log(f"regenerate: shard {k + 1}/{len(shards)}, {done_prompts}/{len(prompts)} prompts, "

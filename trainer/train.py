@@ -307,6 +307,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         from trainer.regenerate import ensure_regenerated
 
         cfg.run_dir = run_dir
+        status.set(contract.PHASE_REGENERATING)
         written = ensure_regenerated(cfg, str(first.device), log, target=first, should_stop=stop.is_set,
                                      on_progress=lambda p: status.set(
                                          detail={**(status.status.detail or {}), "regenerate": p}, blocking=False))
@@ -314,6 +315,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             status.set(contract.PHASE_STOPPED, detail={"signal": stop.signal_name, "checkpoint": False,
                                                        "regenerate": "stopped"})
             return contract.EXIT_STOPPED
+        status.set(contract.PHASE_STARTING)  # the startup budget counts again from here
         startup.mark("regenerate")
     # After the regeneration: its decoding (a KV cache one token longer every step) would
     # recompile a compiled layer at every step until the recompile limit.
