@@ -201,7 +201,7 @@ class LogLines(RichLog):
 
     KEEP = 20000
     BINDINGS = [
-        Binding("end", "follow", "Follow"),
+        Binding("end", "follow", "Follow", key_display="End"),
         Binding("t", "wrap", "Wrap"),
         Binding("h", "earlier", "Earlier"),
         Binding("n", "next_match", "Next"),
