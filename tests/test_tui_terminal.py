@@ -7,7 +7,8 @@ window; kill -9 on the supervisor turns the run "unsupervised" within two poll
 intervals; then `w` `y` starts a supervisor again from the screen (the run shows
 supervised), the log view pauses on PageUp ("paused, N new lines, End to
 follow") and follows again on End, and `a` splits the console's pane with a real
-tmux attach to the run's own session.
+tmux attach to the run's own session; a console outside tmux hands its terminal
+to that attach and comes back on the detach (C-b d).
 
 Every tmux server here is on a socket private to this test process and every
 process it starts is ended by its pid.
@@ -187,6 +188,18 @@ def test_status_in_tmux_follows_a_real_run(tmp_path):
                       "the run's own session in the split")
             tmux("kill-pane", "-t", split)  # the attached client ends; the run goes on
             assert store.get_run(run_id).state == "running"
+
+            # Outside tmux: `a` hands the console's terminal to the attach; C-b d comes back.
+            plain = cli.replace("exec env ", "exec env -u TMUX -u TMUX_PANE ", 1)
+            tmux("new-session", "-d", "-s", "tui2", "-x", "120", "-y", "40", f"{plain} status --interval 0.5")
+            started.append(pane_pid("tui2"))
+            wait_pane("tui2", lambda t: "running" in row(t, run_id), 60, "the second console")
+            tmux("send-keys", "-t", "tui2", "a")
+            wait_pane("tui2", lambda t: re.search(r"step \d+/100000 tok/s", t) and "dflashctl status" not in t, 30,
+                      "the run's session in the console's terminal")
+            tmux("send-keys", "-t", "tui2", "C-b", "d")
+            wait_pane("tui2", lambda t: "dflashctl status" in t and "running" in row(t, run_id), 30,
+                      "the console back after the detach")
         finally:
             for pid in started:
                 try:

@@ -223,6 +223,7 @@ class LogLines(RichLog):
         self.history = ""  # what the screen says of the earlier lines ("start of the log", ...)
         self._rows: list[tuple[int, int]] = []  # (index in kept, first row) of each line shown
         self._rows_valid = True
+        self._wrapped_at = 0  # the width the lines were last wrapped at
 
     # -- what is shown
 
@@ -253,6 +254,7 @@ class LogLines(RichLog):
 
     def redraw(self) -> None:
         """Every kept line that is shown, again (after a filter, wrap or history change)."""
+        self._wrapped_at = self.size.width
         y = self.scroll_y
         self.clear()
         self._rows, self._rows_valid = [], True
@@ -352,9 +354,14 @@ class LogLines(RichLog):
         self._up()
         super().action_scroll_home()
 
-    def _on_mouse_scroll_up(self, event) -> None:
+    def on_mouse_scroll_up(self, event) -> None:
+        # Beside Widget's own handler (which scrolls): Textual calls each class's.
         self._up()
-        super()._on_mouse_scroll_up(event)
+
+    def on_resize(self, event) -> None:
+        # Beside RichLog's own handler. Wrapped lines are wrapped again at the new width.
+        if self.wrap and self._size_known and event.size.width != self._wrapped_at:
+            self.call_after_refresh(self.redraw)
 
     def action_wrap(self) -> None:
         self.wrap = not self.wrap
