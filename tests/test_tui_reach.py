@@ -25,7 +25,8 @@ from dflashctl import contract
 from dflashctl.store import Store
 from dflashctl.tmux import SOCKET_ENV, Tmux
 from tests.harness import environ
-from tests.test_tui import app_for, loaded, run, run_with_log, screen_text, until
+from tests.test_supervisor import wait_for
+from tests.test_tui import app_for, loaded, log_open, run, run_with_log, screen_text, until
 from tests.test_tui_scenes import DEMO, utc
 
 SOCKET = f"dflash-reach-{os.getpid()}"
@@ -42,16 +43,6 @@ def tmux(socket: str, *args: str, check: bool = True) -> subprocess.CompletedPro
 
 def capture(socket: str, target: str) -> str:
     return tmux(socket, "capture-pane", "-p", "-t", target, check=False).stdout
-
-
-def wait_for(predicate, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
 def end_server(socket: str) -> None:
@@ -126,7 +117,7 @@ def test_a_attaches_to_a_session_in_a_pct_container_behind_a_jump(ssh_env, tmp_p
         assert argv[0] == "ssh" and "pct exec 200 --" in argv[-1]
         tmux(local, "new-session", "-d", "-s", "term", "-x", "120", "-y", "30", shlex.join(argv))
         shown = wait_for(lambda: "RUN-SESSION-ct200" in capture(local, "term") and capture(local, "term"),
-                         "the run's session, attached through jump and pct")
+                         what="the run's session, attached through jump and pct")
         assert "RUN-SESSION-ct200" in shown
     finally:
         end_server(local)
@@ -170,7 +161,7 @@ def test_a_inside_tmux_opens_a_split_attached_to_a_local_run(tmp_path, monkeypat
         panes = tmux(console_socket, "list-panes", "-t", "console", "-F", "#{pane_id}").stdout.split()
         assert len(panes) == 2, panes
         new = next(p for p in panes if p != pane)
-        wait_for(lambda: "LOCAL-RUN-OUTPUT" in capture(console_socket, new), "the run's session in the split")
+        wait_for(lambda: "LOCAL-RUN-OUTPUT" in capture(console_socket, new), what="the run's session in the split")
     finally:
         end_server(console_socket)
         end_server(run_socket)
@@ -289,11 +280,7 @@ def _log(app):
 
 
 async def _open_log(pilot, app, lines: int) -> None:
-    from dflashctl.tui.screens import DetailScreen
-
-    await loaded(pilot, app)
-    await pilot.press("l")
-    await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.log_lines >= lines, "the log")
+    await log_open(pilot, app, lines)
     await pilot.pause()
 
 
@@ -412,5 +399,30 @@ def test_h_reads_earlier_lines_in_bounded_chunks_to_the_start(tmp_path, monkeypa
             await pilot.press("home", "up")
             await pilot.pause()
             assert log.paused and log.kept == lines
+
+    run(scenario())
+
+
+def test_typed_text_in_the_log_filter_is_text_never_the_new_keys(tmp_path):
+    """`/` then a, w, t, h, n, N, m, End in the log tab: all of it is text in the filter
+    box; nothing is attached, no supervisor asked for, the log neither wrapped nor read
+    further back."""
+    from textual.widgets import Input
+
+    from dflashctl.tui.screens import ConfirmScreen
+
+    store, _ = run_with_log(tmp_path, [f"step {i}/300 tok/s 900" for i in range(1, 41)])
+
+    async def scenario():
+        app = app_for(store, tmp_path, attach=lambda argv: pytest.fail(f"attached: {argv}"))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await _open_log(pilot, app, 40)
+            log = _log(app)
+            await pilot.press("slash", "a", "w", "t", "h", "n", "N", "m")
+            await pilot.pause(0.3)
+            box = app.focused
+            assert isinstance(box, Input) and box.value == "awthnNm"
+            assert not app.attached and not isinstance(app.screen, ConfirmScreen)
+            assert not log.wrap and log.only_matches and not log.history and log.match is None
 
     run(scenario())

@@ -364,13 +364,10 @@ class DetailScreen(Screen):
             return
         finally:
             app.reader.store.close()
-        app.call_from_thread(self._prepend, got)
+        app.call_from_thread(self._prepend, got, printable(got.text).rstrip("\n").split("\n") if got.text else [])
 
-    def _prepend(self, got) -> None:
-        from dflashctl.terminal import printable
-
+    def _prepend(self, got, lines: list[str]) -> None:
         log = self.query_one(LogLines)
-        lines = printable(got.text).rstrip("\n").split("\n") if got.text else []
         if got.cut:
             note = f"a line of more than {self.HISTORY_BYTES // 1024:,} KiB: earlier lines with dflashctl logs"
         elif got.start == 0:
