@@ -666,13 +666,16 @@ def supervisor_session(run_id: str) -> str:
 def start_supervisor(run_id: str, foreground: bool, store: Store, inventory: "Inventory",
                      progress: Progress | None = None, *, inventory_path: str | None = None,
                      playbooks_dir: str | None = None, emit: Callable[[str], None] | None = None,
-                     clock: Callable[[], float] = time.time, stop: threading.Event | None = None) -> str | None:
+                     clock: Callable[[], float] = time.time, stop: threading.Event | None = None,
+                     environ: dict[str, str] | None = None) -> str | None:
     """Supervise a launched run.
 
     Background (default): ``dflashctl watch RUN`` in a local tmux session
     ``watch-<run_id>`` on the dflash socket; returns the session name.
     Foreground: the supervisor in this process until the run ends (or ``stop`` is
-    set), printing its events and metrics lines; returns the run's state then."""
+    set), printing its events and metrics lines; returns the run's state then.
+    ``environ``: where the forwarded variables are read (default ``os.environ``; the
+    status console passes its own store's path)."""
     say = progress or quiet
     if foreground:
         from dflashctl.console import follow
@@ -684,7 +687,8 @@ def start_supervisor(run_id: str, foreground: bool, store: Store, inventory: "In
     if playbooks_dir:
         argv += ["--playbooks", os.path.abspath(playbooks_dir)]
     argv += ["watch", run_id]
-    env = [f"{k}={os.environ[k]}" for k in _FORWARDED_ENV if os.environ.get(k)]
+    environ = os.environ if environ is None else environ
+    env = [f"{k}={environ[k]}" for k in _FORWARDED_ENV if environ.get(k)]
     # The local tmux server may have been started by another process, with another
     # environment and directory: pass what the supervisor needs explicitly.
     command = shlex.join(["env", *env, *argv]) if env else shlex.join(argv)

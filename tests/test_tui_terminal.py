@@ -4,7 +4,11 @@ in tmux) watched by a real `dflashctl watch` process. Captures of the pane show
 the step advancing; `/` `r` `y` in the detail view typed into its filter (no
 restart); a held write lock on the store shown as "store busy"; SIGSTOP on the trainer shows the stall within its stall
 window; kill -9 on the supervisor turns the run "unsupervised" within two poll
-intervals.
+intervals; then `w` `y` starts a supervisor again from the screen (the run shows
+supervised), the log view pauses on PageUp ("paused, N new lines, End to
+follow") and follows again on End, and `a` splits the console's pane with a real
+tmux attach to the run's own session; a console outside tmux hands its terminal
+to that attach and comes back on the detach (C-b d).
 
 Every tmux server here is on a socket private to this test process and every
 process it starts is ended by its pid.
@@ -150,6 +154,52 @@ def test_status_in_tmux_follows_a_real_run(tmp_path):
             assert time.monotonic() - killed <= 2 * POLL_S + 0.5, time.monotonic() - killed
             assert f"dflashctl watch {run_id}" in text  # the fix, on screen
             assert "stale" in row(text, run_id)  # and no live ETA
+
+            # `w`: asked, then a supervisor, detached in its own tmux session; the run is
+            # watched again.
+            tmux("send-keys", "-t", "tui", "w")
+            asked, _ = wait_pane("tui", lambda t: "Start a supervisor for run" in t, 30, "the question")
+            assert "detached" in asked and "y yes" in asked
+            tmux("send-keys", "-t", "tui", "y")
+            wait_pane("tui", lambda t: "running" in row(t, run_id) and "unsupervised" not in row(t, run_id), 60,
+                      "the run supervised again")
+            started.append(pane_pid(f"watch-{run_id}"))
+
+            # The log view: PageUp pauses the following (the trainer goes on writing), End follows.
+            tmux("send-keys", "-t", "tui", "l")
+            wait_pane("tui", lambda t: "End Follow" in t and re.search(r"step \d+/100000 tok/s", t), 30, "the log")
+            tmux("send-keys", "-t", "tui", "PageUp")
+            paused, _ = wait_pane("tui", lambda t: re.search(r"paused, [1-9][\d,]* new lines?, End to follow", t), 30,
+                                  "the log paused with new lines waiting")
+            tmux("send-keys", "-t", "tui", "End")
+            wait_pane("tui", lambda t: "End to follow" not in t, 30, "the log following again")
+            tmux("send-keys", "-t", "tui", "Escape")
+            wait_pane("tui", lambda t: row(t, run_id) and "End Follow" not in t, 30, "the runs again")
+
+            # `a` in tmux with no client to show a popup: a split below, attached to the run's session.
+            console_pane = tmux("display-message", "-p", "-t", "tui", "#{pane_id}").strip()
+            tmux("send-keys", "-t", "tui", "a")
+            deadline = time.monotonic() + 30
+            while len(tmux("list-panes", "-t", "tui", "-F", "#{pane_id}").split()) < 2:
+                assert time.monotonic() < deadline, "no split opened for the attach"
+                time.sleep(0.1)
+            split = next(p for p in tmux("list-panes", "-t", "tui", "-F", "#{pane_id}").split() if p != console_pane)
+            wait_pane(split, lambda t: re.search(r"step \d+/100000 tok/s", t) and run_id[:6] in t, 30,
+                      "the run's own session in the split")
+            tmux("kill-pane", "-t", split)  # the attached client ends; the run goes on
+            assert store.get_run(run_id).state == "running"
+
+            # Outside tmux: `a` hands the console's terminal to the attach; C-b d comes back.
+            plain = cli.replace("exec env ", "exec env -u TMUX -u TMUX_PANE ", 1)
+            tmux("new-session", "-d", "-s", "tui2", "-x", "120", "-y", "40", f"{plain} status --interval 0.5")
+            started.append(pane_pid("tui2"))
+            wait_pane("tui2", lambda t: "running" in row(t, run_id), 60, "the second console")
+            tmux("send-keys", "-t", "tui2", "a")
+            wait_pane("tui2", lambda t: re.search(r"step \d+/100000 tok/s", t) and "dflashctl status" not in t, 30,
+                      "the run's session in the console's terminal")
+            tmux("send-keys", "-t", "tui2", "C-b", "d")
+            wait_pane("tui2", lambda t: "dflashctl status" in t and "running" in row(t, run_id), 30,
+                      "the console back after the detach")
         finally:
             for pid in started:
                 try:

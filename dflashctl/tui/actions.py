@@ -7,18 +7,29 @@ way first). A key that would do nothing sensible (stop a run that has ended,
 restart a done one) is refused with the reason, never asked. ``readonly_default``
 is the ``DFLASHCTL_READONLY`` environment default of ``status --readonly``.
 
+``plan("watch", run)`` is the question before ``w`` starts a supervisor for a run
+nobody watches (refused for a watched one: a second supervisor would restart its
+trainer twice). ``attach_argv`` is the command that ``a`` runs in a terminal: a
+plain ``tmux attach`` for a run on this machine, an interactive ``ssh -t`` through
+the host's jump hosts (each hop its own ``ProxyCommand``, with its own key and
+known_hosts) into its container wrapper for a remote one; ``in_tmux_argv`` puts it
+in a tmux popup or split when the console itself runs in tmux.
+
 Pure: no UI code, no store, no host.
 """
 
 from __future__ import annotations
 
+import getpass
+import math
 import os
+import shlex
 from dataclasses import dataclass
 
 from dflashctl.store import DONE, FINAL_STATES
 
 READONLY_ENV = "DFLASHCTL_READONLY"
-COMMANDS = ("stop", "restart")
+COMMANDS = ("stop", "restart", "watch")
 
 
 def readonly_default(environ=None) -> bool:
@@ -60,6 +71,8 @@ def plan(command: str, run) -> Plan:
     if command not in COMMANDS:
         raise ValueError(f"unknown run command {command!r}")
     state = run.state
+    if command == "watch":
+        return _watch_plan(run)
     if command == "stop":
         if state in FINAL_STATES:
             return Plan(command, run.id, refused=f"run {run.id} is {state}: there is no trainer to stop")
@@ -78,3 +91,80 @@ def plan(command: str, run) -> Plan:
     return Plan(command, run.id, f"Restart run {run.id}?",
                 first + " Then a new trainer starts in the same run directory from the last checkpoint, compile "
                 "cache kept, and a supervisor watches it. (dflashctl restart)")
+
+
+def _watch_plan(run) -> Plan:
+    from dflashctl.launch import supervisor_session
+    from dflashctl.tmux import socket_name
+
+    if not run.active:
+        return Plan("watch", run.id, refused=f"run {run.id} is {run.state}: there is nothing to supervise")
+    fresh = run.freshness
+    if fresh.supervised:
+        who = f"supervisor pid {fresh.supervisor_pid}" if fresh.supervisor_pid else "a supervisor"
+        why = " (alive, the store busy: it records again once the lock is free)" if fresh.store_busy else ""
+        return Plan("watch", run.id, refused=f"run {run.id} is supervised already by {who}{why}: a second "
+                    "supervisor would restart its trainer twice")
+    session, socket = supervisor_session(run.id), socket_name()
+    return Plan("watch", run.id, f"Start a supervisor for run {run.id}?",
+                f"`dflashctl watch {run.id}` starts on this machine, detached, in its own tmux session {session} "
+                f"(socket {socket}; `tmux -L {socket} attach -t ={session}` shows it). It polls "
+                f"{run.host or 'the run host'}, records what it sees in the store, alerts, and restarts the trainer "
+                "per the playbook's policy if it crashes or stalls, until the run ends. The trainer itself is not "
+                "touched now. (dflashctl watch)")
+
+
+# --------------------------------------------------------------------------- attach
+
+
+def tmux_attach(session: str, socket: str) -> list[str]:
+    """``tmux -L SOCKET attach-session -t =SESSION`` (``=``: that session exactly)."""
+    return ["tmux", "-L", socket, "attach-session", "-t", f"={session}"]
+
+
+def _destination(host) -> str:
+    return f"{host.user or getpass.getuser()}@{host.address or host.ssh or host.name}"
+
+
+def _ssh_options(route: list) -> list[str]:
+    """OpenSSH options reaching ``route[-1]`` (``route``: outermost jump first), as
+    dflashctl's own connections do: its port, key, known_hosts and host-key policy,
+    and for a host behind jumps a ``ProxyCommand`` that is the same for the jump
+    (``-W %h:%p``). The jump's own options are expanded once more by the ssh that
+    runs its ProxyCommand, so their ``%`` are doubled."""
+    host = route[-1]
+    options = ["-p", str(int(host.port))]
+    if host.identity_file:
+        options += ["-i", os.path.expanduser(host.identity_file), "-o", "IdentitiesOnly=yes"]
+    options += ["-o", f"UserKnownHostsFile={os.path.expanduser(host.known_hosts or '~/.ssh/known_hosts')}",
+                "-o", f"StrictHostKeyChecking={'accept-new' if host.trust_on_first_use else 'yes'}",
+                "-o", f"ConnectTimeout={max(1, math.ceil(float(host.connect_timeout)))}"]
+    if host.keepalive and host.keepalive > 0:
+        options += ["-o", f"ServerAliveInterval={max(1, math.ceil(float(host.keepalive)))}"]
+    if len(route) > 1:
+        jump = [a.replace("%", "%%") for a in ["ssh", *_ssh_options(route[:-1]), _destination(route[-2])]]
+        options += ["-o", "ProxyCommand=" + shlex.join([*jump[:-1], "-W", "%h:%p", jump[-1]])]
+    return options
+
+
+def attach_argv(route: list, session: str, socket: str) -> list[str]:
+    """The command, run in a terminal, that attaches to tmux session ``session`` on
+    socket ``socket`` of the host ``route[-1]`` (``Inventory.route``: outermost jump
+    first). Local: ``tmux attach`` with ``$TMUX`` unset (the console may itself run
+    in tmux: nesting is what is asked for). Remote: ``ssh -t`` through the jumps,
+    then the host's container wrapper, then tmux; the session's own tmux, so detach
+    (C-b d) comes back here."""
+    host = route[-1]
+    tmux = tmux_attach(session, socket)
+    if host.is_local:
+        return ["env", "-u", "TMUX", *tmux]
+    return ["ssh", "-t", *_ssh_options(route), _destination(host), shlex.join([*host.wrapper, *tmux])]
+
+
+def in_tmux_argv(argv: list[str], title: str, popup: bool = True) -> list[str]:
+    """``argv`` in a tmux popup over the console (``popup``) or in a split below it,
+    closed when ``argv`` ends (a detach)."""
+    line = shlex.join(argv)
+    if popup:
+        return ["tmux", "display-popup", "-E", "-w", "90%", "-h", "90%", "-T", title, line]
+    return ["tmux", "split-window", "-v", "-l", "70%", line]

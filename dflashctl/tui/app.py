@@ -97,6 +97,12 @@ class StatusApp(App):
         Binding("l", "logs", "Logs"),
         Binding("x", "stop_run", "Stop"),
         Binding("r", "restart_run", "Restart"),
+        Binding("a", "attach_run", "Attach"),
+        Binding("w", "watch_run", "Watch"),
+        # The same keys, never in the footer: at 80 columns the footer has no room for
+        # them (check_action hides the two above), the keys work all the same.
+        Binding("a", "attach_run('compact')", show=False),
+        Binding("w", "watch_run('compact')", show=False),
         Binding("f5,ctrl+r", "reload", "Refresh", show=False),
         Binding("escape", "back", "Back", show=False),
     ]
@@ -104,7 +110,8 @@ class StatusApp(App):
     def __init__(self, store_path: str, run: str | None = None, interval: float = 2.0, *,
                  clock: Callable[[], float] = time.time, inventory_path: str | None = None,
                  playbooks_dir: str | None = None, control: Callable[[list[str]], tuple[int, str]] | None = None,
-                 probe_unsupervised: bool = True, readonly: bool | None = None):
+                 probe_unsupervised: bool = True, readonly: bool | None = None,
+                 attach: Callable[[list[str]], int] | None = None):
         super().__init__()
         # Read-only: no key stops or restarts anything (the bindings are gone, the actions refuse).
         self.readonly = readonly_default() if readonly is None else readonly
@@ -115,6 +122,8 @@ class StatusApp(App):
         self.inventory_path = inventory_path
         self.playbooks_dir = playbooks_dir
         self.control = control or self._run_command
+        self.attacher = attach  # runs an attach command outside tmux (default: the app suspended)
+        self.attached: list[list[str]] = []  # the attach commands run (tests read them)
         self.selected: str | None = None
         self._mode: str | None = None  # set from each resize's own size
         self.view: StatusView | None = None
@@ -410,7 +419,9 @@ class StatusApp(App):
         screen's own keys on it only (never under a question or the key panel)."""
         screen = self.screen
         main = screen is self.screen_stack[0]
-        if action in ("stop_run", "restart_run"):
+        if action in ("watch_run", "attach_run") and not parameters and main and self.mode == "compact":
+            return False  # its footer-less twin binding takes the key
+        if action in ("stop_run", "restart_run", "watch_run", "attach_run"):
             return not self.readonly and (main or isinstance(screen, DetailScreen))
         if action == "filter" and isinstance(self.focused, FilterBox):
             return False  # a '/' typed in the box is text
@@ -419,6 +430,71 @@ class StatusApp(App):
         if action == "help":
             return main or isinstance(screen, DetailScreen)
         return True
+
+    def action_watch_run(self, _how: str = "") -> None:
+        self._confirm("watch")
+
+    def action_attach_run(self, _how: str = "") -> None:
+        """``a``: the run's tmux session on its host, attached in a tmux popup (or a
+        split, where no client can show a popup) when the console runs in tmux, else
+        in this terminal with the console suspended until the detach."""
+        if self.readonly:
+            self.notify("read-only console: no session is attached from here", severity="warning")
+            return
+        run_id = self._current()
+        if run_id is not None:
+            self.attach_to(run_id)
+
+    @work(thread=True, group="attach")
+    def attach_to(self, run_id: str) -> None:
+        from dflashctl.tmux import socket_name
+        from dflashctl.tui.actions import attach_argv
+
+        try:
+            run = self.reader.store.get_run(run_id)
+            if not run.tmux_session:
+                raise DflashError(f"run {run_id} has no tmux session recorded")
+            argv = attach_argv(self.inventory().route(run.host), run.tmux_session, run.tmux_socket or socket_name())
+        except DflashError as e:
+            self.call_from_thread(self.notify, f"attach {run_id}: {first_line(e)}", severity="error", timeout=8)
+            return
+        finally:
+            self.reader.store.close()
+        self.attached.append(argv)
+        title = f" {run_id} on {run.host}: C-b d detaches "
+        if os.environ.get("TMUX"):
+            self._attach_in_tmux(argv, title)
+        else:
+            self.call_from_thread(self._attach_here, argv)
+
+    def _attach_in_tmux(self, argv: list[str], title: str) -> None:
+        """In a popup over this pane; where tmux cannot show one (no client attached to
+        this session, an old tmux), in a split below it."""
+        from dflashctl.tui.actions import in_tmux_argv
+
+        popup = subprocess.run(in_tmux_argv(argv, title), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if popup.returncode == 0:
+            return
+        split = subprocess.run(in_tmux_argv(argv, title, popup=False), capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL)
+        if split.returncode:
+            self.call_from_thread(self.notify, f"tmux could not open a popup or a split: "
+                                  f"{(split.stderr or popup.stderr).strip()}", severity="error", timeout=8)
+
+    def _attach_here(self, argv: list[str]) -> None:
+        if self.attacher is not None:
+            self.attacher(argv)
+            return
+        from textual.app import SuspendNotSupported
+
+        try:
+            with self.suspend():
+                print(f"attaching: {' '.join(argv)}  (C-b d detaches and comes back)", flush=True)
+                subprocess.run(argv)
+        except SuspendNotSupported:
+            self.notify(f"this terminal cannot be handed over; run: {' '.join(argv)}", severity="warning",
+                        timeout=15)
+        self.refresh()
 
     def _confirm(self, command: str) -> None:
         """Ask, saying what happens to the trainer, then run ``dflashctl COMMAND RUN``
@@ -438,8 +514,8 @@ class StatusApp(App):
         if step.refused:
             self.notify(step.refused, severity="warning")
             return
-        self.push_screen(ConfirmScreen(step.question, step.detail),
-                         lambda yes: yes and self.control_run(step.argv))
+        then = self.start_supervisor if command == "watch" else self.control_run
+        self.push_screen(ConfirmScreen(step.question, step.detail), lambda yes: yes and then(step.argv))
 
     # ----------------------------------------------------------------- actions on runs
 
@@ -463,6 +539,28 @@ class StatusApp(App):
         done = subprocess.run(self.command(args), capture_output=True, text=True, stdin=subprocess.DEVNULL,
                               env={**os.environ, "DFLASHCTL_STORE": self.store_path})
         return done.returncode, (done.stdout + done.stderr).strip()
+
+    @work(thread=True, group="control")
+    def start_supervisor(self, args: list[str]) -> None:
+        """``dflashctl watch RUN``, detached in its own local tmux session, as
+        ``launch`` and ``restart`` start it (``launch.start_supervisor``), on this
+        console's store."""
+        from dflashctl.launch import start_supervisor
+
+        run_id = args[1]
+        try:
+            session = start_supervisor(run_id, False, self.reader.store, self.inventory(),
+                                       inventory_path=self.inventory_path, playbooks_dir=self.playbooks_dir,
+                                       environ={**os.environ, "DFLASHCTL_STORE": os.path.abspath(self.store_path)})
+            code, output = 0, f"supervisor started in tmux session {session}"
+        except DflashError as e:
+            code, output = 1, first_line(e)
+        finally:
+            self.reader.store.close()
+        self.actions_done.append((args, code, output))
+        self.call_from_thread(self.notify, f"dflashctl watch {run_id}: {output}",
+                              severity="information" if code == 0 else "error", timeout=8)
+        self.call_from_thread(self.action_reload)
 
     @work(thread=True, group="control")
     def control_run(self, args: list[str]) -> None:

@@ -16,21 +16,22 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
-from textual.widgets import Footer, RichLog, Static, TabbedContent, TabPane
+from textual.widgets import Footer, Static, TabbedContent, TabPane
 from textual.worker import get_current_worker
 
 from dflashctl.contract import TAU_GAP_MARGIN
 from dflashctl.errors import DflashError, first_line
-from dflashctl.tui.model import STATE_STYLE, DetailView, EventView, filter_events, matching
+from dflashctl.tui.model import STATE_STYLE, DetailView, EventView, filter_events
 from dflashctl.tui.text import detail_text, event_text
-from dflashctl.tui.widgets import EventsTable, FilterBox, Pane
+from dflashctl.tui.widgets import EventsTable, FilterBox, LogLines, LogView, Pane
 
 KEYS = [
     ("↑ ↓  PgUp PgDn", "move between runs; the panels below follow the cursor"),
     ("Home / End", "first / last run"),
     ("Enter", "the run's detail: overview, history charts, thresholds, environment"),
     ("e", "the run's events, each with its class; Enter on one shows it in full with the trainer's first error line"),
-    ("l", "the run's trainer log, followed as it grows"),
+    ("l", "the log, followed: scroll up pauses (End follows), t wrap, h earlier, / m n N find"),
+    ("a / w", "attach to its tmux session (popup, split or here) / start a supervisor (asks)"),
     ("x", "stop the run under the cursor (asks first, saying what happens): the trainer checkpoints and exits"),
     ("r", "restart the run under the cursor from its last checkpoint (asks first; a running trainer is stopped "
           "first); y in the question says yes, anything else no"),
@@ -40,7 +41,7 @@ KEYS = [
     ("F5 / Ctrl+R", "read the store now"),
     ("Esc", "back: close a panel, put away the new-error banner, clear the filter, leave a detail view"),
     ("? ", "this panel"),
-    ("--readonly", "status --readonly (or DFLASHCTL_READONLY=1): no stop / restart keys at all"),
+    ("--readonly", "status --readonly (or DFLASHCTL_READONLY=1): no stop / restart / attach / watch keys"),
     ("q / Ctrl+C", "quit"),
 ]
 
@@ -145,17 +146,21 @@ class DetailScreen(Screen):
 
     DEFAULT_CSS = """
     #detail-title { height: 1; background: $boost; padding: 0 1; }
-    #overview-box, #log-text { height: 1fr; }
+    #overview-box { height: 1fr; }
     """
-    LOG_KEEP = 20000  # log lines kept for the filter (the RichLog shows at most its max_lines)
+    LOG_TAIL = 200  # lines of the log read first
+    HISTORY_LINES, HISTORY_BYTES = 2000, 1 << 20  # at most this much earlier log per read (h)
     BINDINGS = [
         Binding("escape", "back", "Back"),
         Binding("slash", "filter", "Filter", key_display="/", priority=True),  # as in the app: see there
-        Binding("o", "tab('overview')", "Overview"),
-        Binding("e", "tab('events')", "Events"),
-        Binding("l", "tab('log')", "Log"),
+        # Not in the footer (the title line names them): it has the log's keys.
+        Binding("o", "tab('overview')", "Overview", show=False),
+        Binding("e", "tab('events')", "Events", show=False),
+        Binding("l", "tab('log')", "Log", show=False),
         Binding("x", "app.stop_run", "Stop"),
         Binding("r", "app.restart_run", "Restart"),
+        Binding("a", "app.attach_run", "Attach"),
+        Binding("w", "app.watch_run", "Watch"),
         Binding("q", "app.quit", "Quit", show=False),
     ]
 
@@ -166,7 +171,7 @@ class DetailScreen(Screen):
         self.loads = 0
         self.log_lines = 0
         self.following = False
-        self.log_kept: list[str] = []  # the lines read, for the filter
+        self.log_start: int | None = None  # byte offset of the first line held (None: not known)
         self.filter_text = ""
 
     def compose(self) -> ComposeResult:
@@ -180,7 +185,7 @@ class DetailScreen(Screen):
             with TabPane("events", id="events"):
                 yield EventsTable(id="detail-events")
             with TabPane("log", id="log"):
-                yield RichLog(id="log-text", wrap=False, highlight=False, markup=False, max_lines=5000)
+                yield LogView(id="log-view")
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
@@ -215,7 +220,7 @@ class DetailScreen(Screen):
         if active == "events":
             self.query_one(EventsTable).focus()
         elif active == "log":
-            self.query_one("#log-text", RichLog).focus()
+            self.query_one(LogLines).focus()
 
     def on_input_changed(self, message: FilterBox.Changed) -> None:
         if message.input.id == "detail-filter":
@@ -239,10 +244,7 @@ class DetailScreen(Screen):
         self.filter_text = text
         if self.view is not None:
             self.query_one(EventsTable).show(filter_events(self.view.events, text))
-        log = self.query_one("#log-text", RichLog)
-        log.clear()
-        for line in matching(self.log_kept, text, str):
-            log.write(Text(line))
+        self.query_one(LogLines).set_filter(text)
 
     def on_data_table_row_selected(self, message) -> None:
         if message.data_table.id == "detail-events" and message.row_key is not None:
@@ -291,34 +293,88 @@ class DetailScreen(Screen):
 
     @work(thread=True, exclusive=True, group="log")
     def follow_log(self) -> None:
-        """The trainer's log, read on the run's host and followed until the trainer ends."""
+        """The trainer's log, read on the run's host and followed until the trainer
+        ends: its last lines first (where they start is kept, for ``h``), then what is
+        appended after them."""
         from dflashctl.terminal import printable
-        from dflashctl.runhost import logs
+        from dflashctl.runhost import log_before, logs
 
         self.following = True
         app, worker = self.app, get_current_worker()
-        log = self.query_one("#log-text", RichLog)
+        log = self.query_one(LogLines)
         try:
-            for chunk in logs(self.run_id, app.reader.store, app.inventory(), follow=True, n=200,
-                              stop=lambda: worker.is_cancelled):
+            since, tail = None, self.LOG_TAIL
+            if not app.reader.store.get_run(self.run_id).hosts:
+                first = log_before(self.run_id, app.reader.store, app.inventory(), max_lines=self.LOG_TAIL,
+                                   max_bytes=self.HISTORY_BYTES)
+                self.log_start, since = first.start, first.end
+                if first.text:
+                    app.call_from_thread(self._append, printable(first.text))
+            for chunk in logs(self.run_id, app.reader.store, app.inventory(), follow=True, n=tail,
+                              stop=lambda: worker.is_cancelled, since=since):
                 if worker.is_cancelled:
                     return
                 app.call_from_thread(self._append, printable(chunk))
         except DflashError as e:
-            app.call_from_thread(log.write, Text(f"cannot read the log: {first_line(e)}", style="red"))
+            app.call_from_thread(log.add, [f"cannot read the log: {first_line(e)}"])
         except Exception as e:  # noqa: BLE001  (a host answer we cannot read: shown, never a crash of the screen)
-            app.call_from_thread(log.write, Text(f"cannot read the log: {type(e).__name__}: {e}", style="red"))
+            app.call_from_thread(log.add, [f"cannot read the log: {type(e).__name__}: {e}"])
         finally:
             app.reader.store.close()
         if not worker.is_cancelled:
-            app.call_from_thread(log.write, Text("(the trainer has ended: end of log)", style="dim"))
+            app.call_from_thread(log.add, ["(the trainer has ended: end of log)"])
 
     def _append(self, text: str) -> None:
-        log = self.query_one("#log-text", RichLog)
-        for line in text.rstrip("\n").split("\n"):
-            self.log_kept.append(line)
-            if not matching([line], self.filter_text, str):
-                continue
-            log.write(Text(line))
-            self.log_lines += 1
-        del self.log_kept[:-self.LOG_KEEP]
+        self.log_lines += self.query_one(LogLines).add(text.rstrip("\n").split("\n"))
+
+    def _history_note(self, note: str) -> None:
+        log = self.query_one(LogLines)
+        log.history = note
+        log.show_marker()
+
+    def on_log_lines_earlier(self, message: LogLines.Earlier) -> None:
+        message.stop()
+        log = self.query_one(LogLines)
+        if self.log_start is None:
+            note = "earlier lines: not known yet" if not self.following else \
+                f"earlier lines: by host (dflashctl logs {self.run_id} --host HOST -n N)"
+            self._history_note(note)
+        elif self.log_start == 0:
+            self._history_note("the log's first line is held")
+        elif len(log.kept) >= log.KEEP:
+            self._history_note(f"{len(log.kept):,} lines held, the most: older ones with "
+                               f"dflashctl logs {self.run_id} -n N")
+        else:
+            self._history_note("reading earlier lines…")
+            self.read_earlier(self.log_start)
+
+    @work(thread=True, exclusive=True, group="log-history")
+    def read_earlier(self, end: int) -> None:
+        """The lines before byte ``end`` of the log, one bounded read (``HISTORY_LINES``,
+        ``HISTORY_BYTES``), put before the lines held."""
+        from dflashctl.runhost import log_before
+        from dflashctl.terminal import printable
+
+        app = self.app
+        try:
+            got = log_before(self.run_id, app.reader.store, app.inventory(), end, max_lines=self.HISTORY_LINES,
+                             max_bytes=self.HISTORY_BYTES)
+        except Exception as e:  # noqa: BLE001  (shown, never a crash of the screen)
+            app.call_from_thread(self._history_note, f"earlier lines: {first_line(e)}")
+            return
+        finally:
+            app.reader.store.close()
+        app.call_from_thread(self._prepend, got, printable(got.text).rstrip("\n").split("\n") if got.text else [])
+
+    def _prepend(self, got, lines: list[str]) -> None:
+        log = self.query_one(LogLines)
+        if got.cut:
+            note = f"a line of more than {self.HISTORY_BYTES // 1024:,} KiB: earlier lines with dflashctl logs"
+        elif got.start == 0:
+            note = "the log's first line is held"
+        else:
+            note = f"{len(lines):,} earlier lines read; h for more"
+        taken = log.prepend(lines, note)
+        if not got.cut:
+            self.log_start = got.start if taken == len(lines) else None
+        self.log_lines += taken

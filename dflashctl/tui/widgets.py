@@ -4,13 +4,16 @@ store or a host (the app hands them snapshots)."""
 
 from __future__ import annotations
 
+import re
+
 from rich.text import Text
 from textual.binding import Binding
+from textual.containers import Vertical
 from textual.message import Message
-from textual.widgets import DataTable, Input, Static
+from textual.widgets import DataTable, Input, RichLog, Static
 
 from dflashctl.tui.model import (
-    COMPACT_RUN_WIDTH, SEVERITY_STYLE, Column, EventView, RunView, fit, fit_middle, select_columns,
+    COMPACT_RUN_WIDTH, SEVERITY_STYLE, Column, EventView, RunView, fit, fit_middle, matching, select_columns,
 )
 
 # --------------------------------------------------------------------------- widgets
@@ -184,3 +187,238 @@ class Pane(Static):
 
     def on_resize(self) -> None:
         self.redraw()
+
+
+class LogLines(RichLog):
+    """A trainer's log, followed as it grows. Scrolling up (keys, wheel) pauses the
+    following: new lines are kept and counted, never scrolled to ("paused, N new
+    lines, End to follow" under it) until End. ``/`` (the screen's filter box) shows
+    only the lines with every word typed; ``m`` shows every line again with those
+    words marked, ``n`` / ``N`` jump to the next / previous line that has them. ``t``
+    wraps long lines (or not). ``h``, or scrolling up at the top, asks the screen
+    for earlier lines (``Earlier``); the screen reads them in bounded chunks and
+    ``prepend``s them. At most ``KEEP`` lines are held (the newest, as it follows)."""
+
+    KEEP = 20000
+    BINDINGS = [
+        Binding("end", "follow", "Follow", key_display="End"),
+        Binding("t", "wrap", "Wrap"),
+        Binding("h", "earlier", "Earlier"),
+        Binding("n", "next_match", "Next"),
+        Binding("N", "previous_match", "Prev", key_display="N"),
+        Binding("m", "only_matches", "Matches only"),
+    ]
+
+    class Earlier(Message):
+        """Earlier lines are asked for (``h``, or scrolled up at the top)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(wrap=False, highlight=False, markup=False, max_lines=None, **kw)
+        self.kept: list[str] = []
+        self.filter_text = ""
+        self.only_matches = True  # the filter hides the other lines (m: shows them, the words marked)
+        self.paused = False
+        self.unseen = 0  # lines added while paused
+        self.match: int | None = None  # index in ``kept`` of the line n / N went to
+        self.history = ""  # what the screen says of the earlier lines ("start of the log", ...)
+        self._rows: list[tuple[int, int]] = []  # (index in kept, first row) of each line shown
+        self._rows_valid = True
+        self._wrapped_at = 0  # the width the lines were last wrapped at
+
+    # -- what is shown
+
+    def _words(self) -> list[str]:
+        return self.filter_text.lower().split()
+
+    def _matches(self, line: str) -> bool:
+        return bool(matching([line], self.filter_text, str))
+
+    def _shown(self, line: str) -> bool:
+        return not self.only_matches or self._matches(line)
+
+    def _text(self, index: int) -> Text:
+        text = Text(self.kept[index])
+        words = self._words()
+        if words and self._matches(self.kept[index]):
+            style = "reverse bold" if index == self.match else "bold yellow"
+            for word in words:
+                text.highlight_regex(re.compile(re.escape(word), re.IGNORECASE), style)
+        return text
+
+    def _write(self, index: int) -> None:
+        if self._size_known:
+            self._rows.append((index, len(self.lines)))
+        else:
+            self._rows_valid = False
+        self.write(self._text(index), scroll_end=not self.paused)
+
+    def redraw(self) -> None:
+        """Every kept line that is shown, again (after a filter, wrap or history change)."""
+        self._wrapped_at = self.size.width
+        y = self.scroll_y
+        self.clear()
+        self._rows, self._rows_valid = [], True
+        for i, line in enumerate(self.kept):
+            if self._shown(line):
+                self._write(i)
+        if self.paused:
+            self.scroll_to(y=y, animate=False, immediate=True)
+        self.show_marker()
+
+    def add(self, lines: list[str]) -> int:
+        """Append lines read from the log; returns how many are shown."""
+        shown = 0
+        start = len(self.kept)
+        self.kept.extend(lines)
+        for i in range(start, len(self.kept)):
+            if self._shown(self.kept[i]):
+                self._write(i)
+                shown += 1
+        if len(self.kept) > self.KEEP:
+            drop = len(self.kept) - self.KEEP
+            del self.kept[:drop]
+            self.match = None if self.match is None or self.match < drop else self.match - drop
+            self.history = ""  # the oldest are gone again: earlier lines can be read again
+            self.redraw()
+        if self.paused:
+            self.unseen += shown
+            self.show_marker()
+        return shown
+
+    def prepend(self, lines: list[str], note: str = "") -> int:
+        """Earlier lines, before the first held; the view stays on what it showed
+        (the following pauses: the operator is reading back). Lines past ``KEEP`` are
+        not taken (the note says so)."""
+        room = max(0, self.KEEP - len(self.kept))
+        taken = lines[len(lines) - room:] if room < len(lines) else lines
+        self.history = note
+        if taken:
+            before = self.scroll_y
+            rows_before = len(self.lines)
+            self.kept[:0] = taken
+            if self.match is not None:
+                self.match += len(taken)
+            self.paused = True
+            self.redraw()
+            self.scroll_to(y=before + len(self.lines) - rows_before, animate=False, immediate=True)
+        self.show_marker()
+        return len(taken)
+
+    def set_filter(self, text: str) -> None:
+        self.filter_text, self.match = text, None
+        self.redraw()
+
+    def show_marker(self) -> None:
+        parent = self.parent
+        if parent is None:
+            return
+        marker = parent.query_one("#log-marker", Static)
+        parts = []
+        if self.paused:
+            parts.append(f"paused, {self.unseen:,} new line{'s' if self.unseen != 1 else ''}, End to follow")
+        if self.filter_text and not self.only_matches:
+            found = sum(1 for line in self.kept if self._matches(line))
+            at = "" if self.match is None else f" (at line {self.match + 1:,} of {len(self.kept):,})"
+            parts.append(f"'{self.filter_text}': {found:,} line{'s' if found != 1 else ''}{at}, n / N")
+        if self.history:
+            parts.append(self.history)
+        marker.update(Text(" · ".join(parts), style="bold black on yellow" if self.paused else "dim"))
+        marker.display = bool(parts)
+
+    # -- keys
+
+    def pause(self) -> None:
+        if not self.paused:
+            self.paused, self.unseen = True, 0
+            self.show_marker()
+
+    def action_follow(self) -> None:
+        self.paused, self.unseen = False, 0
+        self.scroll_end(animate=False, immediate=True, x_axis=False)
+        self.show_marker()
+
+    def _up(self) -> None:
+        if self.scroll_y <= 0:
+            self.post_message(self.Earlier())
+        self.pause()
+
+    def action_scroll_up(self) -> None:
+        self._up()
+        super().action_scroll_up()
+
+    def action_page_up(self) -> None:
+        self._up()
+        super().action_page_up()
+
+    def action_scroll_home(self) -> None:
+        self._up()
+        super().action_scroll_home()
+
+    def on_mouse_scroll_up(self, event) -> None:
+        # Beside Widget's own handler (which scrolls): Textual calls each class's.
+        self._up()
+
+    def on_resize(self, event) -> None:
+        # Beside RichLog's own handler. Wrapped lines are wrapped again at the new width.
+        if self.wrap and self._size_known and event.size.width != self._wrapped_at:
+            self.call_after_refresh(self.redraw)
+
+    def action_wrap(self) -> None:
+        self.wrap = not self.wrap
+        self.redraw()
+        self.app.notify(f"log: long lines {'wrapped' if self.wrap else 'cut (scroll sideways)'}", timeout=2)
+
+    def action_earlier(self) -> None:
+        self.post_message(self.Earlier())
+
+    def action_only_matches(self) -> None:
+        self.only_matches = not self.only_matches
+        self.redraw()
+
+    def _jump(self, step: int) -> None:
+        if not self._words():
+            self.app.notify("no search: / then the words to find", severity="warning", timeout=3)
+            return
+        found = [i for i, line in enumerate(self.kept) if self._matches(line)]
+        if not found:
+            self.app.notify(f"'{self.filter_text}' is in no line held", severity="warning", timeout=3)
+            return
+        if self.match is None:
+            here = len(self.kept) if step < 0 else -1
+        else:
+            here = self.match
+        after = [i for i in found if i > here] if step > 0 else [i for i in found if i < here]
+        self.match = (after[0] if step > 0 else after[-1]) if after else (found[0] if step > 0 else found[-1])
+        self.pause()
+        self.redraw()
+        if not self._rows_valid:
+            return
+        row = next((y for i, y in self._rows if i == self.match), None)
+        if row is not None:
+            self.scroll_to(y=max(0, row - self.scrollable_content_region.height // 3), animate=False,
+                           immediate=True)
+
+    def action_next_match(self) -> None:
+        self._jump(1)
+
+    def action_previous_match(self) -> None:
+        self._jump(-1)
+
+
+class LogView(Vertical):
+    """``LogLines`` and the line under it that says it is paused (new lines waiting),
+    what a search found, and how far back the log is held."""
+
+    DEFAULT_CSS = """
+    LogView { height: 1fr; }
+    LogView > LogLines { height: 1fr; }
+    LogView > #log-marker { height: 1; display: none; padding: 0 1; }
+    """
+
+    def __init__(self, log_id: str = "log-text", **kw) -> None:
+        super().__init__(**kw)
+        self.log_id = log_id
+
+    def compose(self):
+        yield LogLines(id=self.log_id)
+        yield Static(id="log-marker")
