@@ -281,6 +281,19 @@ def test_no_reading_at_all_draws_no_host_line(tmp_path):
     assert " cpu " not in gpu_text(load_status(store, NOW).hosts, 160, NOW).plain
 
 
+def test_status_json_has_each_hosts_cpu_and_memory(tmp_path):
+    from dflashctl.tui.model import JSON_SCHEMA
+    from tests.test_status import _check
+
+    store = host_store(tmp_path, observed_ago=5.0)
+    add_host_readings(store, PROD)
+    payload = json.loads(json.dumps(load_status(store, NOW).to_dict()))
+    _check(JSON_SCHEMA, payload)
+    load = payload["hosts"][0]["load"]
+    assert (load["cpus"], load["load1"], round(load["busy_pct"]), load["time"]) == (192, 44.31, 23, NOW - 5.0)
+    assert load["mem_total_kib"] - load["mem_available_kib"] == 2_113_929_216 - 1_390_411_776
+
+
 def test_the_console_shows_the_host_line_at_each_size(tmp_path):
     store = build("healthy", tmp_path)
     add_host_readings(store, PROD)
@@ -306,10 +319,6 @@ def test_the_gpu_pane_with_its_host_line_snapshot(snap_compare, tmp_path, monkey
                     probe_unsupervised=False)
 
     async def shown(pilot):
-        for _ in range(400):
-            if app.loads:
-                break
-            await pilot.pause(0.05)
-        await pilot.pause()
+        await loaded(pilot, app)
 
     assert snap_compare(app, terminal_size=(120, 40), run_before=shown)

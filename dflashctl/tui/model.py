@@ -1481,7 +1481,13 @@ JSON_SCHEMA: dict[str, Any] = {
             }}},
         "events": {"type": "array", "description": "the selected run's recent events, oldest first"},
         "hosts": {"type": "array", "items": {"type": "object", "required": ["host", "runs", "last_answer",
-                                                                             "down_since", "error", "supervised"]}},
+                                                                             "down_since", "error", "supervised"],
+                                             "properties": {"load": {
+                                                 "type": ["object", "null"],
+                                                 "description": "the host's CPU and memory from the newest poll that "
+                                                                "read them (null: none did): time, cpus, load1, "
+                                                                "busy_pct, mem_total_kib, mem_available_kib, "
+                                                                "stale_after_s; an unknown field is null"}}}},
         "gpus": {"type": "array", "items": {"type": "object", "required": [
             "host", "index", "name", "role", "run_id", "utilization_pct", "memory_used_mib", "memory_total_mib",
             "temperature_c", "power_draw_w", "utilization_history"]}},
