@@ -418,6 +418,10 @@ def _m0007(db: Database) -> None:
 def _m0008(db: Database) -> None:
     # The run host's CPU and memory, read in the same poll as the GPU readings.
     db["samples"].add_column("host_reading", str)
+    # The console reads a run's newest readings on every refresh: found at once, even
+    # in a history where no sample (or none lately) carries one.
+    db.execute("CREATE INDEX IF NOT EXISTS samples_host_reading ON samples (run_id, time) "
+               "WHERE host_reading IS NOT NULL")
 
 
 _SAMPLE_NUMBERS = ("tok_s", "loss", "acc", "accept_len", "eta_s", "mfu")

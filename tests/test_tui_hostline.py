@@ -24,6 +24,7 @@ from dflashctl.probe import PROBE_SOURCE, parse_probe_host
 from dflashctl.store import Store
 from dflashctl.tui.model import load_status
 from dflashctl.tui.text import gpu_text
+from tests.test_supervisor import local_env  # noqa: F401 (the fixture: fake trainer runs in tmux on this host)
 from tests.test_supervisor_core import make_policy, make_state, metrics, probe
 from tests.test_tui import app_for, loaded, run, screen_text
 from tests.test_tui_gpus import host_store
@@ -185,6 +186,31 @@ def test_the_supervisor_stores_one_reading_per_poll_with_its_samples(tmp_path):
     assert stored.step == 12 and stored.host_reading == asdict(reading)
 
 
+def test_a_real_supervisor_stores_this_machines_cpu_and_memory_and_the_pane_draws_them(local_env):
+    from tests.test_supervisor import wait_for
+
+    run_id = local_env.start(local_env.playbook("hostline"))
+    sup = local_env.supervisor()
+    sup.attach(run_id)
+    store = local_env.store
+    try:
+        wait_for(lambda: len(store.host_samples(run_id, 2)) == 2, 20, "two polls' host readings", tick=sup.tick)
+    finally:
+        local_env.tmux.kill(run_id)
+        sup.close()
+    older, newer = store.host_samples(run_id, 2)
+    assert newer.host_reading["cpus"] == len(os.sched_getaffinity(0))
+    assert newer.host_reading["mem_total_kib"] == _kib_now("MemTotal")
+    assert newer.host_reading["cpu_total"] >= older.host_reading["cpu_total"]
+    read = [s.observed for s in store.samples(run_id) if s.host_reading is not None]
+    assert len(set(read)) == len(read)  # one reading per poll (a poll's lines share its time), not one per line
+    now = newer.observed
+    (host,) = [h for h in load_status(store, now).hosts if h.host == "local"]
+    assert host.load is not None and host.load.cpus == newer.host_reading["cpus"]
+    line = next(ln for ln in gpu_text([host], 160, now).plain.splitlines() if "host" in ln and " cpu " in ln)
+    assert f"{len(os.sched_getaffinity(0))} CPUs" in line and "load " in line
+
+
 def test_a_store_from_before_host_readings_upgrades_and_keeps_its_samples(tmp_path):
     import sqlite3
 
@@ -193,6 +219,7 @@ def test_a_store_from_before_host_readings_upgrades_and_keeps_its_samples(tmp_pa
     run_id = store.create_run("pb", "gpu1", {}, NOW - 60).id
     store.close()
     conn = sqlite3.connect(path)  # back to schema 7: no samples.host_reading, no record of 0008
+    conn.execute("DROP INDEX samples_host_reading")
     conn.execute("ALTER TABLE samples DROP COLUMN host_reading")
     conn.execute("DELETE FROM _sqlite_migrations WHERE name = '0008_sample_host_reading'")
     conn.execute("PRAGMA user_version = 7")
@@ -202,6 +229,9 @@ def test_a_store_from_before_host_readings_upgrades_and_keeps_its_samples(tmp_pa
     store = Store(path)
     store.add_samples(run_id, [{"time": NOW - 10, "step": 6}], host_reading={"cpus": 8})
     assert [(s.step, s.host_reading) for s in store.samples(run_id)] == [(5, None), (6, {"cpus": 8})]
+    plan = store.conn.execute("EXPLAIN QUERY PLAN SELECT * FROM samples WHERE run_id = ? AND host_reading IS NOT NULL "
+                              "ORDER BY time DESC LIMIT 2", [run_id]).fetchall()
+    assert "samples_host_reading" in str(plan)  # a refresh finds the newest readings without a scan
 
 
 # --------------------------------------------------------------------------- drawn in the GPU pane

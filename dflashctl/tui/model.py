@@ -37,7 +37,7 @@ import sqlite3
 import statistics
 import threading
 import urllib.parse
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
 from dflashctl.contract import describe_exit, tau_estimate, tau_gap
@@ -466,9 +466,9 @@ class HostLoad:
         return 1 - self.mem_available_kib / self.mem_total_kib
 
     def memory_text(self) -> str:
+        """'5.2/24G', '0.7/2.0T': used of total, in 8 cells."""
         if self.memory_fraction is None:
             return NA
-        """'5.2/24G', '0.7/2.0T': used of total, in 8 cells."""
         total = self.mem_total_kib / (1024 * 1024)  # type: ignore[operator]
         used = total * self.memory_fraction
         unit, scale = ("T", 1024.0) if total >= 1000 else ("G", 1.0)
@@ -483,7 +483,7 @@ def stored_host_reading(value: Any) -> HostReading:
     number (or not a whole one where it must be) is None, unknown."""
     value = value if isinstance(value, dict) else {}
     reading = HostReading()
-    for name in ("cpus", "load1", "load5", "load15", "cpu_total", "cpu_idle", "mem_total_kib", "mem_available_kib"):
+    for name in (f.name for f in fields(HostReading)):
         v = _float(value.get(name))
         if v is not None and name in _HOST_INTS:
             v = int(v) if v.is_integer() and v >= 0 else None
