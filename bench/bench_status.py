@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_status.py            # everything
     .venv/bin/python bench/bench_status.py --refresh  # only the refresh
     .venv/bin/python bench/bench_status.py --startup  # only the CLI start-up
-    .venv/bin/python bench/bench_status.py --paint    # only the live screen's first paint
+    .venv/bin/python bench/bench_status.py --paint    # only the live screen's first paint and idle CPU
 
 Refresh: a store with 8 hosts x 8 GPUs (one active run per host, every sample with
 its 8 GPU readings) and 50 runs of recorded history (8 active + 42 finished, 2000
@@ -17,6 +17,10 @@ the screen's whole refresh in a headless Textual app (read + draw). Target: unde
 Start-up: wall-clock time of ``dflashctl --help``, ``dflashctl runs`` and
 ``dflashctl status --once`` (on the same store), best and median of several runs.
 Targets: --help under 150 ms, runs / status --once under 250 ms.
+
+Paint: first paint of ``dflashctl status`` in a pseudo-terminal, then the idle CPU of
+the console process (``/proc/PID/stat`` utime + stime over ``--idle-seconds`` of
+its refreshes every 2 s on the same store, nothing new in it), as % of one core.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from tests.test_tui_scenes import gpus, playbook, run_config  # noqa: E402
 
 NOW = time.time()
 HOSTS, GPUS, RUNS, SAMPLES = 8, 8, 50, 2000
+# A run host's CPU and memory as the supervisor stores them (parsers.HostReading's fields).
+HOST_READING = {"cpus": 192, "load1": 44.3, "load5": 40.1, "load15": 38.0, "cpu_total": 9_000_000_000,
+                "cpu_idle": 7_000_000_000, "mem_total_kib": 2_113_929_216, "mem_available_kib": 1_390_411_776}
 
 
 def build_store(root: Path) -> Store:
@@ -67,7 +74,8 @@ def build_store(root: Path) -> Store:
         with store.batch():
             for k, row in enumerate(rows):
                 reading = gpus(GPUS, wobble=k) if is_active else (gpus(GPUS) if k % 50 == 0 else None)
-                store.add_samples(run_id, [row], gpu=reading, observed=row["time"] + 1)
+                store.add_samples(run_id, [row], gpu=reading, observed=row["time"] + 1,
+                                  host_reading=HOST_READING if is_active else None)
             for k in range(20):
                 store.add_event(run_id, "probe", f"finding {k}", start + 100 * k, severity="info")
             store.add_restart(run_id, start + 500, "crash: CUDA out of memory", signature="cuda_oom")
@@ -166,25 +174,44 @@ def bench_startup(store_path: str, repeat: int = 7) -> None:
     print(f"  (python -c pass      {_ms(min(base))} best: the interpreter alone)")
 
 
-def _first_paint(env: dict, needle: bytes, timeout: float = 60.0) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the process so far (/proc/PID/stat, fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _first_paint(env: dict, needle: bytes, timeout: float = 60.0, interval: str = "600",
+                 idle_s: float = 0.0) -> tuple[float, float | None]:
     """Seconds from starting ``dflashctl status`` in a pseudo-terminal (120x40) until
     its output holds ``needle`` (a run id: the first screen with the store's runs);
-    then ``q``."""
+    with ``idle_s``, then the console's CPU over that many seconds of refreshes every
+    ``interval`` (share of one core, 0..1); then ``q``."""
     import pty
     import select
 
     leader, follower = pty.openpty()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "status", "--interval", "600"], stdin=follower,
+    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "status", "--interval", interval], stdin=follower,
                             stdout=follower, stderr=follower, env=env, close_fds=True)
     os.close(follower)
-    seen, took = b"", None
+    seen, took, idle = b"", None, None
     try:
         while took is None and time.perf_counter() - t0 < timeout:
             if select.select([leader], [], [], 0.05)[0]:
                 seen += os.read(leader, 65536)
                 if needle in seen:
                     took = time.perf_counter() - t0
+        if took is not None and idle_s > 0:
+            settle = time.perf_counter() + 3.0  # the start's own work (imports, first layout) is not idle
+            while time.perf_counter() < settle:
+                if select.select([leader], [], [], 0.1)[0]:
+                    os.read(leader, 65536)
+            cpu0, wall0 = cpu_seconds(proc.pid), time.perf_counter()
+            while time.perf_counter() - wall0 < idle_s:  # read what it draws: a full terminal would block it
+                if select.select([leader], [], [], 0.1)[0]:
+                    os.read(leader, 65536)
+            idle = (cpu_seconds(proc.pid) - cpu0) / (time.perf_counter() - wall0)
         os.write(leader, b"q")
         deadline = time.monotonic() + 20
         while proc.poll() is None and time.monotonic() < deadline:  # read on: a full terminal blocks the app
@@ -200,24 +227,33 @@ def _first_paint(env: dict, needle: bytes, timeout: float = 60.0) -> float:
         os.close(leader)
     if took is None:
         raise SystemExit(f"no first paint within {timeout:g} s: {seen[-500:]!r}")
-    return took
+    return took, idle
 
 
-def bench_paint(store: Store, repeat: int = 5) -> None:
-    """First paint of the live screen, and the idle CPU of the console process."""
+def bench_paint(store: Store, repeat: int = 5, idle_s: float = 30.0, interval: str = "2") -> None:
+    """First paint of the live screen, and the idle CPU of the console process: its
+    CPU seconds over ``idle_s`` of refreshes every ``interval`` (the default
+    refresh) with nothing new in the store, as a share of one core."""
     env = {**os.environ, "DFLASHCTL_STORE": store.path, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
     needle = store.list_runs(active_only=True)[0].id.encode()
-    times = [_first_paint(env, needle) for _ in range(repeat)]
+    times = [_first_paint(env, needle)[0] for _ in range(repeat)]
     print(f"first paint of `dflashctl status` (pty 120x40, best / median of {repeat}; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores): {_ms(min(times))} best, "
           f"{_ms(statistics.median(times))} median   target < 1000 ms on an idle machine")
+    if idle_s > 0:
+        _, idle = _first_paint(env, needle, interval=interval, idle_s=idle_s)
+        print(f"idle CPU of the console process (pty 120x40, refresh every {interval} s, steady store, "
+              f"{idle_s:g} s after a 3 s settle; load average {os.getloadavg()[0]:.1f}): "
+              f"{idle * 100:.1f} % of one core")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--refresh", action="store_true", help="only the refresh")
     parser.add_argument("--startup", action="store_true", help="only the CLI start-up")
-    parser.add_argument("--paint", action="store_true", help="only the live screen's first paint")
+    parser.add_argument("--paint", action="store_true", help="only the live screen's first paint and idle CPU")
+    parser.add_argument("--idle-seconds", type=float, default=30.0, metavar="S",
+                        help="how long the idle CPU is measured (0: not measured; default 30)")
     args = parser.parse_args()
     both = not (args.refresh or args.startup or args.paint)
     with tempfile.TemporaryDirectory() as tmp:
@@ -230,7 +266,7 @@ def main() -> None:
         if args.startup or both:
             bench_startup(store.path)
         if args.paint or both:
-            bench_paint(store)
+            bench_paint(store, idle_s=args.idle_seconds)
 
 
 if __name__ == "__main__":

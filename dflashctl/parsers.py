@@ -342,6 +342,128 @@ def parse_compute_apps(text: str, fields: tuple[str, ...] | list[str] = COMPUTE_
     return read_compute_apps(text, fields).rows
 
 
+# --------------------------------------------------------------------------- host CPU and memory
+
+# What the probe reads of the host itself (dflashctl/remote/probe.py ``host_stats``).
+HOST_TEXT_MAX_CHARS = 16384  # of each file's text; more is not the file it claims to be
+MAX_CPUS = 65536
+_MAX_LOAD = 1e6  # a load average above a million runnable tasks is not a reading
+_MAX_JIFFIES = 2**63 - 1
+_MAX_KIB = 2**50  # 1 EiB
+_LOADAVG = re.compile(r"^(\d{1,7}\.\d{1,3}) (\d{1,7}\.\d{1,3}) (\d{1,7}\.\d{1,3})(?: |\n|$)")
+_STAT_CPU = re.compile(r"^cpu((?: +\d{1,20}){4,10}) *$")
+_MEMINFO = re.compile(r"^(MemTotal|MemAvailable): +(\d{1,16}) kB *$")
+
+
+@dataclass
+class HostReading:
+    """A host's CPU and memory at one poll: ``/proc/loadavg``, the ``cpu`` line of
+    ``/proc/stat`` (jiffies since boot, all CPUs together), ``/proc/meminfo`` and the
+    CPUs the probe may run on. A field that could not be read is None: unknown."""
+
+    cpus: int | None = None
+    load1: float | None = None
+    load5: float | None = None
+    load15: float | None = None
+    cpu_total: int | None = None  # jiffies: user nice system idle iowait irq softirq steal (guest is in user)
+    cpu_idle: int | None = None  # jiffies: idle + iowait
+    mem_total_kib: int | None = None
+    mem_available_kib: int | None = None  # MemAvailable: what can be had without swapping
+
+
+def _host_text(name: str, text: Any, problems: list[str]) -> str | None:
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        problems.append(f"{name} is not text ({type(text).__name__})")
+        return None
+    if len(text) > HOST_TEXT_MAX_CHARS:
+        problems.append(f"{name} is {len(text)} characters long, over the {HOST_TEXT_MAX_CHARS} limit: not read")
+        return None
+    return text
+
+
+def _loadavg(text: str, reading: HostReading, problems: list[str]) -> None:
+    m = _LOADAVG.match(text)
+    loads = [float(v) for v in m.groups()] if m else []
+    if not m or any(v > _MAX_LOAD for v in loads):
+        problems.append(f"/proc/loadavg is not three load averages ({_show(text)})")
+        return
+    reading.load1, reading.load5, reading.load15 = loads
+
+
+def _stat(text: str, reading: HostReading, problems: list[str]) -> None:
+    """The aggregate ``cpu`` line (the first line of /proc/stat on Linux)."""
+    line = next((ln for ln in text.splitlines() if ln.startswith("cpu ")), None)
+    m = _STAT_CPU.match(line) if line is not None else None
+    if m is None:
+        problems.append(f"/proc/stat has no well-formed cpu line ({_show(line if line is not None else text)})")
+        return
+    values = [int(v) for v in m.group(1).split()]
+    total, idle = sum(values[:8]), values[3] + (values[4] if len(values) > 4 else 0)
+    if total > _MAX_JIFFIES:
+        problems.append(f"/proc/stat: cpu time {total} is out of range")
+        return
+    reading.cpu_total, reading.cpu_idle = total, idle
+
+
+def _meminfo(text: str, reading: HostReading, problems: list[str]) -> None:
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("Mem"):
+            m = _MEMINFO.match(line)
+            if m is not None:
+                if m.group(1) in found:
+                    problems.append(f"/proc/meminfo: {m.group(1)} twice: memory unknown")
+                    return
+                found[m.group(1)] = int(m.group(2))
+    total, available = found.get("MemTotal"), found.get("MemAvailable")
+    if total is None or available is None:
+        missing = " and ".join(k for k in ("MemTotal", "MemAvailable") if k not in found)
+        problems.append(f"/proc/meminfo has no {missing} line in kB")
+        return
+    if not 0 < total <= _MAX_KIB or available > total:
+        problems.append(f"/proc/meminfo: MemAvailable {available} kB of MemTotal {total} kB is not a reading")
+        return
+    reading.mem_total_kib, reading.mem_available_kib = total, available
+
+
+def read_host_stats(loadavg: Any, stat: Any, meminfo: Any, cpus: Any) -> tuple[HostReading, list[str]]:
+    """The probe's host texts -> a ``HostReading`` and what was wrong with them.
+
+    Each part stands alone: a garbage /proc/stat leaves the load and memory read.
+    A part that is not what it should be (not text, longer than
+    ``HOST_TEXT_MAX_CHARS``, a number out of range, memory available above total,
+    a field twice) is None, unknown, with its reason in the list: never a guessed
+    number. ``cpus`` is an int in 1..``MAX_CPUS``. Never raises on any input."""
+    reading, problems = HostReading(), []
+    if cpus is not None:
+        if type(cpus) is int and 1 <= cpus <= MAX_CPUS:  # type(): a bool is not a CPU count
+            reading.cpus = cpus
+        else:
+            shown = "out of range" if type(cpus) is int else f"a {type(cpus).__name__}"  # never repr() a huge int
+            problems.append(f"cpus is not a whole number in 1..{MAX_CPUS} ({shown})")
+    for name, text, read in (("/proc/loadavg", loadavg, _loadavg), ("/proc/stat", stat, _stat),
+                             ("/proc/meminfo", meminfo, _meminfo)):
+        text = _host_text(name, text, problems)
+        if text is not None:
+            read(text, reading, problems)
+    return reading, problems
+
+
+def cpu_busy_pct(older: HostReading, newer: HostReading) -> float | None:
+    """How busy the host's CPUs were between two readings, 0..100 (all CPUs
+    together); None when either lacks its counters, no time passed between them or
+    the counters went back (a reboot between the readings)."""
+    if None in (older.cpu_total, older.cpu_idle, newer.cpu_total, newer.cpu_idle):
+        return None
+    total = newer.cpu_total - older.cpu_total  # type: ignore[operator]
+    idle = newer.cpu_idle - older.cpu_idle  # type: ignore[operator]
+    if total <= 0 or not 0 <= idle <= total:
+        return None
+    return 100.0 * (total - idle) / total
+
+
 # --------------------------------------------------------------------------- metrics
 
 

@@ -5,7 +5,8 @@
 argument. It reads, for each run: tmux session liveness and the pane tail,
 status.json, the metrics.jsonl bytes appended since an offset, the tail of
 trainer.log, the trainer's process state and its exit_code file; and once per host:
-nvidia-smi GPU and compute-process rows and the host clock. Each sub-step has a
+nvidia-smi GPU and compute-process rows, the host's CPU and memory (/proc) and
+the host clock. Each sub-step has a
 time and size limit; anything that goes wrong becomes a line in an ``errors`` list,
 never an exception, and the script always prints exactly one JSON object.
 
@@ -26,7 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from dflashctl import contract, remote
-from dflashctl.parsers import ComputeApp, GpuReading, read_compute_apps, read_gpu_query
+from dflashctl.parsers import ComputeApp, GpuReading, HostReading, read_compute_apps, read_gpu_query, read_host_stats
 
 PROBE_VERSION = 1
 TMUX_SOCKET = "dflash"
@@ -96,6 +97,7 @@ class ProbeResult:
     compute_apps: list[ComputeApp] | None = None
     errors: list[str] = field(default_factory=list)
     standby_pid: int | None = None  # the pid in standby.json: the next restart's trainer, waiting
+    host: HostReading | None = None  # the host's CPU and memory (None: not read, an older probe)
 
     def next_args(self, previous: ProbeArgs) -> ProbeArgs:
         """The arguments for the next poll of this run: the metrics offset moves on
@@ -125,6 +127,7 @@ class HostProbe:
     compute_apps: list[ComputeApp] | None
     errors: list[str]
     runs: list[ProbeResult]
+    host: HostReading | None = None  # its CPU and memory (None: not read)
 
 
 def probe_args_json(args: Sequence[ProbeArgs | dict[str, Any]], *, nvidia_smi: bool | None = None) -> str:
@@ -212,6 +215,7 @@ def _parse_host(stdout: str) -> HostProbe | ProbeError:
     hostname, python = check.text("hostname"), check.text("python")
     elapsed = check.number("elapsed", -MAX_CLOCK, MAX_CLOCK)  # below 0 when the host's clock was stepped back
     gpus, apps = _smi(raw.get("smi"), errors)
+    host = _host_stats(raw.get("host"), errors)
     runs = []
     for i, run in enumerate(raw["runs"]):
         run_dir = run.get("run_dir") if isinstance(run, dict) else None
@@ -221,7 +225,7 @@ def _parse_host(stdout: str) -> HostProbe | ProbeError:
             # Results pair with the runs asked for by position: one without its
             # run_dir cannot be paired, so the whole answer is unusable.
             return ProbeError(f"malformed probe output: {e.reason}", tail)
-        runs.append(_run_result(run, host_time, hostname, gpus, apps, errors))
+        runs.append(replace(_run_result(run, host_time, hostname, gpus, apps, errors), host=host))
     return HostProbe(
         host_time=host_time,
         hostname=hostname,
@@ -231,6 +235,7 @@ def _parse_host(stdout: str) -> HostProbe | ProbeError:
         compute_apps=apps,
         errors=errors,
         runs=runs,
+        host=host,
     )
 
 
@@ -340,6 +345,19 @@ def _smi(raw: Any, errors: list[str]) -> tuple[list[GpuReading] | None, list[Com
         apps = parsed_apps.rows
         errors.extend(f"nvidia-smi --query-compute-apps: {r}" for r in parsed_apps.rejected)
     return gpus, apps
+
+
+def _host_stats(raw: Any, errors: list[str]) -> HostReading | None:
+    """The host's /proc texts -> its CPU and memory reading (None: not read); each
+    part the parser refuses is unknown in the reading and an error line."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        errors.append(f"probe answer: host is not an object ({_kind(raw)})")
+        return None
+    reading, problems = read_host_stats(raw.get("loadavg"), raw.get("stat"), raw.get("meminfo"), raw.get("cpus"))
+    errors.extend(f"host stats: {p}" for p in problems)
+    return reading
 
 
 class _Checked:

@@ -77,7 +77,7 @@ _STATE_SEVERITY = {STALLED: "warning", RESTARTING: "warning", LOST: "warning", F
 EVENT_STATE = "state"
 EVENT_REGRESSION = "regression"  # a throughput regression: the run is not a healthy baseline
 
-_JSON_COLUMNS = {"config", "supervisor", "detail", "gpu", "data", "runs", "hosts", "report"}
+_JSON_COLUMNS = {"config", "supervisor", "detail", "gpu", "data", "runs", "hosts", "report", "host_reading"}
 
 _RUN_FIELDS_SETTABLE = {
     "config", "bundle_hash", "run_dir", "tmux_session", "tmux_socket", "supervisor", "host", "exit_code", "exit_reason",
@@ -190,6 +190,7 @@ class Sample:
     gpu: Any = None
     mfu: float | None = None
     observed: float | None = None  # local time the supervisor received it (None: stored before this was kept)
+    host_reading: Any = None  # its host's CPU and memory at that poll (parsers.HostReading as a dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -413,8 +414,18 @@ def _m0007(db: Database) -> None:
     db["run_hosts"].create_index(["host"])
 
 
+@migrations(name="0008_sample_host_reading")
+def _m0008(db: Database) -> None:
+    # The run host's CPU and memory, read in the same poll as the GPU readings.
+    db["samples"].add_column("host_reading", str)
+    # The console reads a run's newest readings on every refresh: found at once, even
+    # in a history where no sample (or none lately) carries one.
+    db.execute("CREATE INDEX IF NOT EXISTS samples_host_reading ON samples (run_id, time) "
+               "WHERE host_reading IS NOT NULL")
+
+
 _SAMPLE_NUMBERS = ("tok_s", "loss", "acc", "accept_len", "eta_s", "mfu")
-SCHEMA_VERSION = 7  # the number of migrations above; recorded as PRAGMA user_version
+SCHEMA_VERSION = 8  # the number of migrations above; recorded as PRAGMA user_version
 
 
 def _number(value: Any) -> float | None:
@@ -912,13 +923,16 @@ class Store:
         metrics_offset: int | None = None,
         metrics_inode: int | None = None,
         observed: float | None = None,
+        host_reading: Any = None,
     ) -> int:
         """Store metrics lines as samples; with ``metrics_offset`` (and the file's
         inode), advance the run's read position in the same transaction, so a crash
-        between the two never stores a line twice or skips one."""
+        between the two never stores a line twice or skips one. ``gpu`` and
+        ``host_reading`` (the host's CPU and memory) are the poll's readings."""
         rows = []
         for s in samples:
             d = asdict(s) if isinstance(s, Metrics) else dict(s)
+            d.setdefault("host_reading", None)
             extra = d.get("extra") if isinstance(d.get("extra"), dict) else {}
             d["mfu"] = d.get("mfu", extra.get("mfu"))
             time_, step = _number(d.get("time")), _int64(d.get("step"))
@@ -926,11 +940,14 @@ class Store:
                 continue  # no time or step: not a sample (the contract rejects such lines first)
             phase = d.get("phase") if isinstance(d.get("phase"), str) else None
             rows.append([run_id, time_, step, *(_number(d.get(c)) for c in _SAMPLE_NUMBERS[:5]), phase,
-                         _json(d.get("gpu", gpu)), _number(d.get("mfu")), _number(observed)])
+                         _json(d.get("gpu", gpu)), _number(d.get("mfu")), _number(observed),
+                         _json(d["host_reading"])])
+        if rows and rows[-1][-1] is None:
+            rows[-1][-1] = _json(host_reading)  # one reading per poll: on its newest line, not on each
         with self._write() as db:
             db.conn.executemany(
                 "INSERT INTO samples (run_id, time, step, tok_s, loss, acc, accept_len, eta_s, phase, gpu, mfu, "
-                "observed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "observed, host_reading) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             if metrics_offset is not None:
@@ -955,7 +972,7 @@ class Store:
     def recent_samples(self, run_id: str, limit: int) -> list[Sample]:
         """The newest ``limit`` samples in time order, without their GPU readings
         (``gpu`` is None): what a view of many runs reads on every refresh."""
-        names = [f.name for f in fields(Sample) if f.name != "gpu"]
+        names = [f.name for f in fields(Sample) if f.name not in ("gpu", "host_reading")]
         cursor = self.conn.execute(f"SELECT {', '.join(names)} FROM samples WHERE run_id = ? "
                                  "ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
         return [Sample(**dict(zip(names, row))) for row in reversed(cursor.fetchall())]
@@ -964,6 +981,13 @@ class Store:
         """The newest ``limit`` samples that carry GPU readings, in time order."""
         rows = self._query("SELECT * FROM samples WHERE run_id = ? AND gpu IS NOT NULL AND gpu != 'null' "
                            "ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
+        return [_row_to(Sample, r) for r in reversed(rows)]
+
+    def host_samples(self, run_id: str, limit: int = 2) -> list[Sample]:
+        """The newest ``limit`` samples that carry their host's CPU and memory
+        reading, in time order (two give the CPU's busy share between them)."""
+        rows = self._query("SELECT * FROM samples WHERE run_id = ? AND host_reading IS NOT NULL "
+                           "AND host_reading != 'null' ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
         return [_row_to(Sample, r) for r in reversed(rows)]
 
     def sample_series(self, run_id: str, points: int = 240) -> list[dict[str, Any]]:

@@ -645,7 +645,7 @@ class Supervisor:
                 pass  # changed meanwhile (an operator's stop): the next tick reads the run again
         elif isinstance(x, core.Samples):
             self.store.add_samples(run_id, x.lines, gpu=x.gpu, metrics_offset=x.offset, metrics_inode=x.inode,
-                                   observed=x.observed)
+                                   observed=x.observed, host_reading=x.host)
         elif isinstance(x, core.RestartRow):
             self.store.add_restart(run_id, x.time, x.reason, signature=x.signature, action=x.action,
                                    step_before=x.step_before, detect_delay_s=x.detect_delay_s, outcome=x.outcome)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Union
 
 from dflashctl import contract, detectors, parsers, policy, signatures
@@ -290,6 +290,7 @@ class Samples:
     offset: int
     inode: int | None
     observed: float | None = None  # local time the lines were received
+    host: dict | None = None  # the host's CPU and memory at that poll (parsers.HostReading's fields)
 
 
 @dataclass(frozen=True)
@@ -716,7 +717,8 @@ def _ingest_metrics(s: RunState, obs: Probed, local: float, pol: Policy, out: _O
     lines = _new_lines(s, lines, out)
     if obs.lines or (pr.metrics_offset, pr.metrics_inode) != (s.args.metrics_offset, s.args.metrics_inode):
         gpu = gpu_rows(pr) if s.run.gpus else None
-        out.writes.append(Samples(lines, gpu, pr.metrics_offset, pr.metrics_inode, local))
+        host = asdict(pr.host) if pr.host is not None else None  # CPU runs too: the trainer's host is busy or not
+        out.writes.append(Samples(lines, gpu, pr.metrics_offset, pr.metrics_inode, local, host))
     s.args = pr.next_args(s.args)
     s.samples = (s.samples + tuple(Sample.from_metrics(m) for m in lines))[-WINDOW:]
     _progress(s, lines, obs.skew, out)

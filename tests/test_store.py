@@ -57,7 +57,7 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     applied = [r[0] for r in conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id")]
     assert applied == [m.name for m in migrations._migrations] == [
         "0001_core_tables", "0002_env_snapshots", "0003_sample_mfu", "0004_restart_outcome_numeric_samples",
-        "0005_supervisor_heartbeats", "0006_evals", "0007_run_hosts"]
+        "0005_supervisor_heartbeats", "0006_evals", "0007_run_hosts", "0008_sample_host_reading"]
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"runs", "events", "samples", "restarts", "env_snapshots"} <= tables
     conn.close()
@@ -66,7 +66,7 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     run = _run(s)
     s.close()
     assert Store(path).get_run(run.id).playbook == "demo"
-    assert sqlite3.connect(path).execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 7
+    assert sqlite3.connect(path).execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 8
 
 
 def test_a_store_from_before_the_mfu_column_upgrades_and_keeps_its_samples(tmp_path):
@@ -352,5 +352,5 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path):
         assert [s.step for s in store.samples(f"race-{tag}")] == list(range(300))
         assert store.metrics_offset(f"race-{tag}") == 299
         assert store.get_run(f"race-{tag}").state == "running"
-    assert store.db.execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 7
+    assert store.db.execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == len(migrations._migrations)
     assert os.path.exists(path + "-wal") or store.db.journal_mode == "wal"

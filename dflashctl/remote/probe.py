@@ -12,11 +12,13 @@ run's process on this host: rank q > 0 writes ``status.rank<q>.json`` and
 ``metrics.rank<q>.jsonl``).
 
 The answer is exactly one JSON line:
-``{"probe": 1, "hostname", "python", "host_time", "elapsed", "errors", "smi", "runs"}``
+``{"probe": 1, "hostname", "python", "host_time", "elapsed", "errors", "smi", "host", "runs"}``
 with, per run: tmux session liveness and the pane tail, status.json's text, the
 metrics.jsonl bytes appended since the offset, the tail of trainer.log, the
 trainer's process state and its exit_code file, and the run's own ``errors``.
-``smi`` (nvidia-smi's GPU and compute-process rows, as CSV) is read once per host.
+``smi`` (nvidia-smi's GPU and compute-process rows, as CSV) is read once per host,
+and so is ``host`` (its CPU and memory: /proc/loadavg, /proc/stat's cpu line,
+/proc/meminfo as text, and the CPUs this process may use).
 
 Everything read here is untrusted: a run directory on a dead NFS mount, a
 status.json of gigabytes or nested ten thousand deep, a binary exit_code. So every
@@ -319,6 +321,43 @@ def nvidia_smi(timeout):
     return out
 
 
+# --------------------------------------------------------------------------- the host's CPU and memory
+
+HOST_FILE_MAX_BYTES = 16384  # /proc/meminfo is about 1.5 KB; /proc/stat's first line is read alone
+MEMINFO_KEYS = ("MemTotal:", "MemAvailable:")  # the lines of /proc/meminfo sent back
+
+
+def read_first_line(path, limit):
+    with open(path, "rb") as f:
+        return f.read(limit).split(b"\n", 1)[0].decode("utf-8", "replace")
+
+
+def usable_cpus():
+    try:
+        return len(os.sched_getaffinity(0))  # a container's or a taskset's share, not the machine's
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def host_stats():
+    """The host's load, CPU time and memory as the kernel prints them (the
+    controller parses them: dflashctl.parsers.read_host_stats); a file that cannot
+    be read is None."""
+    out = {"cpus": usable_cpus()}
+    for key, path, read in (("loadavg", "/proc/loadavg", read_first_line), ("stat", "/proc/stat", read_first_line),
+                            ("meminfo", "/proc/meminfo", None)):
+        try:
+            if read is None:
+                data = read_bounded(path, HOST_FILE_MAX_BYTES)
+                lines = [] if data is None else data.decode("utf-8", "replace").splitlines()
+                out[key] = "\n".join(ln for ln in lines if ln.startswith(MEMINFO_KEYS)) if data is not None else None
+            else:
+                out[key] = read(path, HOST_FILE_MAX_BYTES)
+        except (OSError, ValueError):
+            out[key] = None  # no /proc (not Linux), or not readable here
+    return out
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -389,6 +428,7 @@ def main(argv):
             want_smi = any(r.get("nvidia_smi", True) for r in runs if isinstance(r, dict))
         if want_smi:
             result["smi"] = step(result["errors"], "nvidia-smi", timeout, nvidia_smi, timeout)
+        result["host"] = step(result["errors"], "host stats", timeout, host_stats)
         for spec in runs:
             try:
                 result["runs"].append(probe_run(spec, timeout))

@@ -37,12 +37,13 @@ import sqlite3
 import statistics
 import threading
 import urllib.parse
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
 from dflashctl.contract import describe_exit, tau_estimate, tau_gap
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.freshness import Freshness, freshness
+from dflashctl.parsers import HostReading, cpu_busy_pct
 from dflashctl.store import ACTIVE_STATES, FINAL_STATES, LAUNCHING, RESTARTING, Event, Run, Sample, Store
 
 SCHEMA = "dflashctl.status/1"  # the --json document's name and version (JSON_SCHEMA below)
@@ -400,6 +401,99 @@ class AppView:
         return self.role is None
 
 
+def reading_age(time: float | None, now: float) -> float | None:
+    return None if time is None else max(0.0, now - time)
+
+
+def reading_stale(time: float | None, stale_after_s: float | None, now: float) -> bool:
+    age = reading_age(time, now)
+    return age is not None and stale_after_s is not None and age > stale_after_s
+
+
+@dataclass
+class HostLoad:
+    """A host's CPU and memory, from the newest sample that read them (the same poll
+    as its GPU readings). A field the host's answer did not give is None: unknown."""
+
+    time: float  # of the reading (local clock)
+    cpus: int | None = None
+    load1: float | None = None
+    busy_pct: float | None = None  # all CPUs, between the two newest readings (None: only one, or far apart)
+    mem_total_kib: int | None = None
+    mem_available_kib: int | None = None
+    stale_after_s: float | None = None  # three polls of the run whose supervisor read it
+
+    @classmethod
+    def from_samples(cls, newer: Sample, older: Sample | None, stale_after_s: float) -> "HostLoad":
+        """The newest reading; the CPU's busy share from the one before it when the
+        two are at most three polls apart (over longer it is not this moment's)."""
+        now_reading = stored_host_reading(newer.host_reading)
+        busy = None
+        if older is not None and 0 < _sample_clock(newer) - _sample_clock(older) <= stale_after_s:
+            busy = cpu_busy_pct(stored_host_reading(older.host_reading), now_reading)
+        return cls(_sample_clock(newer), now_reading.cpus, now_reading.load1, busy, now_reading.mem_total_kib,
+                   now_reading.mem_available_kib, stale_after_s)
+
+    def age_s(self, now: float) -> float | None:
+        return reading_age(self.time, now)
+
+    def stale(self, now: float) -> bool:
+        """Older than three polls, as a GPU reading."""
+        return reading_stale(self.time, self.stale_after_s, now)
+
+    @property
+    def cpu_fraction(self) -> float | None:
+        """How busy the CPUs are, 0..1: the busy share when known, else load per CPU."""
+        if self.busy_pct is not None:
+            return self.busy_pct / 100
+        if self.load1 is None or not self.cpus:
+            return None
+        return self.load1 / self.cpus
+
+    def busy_text(self) -> str:
+        return NA if self.busy_pct is None else f"{self.busy_pct:.0f}%"
+
+    def load_text(self) -> str:
+        """'2.41/2' (the 1-minute load average over the CPUs it may use)."""
+        if self.load1 is None:
+            return NA
+        return f"{self.load1:.2f}/{self.cpus}" if self.cpus else f"{self.load1:.2f}"
+
+    @property
+    def memory_fraction(self) -> float | None:
+        if self.mem_total_kib is None or self.mem_available_kib is None:
+            return None
+        return 1 - self.mem_available_kib / self.mem_total_kib
+
+    def memory_text(self) -> str:
+        """'5.2/24G', '0.7/2.0T': used of total, in 8 cells."""
+        if self.memory_fraction is None:
+            return NA
+        total = self.mem_total_kib / (1024 * 1024)  # type: ignore[operator]
+        used = total * self.memory_fraction
+        unit, scale = ("T", 1024.0) if total >= 1000 else ("G", 1.0)
+        return "/".join(f"{v / scale:.1f}" if v / scale < 10 else f"{v / scale:.0f}" for v in (used, total)) + unit
+
+
+_HOST_INTS = ("cpus", "cpu_total", "cpu_idle", "mem_total_kib", "mem_available_kib")
+
+
+def stored_host_reading(value: Any) -> HostReading:
+    """A sample's ``host_reading`` column -> ``HostReading``; a field that is not a
+    number (or not a whole one where it must be) is None, unknown."""
+    value = value if isinstance(value, dict) else {}
+    reading = HostReading()
+    for name in (f.name for f in fields(HostReading)):
+        v = _float(value.get(name))
+        if v is not None and name in _HOST_INTS:
+            v = int(v) if v.is_integer() and v >= 0 else None
+        setattr(reading, name, v)
+    if (reading.mem_total_kib is not None and reading.mem_available_kib is not None
+            and not 0 <= reading.mem_available_kib <= reading.mem_total_kib) or reading.mem_total_kib == 0:
+        reading.mem_total_kib = reading.mem_available_kib = None
+    return reading
+
+
 @dataclass
 class GpuView:
     """One GPU of a host, from the newest sample that read it."""
@@ -429,12 +523,11 @@ class GpuView:
         return self.run_id is None and not self.apps and (self.utilization_pct or 0.0) <= self.IDLE_PCT
 
     def age_s(self, now: float) -> float | None:
-        return None if self.time is None else max(0.0, now - self.time)
+        return reading_age(self.time, now)
 
     def stale(self, now: float) -> bool:
         """Older than three polls: the readings are not today's, whatever the host says."""
-        age = self.age_s(now)
-        return age is not None and self.stale_after_s is not None and age > self.stale_after_s
+        return reading_stale(self.time, self.stale_after_s, now)
 
     @property
     def memory_fraction(self) -> float | None:
@@ -465,6 +558,7 @@ class HostView:
     error: str | None = None
     supervised: bool = False
     gpus: list[GpuView] = field(default_factory=list)
+    load: HostLoad | None = None  # its CPU and memory (None: no supervisor has read them)
 
     def status_text(self, now: float) -> str:
         if not self.supervised:
@@ -1220,8 +1314,18 @@ class StatusReader:
             else:
                 for index, (holder, role) in sorted(holders.items()):
                     hv.gpus.append(GpuView(host, index, role=role, run_id=holder))
+            hv.load = self.host_load(host_runs)
             views.append(hv)
         return views
+
+    def host_load(self, host_runs: list[Run]) -> HostLoad | None:
+        """The host's newest CPU and memory reading, of whichever of its runs was read last."""
+        readings = [(r, s) for r, s in ((r, self.store.host_samples(r.id, 2)) for r in host_runs) if s]
+        if not readings:
+            return None
+        run, samples = max(readings, key=lambda rs: _sample_clock(rs[1][-1]))
+        return HostLoad.from_samples(samples[-1], samples[-2] if len(samples) > 1 else None,
+                                     3 * self.thresholds(run).poll_interval_s)
 
     # ----------------------------------------------------------------- everything
 
@@ -1377,7 +1481,13 @@ JSON_SCHEMA: dict[str, Any] = {
             }}},
         "events": {"type": "array", "description": "the selected run's recent events, oldest first"},
         "hosts": {"type": "array", "items": {"type": "object", "required": ["host", "runs", "last_answer",
-                                                                             "down_since", "error", "supervised"]}},
+                                                                             "down_since", "error", "supervised"],
+                                             "properties": {"load": {
+                                                 "type": ["object", "null"],
+                                                 "description": "the host's CPU and memory from the newest poll that "
+                                                                "read them (null: none did): time, cpus, load1, "
+                                                                "busy_pct, mem_total_kib, mem_available_kib, "
+                                                                "stale_after_s; an unknown field is null"}}}},
         "gpus": {"type": "array", "items": {"type": "object", "required": [
             "host", "index", "name", "role", "run_id", "utilization_pct", "memory_used_mib", "memory_total_mib",
             "temperature_c", "power_draw_w", "utilization_history"]}},

@@ -19,6 +19,7 @@ from dflashctl.tui.model import (
     NA, PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, DirectProbe, EventView, HostView,
     Notice, RunHostView, RunView, bar, fit, fit_middle, resample, short_duration, spark,
 )
+from dflashctl.tui.model import HostLoad
 
 def notice_text(notices: list[Notice], width: int, lines: int = 2) -> Text:
     """The most urgent notices, one line each, with the command that fixes them."""
@@ -83,6 +84,30 @@ def _gpu_row(g, width: int, compact: bool, now: float) -> Text:
     return row
 
 
+def _host_row(load: HostLoad, width: int, compact: bool, now: float) -> Text:
+    """The host's CPU and memory under its header, in the GPU rows' columns: CPU
+    busy share (its bar falls back to the load per CPU), memory used of total, the
+    1-minute load average over the CPUs, the reading's age (red past three polls,
+    as a GPU's). What the host did not tell reads N/A."""
+    age, age_style = _age(load, now)
+    cpus = f"{load.cpus} CPUs" if load.cpus else ""
+    if compact:  # " 0 T " then the bars, as _gpu_row
+        row = Text("  cpu ")
+        bars, mid, tail = 5, " ", f" load {load.load_text():<10} {age:>4}"
+    else:
+        bars = max(6, min(20, (width - 100) // 3 + 7))
+        row = Text(f"    {'host':<8}{cpus:<16} cpu  ", style="")
+        mid, tail = "  ram ", f"  load {load.load_text():<11}  {age:>5}"
+    row.append(bar(load.cpu_fraction, bars), style="green")
+    row.append(f" {load.busy_text():>4}{mid}")
+    row.append(bar(load.memory_fraction, bars), style="cyan")
+    row.append(f" {load.memory_text():>8}")
+    row.append(tail[:-len(age)])
+    row.append(age, style=age_style)
+    row.truncate(width, overflow="ellipsis")
+    return row
+
+
 def _app_rows(g, width: int) -> Text:
     """A GPU's compute processes, one line each: pid, memory, name; the run's trainer
     (or standby) named, any other process marked foreign."""
@@ -116,6 +141,9 @@ def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = Fals
         stale = h.down_since is not None or not h.supervised
         head = _one_line(f"{h.host} · {len(h.gpus)} GPU(s) · {h.status_text(now)}")  # a host's error is its text
         out.append(fit(head, width), style="bold red" if stale else "bold")
+        if h.load is not None:
+            out.append("\n")
+            out.append_text(_host_row(h.load, width, compact, now))
         if not h.gpus:
             out.append("\n  no GPU readings (CPU run, or nvidia-smi not read yet)", style="dim")
         for g in h.gpus:
