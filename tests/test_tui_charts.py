@@ -193,6 +193,23 @@ def test_a_finished_runs_chart_ends_at_its_last_sample(tmp_path):
     assert chart_window(100.0, 9000.0, 9000.0, True, "1 h") == (5400.0, 9000.0)
 
 
+def test_the_run_pane_gives_its_rows_to_the_charts_after_the_events_minimum():
+    """Compact: one-row charts. Otherwise as tall as leaves three event lines, at most 6
+    rows; whatever the height, the figures, the charts and the events fit in it once it
+    holds the figures and three events."""
+    from dflashctl.tui.text import CHART_HEADER_LINES, MIN_EVENT_LINES, run_pane_layout
+
+    assert run_pane_layout(5, compact=True) == (1, 1, MIN_EVENT_LINES)
+    assert run_pane_layout(14, compact=True) == (1, 3, 6)
+    assert run_pane_layout(22, compact=False) == (3, 3, 3) and run_pane_layout(55, compact=False)[0] == 6
+    for height in range(CHART_HEADER_LINES + MIN_EVENT_LINES + 3, 120):
+        for compact in (True, False):
+            rows, count, events = run_pane_layout(height, compact)
+            chart_lines = count * (rows + 1) + 2 if rows > 1 else count
+            assert events >= MIN_EVENT_LINES and 1 <= rows <= 6
+            assert CHART_HEADER_LINES + chart_lines + events <= max(height, CHART_HEADER_LINES + 3 + MIN_EVENT_LINES)
+
+
 # --------------------------------------------------------------------------- the console
 
 

@@ -332,7 +332,7 @@ def history_text(chart: ChartView, width: int, rows: int, count: int = len(CHART
         out.append("\n" if i else "")
         title = Text(name, style="bold")
         if not pts:
-            out.append_text(title.append(f"  {NA}", style="dim"))
+            out.append_text(title.append(f"  {NA} (no samples) · {chart.title()}", style="dim"))
             continue
         values = [v for _, v in pts]
         title.append(f"  now {fmt(values[-1])} · min {fmt(min(values))} · max {fmt(max(values))} · {chart.title()}")
