@@ -990,20 +990,24 @@ class Store:
                            "AND host_reading != 'null' ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
         return [_row_to(Sample, r) for r in reversed(rows)]
 
-    def sample_series(self, run_id: str, points: int = 240) -> list[dict[str, Any]]:
-        """The run's whole history in at most ``points`` buckets of equal time, oldest
-        first: per bucket its last time and step, the mean tok/s, loss, accuracy and
+    def sample_series(self, run_id: str, points: int = 240, since: float | None = None) -> list[dict[str, Any]]:
+        """The run's whole history (its samples from ``since`` on, when given) in at
+        most ``points`` buckets of equal time, oldest first: per bucket its last time
+        (``start``: its first) and step, the mean tok/s, loss, accuracy and
         acceptance length, and how many samples it holds. A chart over days of
         samples reads one row per bucket, never every sample."""
-        span = self._query("SELECT min(time) AS t0, max(time) AS t1 FROM samples WHERE run_id = ?", [run_id])[0]
+        since = float("-inf") if since is None else float(since)
+        span = self._query("SELECT min(time) AS t0, max(time) AS t1 FROM samples WHERE run_id = ? AND time >= ?",
+                           [run_id, since])[0]
         if span["t0"] is None:
             return []
         width = max((span["t1"] - span["t0"]) / max(1, int(points)), 1e-9)
         return self._query(
-            "SELECT min(CAST((time - ?) / ? AS INTEGER), ?) AS bucket, max(time) AS time, max(step) AS step, "
-            "avg(tok_s) AS tok_s, avg(loss) AS loss, avg(acc) AS acc, avg(accept_len) AS accept_len, "
-            "count(*) AS samples FROM samples WHERE run_id = ? GROUP BY bucket ORDER BY bucket",
-            [span["t0"], width, max(1, int(points)) - 1, run_id])
+            "SELECT min(CAST((time - ?) / ? AS INTEGER), ?) AS bucket, max(time) AS time, min(time) AS start, "
+            "max(step) AS step, avg(tok_s) AS tok_s, avg(loss) AS loss, avg(acc) AS acc, "
+            "avg(accept_len) AS accept_len, count(*) AS samples "
+            "FROM samples WHERE run_id = ? AND time >= ? GROUP BY bucket ORDER BY bucket",
+            [span["t0"], width, max(1, int(points)) - 1, run_id, since])
 
     def metrics_position(self, run_id: str) -> tuple[int, int | None]:
         """(byte offset, inode) of metrics.jsonl up to which samples are stored."""

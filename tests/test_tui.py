@@ -161,9 +161,12 @@ def test_enter_opens_the_detail_and_escape_goes_back(tmp_path):
             await pilot.press("enter")
             await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
             text = screen_text(app)
-            for needle in (PROD, "restarting", "history (", "tok/s  now", "compile budget", "45 m",
-                           "environment audit", "restarts (1)", "cuda_oom: crash: CUDA out of memory"):
+            for needle in (PROD, "restarting", "history (", "tok/s  now"):
                 assert needle in text, needle
+            overview = app.screen.query_one("#overview-text").shown.plain  # under the charts: scrolled to
+            for needle in ("compile budget", "45 m", "environment audit", "restarts (1)",
+                           "cuda_oom: crash: CUDA out of memory"):
+                assert needle in overview, needle
             await pilot.press("e")
             await pilot.pause()
             events = app.screen.query_one("#detail-events")
@@ -791,7 +794,7 @@ def test_a_chart_of_a_two_hour_history_starts_at_the_runs_start(tmp_path):
     """Defect: `spark(values, width)` kept the newest `width` buckets: at 120 columns the
     start of the run (the loss drop, the slow first half hour) was not drawn under a
     title naming the whole history. Here 2 h of real samples in a real store: the first
-    30 min at 2 Ktok/s, then 12 Ktok/s; the chart's first cells are the low ones and its
+    30 min at 2 Ktok/s, then 12 Ktok/s; the chart's first quarter is the low one and its
     time axis starts at the first sample."""
     from dflashctl.detectors import fmt_clock
     from dflashctl.tui.model import StatusReader
@@ -805,8 +808,13 @@ def test_a_chart_of_a_two_hour_history_starts_at_the_runs_start(tmp_path):
     view = StatusReader(store).detail(DEMO, NOW)
     assert len(view.series) == 240 and view.series[0]["time"] - start < 30  # a bucket's time is its last sample's
     lines = detail_text(view, 120, NOW).plain.splitlines()
-    chart = lines[lines.index(next(line for line in lines if line.startswith("tok/s  now"))) + 1]
-    assert len(chart) == 118  # the whole history in the width, not its newest 118 of 240 buckets
-    assert set(chart[:25]) == {"▂"} and set(chart[35:]) == {"█"}, chart
-    axis = next(line for line in lines if line.startswith(fmt_clock(view.series[0]["time"])))
-    assert axis.rstrip().endswith(fmt_clock(view.series[-1]["time"]))
+    top = lines.index(next(line for line in lines if line.startswith("tok/s  now"))) + 1
+    rows = lines[top:top + 6]
+    assert rows[0].startswith("12.0K┤") and rows[-1].startswith("    0┤"), rows
+    plot = [row[6:] for row in rows]
+    assert len(plot[0]) == 112  # the whole history in the width (118 less the labels), not its newest buckets
+    # The first 30 of 120 minutes (28 of 112 columns) at a sixth of the top: only the bottom row is filled.
+    assert set(plot[0][:26]) == {" "} and set(plot[0][30:]) == {"█"}, plot[0]
+    assert set(plot[-1]) == {"█"}, plot[-1]
+    axis = next(line for line in lines if line.lstrip().startswith(fmt_clock(start)))
+    assert axis.rstrip().endswith(fmt_clock(NOW))  # an active run's charts run up to now

@@ -37,9 +37,11 @@ from textual.worker import get_current_worker
 from dflashctl.errors import DflashError, first_line
 from dflashctl.store import Store
 from dflashctl.tui.actions import plan, readonly_default
-from dflashctl.tui.model import SORTS, DirectProbe, EventView, StatusReader, StatusView, filter_runs, sort_runs
+from dflashctl.tui.model import (
+    SORTS, DirectProbe, EventView, StatusReader, StatusView, filter_runs, next_zoom, sort_runs,
+)
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen
-from dflashctl.tui.text import banner_text, gpu_text, notice_text, run_text
+from dflashctl.tui.text import banner_text, gpu_text, notice_text, run_pane_layout, run_text
 from dflashctl.tui.widgets import FilterBox, Pane, RunsTable
 
 COMPACT_WIDTH, COMPACT_HEIGHT = 100, 30
@@ -103,6 +105,7 @@ class StatusApp(App):
         # them (check_action hides the two above), the keys work all the same.
         Binding("a", "attach_run('compact')", show=False),
         Binding("w", "watch_run('compact')", show=False),
+        Binding("z", "zoom", "Zoom"),
         Binding("f5,ctrl+r", "reload", "Refresh", show=False),
         Binding("escape", "back", "Back", show=False),
     ]
@@ -128,6 +131,7 @@ class StatusApp(App):
         self._mode: str | None = None  # set from each resize's own size
         self.view: StatusView | None = None
         self.sort = SORTS[0]
+        self.zoom = "all"  # the history charts' span (model.ZOOMS), cycled by z
         self.filter_text = ""
         self.loads = 0  # completed reads of the store (tests wait on it)
         self.actions_done: list[tuple[list[str], int, str]] = []
@@ -198,7 +202,7 @@ class StatusApp(App):
     @work(thread=True, exclusive=True, group="store")
     def load(self, now: float, selected: str | None) -> None:
         try:
-            view = self.reader.load(now, self.run_ref, selected)
+            view = self.reader.load(now, self.run_ref, selected, zoom=self.zoom)
         except DflashError as e:
             self.call_from_thread(self.notify, first_line(e), severity="error", timeout=10)
             return
@@ -324,11 +328,16 @@ class StatusApp(App):
             return
         run = next((r for r in view.runs if r.id == self.selected), None)
         events = view.events if view.selected == self.selected else []
-        wide = self.mode == "wide"
+        chart = view.chart if view.selected == self.selected else None
+        compact = self.mode == "compact"
         probe = self.probes.get(self.selected) if self.selected else None
-        self.query_one("#run", Pane).redraw(
-            lambda w, h: run_text(run, events, w, view.now, event_lines=max(3, h - (8 if wide else 5)), charts=wide,
-                                  probe=probe))
+
+        def text(w: int, h: int) -> Text:
+            rows, count, event_lines = run_pane_layout(h, compact)
+            return run_text(run, events, w, view.now, event_lines=event_lines, probe=probe, chart=chart,
+                            chart_rows=rows, chart_count=count)
+
+        self.query_one("#run", Pane).redraw(text)
 
     def on_data_table_row_highlighted(self, message: DataTable.RowHighlighted) -> None:
         if message.data_table.id != "runs" or message.row_key is None:
@@ -405,6 +414,14 @@ class StatusApp(App):
         if run is not None:
             self.push_screen(DetailScreen(run, tab=tab))
 
+    def action_zoom(self) -> None:
+        """The history charts' next span (1 h, 6 h, all), here and in a run's detail."""
+        self.zoom = next_zoom(self.zoom)
+        self.notify(f"charts: {self.zoom}", timeout=2)
+        if isinstance(self.screen, DetailScreen):
+            self.screen.reload()
+        self.action_reload()
+
     def action_stop_run(self) -> None:
         self._confirm("stop")
 
@@ -427,7 +444,7 @@ class StatusApp(App):
             return False  # a '/' typed in the box is text
         if action in self.MAIN_ONLY:
             return main
-        if action == "help":
+        if action in ("help", "zoom"):
             return main or isinstance(screen, DetailScreen)
         return True
 

@@ -93,20 +93,6 @@ def spark(values: Sequence[float | None], width: int = 12, low: float | None = 0
     return "".join(_BARS[round((v - low) / (high - low) * (len(_BARS) - 1))] for v in values)
 
 
-def resample(values: Sequence[float | None], width: int) -> list[float | None]:
-    """``values`` (oldest first) in at most ``width`` buckets spanning all of them, each
-    the mean of its values (None where it has none): a chart of the whole series,
-    its first bucket the first value, never only the newest ``width`` values."""
-    n = len(values)
-    if n <= width:
-        return list(values)
-    out: list[float | None] = []
-    for i in range(width):
-        part = [v for v in values[i * n // width:(i + 1) * n // width] if v is not None and math.isfinite(v)]
-        out.append(statistics.fmean(part) if part else None)
-    return out
-
-
 def bar(fraction: float | None, width: int) -> str:
     """A horizontal bar of ``width`` cells filled to ``fraction`` (eighths of a cell)."""
     if fraction is None or not math.isfinite(fraction) or width <= 0:
@@ -994,6 +980,7 @@ class StatusView:
     blocked: int = 0  # supervisors alive but unable to write: the store's write lock is held by another
     busy_s: float = 0.0  # the longest of those silences
     errors: list[EventView] = field(default_factory=list)  # the newest error events of every run, oldest first
+    chart: ChartView | None = None  # the selected run's history at the screen's zoom
 
     @property
     def selected_run(self) -> RunView | None:
@@ -1044,6 +1031,80 @@ class EnvSummary:
         return [head] + ([f"{e.severity}: {e.message}" for e in self.findings] or ["no drift or conflict recorded"])
 
 
+# --------------------------------------------------------------------------- history charts
+
+# The charts' zooms, cycled by a key: the newest hour, the newest six hours, the whole run.
+ZOOMS = ("1 h", "6 h", "all")
+ZOOM_SPAN_S: dict[str, float | None] = {"1 h": 3600.0, "6 h": 6 * 3600.0, "all": None}
+
+
+def next_zoom(zoom: str) -> str:
+    """The zoom after ``zoom`` (1 h -> 6 h -> all -> 1 h); an unknown one gives 'all'."""
+    return ZOOMS[(ZOOMS.index(zoom) + 1) % len(ZOOMS)] if zoom in ZOOMS else "all"
+
+
+@dataclass(frozen=True)
+class Mark:
+    """Something a chart marks at its time: a restart or the start of a stall."""
+
+    time: float
+    kind: str  # "restart" | "stall"
+    text: str = ""
+
+
+def chart_window(first: float, newest: float, now: float, active: bool, zoom: str) -> tuple[float, float]:
+    """The time span (t0, t1) a run's charts show at ``zoom``: up to ``now`` for an
+    active run (a silence at the end is drawn as one), up to its newest sample for a
+    finished one; from the run's first sample ('all') or the zoom's span before t1,
+    never before the first sample."""
+    t1 = max(now, newest) if active else newest
+    span = ZOOM_SPAN_S.get(zoom)
+    t0 = first if span is None else max(first, t1 - span)
+    return t0, max(t1, t0)
+
+
+def marks_of(restarts: Iterable[Any], state_events: Iterable[Event], t0: float, t1: float) -> list[Mark]:
+    """The restarts (``Store.restarts``) and stalls (state events to ``stalled``) between
+    ``t0`` and ``t1``, oldest first."""
+    marks = [Mark(r.time, "restart", r.reason or "") for r in restarts]
+    marks += [Mark(e.time, "stall", e.message or "") for e in state_events
+              if (e.detail or {}).get("to") == "stalled"]
+    return sorted((m for m in marks if t0 <= m.time <= t1), key=lambda m: m.time)
+
+
+@dataclass
+class ChartView:
+    """A run's history as its charts draw it at one zoom: buckets of its samples
+    (``Store.sample_series``) between ``t0`` and ``t1`` and the marks in that span."""
+
+    zoom: str
+    t0: float
+    t1: float
+    series: list[dict[str, Any]]
+    marks: list[Mark] = field(default_factory=list)
+    first: float | None = None  # the run's first sample (what 'all' starts at)
+
+    def points(self, key: str) -> list[tuple[float, float]]:
+        """(time, value) of one column of the series ('tok_s', 'loss', 'tau_est' = accept_len + 1)."""
+        out = []
+        for p in self.series:
+            v = tau_estimate(p.get("accept_len")) if key == "tau_est" else p.get(key)
+            if v is not None and math.isfinite(v) and self.t0 <= p["time"] <= self.t1:
+                out.append((p["time"], float(v)))
+        return out
+
+    def title(self) -> str:
+        """The zoom, for the charts' titles: 'zoom all: 2 h', 'zoom 1 h of 2 h', and
+        'zoom 6 h: all 2 h' (a run shorter than the zoom)."""
+        first = self.t0 if self.first is None else min(self.first, self.t0)
+        whole = fmt_duration(self.t1 - first)
+        if self.zoom == "all":
+            return f"zoom all: {whole}"
+        if self.t0 <= first:
+            return f"zoom {self.zoom}: all {whole}"
+        return f"zoom {self.zoom} of {whole}"
+
+
 @dataclass
 class DetailView:
     run: RunView
@@ -1054,6 +1115,7 @@ class DetailView:
     restarts: list[dict[str, Any]]
     run_dir: str | None = None
     exit_code: int | None = None
+    chart: ChartView | None = None  # the history at the screen's zoom
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run.to_dict(), "events": [asdict(e) for e in self.events], "series": self.series,
@@ -1330,8 +1392,9 @@ class StatusReader:
     # ----------------------------------------------------------------- everything
 
     def load(self, now: float, run: str | None = None, selected: str | None = None, *,
-             history: int = HISTORY, events: int = EVENTS) -> StatusView:
-        """Everything the status screen shows, read from the store at ``now``."""
+             history: int = HISTORY, events: int = EVENTS, zoom: str | None = None) -> StatusView:
+        """Everything the status screen shows, read from the store at ``now``; with
+        ``zoom`` (``ZOOMS``) the selected run's history charts too."""
         store = self.store
         rows = select_runs(store, run)
         heartbeats = heartbeats_now(store, now)
@@ -1345,12 +1408,31 @@ class StatusReader:
                       and now - (b.get("last_tick") or 0) <= 3 * max(1.0, b.get("interval") or 1))
         blocked = [now - (b.get("last_tick") or now) for b in heartbeats if b.get("store_busy")]
         errors = [EventView.from_event(e) for e in store.events(min_severity="error", limit=ERRORS)]
+        chart = None
+        if zoom is not None and selected is not None:
+            chart = self.chart(next(r for r in rows if r.id == selected), now, zoom)
         return StatusView(now, store.path, runs, selected, recent, hosts, notices_of(runs, now), ticking,
-                          len(blocked), max(blocked, default=0.0), errors)
+                          len(blocked), max(blocked, default=0.0), errors, chart)
 
-    def detail(self, run_ref: str, now: float) -> DetailView:
+    def chart(self, run: Run, now: float, zoom: str = "all",
+              whole: list[dict[str, Any]] | None = None) -> ChartView | None:
+        """The run's history at ``zoom``: its samples in ``SERIES_POINTS`` buckets over the
+        zoom's span (``whole``: the whole run's, already read), its restarts and stalls
+        in that span. None without samples."""
+        series = whole if whole is not None else self.store.sample_series(run.id, SERIES_POINTS)
+        if not series:
+            return None
+        first = series[0].get("start", series[0]["time"])  # a bucket's time is its newest sample's
+        t0, t1 = chart_window(first, series[-1]["time"], now, run.active, zoom)
+        if t0 > first:  # zoomed in: the span's own buckets, as fine as the whole run's
+            series = self.store.sample_series(run.id, SERIES_POINTS, since=t0)
+        marks = marks_of(self.store.restarts(run.id), self.store.events(run.id, kind="state"), t0, t1)
+        return ChartView(zoom, t0, t1, series, marks, first)
+
+    def detail(self, run_ref: str, now: float, zoom: str = "all") -> DetailView:
         """One run in full: every event (the newest ``DETAIL_EVENTS``), its whole history
-        as a chart series, its thresholds, the environment audit, its restarts."""
+        as a chart series (and its charts at ``zoom``), its thresholds, the environment
+        audit, its restarts."""
         store = self.store
         run = store.get_run(run_ref)
         view = self.run_view(run, heartbeats_now(store, now), now)
@@ -1364,8 +1446,10 @@ class StatusReader:
             if isinstance(data, dict):
                 torch = data.get("torch")
                 env.torch = torch if isinstance(torch, str) else None
-        return DetailView(view, events, store.sample_series(run.id, SERIES_POINTS), self.thresholds(run), env,
-                          [r.to_dict() for r in store.restarts(run.id)], run.run_dir, run.exit_code)
+        series = store.sample_series(run.id, SERIES_POINTS)
+        return DetailView(view, events, series, self.thresholds(run), env,
+                          [r.to_dict() for r in store.restarts(run.id)], run.run_dir, run.exit_code,
+                          self.chart(run, now, zoom, whole=series))
 
 
 def notices_of(runs: Iterable[RunView], now: float) -> list[Notice]:

@@ -38,6 +38,8 @@ KEYS = [
     ("/", "filter what is shown: runs by id, playbook, host, state or phase; in a run's detail its events or log "
           "lines (typed keys go to the filter box; Enter keeps it, Esc clears)"),
     ("s", "sort: needs attention first, state, host, progress, tok/s, ETA, newest"),
+    ("z", "zoom the history charts (the run's pane and its detail): the last 1 h, 6 h, the whole run; "
+          "↻ marks a restart, ‖ a stall"),
     ("F5 / Ctrl+R", "read the store now"),
     ("Esc", "back: close a panel, put away the new-error banner, clear the filter, leave a detail view"),
     ("? ", "this panel"),
@@ -271,7 +273,7 @@ class DetailScreen(Screen):
     def load(self, now: float) -> None:
         app = self.app
         try:
-            view = app.reader.detail(self.run_id, now)
+            view = app.reader.detail(self.run_id, now, zoom=app.zoom)
         except DflashError as e:
             app.call_from_thread(app.notify, first_line(e), severity="error", timeout=10)
             return
@@ -287,7 +289,7 @@ class DetailScreen(Screen):
                               (run.display_state, STATE_STYLE.get(run.display_state, "")),
                               ("   o overview · e events · l log · / filter · Esc back", "dim"))
         self.query_one("#detail-title", Static).update(title)
-        self.query_one("#overview-text", Pane).redraw(lambda width, height: detail_text(view, width, now))
+        self.query_one("#overview-text", Pane).redraw(lambda width, height: detail_text(view, width, now, height))
         self.query_one(EventsTable).show(filter_events(view.events, self.filter_text))
         self.loads += 1
 

@@ -15,9 +15,10 @@ from rich.text import Text
 
 from dflashctl.terminal import printable
 from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
+from dflashctl.tui import charts
 from dflashctl.tui.model import (
-    NA, PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, DetailView, DirectProbe, EventView, HostView,
-    Notice, RunHostView, RunView, bar, fit, fit_middle, resample, short_duration, spark,
+    NA, PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, ChartView, DetailView, DirectProbe, EventView,
+    HostView, Notice, RunHostView, RunView, bar, fit, fit_middle, short_duration, short_rate, spark,
 )
 from dflashctl.tui.model import HostLoad
 
@@ -189,9 +190,12 @@ def run_hosts_text(hosts: list[RunHostView], width: int, indent: str = "  ") -> 
 
 
 def run_text(run: RunView | None, events: list[EventView], width: int, now: float, event_lines: int = 6,
-             charts: bool = False, probe: DirectProbe | None = None) -> Text:
+             probe: DirectProbe | None = None, chart: ChartView | None = None, chart_rows: int = 1,
+             chart_count: int = 3) -> Text:
     """The highlighted run: who watches it, phase, progress, throughput against its
-    baseline, ETA and its window, loss and tau, restarts; then its newest events."""
+    baseline, ETA and its window, loss and tau, restarts; its history charts
+    (``chart``: ``chart_count`` of tok/s, loss, τ est, ``chart_rows`` rows each); then
+    its newest events."""
     if run is None:
         return Text("no run here: `dflashctl launch demo` starts one", style="dim")
     f = run.freshness
@@ -232,14 +236,9 @@ def run_text(run: RunView | None, events: list[EventView], width: int, now: floa
                f" · restarts {run.restarts} · data age {run.age_text()}")
     if run.tau_note:
         out.append(f"\n{run.tau_note}", style="yellow")
-    histories = [("tok/s", run.tok_s_history, run.baseline_tok_s, "green")]
-    if charts:
-        histories += [("loss", run.loss_history, None, "yellow"), ("τ est-1", run.accept_history, None, "cyan")]
-    for name, values, high, style in histories:
-        if values:
-            out.append(f"\n{name:<6}")
-            out.append(spark(values, max(8, min(60, width - 30)), high=high), style=style)
-            out.append(f" {len(values)} newest samples, from 0", style="dim")
+    if chart is not None:
+        out.append("\n")
+        out.append_text(history_text(chart, width, chart_rows, chart_count))
     out.append_text(event_lines_text(events, width, event_lines))
     return out
 
@@ -315,41 +314,82 @@ def event_text(e: EventView) -> Text:
     return out
 
 
-def _chart(title: str, values: list[float | None], width: int, style: str, fmt) -> Text:
-    """A titled two-line chart of a whole series (bucket means), scaled from 0."""
-    vals = [v for v in values if v is not None]
+# (title, ChartView.points key, style, y label format, y floor: tok/s from 0, the others from their lowest)
+CHARTS = (("tok/s", "tok_s", "green", short_rate, 0.0),
+          ("loss", "loss", "yellow", lambda v: f"{v:.3f}", None),
+          ("τ est", "tau_est", "cyan", lambda v: f"{v:.2f}", None))
+CHART_HEADER_LINES = 5  # the run pane's lines above its charts (id, notes, phase, figures)
+MIN_EVENT_LINES = 3
+
+
+def run_pane_layout(height: int, compact: bool) -> tuple[int, int, int]:
+    """How the run pane of ``height`` rows shares them out: (rows per chart, charts,
+    event lines). Compact: one-row charts (tok/s only when even those do not fit);
+    else as tall as leaves ``MIN_EVENT_LINES`` events (at most 6 rows), the events
+    taking every row the charts do not."""
+    room = height - CHART_HEADER_LINES - MIN_EVENT_LINES
+    if compact:
+        rows, count, lines = 1, (3 if room >= 3 else 1), (3 if room >= 3 else 1)
+    else:
+        rows = max(1, min(6, (room - 2) // len(CHARTS) - 1))
+        count = len(CHARTS)
+        lines = count * (rows + 1) + 2 if rows > 1 else count
+    return rows, count, max(MIN_EVENT_LINES, height - CHART_HEADER_LINES - lines)
+
+
+def history_text(chart: ChartView, width: int, rows: int, count: int = len(CHARTS)) -> Text:
+    """The run's tok/s, loss and τ est (the first ``count`` of them) from ``chart.t0``
+    to ``chart.t1``. ``rows`` 1: a line each (name, cells, the newest value; the zoom
+    after the first); taller: per chart a title (newest, lowest and highest value,
+    the zoom) and ``rows`` rows with y labels; under them one axis with the restarts
+    and stalls marked at their time, and the clock."""
+    marks = [(m.time, m.kind) for m in chart.marks]
+    shown = [(name, chart.points(key), style, fmt, low) for name, key, style, fmt, low in CHARTS[:count]]
     out = Text()
-    out.append(f"{title}", style="bold")
-    if not vals:
-        return out.append(f"  {NA}")
-    out.append(f"  now {fmt(vals[-1])}, min {fmt(min(vals))}, max {fmt(max(vals))}\n")
-    # The whole run, start to now: every bucket of the series in ``width`` cells.
-    out.append(_spark_cells(resample(values, width)), style=style)
+    if rows <= 1:
+        for i, (name, pts, style, fmt, low) in enumerate(shown):
+            tail = f" {fmt(pts[-1][1]) if pts else NA}" + (f" · {chart.title()}" if i == 0 else "")
+            out.append("\n" if i else "")
+            out.append(f"{name:<6}", style="bold")
+            out.append_text(charts.chart(pts, chart.t0, chart.t1, max(8, width - 6 - len(tail)), 1, marks,
+                                         style=style, low=low))
+            out.append(tail, style="dim")
+        return out
+    labels = max([charts.label_width(pts, fmt, low) for _, pts, _, fmt, low in shown] + [1])
+    for i, (name, pts, style, fmt, low) in enumerate(shown):
+        out.append("\n" if i else "")
+        title = Text(name, style="bold")
+        if not pts:
+            out.append_text(title.append(f"  {NA} (no samples) · {chart.title()}", style="dim"))
+            continue
+        values = [v for _, v in pts]
+        title.append(f"  now {fmt(values[-1])} · min {fmt(min(values))} · max {fmt(max(values))} · {chart.title()}")
+        if i == 0 and marks:
+            title.append("  ")
+            title.append_text(charts.legend(marks))
+        title.truncate(width, overflow="ellipsis")
+        out.append_text(title)
+        out.append("\n")
+        out.append_text(charts.chart(pts, chart.t0, chart.t1, width, rows, marks, style=style, fmt=fmt, low=low,
+                                     labels=labels, axis=False))
+    plot = max(1, width - labels - 1)
+    out.append("\n")
+    out.append_text(charts.axis_row(chart.t0, chart.t1, plot, marks, labels))
+    out.append("\n" + charts.time_axis(chart.t0, chart.t1, plot, labels + 1), style="dim")
     return out
 
 
-def _spark_cells(values: list[float | None]) -> str:
-    """One cell per value (a gap stays a cell), scaled as ``spark`` scales."""
-    known = [v for v in values if v is not None]
-    cells = iter(spark(known, len(known)))
-    return "".join(next(cells) if v is not None else " " for v in values)
+def detail_chart_rows(height: int | None) -> int:
+    """Rows per history chart in a detail view ``height`` rows tall (None: unknown)."""
+    if height is None or height >= 50:
+        return 6
+    return 4 if height >= 30 else 2
 
 
-def time_axis(t0: float, t1: float, width: int) -> str:
-    """A line of ``width`` cells under a chart from ``t0`` to ``t1``: the clock at its
-    start, middle and end."""
-    if width < 20 or t1 <= t0:
-        return fmt_clock(t0)
-    left, mid, right = fmt_clock(t0), fmt_clock((t0 + t1) / 2), fmt_clock(t1)
-    line = [" "] * width
-    for at, text in ((0, left), ((width - len(mid)) // 2, mid), (width - len(right), right)):
-        line[at:at + len(text)] = text
-    return "".join(line)[:width]
-
-
-def detail_text(d: DetailView, width: int, now: float) -> Text:
-    """The overview tab of a run's detail view: the run, its whole history as
-    charts, its thresholds, its environment and restarts."""
+def detail_text(d: DetailView, width: int, now: float, height: int | None = None) -> Text:
+    """The overview tab of a run's detail view: the run, its history as charts (at the
+    screen's zoom, ``detail_chart_rows(height)`` rows each), its thresholds, its
+    environment and restarts."""
     out = run_text(d.run, [], width, now, event_lines=0)
     if d.run.last_event is not None:
         out.append("\nlast event: ", style="bold")
@@ -364,14 +404,10 @@ def detail_text(d: DetailView, width: int, now: float) -> Text:
         span = f" ({fmt_duration(d.series[-1]['time'] - d.series[0]['time'])} of history, " \
                f"{sum(p['samples'] for p in d.series)} samples)"
     out.append(f"\n\nhistory{span}\n", style="bold underline")
-    cw = max(20, width - 2)
-    out.append_text(_chart("tok/s", [p["tok_s"] for p in d.series], cw, "green", fmt_tok_s))
-    out.append("\n")
-    out.append_text(_chart("loss", [p["loss"] for p in d.series], cw, "yellow", lambda v: f"{v:.3f}"))
-    out.append("\n")
-    out.append_text(_chart("accept_len (τ est - 1)", [p["accept_len"] for p in d.series], cw, "cyan", lambda v: f"{v:.2f}"))
-    if d.series:
-        out.append("\n" + time_axis(d.series[0]["time"], d.series[-1]["time"], min(cw, len(d.series))), style="dim")
+    if d.chart is not None:
+        out.append_text(history_text(d.chart, max(20, width - 2), detail_chart_rows(height)))
+    else:
+        out.append("no samples yet", style="dim")
     out.append("\n\nthresholds (the playbook's)\n", style="bold underline")
     for name, value in d.thresholds.lines():
         out.append(f"  {name:<15}", style="bold")
