@@ -375,7 +375,12 @@ def test_an_unsupervised_run_is_shown_in_colour_with_its_fix(tmp_path):
             assert state.plain == "unsupervised" and "red" in str(state.style)
             assert cell(app, PROD, "eta") == "stale"
             text = screen_text(app)
-            assert f"→ dflashctl watch {PROD}" in text and f"fix: dflashctl watch {PROD}" in text
+            assert f"→ dflashctl watch {PROD}" in text and f"fix: dflashctl watch {PROD}  or press w" in text
+        app = app_for(store, tmp_path, readonly=True)
+        async with app.run_test(size=(120, 40)) as pilot:  # read-only: no key starts anything
+            await loaded(pilot, app)
+            text = screen_text(app)
+            assert f"fix: dflashctl watch {PROD}" in text and "or press w" not in text
 
     run(scenario())
 

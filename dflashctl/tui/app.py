@@ -335,7 +335,7 @@ class StatusApp(App):
         def text(w: int, h: int) -> Text:
             rows, count, event_lines = run_pane_layout(h, compact)
             return run_text(run, events, w, view.now, event_lines=event_lines, probe=probe, chart=chart,
-                            chart_rows=rows, chart_count=count)
+                            chart_rows=rows, chart_count=count, watch_key=not self.readonly)
 
         self.query_one("#run", Pane).redraw(text)
 

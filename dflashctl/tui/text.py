@@ -191,11 +191,12 @@ def run_hosts_text(hosts: list[RunHostView], width: int, indent: str = "  ") -> 
 
 def run_text(run: RunView | None, events: list[EventView], width: int, now: float, event_lines: int = 6,
              probe: DirectProbe | None = None, chart: ChartView | None = None, chart_rows: int = 1,
-             chart_count: int = 3) -> Text:
+             chart_count: int = 3, watch_key: bool = False) -> Text:
     """The highlighted run: who watches it, phase, progress, throughput against its
     baseline, ETA and its window, loss and tau, restarts; its history charts
     (``chart``: ``chart_count`` of tok/s, loss, τ est, ``chart_rows`` rows each); then
-    its newest events."""
+    its newest events. ``watch_key``: the console's ``w`` can start the supervisor
+    an unsupervised run's fix names."""
     if run is None:
         return Text("no run here: `dflashctl launch demo` starts one", style="dim")
     f = run.freshness
@@ -211,6 +212,8 @@ def run_text(run: RunView | None, events: list[EventView], width: int, now: floa
         if f.fix:
             out.append("  fix: ", style="bold")
             out.append(f.fix, style="bold reverse")
+            if watch_key and not f.supervised:
+                out.append("  or press w", style="bold")
         if probe is not None and not f.supervised:
             out.append(f"\n{probe.text(now)}", style="cyan")
     elif run.exit_reason:
