@@ -191,6 +191,8 @@ class Sample:
     mfu: float | None = None
     observed: float | None = None  # local time the supervisor received it (None: stored before this was kept)
     host_reading: Any = None  # its host's CPU and memory at that poll (parsers.HostReading as a dict)
+    samples_s: float | None = None  # training samples (sequences) per second
+    anchors_s: float | None = None  # anchor blocks per second
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -424,8 +426,16 @@ def _m0008(db: Database) -> None:
                "WHERE host_reading IS NOT NULL")
 
 
+@migrations(name="0009_sample_rates")
+def _m0009(db: Database) -> None:
+    # The units public trainers quote beside tok/s: samples and anchor blocks per second.
+    db["samples"].add_column("samples_s", float)
+    db["samples"].add_column("anchors_s", float)
+
+
 _SAMPLE_NUMBERS = ("tok_s", "loss", "acc", "accept_len", "eta_s", "mfu")
-SCHEMA_VERSION = 8  # the number of migrations above; recorded as PRAGMA user_version
+_SAMPLE_RATES = ("samples_s", "anchors_s")  # from a metrics line's extra
+SCHEMA_VERSION = 9  # the number of migrations above; recorded as PRAGMA user_version
 
 
 def _number(value: Any) -> float | None:
@@ -935,19 +945,21 @@ class Store:
             d.setdefault("host_reading", None)
             extra = d.get("extra") if isinstance(d.get("extra"), dict) else {}
             d["mfu"] = d.get("mfu", extra.get("mfu"))
+            for c in _SAMPLE_RATES:
+                d[c] = d.get(c, extra.get(c))
             time_, step = _number(d.get("time")), _int64(d.get("step"))
             if time_ is None or step is None:
                 continue  # no time or step: not a sample (the contract rejects such lines first)
             phase = d.get("phase") if isinstance(d.get("phase"), str) else None
             rows.append([run_id, time_, step, *(_number(d.get(c)) for c in _SAMPLE_NUMBERS[:5]), phase,
                          _json(d.get("gpu", gpu)), _number(d.get("mfu")), _number(observed),
-                         _json(d["host_reading"])])
-        if rows and rows[-1][-1] is None:
-            rows[-1][-1] = _json(host_reading)  # one reading per poll: on its newest line, not on each
+                         _json(d["host_reading"]), *(_number(d.get(c)) for c in _SAMPLE_RATES)])
+        if rows and rows[-1][12] is None:  # 12: host_reading, in the INSERT's column order
+            rows[-1][12] = _json(host_reading)  # one reading per poll: on its newest line, not on each
         with self._write() as db:
             db.conn.executemany(
                 "INSERT INTO samples (run_id, time, step, tok_s, loss, acc, accept_len, eta_s, phase, gpu, mfu, "
-                "observed, host_reading) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "observed, host_reading, samples_s, anchors_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             if metrics_offset is not None:

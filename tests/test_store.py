@@ -57,7 +57,8 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     applied = [r[0] for r in conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id")]
     assert applied == [m.name for m in migrations._migrations] == [
         "0001_core_tables", "0002_env_snapshots", "0003_sample_mfu", "0004_restart_outcome_numeric_samples",
-        "0005_supervisor_heartbeats", "0006_evals", "0007_run_hosts", "0008_sample_host_reading"]
+        "0005_supervisor_heartbeats", "0006_evals", "0007_run_hosts", "0008_sample_host_reading",
+        "0009_sample_rates"]
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"runs", "events", "samples", "restarts", "env_snapshots"} <= tables
     conn.close()
@@ -66,7 +67,7 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     run = _run(s)
     s.close()
     assert Store(path).get_run(run.id).playbook == "demo"
-    assert sqlite3.connect(path).execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == 8
+    assert sqlite3.connect(path).execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == len(migrations._migrations)
 
 
 def test_a_store_from_before_the_mfu_column_upgrades_and_keeps_its_samples(tmp_path):
@@ -86,6 +87,17 @@ def test_a_store_from_before_the_mfu_column_upgrades_and_keeps_its_samples(tmp_p
                            {"time": T0 + 3, "step": 7, "mfu": "n/a"}])
     got = s.samples(run.id)
     assert [(x.step, x.tok_s, x.mfu) for x in got] == [(5, 100.0, None), (6, 110.0, 0.36), (7, None, None)]
+
+
+def test_samples_keep_the_trainers_samples_and_anchor_blocks_per_second(store):
+    """A metrics line's extra samples_s / anchors_s (the units public trainers quote)
+    are stored beside tok/s; a hostile value is none, not a number."""
+    run = _run(store)
+    store.add_samples(run.id, [Metrics(time=T0 + 1, step=5, total_steps=10, tok_s=284460.9,
+                                       extra={"samples_s": 34.72, "anchors_s": 17778.8}),
+                               {"time": T0 + 2, "step": 6, "extra": {"samples_s": "fast", "anchors_s": float("nan")}}])
+    got = store.samples(run.id)
+    assert [(x.step, x.samples_s, x.anchors_s) for x in got] == [(5, 34.72, 17778.8), (6, None, None)]
 
 
 def test_json_columns_round_trip_and_are_stored_as_json_text(store):

@@ -823,3 +823,24 @@ def test_a_chart_of_a_two_hour_history_starts_at_the_runs_start(tmp_path):
     assert set(plot[-1]) == {"█"}, plot[-1]
     axis = next(line for line in lines if line.lstrip().startswith(fmt_clock(start)))
     assert axis.rstrip().endswith(fmt_clock(NOW))  # an active run's charts run up to now
+
+
+def test_the_run_pane_shows_samples_per_second_beside_tok_s(tmp_path):
+    """The trainer's samples/s (a metrics line's extra) is shown with tok/s, the unit
+    public trainers quote; a line without it shows none."""
+    store = build("healthy", tmp_path)
+    store.add_samples(DEMO, [contract.Metrics(time=NOW - 1, step=95, total_steps=300, tok_s=930.0,
+                                              extra={"samples_s": 34.72, "anchors_s": 17778.8})])
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            assert "· 34.7 samples/s ·" in screen_text(app)
+        other = build("healthy", tmp_path / "plain")
+        app = app_for(other, tmp_path / "plain")
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            assert "samples/s" not in screen_text(app)
+
+    run(scenario())

@@ -235,6 +235,8 @@ def run_text(run: RunView | None, events: list[EventView], width: int, now: floa
     if run.baseline_pct is not None:
         out.append(f" = {run.baseline_pct:.0f}% of baseline {fmt_tok_s(run.baseline_tok_s)}",
                    style="bold red" if run.baseline_pct < 60 else "")
+    if run.samples_s is not None:
+        out.append(f" · {run.samples_s:.3g} samples/s")
     out.append(f" · loss {run.cell('loss')} · τ est {run.cell('accept')} · τ {tau_text(run)} · MFU {run.cell('mfu')}"
                f" · restarts {run.restarts} · data age {run.age_text()}")
     if run.tau_note:
