@@ -844,3 +844,24 @@ def test_the_run_pane_shows_samples_per_second_beside_tok_s(tmp_path):
             assert "samples/s" not in screen_text(app)
 
     run(scenario())
+
+
+def test_the_detail_screen_shows_its_title_row_above_the_tabs(tmp_path):
+    """The run's title line (run, state, the tab keys) is the screen's first row: the
+    tabs take what the title and the footer leave, so the screen never scrolls it away."""
+    from dflashctl.tui.screens import DetailScreen
+
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen), "the detail")
+            title = app.screen.query_one("#detail-title")
+            tabs = app.screen.query_one("#tabs")
+            assert title.region.y == 0 and title.region.height == 1 and tabs.region.y == 1
+            assert tabs.region.bottom <= 39  # the footer's row stays the footer's
+
+    run(scenario())

@@ -148,6 +148,7 @@ class DetailScreen(Screen):
 
     DEFAULT_CSS = """
     #detail-title { height: 1; background: $boost; padding: 0 1; }
+    #tabs { height: 1fr; }  /* what the title and the footer leave: never scrolls the title away */
     #overview-box { height: 1fr; }
     """
     LOG_TAIL = 200  # lines of the log read first
