@@ -691,7 +691,8 @@ def _name_host(f: Finding, s: RunState, pr: ProbeResult, members: tuple[Member, 
     if suspect is None:
         rank, host, why = 0, s.run.host, "rank 0's host; every other host looks healthy"
     else:
-        (m, why), rank, host = suspect, suspect[0].rank, suspect[0].host
+        member, why = suspect
+        rank, host = member.rank, member.host
     return replace(f, message=f"{f.message} [host {host}, rank {rank}: {why}]",
                    detail={**f.detail, "host": host, "rank": rank})
 
