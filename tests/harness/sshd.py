@@ -359,13 +359,13 @@ class Server:
         """Take the host down: its open connections and its listener."""
         if self.pid is None:
             return
+        # The listener is frozen first: a connection it accepted between the sweep of its
+        # per-connection processes and its own exit would outlive it (they survive their
+        # listener), and the host would stay reachable through that one connection.
+        os.kill(self.proc.pid, signal.SIGSTOP)
         self.kill_connections()
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.proc.kill()  # SIGKILL ends a stopped process too; its backlog is refused
+        self.proc.wait()
 
     def _log_bytes(self) -> bytes:
         try:
