@@ -47,15 +47,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = {"tiny": 512, "small": 4096}  # presets with a small vocabulary; the qwen3-* presets have 151936
 
 
-
 def queue_depth(run_dir: str) -> int:
     """How many batches the target may run ahead of the drafters (the run's placement.queue_depth)."""
     try:
         with open(os.path.join(run_dir, "config.json")) as f:
-            cfg = json.load(f)
-        return int(cfg.get("placement", cfg.get("trainer", {}).get("placement", {})).get("queue_depth", 2))
-    except (OSError, ValueError, TypeError, AttributeError):
+            return int(json.load(f)["placement"]["queue_depth"])
+    except (OSError, ValueError, KeyError, TypeError):
         return 2
+
 
 def reference_config(args) -> dict:
     if args.cpu_smoke:

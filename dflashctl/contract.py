@@ -93,8 +93,9 @@ def metrics_file(rank: int = 0) -> str:
 
 PHASE_STARTING = "starting"
 # data.regenerate: the target writes the training data before training starts; it
-# rewrites status.json (detail "regenerate": prompts done, tok/s, ETA) at least every
-# REGENERATE_BEAT_S, so a silence longer than the stall window is a hang.
+# rewrites status.json (detail "regenerate": prompts done, tok/s, ETA) every
+# REGENERATE_BEAT_S / 2 between decoding steps, so a silence longer than the stall
+# window is a hang.
 PHASE_REGENERATING = "regenerating"
 REGENERATE_BEAT_S = 10.0
 PHASE_COMPILING = "compiling"

@@ -953,13 +953,13 @@ class Store:
             phase = d.get("phase") if isinstance(d.get("phase"), str) else None
             rows.append([run_id, time_, step, *(_number(d.get(c)) for c in _SAMPLE_NUMBERS[:5]), phase,
                          _json(d.get("gpu", gpu)), _number(d.get("mfu")), _number(observed),
-                         _json(d["host_reading"]), *(_number(d.get(c)) for c in _SAMPLE_RATES)])
-        if rows and rows[-1][12] is None:  # 12: host_reading, in the INSERT's column order
-            rows[-1][12] = _json(host_reading)  # one reading per poll: on its newest line, not on each
+                         *(_number(d.get(c)) for c in _SAMPLE_RATES), _json(d["host_reading"])])
+        if rows and rows[-1][-1] is None:
+            rows[-1][-1] = _json(host_reading)  # one reading per poll: on its newest line, not on each
         with self._write() as db:
             db.conn.executemany(
                 "INSERT INTO samples (run_id, time, step, tok_s, loss, acc, accept_len, eta_s, phase, gpu, mfu, "
-                "observed, host_reading, samples_s, anchors_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "observed, samples_s, anchors_s, host_reading) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             if metrics_offset is not None:

@@ -274,11 +274,12 @@ def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock,
     began, last_said, new_tokens, done_prompts = clock(), 0.0, 0, len(kept) * size
     state = {"shard": 0, "shards": len(shards), "prompts_done": done_prompts, "prompts": len(prompts),
              "tok_s": None, "eta_s": None}
-    last_beat = [clock()]
+    last_beat = clock()
 
     def beat(n: int) -> None:  # status.json rewritten while one batch decodes: the controller sees it alive
-        if clock() - last_beat[0] >= REGENERATE_BEAT_S / 2:
-            last_beat[0] = clock()
+        nonlocal last_beat
+        if clock() - last_beat >= REGENERATE_BEAT_S / 2:
+            last_beat = clock()
             on_progress({**state, "batch_step": n, "batch_steps": settings.max_new_tokens})
     for k, name in enumerate(shards):
         if k in kept:
@@ -304,7 +305,7 @@ def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock,
             state = {"shard": k + 1, "shards": len(shards), "prompts_done": done_prompts, "prompts": len(prompts),
                      "tok_s": rate, "eta_s": remaining * per_prompt}
             on_progress(state)
-            last_beat[0] = clock()
+            last_beat = clock()
             if elapsed - last_said >= PROGRESS_EVERY_S or done_prompts == len(prompts):
                 last_said = elapsed
                 log(f"regenerate: shard {k + 1}/{len(shards)}, {done_prompts}/{len(prompts)} prompts, "

@@ -14,6 +14,7 @@ from typing import Optional
 
 from trainer.data import DataError, convert
 
+
 def main(argv: Optional[list[str]] = None) -> int:
     from dflashctl.contract import EXIT_DATA_ERROR
 
@@ -100,7 +101,6 @@ def _regenerate_command(args) -> int:
         return EXIT_CONFIG_ERROR
     print(json.dumps({k: manifest[k] for k in ("samples", "tokens", "loss_tokens", "shards", "seconds")}))
     return 0
-
 
 
 if __name__ == "__main__":
