@@ -14,7 +14,7 @@ import time
 from dflashctl.store import Store
 from dflashctl.tui.model import JSON_SCHEMA, StatusReader
 from tests.test_status import _check, _cli
-from tests.test_tui import app_for, loaded, run, screen_text, until, utc
+from tests.test_tui import app_for, detail_loaded, loaded, run, screen_text, utc
 from tests.test_tui_scenes import NOW
 
 MULTI = "multi-20270115-074000-mh01"
@@ -170,8 +170,6 @@ def test_a_host_never_heard_from_says_so(tmp_path):
 
 
 def test_the_run_detail_lists_the_hosts(tmp_path):
-    from dflashctl.tui.screens import DetailScreen
-
     utc()
     store = store_at(tmp_path, NOW, rank1_age=300.0, rank1={"phase": "training", "step": 118, "alive": False,
                                                             "exit_code": 1}, rank1_now=SILENT)
@@ -181,7 +179,7 @@ def test_the_run_detail_lists_the_hosts(tmp_path):
         async with app.run_test(size=(120, 50)) as pilot:
             await loaded(pilot, app)
             await pilot.press("enter")
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            await detail_loaded(pilot, app)
             text = screen_text(app)
             assert "hosts (2)" in text
             assert "rank 0  gpu1    training  step 120  seen 2s ago" in text

@@ -159,7 +159,7 @@ def test_enter_opens_the_detail_and_escape_goes_back(tmp_path):
         async with app.run_test(size=(120, 40)) as pilot:
             await loaded(pilot, app)
             await pilot.press("enter")
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            await detail_loaded(pilot, app)
             text = screen_text(app)
             for needle in (PROD, "restarting", "history (", "tok/s  now"):
                 assert needle in text, needle
@@ -187,6 +187,13 @@ def run_with_log(tmp_path: Path, lines: list[str]) -> tuple[Store, Path]:
     (run_dir / contract.LOG_FILE).write_text("".join(f"{line}\n" for line in lines))
     store.create_run("demo", "local", {}, NOW - 60, run_id=DEMO, run_dir=str(run_dir))
     return store, run_dir
+
+
+async def detail_loaded(pilot, app) -> None:
+    """Until the run's detail screen is up with its first load drawn."""
+    from dflashctl.tui.screens import DetailScreen
+
+    await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
 
 
 async def log_open(pilot, app, lines: int) -> None:
@@ -492,7 +499,7 @@ def test_slash_then_r_y_in_the_detail_view_changes_nothing(tmp_path, tab):
         async with app.run_test(size=(120, 40)) as pilot:
             await loaded(pilot, app)
             await pilot.press("down", "enter")  # PROD, a healthy running run
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            await detail_loaded(pilot, app)
             assert app.screen.run_id == PROD
             await pilot.press({"overview": "o", "events": "e", "log": "l"}[tab])
             await pilot.pause()
@@ -516,8 +523,6 @@ def test_slash_then_r_y_in_the_detail_view_changes_nothing(tmp_path, tab):
 
 def test_slash_error_in_the_events_tab_filters_the_events_and_opens_no_dialog(tmp_path):
     """Defect: `/error` in the events tab opened the restart dialog (`e`, `r`, ...)."""
-    from dflashctl.tui.screens import DetailScreen
-
     store = build("restarting", tmp_path)
 
     async def scenario():
@@ -525,7 +530,7 @@ def test_slash_error_in_the_events_tab_filters_the_events_and_opens_no_dialog(tm
         async with app.run_test(size=(120, 40)) as pilot:
             await loaded(pilot, app)
             await pilot.press("e")
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            await detail_loaded(pilot, app)
             events = app.screen.query_one("#detail-events")
             every = events.row_count
             await pilot.press("slash", *"error")
@@ -849,8 +854,6 @@ def test_the_run_pane_shows_samples_per_second_beside_tok_s(tmp_path):
 def test_the_detail_screen_shows_its_title_row_above_the_tabs(tmp_path):
     """The run's title line (run, state, the tab keys) is the screen's first row: the
     tabs take what the title and the footer leave, so the screen never scrolls it away."""
-    from dflashctl.tui.screens import DetailScreen
-
     store = build("healthy", tmp_path)
 
     async def scenario():
@@ -858,7 +861,7 @@ def test_the_detail_screen_shows_its_title_row_above_the_tabs(tmp_path):
         async with app.run_test(size=(120, 40)) as pilot:
             await loaded(pilot, app)
             await pilot.press("enter")
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen), "the detail")
+            await detail_loaded(pilot, app)
             title = app.screen.query_one("#detail-title")
             tabs = app.screen.query_one("#tabs")
             assert title.region.y == 0 and title.region.height == 1 and tabs.region.y == 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dflashctl.store import Store
-from tests.test_tui import app_for, cell, loaded, run, screen_text, until
+from tests.test_tui import app_for, cell, detail_loaded, loaded, run, screen_text, until
 from tests.test_tui_scenes import NOW, PROD, build, playbook, run_config, training, utc
 
 FAILED = "prod-20270115-060000-fa11"
@@ -129,7 +129,7 @@ def test_an_event_opens_in_full_with_the_trainers_first_error_line(tmp_path):
         async with app.run_test(size=(120, 40)) as pilot:
             await loaded(pilot, app)
             await pilot.press("e")
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            await detail_loaded(pilot, app)
             await pilot.pause()
             await pilot.press("end")
             await pilot.press("enter")

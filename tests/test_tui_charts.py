@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.detectors import fmt_clock
 from dflashctl.store import Store
 from dflashctl.tui import charts
-from tests.test_tui import app_for, loaded, until
+from tests.test_tui import app_for, detail_loaded, loaded, until
 from tests.test_tui_scenes import NOW, PROD, beat, playbook, run_config, training, utc
 
 START = NOW - 7200  # 06:00:00 UTC: the long run's first sample
@@ -236,7 +235,7 @@ def test_z_cycles_the_zoom_on_the_runs_screen_and_in_the_detail(tmp_path):
                         "the run pane at 1 h")
             assert app.zoom == "1 h" and axis_rows(pane_text(app, "#run"))[1].lstrip().startswith("07:00:00")
             await pilot.press("enter")
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            await detail_loaded(pilot, app)
             assert "zoom 1 h of 2 h" in pane_text(app, "#overview-text")
             loads = app.screen.loads
             await pilot.press("z")
@@ -283,10 +282,8 @@ def test_snapshot_of_a_long_run(snap_compare, tmp_path, monkeypatch, screen, siz
     async def shown(pilot):
         await loaded(pilot, app)
         if screen == "detail":
-            from dflashctl.tui.screens import DetailScreen
-
             await pilot.press("enter")
-            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            await detail_loaded(pilot, app)
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=size, run_before=shown)
