@@ -174,6 +174,26 @@ def test_chunked_loss_equals_unchunked_loss_and_grads():
         assert acc == ref[2] and accept == ref[3]
 
 
+def test_the_anchor_slot_never_reaches_the_vocabulary_projection():
+    """Slot 0 of each block has weight 0 and is left out of the projection (the step's
+    largest matmul): a NaN hidden state there changes nothing, and gets no gradient."""
+    torch.manual_seed(4)
+    bs = 4
+    hidden = torch.randn(2, 12, 6)
+    head = torch.randn(10, 6)
+    labels = torch.randint(0, 10, (2, 12))
+    weight = slot_weights(torch.ones(2, 12, dtype=torch.bool), bs, 2.0)
+    clean, clean_stats = dflash_loss(hidden, head, labels, weight, chunk=5, block_size=bs)
+    poisoned = hidden.clone()
+    poisoned[:, ::bs] = float("nan")
+    h = poisoned.requires_grad_()
+    loss, stats = dflash_loss(h, head, labels, weight, chunk=5, block_size=bs)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.allclose(loss, clean)
+    assert (h.grad[:, ::bs] == 0).all() and torch.isfinite(h.grad).all()
+    assert stats["slot_count"].tolist() == clean_stats["slot_count"].tolist() == [0, 6, 6, 6]
+
+
 def test_empty_batch_gives_zero_loss_not_nan():
     h = torch.randn(1, 8, 4, requires_grad=True)
     loss, stats = dflash_loss(h, torch.randn(9, 4), torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8), 4, block_size=4)

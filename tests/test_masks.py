@@ -361,6 +361,34 @@ def test_build_block_mask_refuses_an_unknown_builder():
 # ----------------------------------------------------------------------------- attention paths
 
 
+def test_flex_kernel_tiles_are_for_hopper_and_head_dims_up_to_128(monkeypatch):
+    import trainer.attention as attention
+
+    with warnings.catch_warnings():
+        with pytest.raises(ConfigError, match="compile.flex_kernel"):
+            select_attention_path("cuda", "auto", flex_kernel="fastest")
+        if not torch.cuda.is_available():
+            assert not select_attention_path("cuda", "auto").hopper_tiles  # no GPU to ask: torch's defaults
+        # CI has no GPU: the device query is replaced to stand for each kind of GPU.
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        for capability, tiles in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+            assert select_attention_path("cuda", "auto").hopper_tiles is tiles
+            assert not select_attention_path("cuda", "auto", flex_kernel="default").hopper_tiles
+        assert not select_attention_path("cpu", "auto").hopper_tiles
+
+    # The options reach flex_attention for head dims up to 128 only (larger tiles would not
+    # fit shared memory). The compiled kernel itself needs a GPU: a recorder stands in for it.
+    seen = []
+    monkeypatch.setattr(attention, "_flex_compiled", lambda *a, kernel_options=None, **k: seen.append(kernel_options))
+    path = AttentionPath(FLEX_COMPILED, "cuda", hopper_tiles=True)
+    for head_dim in (128, 256):
+        q = torch.zeros(1, 2, 4, head_dim)
+        attention.attend(q, q, q, None, path)
+    attention.attend(q[..., :64], q[..., :64], q[..., :64], None, AttentionPath(FLEX_COMPILED, "cuda"))
+    assert seen == [attention.HOPPER_BWD_TILES, None, None]
+
+
 def test_bug7_gpu_path_refuses_the_dense_fallback():
     # Only the selection logic is exercised: no GPU is needed to choose a path.
     with warnings.catch_warnings():  # selection installs a process-wide filter; keep it local here

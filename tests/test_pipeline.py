@@ -239,10 +239,23 @@ def test_flop_model_counts_matmul_weights_only():
     assert flops.target_params == per_layer * (max(target.layer_ids) + 1) < sum(p.numel() for p in layers.parameters())
     assert flops.drafter_params == sum(p.numel() for p in drafter.trainable_parameters())
     assert flops.target(10) == 2 * flops.target_params * 10
-    # drafter: 6 x trainable params, the frozen lm_head's forward + input gradient, attention
-    q = 64
+    # and its causal attention over the bucket: (bucket + 1) / 2 keys per position, QK^T and PV
+    layers_run = max(target.layer_ids) + 1
+    assert flops.target_layers == layers_run and flops.target_attn_width == flops.attn_width
+    assert flops.target(10, 64) == pytest.approx(2 * flops.target_params * 10
+                                                 + 4 * layers_run * flops.attn_width * (64 + 1) / 2 * 10)
+    # drafter: 6 x trainable params per query token, but the fusion only on the context
+    # (no input gradient) and k/v on the context as well; the frozen lm_head's forward +
+    # input gradient on the predicted slots (not a block's anchor); attention
+    q, ctx = 64, 40
+    fuse = drafter.fuse.weight.numel()
+    kv = sum(l.attn.k_proj.weight.numel() + l.attn.v_proj.weight.numel() for l in drafter.layers)
+    assert (flops.fuse_params, flops.kv_params) == (fuse, kv) and 0 < fuse + kv < flops.drafter_params
     attention = 12 * len(drafter.layers) * flops.attn_width * (100 + flops.block_size) * q
-    assert flops.drafter(q, 100) == 6 * flops.drafter_params * q + 4 * cfg.hidden_size * cfg.vocab_size * q + attention
+    predicted = q * (flops.block_size - 1) / flops.block_size
+    assert flops.drafter(q, 100, ctx) == pytest.approx(
+        6 * (flops.drafter_params - fuse) * q + 6 * kv * ctx + 4 * fuse * ctx
+        + 4 * cfg.hidden_size * cfg.vocab_size * predicted + attention)
 
 
 def test_replica_checksums_do_not_depend_on_the_slice_size(monkeypatch):

@@ -40,6 +40,13 @@ EAGER_FALLBACK_MESSAGE = "flex_attention called without torch.compile"
 # entries (one per device x length bucket), so warm-up covers them all.
 _flex_compiled = torch.compile(flex_attention, dynamic=False)
 
+# flex_attention's backward tiles measured fastest on the DFlash mask at head dim 128 on
+# an H200 (bench/bench_flex.py: -10 % backward against torch's defaults; bench/RESULTS.md).
+# Tied to Hopper's shared memory: used there only (``compile.flex_kernel``).
+HOPPER_BWD_TILES = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                    "bwd_num_warps": 8, "bwd_num_stages": 2}
+FLEX_KERNELS = ("auto", "default")
+
 _ran: Counter = Counter()
 _ran_lock = threading.Lock()
 
@@ -51,6 +58,8 @@ class AttentionPath:
     mask_builder: str = "direct"
     """How the flex paths build BlockMasks: one of masks.MASK_BUILDERS (costs in the
     masks module docstring). FLEX_EAGER compiles nothing, so it builds 'compiled' eagerly."""
+    hopper_tiles: bool = False
+    """Compiled flex_attention with HOPPER_BWD_TILES (head dim <= 128) instead of torch's defaults."""
 
     @property
     def uses_block_mask(self) -> bool:
@@ -62,16 +71,20 @@ def select_attention_path(
     enabled: str = "auto",
     allow_eager: bool = False,
     mask_builder: str = "direct",
+    flex_kernel: str = "auto",
 ) -> AttentionPath:
     """The path for ``compile.enabled`` on ``device``; ConfigError for a refused combination.
 
     auto: cuda -> flex_compiled, cpu -> sdpa. on: flex_compiled (GPU only: no
     flex backward on CPU). off: sdpa on CPU; on a GPU the dense flex path, which
-    is refused unless ``allow_eager`` (TORCH_THREADS.md rule 5).
+    is refused unless ``allow_eager`` (TORCH_THREADS.md rule 5). ``flex_kernel``
+    (``compile.flex_kernel``): auto uses HOPPER_BWD_TILES on a compute capability 9 GPU.
     """
     device_type = torch.device(device).type
     if enabled not in ("auto", "on", "off"):
         raise ConfigError([f"compile.enabled: {enabled!r} is not one of 'auto', 'on', 'off'"])
+    if flex_kernel not in FLEX_KERNELS:
+        raise ConfigError([f"compile.flex_kernel: {flex_kernel!r} is not one of {', '.join(FLEX_KERNELS)}"])
     if device_type == "cpu":
         if enabled == "on":
             raise ConfigError([
@@ -88,7 +101,9 @@ def select_attention_path(
             ])
         return AttentionPath(FLEX_EAGER, device_type, mask_builder)
     refuse_eager_fallback()
-    return AttentionPath(FLEX_COMPILED, device_type, mask_builder)
+    hopper = (flex_kernel == "auto" and device_type == "cuda" and torch.cuda.is_available()
+              and torch.cuda.get_device_capability(device)[0] == 9)
+    return AttentionPath(FLEX_COMPILED, device_type, mask_builder, hopper_tiles=hopper)
 
 
 def refuse_eager_fallback() -> None:
@@ -161,7 +176,8 @@ def attend(
         # The math kernel's safe softmax gives zeros for fully masked rows, like flex.
         out_BHQD = F.scaled_dot_product_attention(q_BHQD, k_BHKD, v_BHKD, attn_mask=mask, enable_gqa=True)
     elif path.name == FLEX_COMPILED:
-        out_BHQD = _flex_compiled(q_BHQD, k_BHKD, v_BHKD, block_mask=mask, enable_gqa=True)
+        options = HOPPER_BWD_TILES if path.hopper_tiles and q_BHQD.shape[-1] <= 128 else None
+        out_BHQD = _flex_compiled(q_BHQD, k_BHKD, v_BHKD, block_mask=mask, enable_gqa=True, kernel_options=options)
     elif path.name == FLEX_EAGER:
         # Chosen deliberately (allow_eager, CPU checks), so not an error here; torch
         # must still warn the next time, should a compiled call fall back.

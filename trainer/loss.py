@@ -161,6 +161,9 @@ def dflash_loss(
     ``compiled`` runs each chunk's softmax and gradient as compiled kernels (GPU), with
     ``kernel`` (``resolve_kernel``: triton or inductor).
 
+    ``weight_BQ`` at slot 0 of a block is not read: the anchor is given, never predicted,
+    and its position is not projected.
+
     Returns (loss, stats); stats are detached tensors (no host sync here):
       tokens       supervised positions (weight > 0)
       acc          top-1 accuracy over them
@@ -175,10 +178,15 @@ def dflash_loss(
     batch, q_len, hidden = hidden_BQH.shape
     if q_len % block_size:
         raise ValueError(f"query length {q_len} is not a multiple of block_size {block_size}")
-    hidden_XH = hidden_BQH.reshape(-1, hidden)
-    labels_X = labels_BQ.reshape(-1)
+    if block_size < 2:
+        raise ValueError(f"block_size {block_size}: a block needs an anchor and at least one slot to predict")
+    # Slot 0 (the anchor) has weight 0 in every block: it never goes through the
+    # vocabulary projection, which is the step's largest matmul (1/B of it saved).
+    hidden_NKH = hidden_BQH.reshape(-1, block_size, hidden)
+    hidden_XH = hidden_NKH[:, 1:].reshape(-1, hidden)
+    labels_X = labels_BQ.reshape(-1, block_size)[:, 1:].reshape(-1)
     # A label of -100 (the cross-entropy convention for "none") carries no weight.
-    weight_X = torch.where(labels_X >= 0, weight_BQ.reshape(-1).to(torch.float32), 0.0)
+    weight_X = torch.where(labels_X >= 0, weight_BQ.reshape(-1, block_size)[:, 1:].reshape(-1).to(torch.float32), 0.0)
     total, correct_X = _ChunkedLinearCE.apply(hidden_XH, lm_head_weight.detach(), labels_X, weight_X, chunk,
                                               kernel if compiled else None)
 
@@ -186,8 +194,9 @@ def dflash_loss(
     loss = total / weight_sum.clamp(min=1e-6)  # an all-invalid batch gives 0, not NaN
 
     with torch.no_grad():
-        supervised_NK = (weight_X > 0).view(-1, block_size)
-        correct_NK = correct_X.view(-1, block_size) & supervised_NK
+        # Per block, slots 0..B-1 again: slot 0 is never supervised (nor counted correct).
+        supervised_NK = F.pad((weight_X > 0).view(-1, block_size - 1), (1, 0))
+        correct_NK = F.pad(correct_X.view(-1, block_size - 1), (1, 0)) & supervised_NK
         slot_count = supervised_NK.sum(dim=0).float()
         slot_correct = correct_NK.sum(dim=0).float()
         tokens = slot_count.sum()

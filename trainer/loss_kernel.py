@@ -54,9 +54,11 @@ def _chunk_ce_kernel(logits_ptr, stride_row, labels_ptr, weight_ptr, loss_ptr, c
         at = start + cols
         x = tl.load(row_ptr + at, mask=at < V, other=float("-inf")).to(tl.float32)
         block_max = tl.max(x, axis=0)
-        block_at = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
-        best_at = tl.where(block_max > best, block_at, best_at)  # strictly greater: ties keep the first
-        best = tl.maximum(best, block_max)
+        # The argmax is a second reduction: only for a block with a new maximum (a few
+        # per row). Strictly greater: a tie with an earlier block keeps the first.
+        if block_max > best:
+            best_at = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
+            best = block_max
         new_m = tl.maximum(m, block_max)
         s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
         m = new_m
@@ -74,9 +76,11 @@ def _chunk_ce_kernel(logits_ptr, stride_row, labels_ptr, weight_ptr, loss_ptr, c
             tl.store(grad_row + at, g.to(grad_ptr.dtype.element_ty), mask=at < V)
 
 
-def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_C: torch.Tensor, need_grad: bool):
+def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_C: torch.Tensor, need_grad: bool,
+                        block: int = BLOCK_V, num_warps: int = NUM_WARPS):
     """Same contract as ``trainer.loss.chunk_cross_entropy``: (sum of weight x CE,
-    top-1 == label, d(sum)/d logits in the logits' dtype or None)."""
+    top-1 == label, d(sum)/d logits in the logits' dtype or None). ``block`` and
+    ``num_warps``: the launch (bench/bench_loss.py ``--kernel-configs`` compares them)."""
     if triton is None:
         raise RuntimeError("the triton loss kernel needs the triton package (train.loss_kernel: inductor)")
     rows, vocab = logits_CV.shape
@@ -88,6 +92,6 @@ def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_
     grad_CV = torch.empty_like(logits_CV) if need_grad else logits_CV.new_empty(1)
     _chunk_ce_kernel[(rows,)](
         logits_CV, logits_CV.stride(0), labels_C, weight_C.to(torch.float32), loss_C, correct_C, grad_CV,
-        grad_CV.stride(0) if need_grad else 0, vocab, BLOCK=BLOCK_V, NEED_GRAD=need_grad, num_warps=NUM_WARPS,
+        grad_CV.stride(0) if need_grad else 0, vocab, BLOCK=block, NEED_GRAD=need_grad, num_warps=num_warps,
     )
     return loss_C.sum(), correct_C.bool(), grad_CV if need_grad else None

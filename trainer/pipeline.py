@@ -414,7 +414,10 @@ def build_models(cfg, target_devices: list[torch.device], drafter_devices: list[
     replicas = []
     for dev in drafter_devices:
         shared = by_device.get(dev, targets[0])  # the frozen embed/lm_head of a target on this device, if any
-        replicas.append(Drafter(cfg.model, targets[0].config, shared.embed_tokens, shared.lm_head).to(dev))
+        # Built on its device: the weights' initialisation runs there (on a GPU, milliseconds
+        # instead of most of a second of CPU random numbers, then no copy).
+        with dev:
+            replicas.append(Drafter(cfg.model, targets[0].config, shared.embed_tokens, shared.lm_head).to(dev))
     broadcast_parameters(replicas)
     return targets, replicas
 
@@ -480,24 +483,37 @@ def peak_flops(device: torch.device) -> tuple[Optional[float], Optional[float], 
 class FlopModel:
     """FLOPs of one step, as DFLASH.md counts them (plus the shared lm_head, which dominates)."""
 
-    drafter_params: int
+    drafter_params: int  # every trainable weight
     target_params: int
     hidden: int
     vocab: int
     drafter_layers: int
     attn_width: int  # query heads x head dim of a drafter layer
     block_size: int
+    fuse_params: int = 0  # of drafter_params: the fusion of the target's features (context tokens only)
+    kv_params: int = 0  # of drafter_params: the layers' k/v projections (context and block tokens)
+    target_layers: int = 0  # the target's layers a batch runs through (up to the last captured one)
+    target_attn_width: int = 0  # query heads x head dim of a target layer
 
-    def drafter(self, query_tokens: int, mean_context: float) -> float:
-        dense = 6 * self.drafter_params * query_tokens
-        # Frozen lm_head: forward + gradient with respect to its input, no weight gradient.
-        lm_head = 4 * self.hidden * self.vocab * query_tokens
+    def drafter(self, query_tokens: int, mean_context: float, context_tokens: int = 0) -> float:
+        """``context_tokens``: the positions of the target's features (batch x bucket)."""
+        # Every weight but the fusion once per query token (forward, input and weight
+        # gradients); k/v also once per context position; the fusion only there, with
+        # no input gradient (the target's features are constants).
+        dense = (6 * (self.drafter_params - self.fuse_params) * query_tokens
+                 + 6 * self.kv_params * context_tokens + 4 * self.fuse_params * context_tokens)
+        # Frozen lm_head: forward + gradient with respect to its input, no weight gradient,
+        # for the slots the loss predicts (a block's anchor, slot 0, is not projected).
+        lm_head = 4 * self.hidden * self.vocab * query_tokens * (self.block_size - 1) / self.block_size
         # QK^T and PV (2 x 2 flops per key and width), forward + backward (x3).
         attention = 12 * self.drafter_layers * self.attn_width * (mean_context + self.block_size) * query_tokens
         return dense + lm_head + attention
 
-    def target(self, seq_tokens: int) -> float:
-        return 2 * self.target_params * seq_tokens
+    def target(self, seq_tokens: int, bucket: int = 0) -> float:
+        """Forward only: the weights, and causal attention over ``bucket`` positions
+        (QK^T and PV, 2 x 2 flops per key and width; (bucket + 1) / 2 keys per position)."""
+        attention = 2 * self.target_layers * self.target_attn_width * (bucket + 1) * seq_tokens if bucket else 0
+        return 2 * self.target_params * seq_tokens + attention
 
 
 @dataclass
@@ -569,8 +585,8 @@ def window_fields(w: Window, n_replicas: int, flops: Optional[FlopModel], peak: 
     }
     if flops is not None and peak:
         mean_ctx = _mean(r.anchor_mean for r in reps) or 0.0
-        d_flops = flops.drafter(query, mean_ctx)
-        t_flops = flops.target(seq)
+        d_flops = flops.drafter(query, mean_ctx, seq)
+        t_flops = sum(flops.target(r.seq_tokens, r.bucket) for r in reps)
         out["extra"]["mfu_drafter"] = round(d_flops / elapsed / (peak * n_drafter_gpus), 4)
         out["extra"]["mfu_target"] = round(t_flops / elapsed / (peak * n_target_gpus), 4)
         out["extra"]["mfu"] = round((d_flops + t_flops) / elapsed / (peak * n_gpus), 4)
@@ -625,6 +641,9 @@ def flop_model(cfg, target, drafter) -> FlopModel:
         target_params=sum(p.numel() for p in target.model.base_model.layers[: max(target.layer_ids) + 1].parameters()),
         hidden=tc.hidden_size, vocab=target.vocab_size, drafter_layers=len(drafter.layers),
         attn_width=heads * head_dim, block_size=cfg.model.block_size,
+        target_layers=max(target.layer_ids) + 1, target_attn_width=heads * head_dim,
+        fuse_params=drafter.fuse.weight.numel(),
+        kv_params=sum(layer.attn.k_proj.weight.numel() + layer.attn.v_proj.weight.numel() for layer in drafter.layers),
     )
 
 

@@ -109,17 +109,19 @@ def log(line: str) -> None:
 
 
 def process_start_time() -> Optional[float]:
-    """Unix time this process was started (Linux /proc), or None where that is not
-    known or not believable (clock steps in a container)."""
+    """Unix time this process was started (Linux /proc), to a clock tick, or None where
+    that is not known or not believable (clock steps in a container).
+
+    /proc/self/stat gives the start in clock ticks since boot; the time since boot is
+    CLOCK_BOOTTIME's (the clock the kernel counts that start on). /proc/stat's btime
+    would do as well but is whole seconds: up to a second early."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        started = boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
-    return started if 0 <= time.time() - started < 3600 else None
+    return time.time() - age if 0 <= age < 3600 else None
 
 
 class Startup:
@@ -282,13 +284,14 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     path = select_attention_path(main_dev, cfg.compile.enabled, cfg.compile.allow_eager,
-                                 cfg.compile.mask_builder)
+                                 cfg.compile.mask_builder, cfg.compile.flex_kernel)
     try:
         loss_kernel = resolve_kernel(cfg.train.loss_kernel, main_dev) if path.name == FLEX_COMPILED else "eager"
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     log(f"devices: target {[str(d) for d in target_devs]}, drafter {[str(d) for d in drafter_devs]}; "
-        f"compute {compute_dtype}; attention {path.name}; loss {loss_kernel}; compile cache {cache}"
+        f"compute {compute_dtype}; attention {path.name}{' (Hopper backward tiles)' if path.hopper_tiles else ''}; "
+        f"loss {loss_kernel}; compile cache {cache}"
         + (f"; bytecode cache {bytecode}" if bytecode else ""))
     startup.mark("devices")
 
