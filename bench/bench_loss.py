@@ -69,6 +69,10 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-only", action="store_true",
                    help="with --compiled: also time one chunk's softmax/top-1/gradient alone (triton.testing.do_bench) "
                         "and compare every output with the eager reference")
+    p.add_argument("--kernel-configs", default="", metavar="BLOCKxWARPS,...",
+                   help="with --chunk-only: also time the triton kernel launched alone with each column block "
+                        "and warp count, e.g. 4096x8,8192x8,2048x4 (the trainer's is "
+                        "trainer.loss_kernel.BLOCK_V x NUM_WARPS)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -76,6 +80,7 @@ def main(argv=None) -> int:
     head = (torch.randn(args.vocab, args.hidden, device=args.device) * 0.05).to(dtype)
     labels = torch.randint(0, args.vocab, (1, args.positions), device=args.device)
     weight = torch.rand(1, args.positions, device=args.device)
+    weight[:, ::16] = 0  # a block's anchor (slot 0) is never predicted
     def ours(compiled, kernel="inductor"):
         return lambda h: dflash_loss(h, head, labels, weight, args.chunk, block_size=16, compiled=compiled,
                                      kernel=kernel)[0]
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
         lambda h: checkpointed_loss(h.reshape(-1, args.hidden), head, labels.reshape(-1), weight.reshape(-1),
                                     args.chunk), hidden, args.repeat, args.device)
     row = {"bench": "loss", **vars(args), "torch": torch.__version__, "checkpointed_s": round(ckpt_s, 4)}
-    flops = 4 * args.positions * args.hidden * args.vocab
+    flops = 4 * args.positions * 15 // 16 * args.hidden * args.vocab  # block 16: slot 0 is not projected
     kernels = [("fused", False, "inductor")]
     if args.compiled:
         kernels.append(("compiled", True, "inductor"))
@@ -116,14 +121,21 @@ def chunk_alone(args, head, dtype, kernels: list[str]) -> dict:
     weight = torch.rand(args.chunk, device=args.device)
     ref_loss, ref_top1, ref_grad = chunk_cross_entropy(logits.clone(), labels, weight, True)
     out = {"floor_ms_3_passes": round(3 * logits.numel() * logits.element_size() / 4.8e12 * 1e3, 3)}
-    for kernel in kernels:
-        fn = compiled_chunk_cross_entropy(kernel)
+    candidates = [(kernel, compiled_chunk_cross_entropy(kernel)) for kernel in kernels]
+    if "triton" in kernels:
+        from trainer import loss_kernel
+
+        for config in filter(None, args.kernel_configs.split(",")):
+            block, warps = (int(x) for x in config.split("x"))
+            candidates.append((f"triton-{config}", lambda lg, lb, w, g, b=block, n=warps:
+                               loss_kernel.chunk_cross_entropy(lg, lb, w, g, block=b, num_warps=n)))
+    for name, fn in candidates:
         loss, top1, grad = fn(logits, labels, weight, True)
-        out[kernel] = {"ms": round(do_bench(lambda: fn(logits, labels, weight, True)), 3),
-                       "loss_rel_diff": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
-                       "top1_differs": int((top1 != ref_top1).sum()),
-                       "top1_right": int(top1.sum()),
-                       "grad_max_diff": float((grad.float() - ref_grad.float()).abs().max())}
+        out[name] = {"ms": round(do_bench(lambda: fn(logits, labels, weight, True)), 3),
+                     "loss_rel_diff": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+                     "top1_differs": int((top1 != ref_top1).sum()),
+                     "top1_right": int(top1.sum()),
+                     "grad_max_diff": float((grad.float() - ref_grad.float()).abs().max())}
     return out
 
 

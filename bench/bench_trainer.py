@@ -84,6 +84,8 @@ def reference_config(args) -> dict:
         cfg.setdefault("compile", {})["drafter_layers"] = False
     if getattr(args, "target_compile", None):
         cfg.setdefault("compile", {})["target"] = args.target_compile == "on"
+    if getattr(args, "flex_kernel", None):
+        cfg.setdefault("compile", {})["flex_kernel"] = args.flex_kernel
     if args.loss_chunk:
         cfg["train"]["loss_chunk"] = args.loss_chunk
     if getattr(args, "loss_kernel", None):
@@ -238,6 +240,8 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
                    help="each compiled loss chunk's kernel (default: the trainer's, auto)")
     p.add_argument("--target-compile", choices=["on", "off"],
                    help="compile the target's decoder layers (compile.target; default: the trainer's default)")
+    p.add_argument("--flex-kernel", choices=["auto", "default"],
+                   help="flex_attention's kernel configuration (compile.flex_kernel; default: the trainer's, auto)")
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per run before it is killed")
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU run of the whole bench")

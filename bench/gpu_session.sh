@@ -35,10 +35,18 @@
 #                                 # prompts (tiny-cycle target); then part 12's two soaks for MIN minutes (default 4)
 #   bash bench/gpu_session.sh 15  # 1 GPU: reference size, 30 steps cold and warm; the threaded cold-start drill
 #                                 # (5 fresh caches with the discipline, 2 without)
+#   bash bench/gpu_session.sh 16 [OLD]  # 1 GPU: the loss kernel's launch configurations; reference size, 30 steps,
+#                                 # cold (profile), then warm with flex_attention's default kernel; with OLD
+#                                 # (another checkout), the same warm run on OLD's trainer; where import time goes
+#   bash bench/gpu_session.sh 17  # 1 GPU: the CUDA context made beside the imports or after them; reference size,
+#                                 # 30 steps, a cold start then three warm; 5 fresh-cache threaded cold starts
+#   bash bench/gpu_session.sh 18 [MIN]  # 1 GPU: part 12's two soaks for MIN minutes (default 7), then 3 threaded
+#                                 # cold starts without the discipline
+#   (parts 16-18 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|15" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|18" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -276,6 +284,39 @@ PY
     timeout 130 python3 bench/bench_coldstart.py --unsafe --cold 2 --warm 0 --steps 6 --timeout 60 \
       --work-dir "$work/unsafe" 2>&1 | tee "$work/coldstart-unsafe.log"
     pack "$work"
+    ;;
+  16)
+    # Logs straight into $OUT (a call cut by its time limit still returns them); OLD: another
+    # checkout's bench/bench_trainer.py runs the same reference size on its own trainer.
+    old=${2:-}
+    w="$out/16"; mkdir -p "$w"
+    timeout 120 python3 bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 \
+      --vocab 151936 --chunk 4096 --compiled --chunk-only --kernel-configs 4096x8,8192x8,8192x16,2048x4,4096x4,16384x16 \
+      > "$w/loss.log" 2>&1
+    timeout 150 python3 bench/bench_trainer.py --runs cold --steps 30 --profile 3 --timeout 130 \
+      --work-dir /tmp/b16/ref --cache-dir /tmp/b16/cache > "$w/ref.log" 2>&1
+    timeout 110 python3 bench/bench_trainer.py --flex-kernel default --runs warm --steps 30 --timeout 100 \
+      --work-dir /tmp/b16/ref-default --cache-dir /tmp/b16/cache > "$w/ref-flex-default.log" 2>&1
+    if [ -n "$old" ]; then
+      timeout 120 python3 "$old/bench/bench_trainer.py" --runs warm --steps 30 --timeout 110 \
+        --work-dir /tmp/b16/old --cache-dir /tmp/b16/cache > "$w/ref-old.log" 2>&1
+    fi
+    python3 -X importtime -c "import torch, torch._dynamo, torch._inductor.compile_fx, \
+      torch.nn.attention.flex_attention, transformers.models.qwen3.modeling_qwen3" 2> "$w/importtime.txt"
+    ;;
+  17)
+    w="$out/17"; mkdir -p "$w"
+    timeout 100 python3 bench/bench_cuda_init.py --repeat 4 > "$w/cuda-init.log" 2>&1
+    timeout 200 python3 bench/bench_trainer.py --runs cold,warm,warm,warm --steps 30 --timeout 120 \
+      --work-dir /tmp/b17/ref --cache-dir /tmp/b17/cache > "$w/ref.log" 2>&1
+    timeout 260 python3 bench/bench_coldstart.py --cold 5 --warm 0 --steps 6 --timeout 80 \
+      --work-dir /tmp/b17/safe > "$w/coldstart.log" 2>&1
+    ;;
+  18)
+    w="$out/18"; mkdir -p "$w"
+    soak "${2:-7}" "" "$w"
+    timeout 200 python3 bench/bench_coldstart.py --unsafe --cold 3 --warm 0 --steps 6 --timeout 60 \
+      --work-dir /tmp/b18/unsafe > "$w/coldstart-unsafe.log" 2>&1
     ;;
   12)
     soak "${2:-8.5}" "${3:-}" "$out"
