@@ -38,7 +38,8 @@ def test_the_config_digest_follows_shapes_only():
     assert cc.config_digest(other) == base  # nothing that is compiled changed
     for change in (lambda c: c.data.buckets.append(512), lambda c: setattr(c.data, "batch_size", 4),
                    lambda c: setattr(c.model, "drafter_layers", 3), lambda c: setattr(c.compile, "target", False),
-                   lambda c: setattr(c.placement, "drafter", [0, 1]), lambda c: setattr(c.train, "loss_chunk", 512)):
+                   lambda c: setattr(c.placement, "drafter", [0, 1]), lambda c: setattr(c.train, "loss_chunk", 512),
+                   lambda c: setattr(c.compile, "flex_kernel", "default")):
         cfg = TrainerConfig()
         change(cfg)
         assert cc.config_digest(cfg) != base

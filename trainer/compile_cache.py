@@ -102,7 +102,7 @@ def shape_config(cfg) -> dict[str, Any]:
         "placement": {"device": cfg.placement.device, "target": list(cfg.placement.target),
                       "drafter": list(cfg.placement.drafter)},
         "compile": {"enabled": c.enabled, "drafter_layers": c.drafter_layers, "target": c.target,
-                    "mask_builder": c.mask_builder},
+                    "mask_builder": c.mask_builder, "flex_kernel": c.flex_kernel},
     }
 
 
