@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -866,5 +867,52 @@ def test_the_detail_screen_shows_its_title_row_above_the_tabs(tmp_path):
             tabs = app.screen.query_one("#tabs")
             assert title.region.y == 0 and title.region.height == 1 and tabs.region.y == 1
             assert tabs.region.bottom <= 39  # the footer's row stays the footer's
+
+    run(scenario())
+
+
+def test_moving_the_cursor_back_to_a_run_draws_its_charts_at_once(tmp_path):
+    """Defect: the run pane drew no charts after a cursor move until that run's read came
+    back (a blank beat on every move). A run read before keeps its last charts, drawn at
+    once; a run never read shows none until its read, not another run's."""
+    store = build("healthy", tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await loaded(pilot, app)
+            first = app.selected
+            pane = app.query_one("#run")
+            # Each chart's title: its newest, lowest and highest value (the rows' width
+            # follows the pane's, which a scrollbar may change between two draws).
+            first_chart = [line.strip() for line in pane.shown.plain.splitlines() if "  now " in line]
+            assert len(first_chart) == 3 and "┤" in pane.shown.plain  # tok/s, loss and τ est
+            # The store answers in milliseconds; a read held back stands for a busy store,
+            # so the pane is looked at before the read of the run under the cursor is back.
+            release = threading.Event()
+            real_load = app.reader.load
+
+            def held_load(*args, **kw):
+                view = real_load(*args, **kw)
+                release.wait(20)
+                return view
+
+            app.reader.load = held_load
+            await pilot.press("down")  # a run not read yet
+            await pilot.pause()
+            assert app.selected != first and app.view.selected == first
+            assert "┤" not in pane.shown.plain  # none drawn: not the first run's charts
+            release.set()
+            await until(pilot, lambda: app.view.selected == app.selected, "the second run's read")
+            assert "┤" in pane.shown.plain
+            release.clear()
+            await pilot.press("up")  # back to the run read before
+            await pilot.pause()
+            assert app.selected == first and app.view.selected != first
+            shown = pane.shown.plain
+            assert all(line in shown for line in first_chart), shown  # its charts at once, from its last read
+            release.set()
+            app.reader.load = real_load
+            await until(pilot, lambda: app.view.selected == first, "the first run's read")
 
     run(scenario())

@@ -38,7 +38,7 @@ from dflashctl.errors import DflashError, first_line
 from dflashctl.store import Store
 from dflashctl.tui.actions import plan, readonly_default
 from dflashctl.tui.model import (
-    SORTS, DirectProbe, EventView, StatusReader, StatusView, filter_runs, next_zoom, sort_runs,
+    SORTS, ChartView, DirectProbe, EventView, StatusReader, StatusView, filter_runs, next_zoom, sort_runs,
 )
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen
 from dflashctl.tui.text import banner_text, gpu_text, notice_text, run_pane_layout, run_text
@@ -46,6 +46,7 @@ from dflashctl.tui.widgets import FilterBox, Pane, RunsTable
 
 COMPACT_WIDTH, COMPACT_HEIGHT = 100, 30
 PROBE_EVERY_S = 10.0  # a run nobody supervises is probed by the screen this often
+CHARTS_KEPT = 64  # runs x zooms whose last charts are kept for the cursor's return
 PROBE_TIMEOUT_S = 20.0
 WIDE_WIDTH, WIDE_HEIGHT = 180, 45
 
@@ -132,6 +133,10 @@ class StatusApp(App):
         self.view: StatusView | None = None
         self.sort = SORTS[0]
         self.zoom = "all"  # the history charts' span (model.ZOOMS), cycled by z
+        # The charts each run had at its last read, per zoom: moving the cursor back to a
+        # run draws them at once (their axis ends at the time they were read) instead of
+        # none until the next read of that run comes back.
+        self.charts: dict[tuple[str, str], ChartView] = {}
         self.filter_text = ""
         self.loads = 0  # completed reads of the store (tests wait on it)
         self.actions_done: list[tuple[list[str], int, str]] = []
@@ -213,6 +218,11 @@ class StatusApp(App):
 
     def show(self, view: StatusView) -> None:
         self.view = view
+        if view.selected is not None and view.chart is not None:
+            self.charts.pop((view.selected, self.zoom), None)
+            self.charts[(view.selected, self.zoom)] = view.chart  # newest last
+            while len(self.charts) > CHARTS_KEPT:
+                self.charts.pop(next(iter(self.charts)))
         self.announce(view.errors)
         if self.selected is None or self.selected not in {r.id for r in view.runs}:
             self.selected = view.selected
@@ -328,7 +338,7 @@ class StatusApp(App):
             return
         run = next((r for r in view.runs if r.id == self.selected), None)
         events = view.events if view.selected == self.selected else []
-        chart = view.chart if view.selected == self.selected else None
+        chart = view.chart if view.selected == self.selected else self.charts.get((self.selected, self.zoom))
         compact = self.mode == "compact"
         probe = self.probes.get(self.selected) if self.selected else None
 
