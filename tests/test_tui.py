@@ -101,6 +101,12 @@ def test_question_mark_shows_the_keys_and_escape_closes_them(tmp_path):
                             "tau estimated in training: accept_len + 1", "DFLASHCTL_READONLY=1",
                             "unsupervised (no supervisor ticks for it"):
                 assert promise in text, promise
+            # A description that wraps goes on under itself, not under its key.
+            lines = text.splitlines()
+            at = next(i for i, line in enumerate(lines) if "stop the run under the cursor" in line)
+            start = lines[at].index("stop the run")
+            rest = lines[at + 1][start - 2:start]
+            assert rest == "  " and lines[at + 1][start] != " ", lines[at:at + 2]
             await pilot.press("escape")
             await pilot.pause()
             assert not isinstance(app.screen, HelpScreen)

@@ -10,6 +10,8 @@ screen ever waits on the store or on SSH.
 
 from __future__ import annotations
 
+from rich.console import Group
+from rich.table import Table
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
@@ -76,19 +78,21 @@ class HelpScreen(ModalScreen):
     BINDINGS = [Binding("escape,question_mark,q", "dismiss", "Close")]
 
     def compose(self) -> ComposeResult:
-        text = Text()
-        text.append("keys\n", style="bold underline")
-        for key, what in KEYS:
-            text.append(f"  {key:<16}", style="bold cyan")
-            text.append(f"{what}\n")
-        text.append("\ncolumns\n", style="bold underline")
-        for name, what in LEGEND:
-            text.append(f"  {name:<8}", style="bold")
-            text.append(f"{what}\n")
-        text.append(f"\nstore: {getattr(self.app, 'store_path', '')}\nmouse: click a run to select it, a key in "
-                    "the footer to press it; Esc closes this panel", style="dim")
+        def table(rows, style: str) -> Table:
+            # Two columns: a long description wraps under itself, not under its key.
+            grid = Table.grid(padding=(0, 2))
+            grid.add_column(style=style, no_wrap=True)
+            grid.add_column(ratio=1)
+            for name, what in rows:
+                grid.add_row(f"  {name}", what)
+            return grid
+
+        footnote = Text(f"\nstore: {getattr(self.app, 'store_path', '')}\nmouse: click a run to select it, a key in "
+                        "the footer to press it; ↑ ↓ PgUp PgDn scroll this panel, Esc closes it", style="dim")
         with VerticalScroll():
-            yield Static(text, id="help-text")
+            yield Static(Group(Text("keys", style="bold underline"), table(KEYS, "bold cyan"),
+                               Text("\ncolumns", style="bold underline"), table(LEGEND, "bold"), footnote),
+                         id="help-text")
 
 
 class ConfirmScreen(ModalScreen[bool]):
