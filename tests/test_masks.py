@@ -377,16 +377,18 @@ def test_flex_kernel_tiles_are_for_hopper_and_head_dims_up_to_128(monkeypatch):
             assert not select_attention_path("cuda", "auto", flex_kernel="default").hopper_tiles
         assert not select_attention_path("cpu", "auto").hopper_tiles
 
-    # The options reach flex_attention for head dims up to 128 only (larger tiles would not
-    # fit shared memory). The compiled kernel itself needs a GPU: a recorder stands in for it.
+    # The options reach flex_attention for 16-bit inputs of head dim up to 128 only (fp32 or
+    # wider heads would not fit shared memory in those tiles). The compiled kernel itself
+    # needs a GPU: a recorder stands in for it.
     seen = []
     monkeypatch.setattr(attention, "_flex_compiled", lambda *a, kernel_options=None, **k: seen.append(kernel_options))
     path = AttentionPath(FLEX_COMPILED, "cuda", hopper_tiles=True)
-    for head_dim in (128, 256):
-        q = torch.zeros(1, 2, 4, head_dim)
+    for head_dim, dtype in ((128, torch.bfloat16), (64, torch.float16), (256, torch.bfloat16), (128, torch.float32)):
+        q = torch.zeros(1, 2, 4, head_dim, dtype=dtype)
         attention.attend(q, q, q, None, path)
-    attention.attend(q[..., :64], q[..., :64], q[..., :64], None, AttentionPath(FLEX_COMPILED, "cuda"))
-    assert seen == [attention.HOPPER_BWD_TILES, None, None]
+    q = torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16)
+    attention.attend(q, q, q, None, AttentionPath(FLEX_COMPILED, "cuda"))
+    assert seen == [attention.HOPPER_BWD_TILES, attention.HOPPER_BWD_TILES, None, None, None]
 
 
 def test_bug7_gpu_path_refuses_the_dense_fallback():

@@ -40,9 +40,10 @@ EAGER_FALLBACK_MESSAGE = "flex_attention called without torch.compile"
 # entries (one per device x length bucket), so warm-up covers them all.
 _flex_compiled = torch.compile(flex_attention, dynamic=False)
 
-# flex_attention's backward tiles measured fastest on the DFlash mask at head dim 128 on
-# an H200 (bench/bench_flex.py: -10 % backward against torch's defaults; bench/RESULTS.md).
-# Tied to Hopper's shared memory: used there only (``compile.flex_kernel``).
+# flex_attention's backward tiles measured fastest on the DFlash mask at head dim 128 in
+# bf16 on an H200 (bench/bench_flex.py: -10 % backward against torch's defaults;
+# bench/RESULTS.md). Tied to Hopper's shared memory: used there only, for 16-bit inputs
+# of head dim <= 128 (``compile.flex_kernel``).
 HOPPER_BWD_TILES = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                     "bwd_num_warps": 8, "bwd_num_stages": 2}
 FLEX_KERNELS = ("auto", "default")
@@ -59,7 +60,7 @@ class AttentionPath:
     """How the flex paths build BlockMasks: one of masks.MASK_BUILDERS (costs in the
     masks module docstring). FLEX_EAGER compiles nothing, so it builds 'compiled' eagerly."""
     hopper_tiles: bool = False
-    """Compiled flex_attention with HOPPER_BWD_TILES (head dim <= 128) instead of torch's defaults."""
+    """Compiled flex_attention with HOPPER_BWD_TILES (16-bit, head dim <= 128) instead of torch's defaults."""
 
     @property
     def uses_block_mask(self) -> bool:
@@ -176,7 +177,9 @@ def attend(
         # The math kernel's safe softmax gives zeros for fully masked rows, like flex.
         out_BHQD = F.scaled_dot_product_attention(q_BHQD, k_BHKD, v_BHKD, attn_mask=mask, enable_gqa=True)
     elif path.name == FLEX_COMPILED:
-        options = HOPPER_BWD_TILES if path.hopper_tiles and q_BHQD.shape[-1] <= 128 else None
+        # Measured for 16-bit inputs up to head dim 128: fp32 or wider heads need more shared memory.
+        tiles = path.hopper_tiles and q_BHQD.shape[-1] <= 128 and q_BHQD.dtype in (torch.bfloat16, torch.float16)
+        options = HOPPER_BWD_TILES if tiles else None
         out_BHQD = _flex_compiled(q_BHQD, k_BHKD, v_BHKD, block_mask=mask, enable_gqa=True, kernel_options=options)
     elif path.name == FLEX_EAGER:
         # Chosen deliberately (allow_eager, CPU checks), so not an error here; torch
