@@ -121,7 +121,8 @@ def test_a_run_on_two_hosts_survives_a_killed_rank_and_finishes(ssh_env, pair):
         background.close()
     final = store.get_run(run.id)
     assert states(store, run.id)[-4:] == ["running", "restarting", "running", "done"]
-    assert len(kinds(store, run.id, "rank")) == 1  # the end of the run is no rank's failure
+    ranks = kinds(store, run.id, "rank")
+    assert len(ranks) == 1, [(e.time, e.message, e.detail) for e in ranks]  # the end of the run is no rank's failure
     assert [(h["host"], h["step"]) for h in final.hosts] == [("target2", STEPS), ("target", STEPS)], final.hosts
     assert max(s.step for s in store.samples(run.id)) == STEPS
     # Both hosts' logs, each line named by its host; one host's alone.
