@@ -536,6 +536,11 @@ def _members(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
         status = m.result.status
         if status is not None and status.phase in (contract.PHASE_DONE, contract.PHASE_STOPPED):
             continue  # it finished (or was stopped) with the others: rank 0 says the run's end
+        if status is None and m.result.exit_code is None:
+            # No process of this start yet: a (re)start writes its sessions one host after
+            # another, rank 0's first, and this one's has not been made. A process that ended
+            # left a status or an exit code; one that never starts, rank 0 names.
+            continue
         process = (m.rank, status.pid if status is not None else None)
         if process in s.ranks_ended:
             continue

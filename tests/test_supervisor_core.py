@@ -643,6 +643,22 @@ def test_each_process_of_a_rank_has_its_end_written_once_and_a_hosts_error_is_bo
     assert len(rows.rows[1]["error"]) == core.ROW_ERROR_CHARS
 
 
+def test_a_rank_whose_session_is_not_made_yet_has_not_ended():
+    """Defect: a restart starts the ranks' sessions one host after another; rank 0's new
+    process answered (the run is running again) while rank 1's session was not yet made,
+    its old status and exit code removed: that was written as rank 1 having ended. No
+    status and no exit code is no process yet; one that left either has ended."""
+    not_yet = with_member(healthy(T0, 10), T0, phase=None, session=False)
+    not_yet = replace(not_yet, members=(replace(not_yet.members[0], result=replace(
+        not_yet.members[0].result, process=None)),))  # no status: no pid to look at either
+    _, seen = run_table([(T0, not_yet)], two_host_state())
+    assert "rank" not in seen[0][1]
+    died_early = replace(not_yet, members=(replace(not_yet.members[0], result=replace(
+        not_yet.members[0].result, exit_code=1)),))  # ended before it wrote a status: its wrapper says so
+    _, seen = run_table([(T0, died_early)], two_host_state())
+    assert seen[0][1].count("rank") == 1
+
+
 def test_a_host_that_does_not_answer_keeps_its_row_age_and_a_finished_rank_is_no_failure():
     done = dict(phase="done", step=10, session=False, alive=False, exit_code=0)
     _, writes, _ = core.step(two_host_state(), with_member(healthy(T0, 10), T0, down=True), T0, make_policy())
