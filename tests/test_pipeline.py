@@ -241,7 +241,8 @@ def test_flop_model_counts_matmul_weights_only():
     assert flops.target(10) == 2 * flops.target_params * 10
     # and its causal attention over the bucket: (bucket + 1) / 2 keys per position, QK^T and PV
     layers_run = max(target.layer_ids) + 1
-    assert flops.target_layers == layers_run and flops.target_attn_width == flops.attn_width
+    assert flops.target_layers == layers_run and flops.attn_width == cfg.num_attention_heads * (
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)  # the target's heads
     assert flops.target(10, 64) == pytest.approx(2 * flops.target_params * 10
                                                  + 4 * layers_run * flops.attn_width * (64 + 1) / 2 * 10)
     # drafter: 6 x trainable params per query token, but the fusion only on the context

@@ -182,11 +182,13 @@ def dflash_loss(
         raise ValueError(f"block_size {block_size}: a block needs an anchor and at least one slot to predict")
     # Slot 0 (the anchor) has weight 0 in every block: it never goes through the
     # vocabulary projection, which is the step's largest matmul (1/B of it saved).
-    hidden_NKH = hidden_BQH.reshape(-1, block_size, hidden)
-    hidden_XH = hidden_NKH[:, 1:].reshape(-1, hidden)
-    labels_X = labels_BQ.reshape(-1, block_size)[:, 1:].reshape(-1)
+    def predicted(t_BQ: torch.Tensor, *trailing: int) -> torch.Tensor:  # slots 1..B-1 of every block, flat
+        return t_BQ.reshape(-1, block_size, *trailing)[:, 1:].reshape(-1, *trailing)
+
+    hidden_XH = predicted(hidden_BQH, hidden)
+    labels_X = predicted(labels_BQ)
     # A label of -100 (the cross-entropy convention for "none") carries no weight.
-    weight_X = torch.where(labels_X >= 0, weight_BQ.reshape(-1, block_size)[:, 1:].reshape(-1).to(torch.float32), 0.0)
+    weight_X = torch.where(labels_X >= 0, predicted(weight_BQ).to(torch.float32), 0.0)
     total, correct_X = _ChunkedLinearCE.apply(hidden_XH, lm_head_weight.detach(), labels_X, weight_X, chunk,
                                               kernel if compiled else None)
 

@@ -493,7 +493,6 @@ class FlopModel:
     fuse_params: int = 0  # of drafter_params: the fusion of the target's features (context tokens only)
     kv_params: int = 0  # of drafter_params: the layers' k/v projections (context and block tokens)
     target_layers: int = 0  # the target's layers a batch runs through (up to the last captured one)
-    target_attn_width: int = 0  # query heads x head dim of a target layer
 
     def drafter(self, query_tokens: int, mean_context: float, context_tokens: int = 0) -> float:
         """``context_tokens``: the positions of the target's features (batch x bucket)."""
@@ -511,8 +510,9 @@ class FlopModel:
 
     def target(self, seq_tokens: int, bucket: int = 0) -> float:
         """Forward only: the weights, and causal attention over ``bucket`` positions
-        (QK^T and PV, 2 x 2 flops per key and width; (bucket + 1) / 2 keys per position)."""
-        attention = 2 * self.target_layers * self.target_attn_width * (bucket + 1) * seq_tokens if bucket else 0
+        (QK^T and PV, 2 x 2 flops per key and width; (bucket + 1) / 2 keys per position).
+        The drafter's layers have the target's heads, so ``attn_width`` is the target's too."""
+        attention = 2 * self.target_layers * self.attn_width * (bucket + 1) * seq_tokens if bucket else 0
         return 2 * self.target_params * seq_tokens + attention
 
 
@@ -634,14 +634,13 @@ def flop_model(cfg, target, drafter) -> FlopModel:
     tc = target.config
     heads = tc.num_attention_heads
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    layers_run = max(target.layer_ids) + 1  # the target stops after its last captured layer
     return FlopModel(
         drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-        # The layers the features run through (up to the last captured one); the
-        # embedding is a lookup, not a matmul.
-        target_params=sum(p.numel() for p in target.model.base_model.layers[: max(target.layer_ids) + 1].parameters()),
+        # The layers the features run through; the embedding is a lookup, not a matmul.
+        target_params=sum(p.numel() for p in target.model.base_model.layers[:layers_run].parameters()),
         hidden=tc.hidden_size, vocab=target.vocab_size, drafter_layers=len(drafter.layers),
-        attn_width=heads * head_dim, block_size=cfg.model.block_size,
-        target_layers=max(target.layer_ids) + 1, target_attn_width=heads * head_dim,
+        attn_width=heads * head_dim, block_size=cfg.model.block_size, target_layers=layers_run,
         fuse_params=drafter.fuse.weight.numel(),
         kv_params=sum(layer.attn.k_proj.weight.numel() + layer.attn.v_proj.weight.numel() for layer in drafter.layers),
     )
