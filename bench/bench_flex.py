@@ -1,6 +1,7 @@
 """flex_attention forward and backward on the DFlash mask at the drafter's shape, with
 torch's default kernel configuration against other ``kernel_options`` (tile sizes,
-warps, pipeline stages) and against inductor's autotuning (``max-autotune``).
+warps, pipeline stages) against inductor's autotuning (``max-autotune``) and against flash-attention 4's CuTe
+kernels (``flash``: ``BACKEND="FLASH"``, where the flash-attn-4 package is installed).
 
     python bench/bench_flex.py --device cuda                  # reference size: B=16, 2048 context, 512 anchors
     python bench/bench_flex.py --device cuda --variants default,bwd-64-128
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 import torch
 
@@ -39,6 +41,8 @@ VARIANTS = {
                    "bwd_num_warps": 4, "bwd_num_stages": 3}, "default"),
     "fwd-128-64": ({"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 8, "fwd_num_stages": 3}, "default"),
     "autotune": ({}, "max-autotune-no-cudagraphs"),
+    # flash-attention 4's CuTe kernels through inductor (needs the flash-attn-4 package)
+    "flash": ({"BACKEND": "FLASH"}, "default"),
 }
 
 
@@ -95,7 +99,8 @@ def main(argv=None) -> int:
             reference = reference or got
             row["max_diff"] = [float((a.float() - b.float()).abs().max()) for a, b in zip(got, reference)]
         except Exception as e:  # noqa: BLE001 - a tile that does not fit: report it, try the next
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+            traceback.print_exc()
         print(json.dumps(row), flush=True)
     return 0
 

@@ -240,7 +240,7 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
                    help="each compiled loss chunk's kernel (default: the trainer's, auto)")
     p.add_argument("--target-compile", choices=["on", "off"],
                    help="compile the target's decoder layers (compile.target; default: the trainer's default)")
-    p.add_argument("--flex-kernel", choices=["auto", "default"],
+    p.add_argument("--flex-kernel", choices=["auto", "default", "flash"],
                    help="flex_attention's kernel configuration (compile.flex_kernel; default: the trainer's, auto)")
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per run before it is killed")

@@ -361,6 +361,27 @@ def test_build_block_mask_refuses_an_unknown_builder():
 # ----------------------------------------------------------------------------- attention paths
 
 
+def test_flex_kernel_flash_needs_a_gpu_and_flash_attention_4(monkeypatch):
+    import importlib.util
+
+    import trainer.attention as attention
+
+    with warnings.catch_warnings():
+        assert select_attention_path("cpu", "auto", flex_kernel="flash").name == "sdpa"  # CPU: dense SDPA, as ever
+        # CI has no GPU and no flash-attn-4: the package lookup is replaced to stand for a host without, then with it.
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+        with pytest.raises(ConfigError, match="flash-attn-4"):
+            select_attention_path("cuda", "auto", flex_kernel="flash")
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+        path = select_attention_path("cuda", "auto", flex_kernel="flash")
+    assert path.flash and not path.hopper_tiles
+    seen = []
+    monkeypatch.setattr(attention, "_flex_compiled", lambda *a, kernel_options=None, **k: seen.append(kernel_options))
+    q = torch.zeros(1, 2, 16, 8)
+    attention.attend(q, q, q, None, path)
+    assert seen == [attention.FLASH_OPTIONS]
+
+
 def test_flex_kernel_tiles_are_for_hopper_and_head_dims_up_to_128(monkeypatch):
     import trainer.attention as attention
 

@@ -16,6 +16,7 @@ loop reports, so a run that silently left the fused path shows it.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import warnings
 from collections import Counter
@@ -46,7 +47,10 @@ _flex_compiled = torch.compile(flex_attention, dynamic=False)
 # of head dim <= 128 (``compile.flex_kernel``).
 HOPPER_BWD_TILES = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                     "bwd_num_warps": 8, "bwd_num_stages": 2}
-FLEX_KERNELS = ("auto", "default")
+# flash-attention 4's CuTe kernels behind flex_attention (torch's experimental FLASH backend;
+# the flash-attn-4 package): ``compile.flex_kernel: flash``.
+FLASH_OPTIONS = {"BACKEND": "FLASH"}
+FLEX_KERNELS = ("auto", "default", "flash")
 
 _ran: Counter = Counter()
 _ran_lock = threading.Lock()
@@ -61,6 +65,8 @@ class AttentionPath:
     masks module docstring). FLEX_EAGER compiles nothing, so it builds 'compiled' eagerly."""
     hopper_tiles: bool = False
     """Compiled flex_attention with HOPPER_BWD_TILES (16-bit, head dim <= 128) instead of torch's defaults."""
+    flash: bool = False
+    """Compiled flex_attention on flash-attention 4's CuTe kernels (FLASH_OPTIONS)."""
 
     @property
     def uses_block_mask(self) -> bool:
@@ -102,6 +108,14 @@ def select_attention_path(
             ])
         return AttentionPath(FLEX_EAGER, device_type, mask_builder)
     refuse_eager_fallback()
+    if flex_kernel == "flash":
+        if device_type != "cuda" or importlib.util.find_spec("flash_attn") is None \
+                or importlib.util.find_spec("flash_attn.cute") is None:
+            raise ConfigError([
+                "compile.flex_kernel: 'flash' needs a CUDA GPU and the flash-attn-4 package "
+                "(pip install flash-attn-4); use 'auto' for flex_attention's own kernels"
+            ])
+        return AttentionPath(FLEX_COMPILED, device_type, mask_builder, flash=True)
     hopper = (flex_kernel == "auto" and device_type == "cuda" and torch.cuda.is_available()
               and torch.cuda.get_device_capability(device)[0] == 9)
     return AttentionPath(FLEX_COMPILED, device_type, mask_builder, hopper_tiles=hopper)
@@ -179,7 +193,7 @@ def attend(
     elif path.name == FLEX_COMPILED:
         # Measured for 16-bit inputs up to head dim 128: fp32 or wider heads need more shared memory.
         tiles = path.hopper_tiles and q_BHQD.shape[-1] <= 128 and q_BHQD.dtype in (torch.bfloat16, torch.float16)
-        options = HOPPER_BWD_TILES if tiles else None
+        options = FLASH_OPTIONS if path.flash else HOPPER_BWD_TILES if tiles else None
         out_BHQD = _flex_compiled(q_BHQD, k_BHKD, v_BHKD, block_mask=mask, enable_gqa=True, kernel_options=options)
     elif path.name == FLEX_EAGER:
         # Chosen deliberately (allow_eager, CPU checks), so not an error here; torch

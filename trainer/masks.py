@@ -96,8 +96,9 @@ def dflash_mask_mod(
     def mask_mod(b, h, q_idx, kv_idx):
         q_block = q_idx // block_size
         q_slot = q_idx % block_size
-        # Padded query rows have q_block >= N: clamp before any table lookup, mask after.
-        row = q_block.clamp(0, num_blocks - 1)
+        # Padded query rows have q_block >= N: wrap before any table lookup, mask after
+        # (a remainder, not a clamp: flash-attention's CuTe kernels take no maximum/minimum).
+        row = q_block % num_blocks
         anchor = anchors_BN[b, row]
         in_range = q_block < num_blocks
 

@@ -65,9 +65,12 @@ def wait(run_dir: str, token: str, cache_dir: str | None, log=print) -> bool:
 
     t0 = time.monotonic()
     bytecode.keep(cache_dir)
-    imports.hide_unused()
+    hidden = imports.hide_unused()
+    imports.remember_package_map(cache_dir)
+    imports.prehash_triton()
     for name in imports.MODULES:
         importlib.import_module(name)
+    imports.show_again(hidden)
     return wait_for_go(run_dir, token, round(time.monotonic() - t0, 2), log)
 
 

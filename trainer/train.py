@@ -246,7 +246,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     startup = Startup()
     from trainer import bytecode as bytecode_mod, compile_cache, imports
 
-    imports.hide_unused()
+    hidden = imports.hide_unused()
     bytecode = bytecode_mod.keep(cfg.compile.cache_dir)  # before the imports it speeds up
     if bytecode_mod.drop_if_outdated(bytecode, os.environ.get(contract.ARTIFACT_GENERATION_ENV)):
         log(f"compile_cache: bytecode cache {bytecode} emptied (compile artifacts were removed on the controller)")
@@ -254,6 +254,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                  if cfg.compile.artifacts else None)
     if travelled:
         log(f"compile_cache: bytecode {travelled}")
+    package_map = imports.remember_package_map(cfg.compile.cache_dir)
+    imports.prehash_triton()
     import torch
 
     from trainer import checkpoint, compile as compile_mod, distributed, pipeline as pl
@@ -266,7 +268,9 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     from trainer.step import compute_loss
     from trainer.target import default_dtype
 
+    imports.show_again(hidden)
     startup.mark("import")
+    log(f"imports: installed-package map {package_map}; kept from importing: {', '.join(hidden) or 'nothing'}")
     multi = distributed.requested()
     kind, target_devs, drafter_devs = resolve_devices(cfg, distributed.device_offset(cfg.placement) if multi else 0)
     main_dev = drafter_devs[0]
@@ -290,7 +294,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     log(f"devices: target {[str(d) for d in target_devs]}, drafter {[str(d) for d in drafter_devs]}; "
-        f"compute {compute_dtype}; attention {path.name}{' (Hopper backward tiles)' if path.hopper_tiles else ''}; "
+        f"compute {compute_dtype}; attention {path.name}{' (Hopper backward tiles)' if path.hopper_tiles else ' (flash-attention 4)' if path.flash else ''}; "
         f"loss {loss_kernel}; compile cache {cache}"
         + (f"; bytecode cache {bytecode}" if bytecode else ""))
     startup.mark("devices")
