@@ -1,7 +1,8 @@
 """flex_attention forward and backward on the DFlash mask at the drafter's shape, with
 torch's default kernel configuration against other ``kernel_options`` (tile sizes,
-warps, pipeline stages) against inductor's autotuning (``max-autotune``) and against flash-attention 4's CuTe
-kernels (``flash``: ``BACKEND="FLASH"``, where the flash-attn-4 package is installed).
+warps, pipeline stages), against inductor's autotuning (``max-autotune``) and against
+flash-attention 4's CuTe kernels (``flash``: ``BACKEND="FLASH"``, where the flash-attn-4
+package is installed).
 
     python bench/bench_flex.py --device cuda                  # reference size: B=16, 2048 context, 512 anchors
     python bench/bench_flex.py --device cuda --variants default,bwd-64-128

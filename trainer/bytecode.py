@@ -52,6 +52,13 @@ MAX_EXPANSION = 16
 _UNPACKED = ".dflash-unpacked"  # in the prefix: one empty file per archive unpacked there
 
 
+def host_cache(cache_dir: Optional[str]) -> str:
+    """This host's cache directory for a start's own files: ``cache_dir``, else the
+    inductor cache, else ``~/.cache/dflashctl`` (absolute)."""
+    base = cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join("~", ".cache", "dflashctl")
+    return os.path.abspath(os.path.expanduser(base))
+
+
 def keep(cache_dir: Optional[str], package: str = "torch") -> Optional[str]:
     """Give Python a bytecode cache it can write when ``package`` (torch) ships none.
 
@@ -70,8 +77,7 @@ def keep(cache_dir: Optional[str], package: str = "torch") -> Optional[str]:
     pycache = os.path.join(os.path.dirname(spec.origin), "__pycache__")
     if not sys.dont_write_bytecode and os.access(pycache if os.path.isdir(pycache) else os.path.dirname(pycache), os.W_OK):
         return None
-    base = cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join("~", ".cache", "dflashctl")
-    path = os.path.join(os.path.abspath(os.path.expanduser(base)), PREFIX_DIR)
+    path = os.path.join(host_cache(cache_dir), PREFIX_DIR)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError:

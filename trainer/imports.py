@@ -32,6 +32,8 @@ import sys
 import threading
 from typing import Optional
 
+from trainer.bytecode import host_cache
+
 # Packages the trainer's code paths never use, that a dependency imports when present.
 UNUSED = ("sklearn", "scipy", "torchvision", "torchaudio")
 PACKAGE_MAP_FILE = "packages-distributions.json"
@@ -84,12 +86,13 @@ def _valid_map(value) -> bool:
 
 
 def remember_package_map(cache_dir: Optional[str]) -> str:
-    """Answer ``importlib.metadata.packages_distributions()`` from ``<cache>/PACKAGE_MAP_FILE``
-    (``cache_dir``, else the inductor cache, else ``~/.cache/dflashctl``) while sys.path's
+    """Answer ``importlib.metadata.packages_distributions()`` from PACKAGE_MAP_FILE in
+    this host's cache (``bytecode.host_cache``) while sys.path's
     directories are unchanged, else compute it once and write the file. Returns 'hit',
     'saved' or 'computed' (the file could not be written)."""
-    base = cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join("~", ".cache", "dflashctl")
-    path = os.path.join(os.path.abspath(os.path.expanduser(base)), PACKAGE_MAP_FILE)
+    path = os.path.join(host_cache(cache_dir), PACKAGE_MAP_FILE)
+    original = getattr(importlib.metadata.packages_distributions, "__wrapped__",  # a second call: the real one
+                       importlib.metadata.packages_distributions)
     stamp = _path_stamp()
     mapping, outcome = None, "hit"
     try:
@@ -100,8 +103,6 @@ def remember_package_map(cache_dir: Optional[str]) -> str:
     except (OSError, ValueError):
         pass
     if mapping is None:
-        original = getattr(importlib.metadata.packages_distributions, "__wrapped__",
-                           importlib.metadata.packages_distributions)
         mapping = {k: list(v) for k, v in original().items()}
         outcome = "saved"
         try:
@@ -115,8 +116,7 @@ def remember_package_map(cache_dir: Optional[str]) -> str:
     def packages_distributions() -> dict:
         return {k: list(v) for k, v in mapping.items()}
 
-    packages_distributions.__wrapped__ = getattr(importlib.metadata.packages_distributions, "__wrapped__",
-                                                 importlib.metadata.packages_distributions)
+    packages_distributions.__wrapped__ = original
     importlib.metadata.packages_distributions = packages_distributions
     return outcome
 
