@@ -42,11 +42,14 @@
 #                                 # 30 steps, a cold start then three warm; 5 fresh-cache threaded cold starts
 #   bash bench/gpu_session.sh 18 [MIN]  # 1 GPU: part 12's two soaks for MIN minutes (default 7), then 3 threaded
 #                                 # cold starts without the discipline
-#   (parts 16-18 write their logs straight into $OUT/<part>/)
+#   bash bench/gpu_session.sh 19  # 1 GPU: reference size, 30 steps cold with 3 profiled steps and where their GPU
+#                                 # time and idle gaps go (bench_timeline.py); two warm starts; one warm start's
+#                                 # imports timed (PYTHONPROFILEIMPORTTIME)
+#   (parts 16-19 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|18" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|19" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -317,6 +320,18 @@ PY
     soak "${2:-7}" "" "$w"
     timeout 200 python3 bench/bench_coldstart.py --unsafe --cold 3 --warm 0 --steps 6 --timeout 60 \
       --work-dir /tmp/b18/unsafe > "$w/coldstart-unsafe.log" 2>&1
+    ;;
+  19)
+    w="$out/19"; mkdir -p "$w"
+    timeout 170 python3 bench/bench_trainer.py --runs cold --steps 30 --profile 3 --timeout 160 \
+      --work-dir /tmp/b19/ref --cache-dir /tmp/b19/cache > "$w/ref.log" 2>&1
+    trace=$(find /tmp/b19/ref -name profile.json | head -1)
+    [ -n "$trace" ] && python3 bench/bench_timeline.py "$trace" --steps 3 --gaps 25 > "$w/timeline.json" 2>&1
+    timeout 100 python3 bench/bench_trainer.py --runs warm,warm --steps 12 --timeout 45 \
+      --work-dir /tmp/b19/warm --cache-dir /tmp/b19/cache > "$w/warm.log" 2>&1
+    PYTHONPROFILEIMPORTTIME=1 timeout 60 python3 bench/bench_trainer.py --runs warm --steps 6 --timeout 50 \
+      --work-dir /tmp/b19/imp --cache-dir /tmp/b19/cache > "$w/imp-bench.log" 2>&1
+    find /tmp/b19/imp -maxdepth 1 -name '*.log' -exec cp {} "$w/" \;
     ;;
   12)
     soak "${2:-8.5}" "${3:-}" "$out"

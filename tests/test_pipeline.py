@@ -78,6 +78,31 @@ def test_threads_train_deterministically_and_shut_down_cleanly():
     assert all(loss == loss for loss in runs[0])
 
 
+def test_the_warmup_runs_each_replicas_first_batch_and_that_pass_is_its_first_step():
+    """Three replicas, two targets, two buckets: every replica's warm-up on the bucket of
+    its first batch is that batch, kept as step 1; the run is the one without a warm-up."""
+    runs = {}
+    for warm in (False, True):
+        pipe, opt, sched = make_pipeline(targets=(0, 1), drafters=(0, 0, 0))
+        if warm:
+            for _, _, job in pl.warmup_jobs(pipe):
+                job()
+            assert sorted(pipe.handoff) == [0, 1, 2]
+            assert [pipe.handoff[r].item.index for r in range(3)] == [0, 1, 2]
+            assert all(p.grad is None for r in pipe.replicas for p in r.parameters())  # set aside until start()
+        pipe.start()
+        reports = train(pipe, opt, sched, 6)
+        assert pipe.stop(timeout=10) == [] and pipe.error is None
+        assert [[(r.replica, r.index) for r in step] for step in reports] == [[(r, 3 * s + r) for r in range(3)]
+                                                                              for s in range(6)]
+        made_by_threads = sum(pipe.target_tokens)
+        later = sum(r.seq_tokens for step in reports[1:] for r in step)
+        assert made_by_threads == (later if warm else later + sum(r.seq_tokens for r in reports[0]))
+        runs[warm] = ([r.loss for step in reports for r in step], [p.detach().clone() for p in pipe.replicas[0].parameters()])
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+
+
 def test_locked_first_steps_compile_each_thread_and_bucket_under_the_lock_then_run_free():
     pipe, opt, sched = make_pipeline(targets=(0, 1), drafters=(0, 1), compile={"serialized_warmup": False},
                                      data={"buckets": [256]})

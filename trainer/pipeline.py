@@ -24,6 +24,12 @@ is one such pipeline and the global batch order is cut by rank: local batch ``j`
 replicas would, and ``batches_done = steps_done * D * world``. Replicas stay bit-identical: they
 all receive a copy of the same master tensors after every optimiser step.
 
+The compile warm-up (``warmup_jobs``) runs each replica's first batch when that batch
+is of the bucket being compiled: its forward and backward are that step's, not a
+throw-away pass. The replica's gradients and report are kept (``Handoff``), the target
+threads skip those batches and the drafter threads report them at once, so the first
+step costs only the optimiser and the rest of the replicas' work.
+
 Failure handling: every thread body runs under ``_guard``; the first exception is
 kept with its thread's name and sets the shared stop event. Every wait (queue get and
 put, reports, release) has a timeout and looks at the stop event, so the
@@ -88,6 +94,16 @@ class Report:
     anchors: int = 0  # valid anchor blocks (each block_size query slots)
 
 
+@dataclass
+class Handoff:
+    """A replica's first step, computed by the compile warm-up (``warmup_jobs``)."""
+
+    item: Item
+    result: tuple  # drafter_step's (loss, stats, fwd_s, bwd_s)
+    grads: list  # the replica's trainable gradients, set aside until the threads start
+    started: float  # time.monotonic() when its drafter pass began
+
+
 def thread_name(role: str, index: int, device: torch.device) -> str:
     """'drafter-1@cuda:6': names the thread and labels its compile warm-up jobs alike."""
     return f"{role}-{index}@{device}"
@@ -135,12 +151,19 @@ class Pipeline:
         self._released_step = start_step - 1
         self.inject_raise: Optional[str] = None  # fault injection: the next drafter step raises this
         self.threads: list[threading.Thread] = []
+        self.handoff: dict[int, Handoff] = {}  # replica -> its first step, done by the warm-up
+        self._handed: frozenset[int] = frozenset()  # local batch numbers the threads skip
         self.target_tokens = [0] * self.T  # sequence tokens through each target (for tok/s, MFU)
         self.target_busy_s = [0.0] * self.T
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        for r, hand in self.handoff.items():  # the warm-up's first steps: their gradients back in place
+            for p, g in zip(trainable(self.replicas[r]), hand.grads):
+                p.grad = g
+            hand.grads = []
+        self._handed = frozenset(self.local_index(self.start_step, r) for r in self.handoff)
         for t, dev in enumerate(self.target_devices):
             self.threads.append(threading.Thread(target=self._guard, args=(self._target_loop, t),
                                                  name=thread_name("target", t, dev), daemon=True))
@@ -244,6 +267,9 @@ class Pipeline:
         j = t
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             while j < end:
+                if j in self._handed:  # computed by the warm-up: its replica reports it at once
+                    j += self.T
+                    continue
                 k = self.global_index(j)
                 with self.discipline.step_guard(threading.current_thread().name, self.source.order.batch(k)[2]):
                     item = self.make_item(t, k)
@@ -284,14 +310,18 @@ class Pipeline:
                 j = self.local_index(step, r)
                 k = self.global_index(j)
                 t0 = time.monotonic()
-                item = self._get(self.queues[self.route(j)[0]][r])
+                hand = self.handoff.pop(r, None) if j in self._handed else None
+                item = hand.item if hand is not None else self._get(self.queues[self.route(j)[0]][r])
                 if item is DONE:
                     return
                 wait_s = time.monotonic() - t0
                 if self.inject_raise is not None and r == 0:
                     raise RuntimeError(self.inject_raise)
-                with self.discipline.step_guard(threading.current_thread().name, item.bucket):
-                    loss, stats, fwd_s, bwd_s = self.drafter_step(r, item)
+                if hand is not None:
+                    loss, stats, fwd_s, bwd_s = hand.result
+                else:
+                    with self.discipline.step_guard(threading.current_thread().name, item.bucket):
+                        loss, stats, fwd_s, bwd_s = self.drafter_step(r, item)
                 valid = item.valid
                 n_anchors = int(valid.sum())
                 anchor_mean = float(item.anchors[valid].float().mean()) if n_anchors else 0.0
@@ -299,7 +329,7 @@ class Pipeline:
                                         int(stats.get("query_tokens", 0)), item.seq_tokens,
                                         anchor_mean, wait_s, fwd_s, bwd_s,
                                         int(item.anchors.shape[0]), n_anchors))
-                del item
+                del item, hand
                 self._wait_release(step)
 
     def _wait_release(self, step: int) -> None:
@@ -649,19 +679,35 @@ def flop_model(cfg, target, drafter) -> FlopModel:
 def warmup_jobs(pipe: Pipeline) -> list[tuple[str, int, Callable[[], None]]]:
     """Compile warm-up: for every bucket in use, each target's forward, then each
     replica's forward AND backward, on a real batch of that bucket (real shapes,
-    same grad mode, dtype and autocast as training). Gradients are dropped after.
-    Jobs are labelled with the name of the thread that runs that shape later."""
+    same grad mode, dtype and autocast as training). Jobs are labelled with the name
+    of the thread that runs that shape later.
+
+    A replica whose first batch (at the start step) is of the bucket runs on that
+    batch, made by the target thread that owns it, and keeps the result as
+    ``pipe.handoff[r]``: its first step. Every other warm-up pass drops its gradients."""
     jobs: list[tuple[str, int, Callable[[], None]]] = []
-    made: dict[int, Item] = {}
+    made: dict[int, Item] = {}  # batch index -> item
+    shape: dict[int, Item] = {}  # bucket -> an item of it (for the replicas without a first batch there)
+    first = {r: pipe.batch_index(pipe.start_step, r) for r in range(pipe.D)}  # each replica's first batch
     for bucket in pipe.source.buckets_used():
-        k = pipe.source.first_index(bucket)
+        own = {r: k for r, k in first.items() if pipe.source.order.batch(k)[2] == bucket}
+        fallback = pipe.source.first_index(bucket)
         for t, dev in enumerate(pipe.target_devices):
-            def target_job(t=t, k=k, bucket=bucket):
-                made[bucket] = pipe.make_item(t, k)
+            # The first batches this target thread owns, or any batch of the bucket to compile its lane.
+            ks = sorted({k for r, k in own.items() if pipe.route(pipe.local_index(pipe.start_step, r))[0] == t})
+
+            def target_job(t=t, ks=tuple(ks or [fallback]), bucket=bucket):
+                for k in ks:
+                    made[k] = pipe.make_item(t, k)
+                shape.setdefault(bucket, made[ks[0]])
             jobs.append((thread_name("target", t, dev), bucket, target_job))
         for r, dev in enumerate(pipe.drafter_devices):
-            def drafter_job(r=r, bucket=bucket):
-                pipe.drafter_step(r, made[bucket])
-                pipe.replicas[r].zero_grad(set_to_none=True)
+            def drafter_job(r=r, bucket=bucket, k=own.get(r)):
+                replica = pipe.replicas[r]
+                started = time.monotonic()
+                result = pipe.drafter_step(r, made[k] if k is not None else shape[bucket])
+                if k is not None:
+                    pipe.handoff[r] = Handoff(made[k], result, [p.grad for p in trainable(replica)], started)
+                replica.zero_grad(set_to_none=True)
             jobs.append((thread_name("drafter", r, dev), bucket, drafter_job))
     return jobs

@@ -425,9 +425,13 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     peak, measured_peak, peak_name = pl.peak_flops(main_dev)
     fault, slow_factor = (cfg.fault if fault_armed(cfg, run_dir) else None), 1.0
     stop.pipeline = pipe
+    # The warm-up ran these replicas' first batches: step 1's window begins with those passes.
+    handed_from = min((h.started for h in pipe.handoff.values()), default=None)
+    if pipe.handoff:
+        log(f"warm-up: replica(s) {sorted(pipe.handoff)} ran their first batch: step {start_step + 1} uses it")
     if not stop.is_set() or group:  # a signal during start-up or warm-up: straight to the checkpoint
         pipe.start()  # (distributed: after one step that every rank takes)
-    window = pl.Window()
+    window = pl.Window() if handed_from is None else pl.Window(start=handed_from)
     train_start = last_release = window.start  # a step's period: from one release of the drafters to the next
     slow_period = None  # fault kind=slow: the normal period, measured when it fires
     steps_done, last_saved = start_step, (start_step if latest else None)
