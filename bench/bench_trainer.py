@@ -79,7 +79,10 @@ def reference_config(args) -> dict:
     if args.mask_builder:
         cfg.setdefault("compile", {})["mask_builder"] = args.mask_builder
     cfg.setdefault("train", {})
-    cfg["train"].update({"steps": args.steps or (6 if args.cpu_smoke else 20), "log_every": 1, "checkpoint_every": 0})
+    cfg["train"].update({"steps": args.steps or (6 if args.cpu_smoke else 20), "log_every": getattr(args, "log_every", 1),
+                         "checkpoint_every": 0})
+    if getattr(args, "switch_interval", None):
+        cfg.setdefault("placement", {})["switch_interval_ms"] = args.switch_interval
     if args.eager_layers:
         cfg.setdefault("compile", {})["drafter_layers"] = False
     if getattr(args, "target_compile", None):
@@ -152,7 +155,8 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float, *,
     # After the first steps' allocator and cache effects, and before the last ones: the target
     # runs up to queue_depth batches ahead, so in a run's last steps it has finished and the
     # drafter has the GPU to itself (a 6-step run's steps 4-6 ran ~20 % faster than steady).
-    tail = max(queue_depth(run_dir), 1) + 1
+    every = max(1, int(cfg.get("train", {}).get("log_every", 1)))
+    tail = -(-(max(queue_depth(run_dir), 1) + 1) // every)  # in metrics lines of ``every`` steps
     steady = metrics[len(metrics) // 2:len(metrics) - tail]
     throughput_steady = bool(steady)
     steady = steady or metrics[len(metrics) // 2:] or metrics
@@ -240,6 +244,11 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
                    help="each compiled loss chunk's kernel (default: the trainer's, auto)")
     p.add_argument("--target-compile", choices=["on", "off"],
                    help="compile the target's decoder layers (compile.target; default: the trainer's default)")
+    p.add_argument("--log-every", type=int, default=1,
+                   help="steps per metrics line (default 1; the trainer's own default is 10): a line's "
+                        "bookkeeping runs in the coordinator while the drafters launch their next step")
+    p.add_argument("--switch-interval", type=float, metavar="MS",
+                   help="Python's GIL switch interval in the trainer (placement.switch_interval_ms)")
     p.add_argument("--flex-kernel", choices=["auto", "default", "flash"],
                    help="flex_attention's kernel configuration (compile.flex_kernel; default: the trainer's, auto)")
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")

@@ -45,11 +45,14 @@
 #   bash bench/gpu_session.sh 19  # 1 GPU: reference size, 30 steps cold with 3 profiled steps and where their GPU
 #                                 # time and idle gaps go (bench_timeline.py); two warm starts; one warm start's
 #                                 # imports timed (PYTHONPROFILEIMPORTTIME)
-#   (parts 16-19 write their logs straight into $OUT/<part>/)
+#   bash bench/gpu_session.sh 20 [OLD]  # 1 GPU: part 19's cold start and timeline; two warm starts of this tree, then
+#                                 # of OLD (another checkout) on the same cache; 40 warm steps with a metrics line
+#                                 # every step, every 10 steps, and with a 0.5 ms GIL switch interval; imports timed
+#   (parts 16-20 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|19" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|20" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -332,6 +335,26 @@ PY
     PYTHONPROFILEIMPORTTIME=1 timeout 60 python3 bench/bench_trainer.py --runs warm --steps 6 --timeout 50 \
       --work-dir /tmp/b19/imp --cache-dir /tmp/b19/cache > "$w/imp-bench.log" 2>&1
     find /tmp/b19/imp -maxdepth 1 -name '*.log' -exec cp {} "$w/" \;
+    ;;
+  20)
+    old=${2:-}
+    w="$out/20"; mkdir -p "$w"
+    b="python3 bench/bench_trainer.py --work-dir /tmp/b20/ref --cache-dir /tmp/b20/cache"
+    timeout 170 $b --runs cold --steps 30 --profile 3 --timeout 160 > "$w/ref.log" 2>&1
+    trace=$(find /tmp/b20/ref -name profile.json | head -1)
+    [ -n "$trace" ] && python3 bench/bench_timeline.py "$trace" --steps 3 --gaps 25 > "$w/timeline.json" 2>&1
+    timeout 100 $b --runs warm,warm --steps 12 --timeout 45 > "$w/warm.log" 2>&1
+    if [ -n "$old" ]; then
+      timeout 100 python3 "$old/bench/bench_trainer.py" --runs warm,warm --steps 12 --timeout 45 \
+        --work-dir /tmp/b20/old --cache-dir /tmp/b20/cache > "$w/warm-old.log" 2>&1
+    fi
+    for v in "--log-every 1" "--log-every 10" "--switch-interval 0.5"; do
+      timeout 70 $b --runs warm --steps 40 --timeout 60 $v >> "$w/steady.log" 2>&1
+    done
+    PYTHONPROFILEIMPORTTIME=1 timeout 60 python3 bench/bench_trainer.py --runs warm --steps 4 --timeout 50 \
+      --work-dir /tmp/b20/imp --cache-dir /tmp/b20/cache > /dev/null 2>&1
+    f=$(find /tmp/b20/imp -maxdepth 1 -name '*.log' | head -1)
+    [ -n "$f" ] && grep '^import time:' "$f" | sort -t'|' -k2 -n -r | head -300 > "$w/importtime.txt"
     ;;
   12)
     soak "${2:-8.5}" "${3:-}" "$out"
