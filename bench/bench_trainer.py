@@ -81,6 +81,8 @@ def reference_config(args) -> dict:
     cfg.setdefault("train", {})
     cfg["train"].update({"steps": args.steps or (6 if args.cpu_smoke else 20), "log_every": getattr(args, "log_every", 1),
                          "checkpoint_every": 0})
+    if getattr(args, "residual", None):
+        cfg.setdefault("model", {})["residual"] = args.residual
     if getattr(args, "switch_interval", None):
         cfg.setdefault("placement", {})["switch_interval_ms"] = args.switch_interval
     if args.eager_layers:
@@ -189,6 +191,9 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float, *,
         "tflops": med("tflops"),
         "mfu_peak": metrics[-1].get("mfu_peak") if metrics else None,
         "loss": metrics[-1]["loss"] if metrics else None,
+        # The last tenth of the run's metrics lines: what a training-quality comparison reads.
+        "loss_last_tenth": _mean_of(metrics[-max(1, len(metrics) // 10):], "loss"),
+        "acc_last_tenth": _mean_of(metrics[-max(1, len(metrics) // 10):], "acc"),
         "attention_path": metrics[-1].get("attention_path") if metrics else None,
         "dynamo": metrics[-1].get("dynamo") if metrics else None,
         "time_ms": metrics[-1].get("time_ms") if metrics else None,
@@ -210,6 +215,11 @@ def run_once(name: str, cfg: dict, work: str, cache_dir: str, timeout: float, *,
         with open(log_path) as f:
             result["log_tail"] = f.read()[-(12000 if code == "timeout" else 2000):]
     return result
+
+
+def _mean_of(lines: list[dict], key: str):
+    values = [m[key] for m in lines if m.get(key) is not None]
+    return round(statistics.fmean(values), 5) if values else None
 
 
 def cold_then_warm(work: str, cold: int, warm: int, tag: str = ""):
@@ -247,6 +257,8 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=1,
                    help="steps per metrics line (default 1; the trainer's own default is 10): a line's "
                         "bookkeeping runs in the coordinator while the drafters launch their next step")
+    p.add_argument("--residual", choices=["float32", "compute"],
+                   help="the drafter's residual stream dtype (model.residual; default: the trainer's)")
     p.add_argument("--switch-interval", type=float, metavar="MS",
                    help="Python's GIL switch interval in the trainer (placement.switch_interval_ms)")
     p.add_argument("--flex-kernel", choices=["auto", "default", "flash"],

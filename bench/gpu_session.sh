@@ -47,7 +47,8 @@
 #                                 # imports timed (PYTHONPROFILEIMPORTTIME)
 #   bash bench/gpu_session.sh 20 [OLD]  # 1 GPU: part 19's cold start and timeline; two warm starts of this tree, then
 #                                 # of OLD (another checkout) on the same cache; 40 warm steps with a metrics line
-#                                 # every step, every 10 steps, and with a 0.5 ms GIL switch interval; imports timed
+#                                 # every step, every 10 steps, with a 0.5 ms GIL switch interval, and with the
+#                                 # residual in bf16; the loss kernel's launches with programs looping over rows
 #   (parts 16-20 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
@@ -348,13 +349,12 @@ PY
       timeout 100 python3 "$old/bench/bench_trainer.py" --runs warm,warm --steps 12 --timeout 45 \
         --work-dir /tmp/b20/old --cache-dir /tmp/b20/cache > "$w/warm-old.log" 2>&1
     fi
-    for v in "--log-every 1" "--log-every 10" "--switch-interval 0.5"; do
-      timeout 70 $b --runs warm --steps 40 --timeout 60 $v >> "$w/steady.log" 2>&1
+    for v in "--log-every 1" "--log-every 10" "--switch-interval 0.5" "--residual compute"; do
+      timeout 100 $b --runs warm --steps 40 --timeout 90 $v >> "$w/steady.log" 2>&1
     done
-    PYTHONPROFILEIMPORTTIME=1 timeout 60 python3 bench/bench_trainer.py --runs warm --steps 4 --timeout 50 \
-      --work-dir /tmp/b20/imp --cache-dir /tmp/b20/cache > /dev/null 2>&1
-    f=$(find /tmp/b20/imp -maxdepth 1 -name '*.log' | head -1)
-    [ -n "$f" ] && grep '^import time:' "$f" | sort -t'|' -k2 -n -r | head -300 > "$w/importtime.txt"
+    timeout 60 python3 bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 \
+      --vocab 151936 --chunk 4096 --compiled --chunk-only \
+      --kernel-configs 4096x8,4096x8x132,4096x8x264,4096x8x528,8192x16x132,8192x8x264,2048x4x528 > "$w/loss.log" 2>&1
     ;;
   12)
     soak "${2:-8.5}" "${3:-}" "$out"

@@ -254,6 +254,33 @@ def test_drafter_learns_a_fixed_batch(target):
     assert stats["acc"] > 0.8 and stats["accept_len"] > 1
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_residual_stream_is_fp32_or_the_compute_dtype(target, autocast):
+    """model.residual: under bf16 autocast 'compute' carries the residual in bf16 (the
+    final norm's output shows it) with a loss within bf16 rounding of the fp32 stream;
+    without autocast both settings are the same fp32 computation."""
+    batch = make_batch(target)
+    out = {}
+    for residual in ("float32", "compute"):
+        cfg = make_cfg(residual=residual)
+        drafter = make_drafter(target, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            block_ids, positions, _, _ = build_block_inputs(batch["input_ids"], batch["anchors"], batch["valid"], 4,
+                                                            drafter.mask_token_id, batch["loss_mask"])
+            masks = build_layer_masks(CPU, batch["anchors"], batch["valid"], 48, 4, drafter.layer_types,
+                                      drafter.sliding_window, drafter.sliding_semantics)
+            hidden = drafter(batch["features"], block_ids, positions, masks)
+            loss, _ = compute_loss(drafter, batch, cfg, CPU)
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in drafter.trainable_parameters())
+        out[residual] = (hidden.dtype, float(loss))
+    if autocast:
+        assert out["float32"][0] == torch.float32 and out["compute"][0] == torch.bfloat16
+        assert out["compute"][1] == pytest.approx(out["float32"][1], rel=2e-2)
+    else:
+        assert out["float32"] == out["compute"] and out["compute"][0] == torch.float32
+
+
 def test_mask_token_must_be_in_the_vocabulary(target):
     with pytest.raises(ConfigError, match="mask_token_id"):
         make_drafter(target, make_cfg(mask_token_id=target.vocab_size))

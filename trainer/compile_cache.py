@@ -96,7 +96,8 @@ def shape_config(cfg) -> dict[str, Any]:
                   "dtype": m.dtype,
                   # the sliding mask is traced into the kernels; named only off the default, so
                   # the keys of existing artifacts stay what they were
-                  **({"sliding_semantics": m.sliding_semantics} if m.sliding_semantics != "causal_in_block" else {})},
+                  **({"sliding_semantics": m.sliding_semantics} if m.sliding_semantics != "causal_in_block" else {}),
+                  **({"residual": m.residual} if m.residual != "float32" else {})},
         "data": {"buckets": sorted(d.buckets), "max_anchors": d.max_anchors, "batch_size": d.batch_size},
         "train": {"loss_chunk": cfg.train.loss_chunk, "loss_kernel": cfg.train.loss_kernel},
         "placement": {"device": cfg.placement.device, "target": list(cfg.placement.target),

@@ -47,6 +47,11 @@ class ModelConfig:
     """Token id used for MASK; default: the first id past the target tokenizer's special tokens (151669 for Qwen3, as the public drafters) when model.path holds a tokenizer, else vocab_size - 1. Recorded in every checkpoint; resuming with another id is refused."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """'auto': bf16 compute with fp32 master weights on GPU, fp32 on CPU."""
+    residual: Literal["float32", "compute"] = "float32"
+    """The drafter's residual stream between its layers: 'float32' (the master
+    weights' dtype), or 'compute': the compute dtype (bf16 under autocast), as the
+    target and the serving engines carry it; half the residual's memory traffic and
+    saved activations. Without autocast (CPU) both are fp32."""
 
 
 @dataclass

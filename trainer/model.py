@@ -190,10 +190,15 @@ class Drafter(nn.Module):
                 f"{self.num_target_layers} layers x {self.hidden_size} = {self.fuse.in_features}"
             )
         param_dtype = self.fuse.weight.dtype
-        if not torch.is_autocast_enabled(features_BSF.device.type):
+        device_type = features_BSF.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        if not autocast:
             features_BSF = features_BSF.to(param_dtype)  # target features may be bf16
         ctx_BSH = self.fuse_norm(self.fuse(features_BSF))
-        x_BQH = self.embed_tokens(block_ids_BQ).to(param_dtype)
+        # The residual stream: the master weights' dtype, or the compute dtype (model.residual).
+        residual_dtype = torch.get_autocast_dtype(device_type) if autocast and self.model_cfg.residual == "compute" \
+            else param_dtype
+        x_BQH = self.embed_tokens(block_ids_BQ).to(residual_dtype)
 
         context_pos_BS = torch.arange(ctx_len, device=block_ids_BQ.device).expand(batch, ctx_len)
         key_pos_BK = torch.cat([context_pos_BS, position_ids_BQ], dim=1)
