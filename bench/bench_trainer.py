@@ -275,6 +275,9 @@ def main(argv=None) -> int:
     add_shape_arguments(p)
     p.add_argument("--runs", default="cold,warm",
                    help="comma list of cold/warm/artifact/resume starts, in order (default cold,warm)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="train on the trainer's synthetic task (a learnable cycle of tokens) instead of shards "
+                        "of random tokens: for comparing how two settings learn, not for speed")
     p.add_argument("--cache-dir", help="compile cache to use (default: a fresh temporary directory)")
     p.add_argument("--work-dir", help="where run directories and logs go (default: a temporary directory, removed)")
     args = p.parse_args(argv)
@@ -283,7 +286,9 @@ def main(argv=None) -> int:
     work = args.work_dir or tempfile.mkdtemp(prefix="bench-trainer-")
     cache_dir = args.cache_dir or os.path.join(work, "compile-cache")
     batch = cfg["data"].get("batch_size", 1)
-    cfg["data"]["shards"] = write_shard(os.path.join(work, "shards"), cfg, samples=max(32, 4 * batch))
+    os.makedirs(work, exist_ok=True)
+    if not args.synthetic:
+        cfg["data"]["shards"] = write_shard(os.path.join(work, "shards"), cfg, samples=max(32, 4 * batch))
     print(json.dumps({"bench": "trainer", "config": cfg, "work_dir": work, "cache_dir": cache_dir}), flush=True)
     results = []
     kinds = [k.strip() for k in args.runs.split(",") if k.strip()]

@@ -49,11 +49,14 @@
 #                                 # of OLD (another checkout) on the same cache; 40 warm steps with a metrics line
 #                                 # every step, every 10 steps, with a 0.5 ms GIL switch interval, and with the
 #                                 # residual in bf16; the loss kernel's launches with programs looping over rows
-#   (parts 16-20 write their logs straight into $OUT/<part>/)
+#   bash bench/gpu_session.sh 21 [MIN] [COLD]  # 1 GPU: part 12's two soaks for MIN minutes (default 3.5); COLD fresh-cache
+#                                 # threaded cold starts with the discipline (default 3); the small preset on the
+#                                 # synthetic task, 300 steps, with the residual in fp32 and in the compute dtype
+#   (parts 16-21 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|20" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|21" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -355,6 +358,16 @@ PY
     timeout 60 python3 bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 \
       --vocab 151936 --chunk 4096 --compiled --chunk-only \
       --kernel-configs 4096x8,4096x8x132,4096x8x264,4096x8x528,8192x16x132,8192x8x264,2048x4x528 > "$w/loss.log" 2>&1
+    ;;
+  21)
+    w="$out/21"; mkdir -p "$w"
+    soak "${2:-3.5}" "" "$w"
+    timeout 200 python3 bench/bench_coldstart.py --cold "${3:-3}" --warm 0 --steps 6 --timeout 80 \
+      --work-dir /tmp/b21/safe > "$w/coldstart.log" 2>&1
+    for r in float32 compute; do
+      timeout 100 python3 bench/bench_trainer.py --preset small --synthetic --batch-size 8 --anchors 128 --bucket 1024 \
+        --runs cold --steps 300 --timeout 90 --residual $r --work-dir /tmp/b21/q-$r >> "$w/quality.log" 2>&1
+    done
     ;;
   12)
     soak "${2:-8.5}" "${3:-}" "$out"
