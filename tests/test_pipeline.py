@@ -307,3 +307,14 @@ def test_mfu_is_against_the_nominal_peak_with_the_measured_rate_beside_it() -> N
     assert f["mfu_measured"] == pytest.approx(achieved / 790e12, rel=1e-3)
     assert "nominal 989" in name
     assert "mfu_measured" not in pl.window_fields(w, 1, flops, *pl.PEAK_FLOPS["A100"][:1], 1, 1, 1)["extra"]
+
+
+def test_stats_come_to_the_host_in_one_copy_with_the_values_of_one_copy_each():
+    stats = {"tokens": torch.tensor(12.0), "slot_acc": torch.tensor([float("nan"), 0.5, 0.25]),
+             "slot_count": torch.tensor([0.0, 4.0, 8.0]), "note": "kept as it is", "blocks": torch.tensor(3)}
+    loss, plain = pl.to_host(torch.tensor(2.5), stats)
+    assert loss == 2.5
+    assert plain["tokens"] == 12.0 and plain["blocks"] == 3.0 and plain["note"] == "kept as it is"
+    assert plain["slot_count"] == [0.0, 4.0, 8.0] and plain["slot_acc"][1:] == [0.5, 0.25]
+    assert plain["slot_acc"][0] != plain["slot_acc"][0]  # NaN stays NaN
+    assert [type(plain[k]) for k in ("tokens", "slot_acc")] == [float, list]

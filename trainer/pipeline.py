@@ -74,6 +74,8 @@ class Item:
     features: torch.Tensor  # [B, S, K*H]
     seq_tokens: int  # non-pad tokens the target processed
     target_s: float
+    n_anchors: int = 0  # valid anchor blocks
+    anchor_mean: float = 0.0  # mean anchor position of the valid blocks (read on the host, before the copy)
 
 
 @dataclass
@@ -118,6 +120,19 @@ def autocast_for(device: torch.device, dtype: torch.dtype):
     if device.type == "cuda" and dtype != torch.float32:
         return torch.autocast("cuda", dtype=dtype)
     return contextlib.nullcontext()
+
+
+def to_host(loss: torch.Tensor, stats: dict) -> tuple[float, dict]:
+    """The loss and the stats' tensors as Python numbers (lists for vectors), read from the
+    device in one copy (one wait for the stream) instead of one per tensor."""
+    names = [k for k, v in stats.items() if torch.is_tensor(v)]
+    flat = torch.cat([loss.reshape(1).float()] + [stats[k].reshape(-1).float() for k in names]).tolist()
+    plain, at = dict(stats), 1
+    for k in names:
+        n = stats[k].numel()
+        plain[k] = flat[at:at + n] if stats[k].dim() else flat[at]
+        at += n
+    return flat[0], plain
 
 
 def _sync(device: torch.device) -> None:
@@ -235,6 +250,8 @@ class Pipeline:
         batch = self.source.batch(k)
         anchors, valid = self.sample_anchors(batch["loss_mask"], cfg.data.max_anchors, cfg.model.block_size,
                                              batch_generator(cfg.data.seed, k))
+        n_anchors = int(valid.sum())
+        anchor_mean = float(anchors[valid].float().mean()) if n_anchors else 0.0
         input_ids = batch["input_ids"].to(dev, non_blocking=True)
         with torch.no_grad():
             features = self.targets[t].features(input_ids)
@@ -242,7 +259,7 @@ class Pipeline:
             features = features.clone()
         _sync(dev)
         return Item(k, batch["bucket"], input_ids, batch["loss_mask"].to(dev), anchors.to(dev), valid.to(dev),
-                    features, batch["seq_tokens"], time.monotonic() - t0)
+                    features, batch["seq_tokens"], time.monotonic() - t0, n_anchors, anchor_mean)
 
     def local_index(self, step: int, r: int) -> int:
         """This process's batch number ``j`` of (step, replica ``r``), counted from the start step."""
@@ -298,9 +315,8 @@ class Pipeline:
         _sync(dev)
         t1 = time.monotonic()
         loss.backward()
-        _sync(dev)
-        plain = {k: (v.tolist() if v.dim() else float(v)) if torch.is_tensor(v) else v for k, v in stats.items()}
-        return float(loss.detach()), plain, t1 - t0, time.monotonic() - t1
+        loss_value, plain = to_host(loss.detach(), stats)
+        return loss_value, plain, t1 - t0, time.monotonic() - t1
 
     def _drafter_loop(self, r: int) -> None:
         dev = self.drafter_devices[r]
@@ -322,13 +338,10 @@ class Pipeline:
                 else:
                     with self.discipline.step_guard(threading.current_thread().name, item.bucket):
                         loss, stats, fwd_s, bwd_s = self.drafter_step(r, item)
-                valid = item.valid
-                n_anchors = int(valid.sum())
-                anchor_mean = float(item.anchors[valid].float().mean()) if n_anchors else 0.0
                 self.reports.put(Report(r, step, k, item.bucket, loss, stats,
                                         int(stats.get("query_tokens", 0)), item.seq_tokens,
-                                        anchor_mean, wait_s, fwd_s, bwd_s,
-                                        int(item.anchors.shape[0]), n_anchors))
+                                        item.anchor_mean, wait_s, fwd_s, bwd_s,
+                                        int(item.anchors.shape[0]), item.n_anchors))
                 del item, hand
                 self._wait_release(step)
 
