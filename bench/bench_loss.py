@@ -69,11 +69,10 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-only", action="store_true",
                    help="with --compiled: also time one chunk's softmax/top-1/gradient alone (triton.testing.do_bench) "
                         "and compare every output with the eager reference")
-    p.add_argument("--kernel-configs", default="", metavar="BLOCKxWARPS[xPROGRAMS],...",
-                   help="with --chunk-only: also time the triton kernel launched alone with each column block, "
-                        "warp count and (optional) number of programs, each looping over rows (default: one "
-                        "program per row), e.g. 4096x8,8192x8,4096x8x264 (the trainer's is "
-                        "trainer.loss_kernel.BLOCK_V x NUM_WARPS x PROGRAMS)")
+    p.add_argument("--kernel-configs", default="", metavar="BLOCKxWARPS,...",
+                   help="with --chunk-only: also time the triton kernel launched alone with each column block "
+                        "and warp count, e.g. 4096x8,8192x8,2048x4 (the trainer's is "
+                        "trainer.loss_kernel.BLOCK_V x NUM_WARPS)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -127,9 +126,9 @@ def chunk_alone(args, head, dtype, kernels: list[str]) -> dict:
         from trainer import loss_kernel
 
         for config in filter(None, args.kernel_configs.split(",")):
-            block, warps, programs = ([int(x) for x in config.split("x")] + [0])[:3]
-            candidates.append((f"triton-{config}", lambda lg, lb, w, g, b=block, n=warps, k=programs:
-                               loss_kernel.chunk_cross_entropy(lg, lb, w, g, block=b, num_warps=n, programs=k)))
+            block, warps = (int(x) for x in config.split("x"))
+            candidates.append((f"triton-{config}", lambda lg, lb, w, g, b=block, n=warps:
+                               loss_kernel.chunk_cross_entropy(lg, lb, w, g, block=b, num_warps=n)))
     for name, fn in candidates:
         loss, top1, grad = fn(logits, labels, weight, True)
         out[name] = {"ms": round(do_bench(lambda: fn(logits, labels, weight, True)), 3),

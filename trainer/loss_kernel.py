@@ -31,7 +31,6 @@ except ImportError:  # a CPU build of torch: resolve_kernel never picks this ker
 
 BLOCK_V = 4096  # columns per iteration of a row's loop
 NUM_WARPS = 8
-PROGRAMS = 0  # programs per launch (0: one per row)
 
 
 def _jit(fn):
@@ -40,53 +39,48 @@ def _jit(fn):
 
 @_jit
 def _chunk_ce_kernel(logits_ptr, stride_row, labels_ptr, weight_ptr, loss_ptr, correct_ptr, grad_ptr, stride_grad,
-                     V, n_rows, BLOCK: tl.constexpr, NEED_GRAD: tl.constexpr):
-    # Rows pid, pid + programs, ...: one row per program when the grid has a program per
-    # row; with fewer programs, fewer rows are read at once (more of pass 2 from the L2).
-    pid, programs = tl.program_id(0), tl.num_programs(0)
-    for i in range(0, tl.cdiv(n_rows - pid, programs)):
-        row = (pid + i * programs).to(tl.int64)
-        row_ptr = logits_ptr + row * stride_row
-        label = tl.load(labels_ptr + row).to(tl.int64)
-        weight = tl.load(weight_ptr + row)
-        cols = tl.arange(0, BLOCK)
-        # Pass 1: running max, sum of exp against it, and the first argmax.
-        m = tl.full((), float("-inf"), tl.float32)
-        s = tl.zeros((), tl.float32)
-        best = tl.full((), float("-inf"), tl.float32)
-        best_at = tl.zeros((), tl.int64)
+                     V, BLOCK: tl.constexpr, NEED_GRAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    weight = tl.load(weight_ptr + row)
+    cols = tl.arange(0, BLOCK)
+    # Pass 1: running max, sum of exp against it, and the first argmax.
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_at = tl.zeros((), tl.int64)
+    for start in range(0, V, BLOCK):
+        at = start + cols
+        x = tl.load(row_ptr + at, mask=at < V, other=float("-inf")).to(tl.float32)
+        block_max = tl.max(x, axis=0)
+        # The argmax is a second reduction: only for a block with a new maximum (a few
+        # per row). Strictly greater: a tie with an earlier block keeps the first.
+        if block_max > best:
+            best_at = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
+            best = block_max
+        new_m = tl.maximum(m, block_max)
+        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
+        m = new_m
+    lse = m + tl.log(s)
+    target = tl.load(row_ptr + label).to(tl.float32)
+    tl.store(loss_ptr + row, (lse - target) * weight)
+    tl.store(correct_ptr + row, (best_at == label).to(tl.int8))
+    if NEED_GRAD:
+        # Pass 2: weight * (softmax - onehot), in the gradient's dtype.
+        grad_row = grad_ptr + row * stride_grad
         for start in range(0, V, BLOCK):
             at = start + cols
-            x = tl.load(row_ptr + at, mask=at < V, other=float("-inf")).to(tl.float32)
-            block_max = tl.max(x, axis=0)
-            # The argmax is a second reduction: only for a block with a new maximum (a few
-            # per row). Strictly greater: a tie with an earlier block keeps the first.
-            if block_max > best:
-                best_at = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64) + start
-                best = block_max
-            new_m = tl.maximum(m, block_max)
-            s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), axis=0)
-            m = new_m
-        lse = m + tl.log(s)
-        target = tl.load(row_ptr + label).to(tl.float32)
-        tl.store(loss_ptr + row, (lse - target) * weight)
-        tl.store(correct_ptr + row, (best_at == label).to(tl.int8))
-        if NEED_GRAD:
-            # Pass 2: weight * (softmax - onehot), in the gradient's dtype.
-            grad_row = grad_ptr + row * stride_grad
-            for start in range(0, V, BLOCK):
-                at = start + cols
-                x = tl.load(row_ptr + at, mask=at < V, other=0.0).to(tl.float32)
-                g = (tl.exp(x - lse) - (at == label).to(tl.float32)) * weight
-                tl.store(grad_row + at, g.to(grad_ptr.dtype.element_ty), mask=at < V)
+            x = tl.load(row_ptr + at, mask=at < V, other=0.0).to(tl.float32)
+            g = (tl.exp(x - lse) - (at == label).to(tl.float32)) * weight
+            tl.store(grad_row + at, g.to(grad_ptr.dtype.element_ty), mask=at < V)
 
 
 def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_C: torch.Tensor, need_grad: bool,
-                        block: int = BLOCK_V, num_warps: int = NUM_WARPS, programs: int = PROGRAMS):
+                        block: int = BLOCK_V, num_warps: int = NUM_WARPS):
     """Same contract as ``trainer.loss.chunk_cross_entropy``: (sum of weight x CE,
-    top-1 == label, d(sum)/d logits in the logits' dtype or None). ``block``,
-    ``num_warps`` and ``programs`` (0: one per row): the launch (bench/bench_loss.py
-    ``--kernel-configs`` compares them)."""
+    top-1 == label, d(sum)/d logits in the logits' dtype or None). ``block`` and
+    ``num_warps``: the launch (bench/bench_loss.py ``--kernel-configs`` compares them)."""
     if triton is None:
         raise RuntimeError("the triton loss kernel needs the triton package (train.loss_kernel: inductor)")
     rows, vocab = logits_CV.shape
@@ -96,8 +90,8 @@ def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_
     # Without NEED_GRAD nothing is stored through grad_ptr; a 1-element stand-in keeps
     # the compiler from treating the logits as written.
     grad_CV = torch.empty_like(logits_CV) if need_grad else logits_CV.new_empty(1)
-    _chunk_ce_kernel[(min(rows, programs) if programs > 0 else rows,)](
+    _chunk_ce_kernel[(rows,)](
         logits_CV, logits_CV.stride(0), labels_C, weight_C.to(torch.float32), loss_C, correct_C, grad_CV,
-        grad_CV.stride(0) if need_grad else 0, vocab, rows, BLOCK=block, NEED_GRAD=need_grad, num_warps=num_warps,
+        grad_CV.stride(0) if need_grad else 0, vocab, BLOCK=block, NEED_GRAD=need_grad, num_warps=num_warps,
     )
     return loss_C.sum(), correct_C.bool(), grad_CV if need_grad else None
