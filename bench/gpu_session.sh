@@ -48,15 +48,18 @@
 #   bash bench/gpu_session.sh 20 [OLD]  # 1 GPU: part 19's cold start and timeline; two warm starts of this tree, then
 #                                 # of OLD (another checkout) on the same cache; 40 warm steps with a metrics line
 #                                 # every step, every 10 steps, with a 0.5 ms GIL switch interval, and with the
-#                                 # residual in bf16; the loss kernel's launches with programs looping over rows
+#                                 # residual in bf16
 #   bash bench/gpu_session.sh 21 [MIN] [COLD]  # 1 GPU: part 12's two soaks for MIN minutes (default 3.5); COLD fresh-cache
 #                                 # threaded cold starts with the discipline (default 3); the small preset on the
 #                                 # synthetic task, 300 steps, with the residual in fp32 and in the compute dtype
-#   (parts 16-21 write their logs straight into $OUT/<part>/)
+#   bash bench/gpu_session.sh 22 OLD [MIN]  # 1 GPU: part 19's cold start and timeline; this tree and OLD (another
+#                                 # checkout) alternated, 40 warm steps each, twice; part 12's two soaks for MIN
+#                                 # minutes (default 3); 3 fresh-cache threaded cold starts with the discipline
+#   (parts 16-22 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|21" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|22" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -355,9 +358,6 @@ PY
     for v in "--log-every 1" "--log-every 10" "--switch-interval 0.5" "--residual compute"; do
       timeout 100 $b --runs warm --steps 40 --timeout 90 $v >> "$w/steady.log" 2>&1
     done
-    timeout 60 python3 bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 \
-      --vocab 151936 --chunk 4096 --compiled --chunk-only \
-      --kernel-configs 4096x8,4096x8x132,4096x8x264,4096x8x528,8192x16x132,8192x8x264,2048x4x528 > "$w/loss.log" 2>&1
     ;;
   21)
     w="$out/21"; mkdir -p "$w"
@@ -368,6 +368,23 @@ PY
       timeout 100 python3 bench/bench_trainer.py --preset small --synthetic --batch-size 8 --anchors 128 --bucket 1024 \
         --runs cold --steps 300 --timeout 90 --residual $r --work-dir /tmp/b21/q-$r >> "$w/quality.log" 2>&1
     done
+    ;;
+  22)
+    old=${2:?part 22 needs another checkout}
+    w="$out/22"; mkdir -p "$w"
+    timeout 110 python3 bench/bench_trainer.py --runs cold --steps 30 --profile 3 --timeout 100 \
+      --work-dir /tmp/b22/ref --cache-dir /tmp/b22/cache > "$w/ref.log" 2>&1
+    trace=$(find /tmp/b22/ref -name profile.json | head -1)
+    [ -n "$trace" ] && python3 bench/bench_timeline.py "$trace" --steps 3 --gaps 12 > "$w/timeline.json" 2>&1
+    for i in 1 2; do
+      for tree in . "$old"; do
+        timeout 60 python3 "$tree/bench/bench_trainer.py" --runs warm --steps 40 --timeout 50 \
+          --work-dir "/tmp/b22/ab-$i-$(basename "$tree")" --cache-dir /tmp/b22/cache >> "$w/ab.log" 2>&1
+      done
+    done
+    soak "${3:-3}" "" "$w"
+    timeout 170 python3 bench/bench_coldstart.py --cold 3 --warm 0 --steps 6 --timeout 55 \
+      --work-dir /tmp/b22/safe > "$w/coldstart.log" 2>&1
     ;;
   12)
     soak "${2:-8.5}" "${3:-}" "$out"

@@ -220,10 +220,29 @@ def test_an_exception_in_any_thread_reaches_the_coordinator_within_seconds(where
     assert pipe.stop(timeout=10) == []
 
 
+def test_a_target_makes_its_next_batch_once_the_drafters_backward_is_launched():
+    """queue_depth 1: while a drafter runs the forward of batch s, the target has made
+    batches 0..s and no more (its slot comes back only when that backward is launched)."""
+    made, seen = [], []
+
+    def compute(drafter, batch, cfg, path):
+        time.sleep(0.3)  # time enough for the target to make another batch, had it a slot
+        seen.append(len(made))
+        return compute_loss(drafter, batch, cfg, path)
+
+    pipe, opt, sched = make_pipeline(targets=(0,), drafters=(0,), queue_depth=1, steps=4, compute=compute)
+    make_item = pipe.make_item
+    pipe.make_item = lambda t, k: (made.append(k), make_item(t, k))[1]  # counts the batches made, nothing else
+    pipe.start()
+    train(pipe, opt, sched, 4)
+    assert pipe.stop(timeout=10) == [] and pipe.error is None
+    assert seen == [1, 2, 3, 4] and made == [0, 1, 2, 3]
+
+
 def test_stop_frees_a_target_blocked_on_a_full_queue():
     pipe, opt, sched = make_pipeline(targets=(0,), drafters=(0,), queue_depth=1, steps=50)
     pipe.start()
-    pipe.collect(0)  # never released: the drafter waits, the target fills its queue and blocks on put
+    pipe.collect(0)  # never released: the drafter waits, the target fills its queue and waits for a slot
     deadline = time.monotonic() + 30
     while pipe.queue_depths() != [1] and time.monotonic() < deadline:
         time.sleep(0.05)

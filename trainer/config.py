@@ -156,7 +156,8 @@ class PlacementConfig:
     drafter: list[int] = field(default_factory=lambda: [0])
     """GPU indices training drafter replicas (one thread each); a GPU may repeat or be shared with a target."""
     queue_depth: int = 4
-    """Bounded queue between target and drafter threads, in batches."""
+    """Batches a target thread may make ahead for a drafter replica: waiting in the queue,
+    or taken by the drafter whose backward is not launched yet."""
     switch_interval_ms: Optional[float] = None
     """Python's GIL switch interval in the trainer, in ms (None: Python's own, 5 ms).
     A drafter thread woken to launch its next step waits up to this long for the

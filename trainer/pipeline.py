@@ -3,14 +3,20 @@
 ::
 
     target thread t (one per target device)          drafter thread r (one per drafter device)
-      batch k = source.batch(k), k = t, t+T, ...        step s: k = s*D + r, from queue[k % T][r]
-      anchors (seeded by k), target features            forward + backward on replica r
-      put -> queue[t][k % D]  (bounded)                 report -> coordinator, wait for release(s)
+      takes a slot of (t, k % D) (queue_depth each)     step s: k = s*D + r, from queue[k % T][r]
+      batch k = source.batch(k), k = t, t+T, ...        forward + backward on replica r; once the
+      anchors (seeded by k), target features            backward is launched, the slot is free again
+      put -> queue[t][k % D]                            report -> coordinator, wait for release(s)
 
     coordinator (the main thread, trainer/train.py):
       collect(s): the D reports -> sum the replicas' gradients onto the master copy
       (replica 0), in replica order -> clip, AdamW, schedule -> copy the master's
       parameters into every other replica -> release(s)
+
+A slot is given back when the drafter's backward is launched, not when it takes the
+batch: a target thread collates and launches its next batch while that drafter waits
+for the GPU, never while it launches the start of its own step (both need the GIL;
+bench/RESULTS.md measured the GPU idle in those launches).
 
 Batch ``k`` always goes to the same replica at the same step and every queue is
 filled in order, so the run is deterministic whatever the thread timing, and
@@ -156,7 +162,9 @@ class Pipeline:
         self.T, self.D = len(targets), len(replicas)
         self.rank, self.world = rank, world
         depth = max(1, cfg.placement.queue_depth)
-        self.queues = [[queue.Queue(maxsize=depth) for _ in range(self.D)] for _ in range(self.T)]
+        self.queues = [[queue.Queue() for _ in range(self.D)] for _ in range(self.T)]
+        # Batches target t may have made for replica r that the drafter has not launched the backward of.
+        self.slots = [[threading.Semaphore(depth) for _ in range(self.D)] for _ in range(self.T)]
         self.reports: queue.Queue = queue.Queue()
         self.stop_event = threading.Event()
         self.error: Optional[BaseException] = None
@@ -222,15 +230,12 @@ class Pipeline:
 
     # ------------------------------------------------------------------ waits with timeouts
 
-    def _put(self, q: queue.Queue, item: Any) -> None:
-        while True:
+    def _take_slot(self, slot: threading.Semaphore) -> None:
+        while not slot.acquire(timeout=_POLL_S):
             if self.stop_event.is_set():
                 raise Stopped
-            try:
-                q.put(item, timeout=_POLL_S)
-                return
-            except queue.Full:
-                continue
+        if self.stop_event.is_set():
+            raise Stopped
 
     def _get(self, q: queue.Queue) -> Any:
         while True:
@@ -287,20 +292,23 @@ class Pipeline:
                 if j in self._handed:  # computed by the warm-up: its replica reports it at once
                     j += self.T
                     continue
-                k = self.global_index(j)
+                k, r = self.global_index(j), self.route(j)[1]
+                self._take_slot(self.slots[t][r])
                 with self.discipline.step_guard(threading.current_thread().name, self.source.order.batch(k)[2]):
                     item = self.make_item(t, k)
                 self.target_tokens[t] += item.seq_tokens
                 self.target_busy_s[t] += item.target_s
-                self._put(self.queues[t][self.route(j)[1]], item)
+                self.queues[t][r].put(item)
                 j += self.T
         for q in self.queues[t]:
-            self._put(q, DONE)
+            q.put(DONE)
 
     # ------------------------------------------------------------------ drafter threads
 
-    def drafter_step(self, r: int, item: Item) -> tuple[float, dict, float, float]:
-        """Forward and backward of batch ``item`` on replica ``r`` (training and warm-up alike)."""
+    def drafter_step(self, r: int, item: Item, launched: Optional[Callable[[], None]] = None
+                     ) -> tuple[float, dict, float, float]:
+        """Forward and backward of batch ``item`` on replica ``r`` (training and warm-up alike);
+        ``launched()`` runs once the backward's kernels are all launched, before the wait for them."""
         dev = self.drafter_devices[r]
         batch = {
             "features": item.features.to(dev, non_blocking=True),
@@ -315,6 +323,8 @@ class Pipeline:
         _sync(dev)
         t1 = time.monotonic()
         loss.backward()
+        if launched is not None:
+            launched()
         loss_value, plain = to_host(loss.detach(), stats)
         return loss_value, plain, t1 - t0, time.monotonic() - t1
 
@@ -326,8 +336,9 @@ class Pipeline:
                 j = self.local_index(step, r)
                 k = self.global_index(j)
                 t0 = time.monotonic()
+                t = self.route(j)[0]
                 hand = self.handoff.pop(r, None) if j in self._handed else None
-                item = hand.item if hand is not None else self._get(self.queues[self.route(j)[0]][r])
+                item = hand.item if hand is not None else self._get(self.queues[t][r])
                 if item is DONE:
                     return
                 wait_s = time.monotonic() - t0
@@ -337,7 +348,7 @@ class Pipeline:
                     loss, stats, fwd_s, bwd_s = hand.result
                 else:
                     with self.discipline.step_guard(threading.current_thread().name, item.bucket):
-                        loss, stats, fwd_s, bwd_s = self.drafter_step(r, item)
+                        loss, stats, fwd_s, bwd_s = self.drafter_step(r, item, self.slots[t][r].release)
                 self.reports.put(Report(r, step, k, item.bucket, loss, stats,
                                         int(stats.get("query_tokens", 0)), item.seq_tokens,
                                         item.anchor_mean, wait_s, fwd_s, bwd_s,
