@@ -83,8 +83,6 @@ def reference_config(args) -> dict:
                          "checkpoint_every": 0})
     if getattr(args, "residual", None):
         cfg.setdefault("model", {})["residual"] = args.residual
-    if getattr(args, "switch_interval", None):
-        cfg.setdefault("placement", {})["switch_interval_ms"] = args.switch_interval
     if args.eager_layers:
         cfg.setdefault("compile", {})["drafter_layers"] = False
     if getattr(args, "target_compile", None):
@@ -259,8 +257,6 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
                         "bookkeeping runs in the coordinator while the drafters launch their next step")
     p.add_argument("--residual", choices=["float32", "compute"],
                    help="the drafter's residual stream dtype (model.residual; default: the trainer's)")
-    p.add_argument("--switch-interval", type=float, metavar="MS",
-                   help="Python's GIL switch interval in the trainer (placement.switch_interval_ms)")
     p.add_argument("--flex-kernel", choices=["auto", "default", "flash"],
                    help="flex_attention's kernel configuration (compile.flex_kernel; default: the trainer's, auto)")
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")

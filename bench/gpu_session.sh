@@ -47,8 +47,8 @@
 #                                 # imports timed (PYTHONPROFILEIMPORTTIME)
 #   bash bench/gpu_session.sh 20 [OLD]  # 1 GPU: part 19's cold start and timeline; two warm starts of this tree, then
 #                                 # of OLD (another checkout) on the same cache; 40 warm steps with a metrics line
-#                                 # every step, every 10 steps, with a 0.5 ms GIL switch interval, and with the
-#                                 # residual in bf16
+#                                 # every step, every 10 steps, and with the residual in bf16 (the 0.5 ms GIL
+#                                 # switch interval it measured on Dec 2 is gone from the trainer)
 #   bash bench/gpu_session.sh 21 [MIN] [COLD]  # 1 GPU: part 12's two soaks for MIN minutes (default 3.5); COLD fresh-cache
 #                                 # threaded cold starts with the discipline (default 3); the small preset on the
 #                                 # synthetic task, 300 steps, with the residual in fp32 and in the compute dtype
@@ -355,7 +355,7 @@ PY
       timeout 100 python3 "$old/bench/bench_trainer.py" --runs warm,warm --steps 12 --timeout 45 \
         --work-dir /tmp/b20/old --cache-dir /tmp/b20/cache > "$w/warm-old.log" 2>&1
     fi
-    for v in "--log-every 1" "--log-every 10" "--switch-interval 0.5" "--residual compute"; do
+    for v in "--log-every 1" "--log-every 10" "--residual compute"; do
       timeout 100 $b --runs warm --steps 40 --timeout 90 $v >> "$w/steady.log" 2>&1
     done
     ;;

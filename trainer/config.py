@@ -158,11 +158,6 @@ class PlacementConfig:
     queue_depth: int = 4
     """Batches a target thread may make ahead for a drafter replica: waiting in the queue,
     or taken by the drafter whose backward is not launched yet."""
-    switch_interval_ms: Optional[float] = None
-    """Python's GIL switch interval in the trainer, in ms (None: Python's own, 5 ms).
-    A drafter thread woken to launch its next step waits up to this long for the
-    GIL while another thread (the coordinator writing metrics, a target launching
-    its layers) runs Python."""
 
 
 @dataclass
@@ -273,9 +268,6 @@ class TrainerConfig:
             problems.append("data.synthetic_alphabet: must be at least 1")
         if self.placement.queue_depth < 1:
             problems.append("placement.queue_depth: must be at least 1")
-        if self.placement.switch_interval_ms is not None and not 0.05 <= self.placement.switch_interval_ms <= 100:
-            problems.append(f"placement.switch_interval_ms: {self.placement.switch_interval_ms} is outside "
-                            "0.05..100 ms (leave it out for Python's default, 5 ms)")
         if self.train.steps < 1:
             problems.append("train.steps: must be at least 1")
         if self.train.profile_steps < 0 or self.train.profile_after < 0:

@@ -285,8 +285,6 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             f"collective timeout {cfg.distributed.timeout:g}s")
     cache = compile_mod.setup_cache(cfg.compile.cache_dir, main_dev)
     compute_dtype = default_dtype(cfg.model, main_dev)
-    if cfg.placement.switch_interval_ms is not None:
-        sys.setswitchinterval(cfg.placement.switch_interval_ms / 1000)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     path = select_attention_path(main_dev, cfg.compile.enabled, cfg.compile.allow_eager,
