@@ -273,7 +273,7 @@ def test_the_residual_stream_is_fp32_or_the_compute_dtype(target, autocast):
             loss, _ = compute_loss(drafter, batch, cfg, CPU)
         loss.backward()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in drafter.trainable_parameters())
-        out[residual] = (hidden.dtype, float(loss))
+        out[residual] = (hidden.dtype, float(loss.detach()))
     if autocast:
         assert out["float32"][0] == torch.float32 and out["compute"][0] == torch.bfloat16
         assert out["compute"][1] == pytest.approx(out["float32"][1], rel=2e-2)
