@@ -55,11 +55,13 @@
 #   bash bench/gpu_session.sh 22 OLD [MIN]  # 1 GPU: part 19's cold start and timeline; this tree and OLD (another
 #                                 # checkout) alternated, 40 warm steps each, twice; part 12's two soaks for MIN
 #                                 # minutes (default 3); 3 fresh-cache threaded cold starts with the discipline
-#   (parts 16-22 write their logs straight into $OUT/<part>/)
+#   bash bench/gpu_session.sh 23  # 1 GPU: part 19's cold start and timeline (the kernels by name); warm and
+#                                 # artifact starts alternated, three each, on that cache (30 steps each)
+#   (parts 16-23 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|22" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|23" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -385,6 +387,15 @@ PY
     soak "${3:-3}" "" "$w"
     timeout 170 python3 bench/bench_coldstart.py --cold 3 --warm 0 --steps 6 --timeout 55 \
       --work-dir /tmp/b22/safe > "$w/coldstart.log" 2>&1
+    ;;
+  23)
+    w="$out/23"; mkdir -p "$w"
+    timeout 150 python3 bench/bench_trainer.py --runs cold --steps 30 --profile 3 --timeout 140 \
+      --work-dir /tmp/b23/ref --cache-dir /tmp/b23/cache > "$w/ref.log" 2>&1
+    trace=$(find /tmp/b23/ref -name profile.json | head -1)
+    [ -n "$trace" ] && python3 bench/bench_timeline.py "$trace" --steps 3 --gaps 12 > "$w/timeline.json" 2>&1
+    timeout 330 python3 bench/bench_trainer.py --runs warm,artifact,warm,artifact,warm,artifact --steps 30 \
+      --timeout 50 --work-dir /tmp/b23/art --cache-dir /tmp/b23/cache > "$w/artifacts.log" 2>&1
     ;;
   12)
     soak "${2:-8.5}" "${3:-}" "$out"
