@@ -57,11 +57,14 @@
 #                                 # minutes (default 3); 3 fresh-cache threaded cold starts with the discipline
 #   bash bench/gpu_session.sh 23  # 1 GPU: part 19's cold start and timeline (the kernels by name); warm and
 #                                 # artifact starts alternated, three each, on that cache (30 steps each)
-#   (parts 16-23 write their logs straight into $OUT/<part>/)
+#   bash bench/gpu_session.sh 24 OLD [MIN]  # 1 GPU: a cold start; this tree and OLD (another checkout) alternated,
+#                                 # 40 warm steps each, twice; loss chunks of 8192 and 2048 rows; part 12's two
+#                                 # soaks for MIN minutes (default 3); everything packed into 24.tgz
+#   (parts 16-24 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|23" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|24" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -396,6 +399,23 @@ PY
     [ -n "$trace" ] && python3 bench/bench_timeline.py "$trace" --steps 3 --gaps 12 > "$w/timeline.json" 2>&1
     timeout 330 python3 bench/bench_trainer.py --runs warm,artifact,warm,artifact,warm,artifact --steps 30 \
       --timeout 50 --work-dir /tmp/b23/art --cache-dir /tmp/b23/cache > "$w/artifacts.log" 2>&1
+    ;;
+  24)
+    old=${2:?part 24 needs another checkout}
+    w="$out/24"; mkdir -p "$w"
+    b="python3 bench/bench_trainer.py --cache-dir /tmp/b24/cache"
+    timeout 110 $b --runs cold --steps 30 --timeout 100 --work-dir /tmp/b24/ref > "$w/ref.log" 2>&1
+    for i in 1 2; do
+      for tree in . "$old"; do
+        timeout 60 python3 "$tree/bench/bench_trainer.py" --runs warm --steps 40 --timeout 50 \
+          --work-dir "/tmp/b24/ab-$i-$(basename "$tree")" --cache-dir /tmp/b24/cache >> "$w/ab.log" 2>&1
+      done
+    done
+    for c in 8192 2048; do
+      timeout 80 $b --runs warm --steps 40 --timeout 70 --loss-chunk $c --work-dir /tmp/b24/chunk-$c >> "$w/chunks.log" 2>&1
+    done
+    soak "${3:-3}" "" "$w"
+    tar czf "$out/24.tgz" -C "$out" 24 $(cd "$out" && ls soak-* 2>/dev/null) && rm -rf "$w" "$out"/soak-*
     ;;
   12)
     soak "${2:-8.5}" "${3:-}" "$out"
