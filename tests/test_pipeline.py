@@ -19,12 +19,12 @@ from trainer.compile import Discipline
 from trainer.config import from_dict
 from trainer.data import build_source
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.step import compute_loss, prepare_blocks
+from trainer.step import compute_loss
 from trainer.train import resolve_devices
 
 
 def make_pipeline(targets=(0,), drafters=(0, 1), compute=compute_loss, anchors=sample_anchors, queue_depth=2, steps=6,
-                  prepare=None, **sections):
+                  **sections):
     cfg = from_dict(tiny_config(placement={"device": "cpu", "target": list(targets), "drafter": list(drafters),
                                            "queue_depth": queue_depth}, train={"steps": steps}, **sections))
     _, target_devs, drafter_devs = resolve_devices(cfg)
@@ -35,7 +35,7 @@ def make_pipeline(targets=(0,), drafters=(0, 1), compute=compute_loss, anchors=s
                        drafter_devices=drafter_devs, attention_path=select_attention_path("cpu"),
                        discipline=Discipline(cfg, 2, enabled=False, guard_eager_flex=False), compute_loss=compute,
                        sample_anchors=anchors, start_step=0, total_steps=steps, first_batch=0,
-                       compute_dtype=torch.float32, prepare_blocks=prepare)
+                       compute_dtype=torch.float32)
     return pipe, optimizer, build_scheduler(optimizer, cfg)
 
 
@@ -76,24 +76,6 @@ def test_threads_train_deterministically_and_shut_down_cleanly():
         runs.append([r.loss for step in reports for r in step])
     assert runs[0] == runs[1]
     assert all(loss == loss for loss in runs[0])
-
-
-def test_the_target_thread_prepares_each_batchs_blocks_and_the_step_is_the_same():
-    runs = {}
-    for prepare in (None, prepare_blocks):
-        seen = []
-
-        def compute(drafter, batch, cfg, path):
-            seen.append("blocks" in batch)
-            return compute_loss(drafter, batch, cfg, path)
-
-        pipe, opt, sched = make_pipeline(targets=(0, 1), drafters=(0, 1), compute=compute, prepare=prepare)
-        pipe.start()
-        reports = train(pipe, opt, sched, 4)
-        assert pipe.stop(timeout=10) == [] and pipe.error is None
-        assert seen == [prepare is not None] * 8  # every drafter step got the target's blocks, or none did
-        runs[prepare is None] = [(r.loss, r.stats["acc"], r.query_tokens) for step in reports for r in step]
-    assert runs[True] == runs[False]
 
 
 def test_the_warmup_runs_each_replicas_first_batch_and_that_pass_is_its_first_step():

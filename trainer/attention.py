@@ -153,9 +153,6 @@ class LayerMasks:
             raise ValueError(f"no mask was built for '{layer_type}' layers")
         return mask
 
-    def to(self, device: torch.device) -> "LayerMasks":
-        return LayerMasks(self.path, *(m.to(device) if m is not None else None for m in (self.full, self.sliding)))
-
 
 def build_layer_masks(
     path: AttentionPath,

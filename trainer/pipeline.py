@@ -82,7 +82,6 @@ class Item:
     target_s: float
     n_anchors: int = 0  # valid anchor blocks
     anchor_mean: float = 0.0  # mean anchor position of the valid blocks (read on the host, before the copy)
-    blocks: Optional[dict] = None  # the step's block inputs and masks (prepare_blocks), on the target device
 
 
 @dataclass
@@ -142,11 +141,6 @@ def to_host(loss: torch.Tensor, stats: dict) -> tuple[float, dict]:
     return flat[0], plain
 
 
-def blocks_to(blocks: dict, device: torch.device) -> dict:
-    """A batch's ``prepare_blocks`` output on ``device`` (no copy where it is already there)."""
-    return {k: v.to(device) if k == "masks" else v.to(device, non_blocking=True) for k, v in blocks.items()}
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -156,16 +150,12 @@ class Pipeline:
     def __init__(self, *, cfg, source, targets: list, target_devices: list[torch.device], replicas: list,
                  drafter_devices: list[torch.device], attention_path, discipline, compute_loss: Callable,
                  sample_anchors: Callable, start_step: int, total_steps: int, first_batch: int,
-                 compute_dtype: torch.dtype, rank: int = 0, world: int = 1,
-                 prepare_blocks: Optional[Callable] = None):
+                 compute_dtype: torch.dtype, rank: int = 0, world: int = 1):
         self.cfg, self.source = cfg, source
         self.targets, self.target_devices = targets, target_devices
         self.replicas, self.drafter_devices = replicas, drafter_devices
         self.attention_path, self.discipline = attention_path, discipline
         self.compute_loss, self.sample_anchors = compute_loss, sample_anchors
-        # Block inputs and masks made by the target thread (step.prepare_blocks); not with the
-        # compiled mask builder, whose compiled copies belong to the drafter threads.
-        self.prepare_blocks = prepare_blocks if attention_path.mask_builder != "compiled" else None
         self.start_step, self.total_steps = start_step, total_steps
         self.first_batch = first_batch  # global batch index of (start_step, replica 0)
         self.compute_dtype = compute_dtype
@@ -272,15 +262,9 @@ class Pipeline:
             features = self.targets[t].features(input_ids)
         if features.is_inference():  # inference tensors cannot be saved for the drafter's backward
             features = features.clone()
-        loss_mask, anchors, valid = (x.to(dev, non_blocking=True) for x in (batch["loss_mask"], anchors, valid))
-        blocks = None
-        if self.prepare_blocks is not None:
-            with torch.no_grad():
-                blocks = self.prepare_blocks(self.replicas[0], input_ids, loss_mask, anchors, valid, cfg,
-                                             self.attention_path)
         _sync(dev)
-        return Item(k, batch["bucket"], input_ids, loss_mask, anchors, valid, features, batch["seq_tokens"],
-                    time.monotonic() - t0, n_anchors, anchor_mean, blocks)
+        return Item(k, batch["bucket"], input_ids, batch["loss_mask"].to(dev), anchors.to(dev), valid.to(dev),
+                    features, batch["seq_tokens"], time.monotonic() - t0, n_anchors, anchor_mean)
 
     def local_index(self, step: int, r: int) -> int:
         """This process's batch number ``j`` of (step, replica ``r``), counted from the start step."""
@@ -333,8 +317,6 @@ class Pipeline:
             "anchors": item.anchors.to(dev, non_blocking=True),
             "valid": item.valid.to(dev, non_blocking=True),
         }
-        if item.blocks is not None:
-            batch["blocks"] = blocks_to(item.blocks, dev)
         t0 = time.monotonic()
         with autocast_for(dev, self.compute_dtype):
             loss, stats = self.compute_loss(self.replicas[r], batch, self.cfg, self.attention_path)

@@ -265,7 +265,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     from trainer.loss import resolve_kernel
     from trainer.optim import build_optimizer, build_scheduler
     from trainer.profiling import StepProfiler
-    from trainer.step import compute_loss, prepare_blocks
+    from trainer.step import compute_loss
     from trainer.target import default_dtype
 
     imports.show_again(hidden)
@@ -366,7 +366,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                        drafter_devices=drafter_devs, attention_path=path, discipline=discipline,
                        compute_loss=compute_loss, sample_anchors=sample_anchors, start_step=start_step,
                        total_steps=total_steps, first_batch=first_batch, compute_dtype=compute_dtype,
-                       rank=rank, world=world, prepare_blocks=prepare_blocks)
+                       rank=rank, world=world)
     replicas_ran = lambda steps_done: first_batch + (steps_done - start_step) * len(replicas) * world  # noqa: E731
     if group:
         group.step = start_step
