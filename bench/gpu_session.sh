@@ -60,11 +60,13 @@
 #   bash bench/gpu_session.sh 24 OLD [MIN]  # 1 GPU: a cold start; this tree and OLD (another checkout) alternated,
 #                                 # 40 warm steps each, twice; loss chunks of 8192 and 2048 rows; part 12's two
 #                                 # soaks for MIN minutes (default 3); everything packed into 24.tgz
-#   (parts 16-24 write their logs straight into $OUT/<part>/)
+#   bash bench/gpu_session.sh 25  # 1 GPU: the threaded cold-start drill: 5 fresh caches with the discipline,
+#                                 # then 4 without it
+#   (parts 16-25 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|24" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|25" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -416,6 +418,14 @@ PY
     done
     soak "${3:-3}" "" "$w"
     tar czf "$out/24.tgz" -C "$out" 24 $(cd "$out" && ls soak-* 2>/dev/null) && rm -rf "$w" "$out"/soak-*
+    ;;
+  25)
+    w="$out/25"; mkdir -p "$w"
+    timeout 300 python3 bench/bench_coldstart.py --cold 5 --warm 0 --steps 6 --timeout 58 \
+      --work-dir /tmp/b25/safe > "$w/coldstart.log" 2>&1
+    timeout 225 python3 bench/bench_coldstart.py --unsafe --cold 4 --warm 0 --steps 6 --timeout 52 \
+      --work-dir /tmp/b25/unsafe > "$w/coldstart-unsafe.log" 2>&1
+    tail -n 1 "$w"/*.log
     ;;
   12)
     soak "${2:-8.5}" "${3:-}" "$out"
