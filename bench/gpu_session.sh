@@ -61,7 +61,7 @@
 #                                 # 40 warm steps each, twice; loss chunks of 8192 and 2048 rows; part 12's two
 #                                 # soaks for MIN minutes (default 3); everything packed into 24.tgz
 #   bash bench/gpu_session.sh 25  # 1 GPU: the threaded cold-start drill: 5 fresh caches with the discipline,
-#                                 # then 4 without it
+#                                 # then 3 without it
 #   (parts 16-25 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
@@ -423,7 +423,7 @@ PY
     w="$out/25"; mkdir -p "$w"
     timeout 300 python3 bench/bench_coldstart.py --cold 5 --warm 0 --steps 6 --timeout 58 \
       --work-dir /tmp/b25/safe > "$w/coldstart.log" 2>&1
-    timeout 225 python3 bench/bench_coldstart.py --unsafe --cold 4 --warm 0 --steps 6 --timeout 52 \
+    timeout 170 python3 bench/bench_coldstart.py --unsafe --cold 3 --warm 0 --steps 6 --timeout 52 \
       --work-dir /tmp/b25/unsafe > "$w/coldstart-unsafe.log" 2>&1
     tail -n 1 "$w"/*.log
     ;;

@@ -193,6 +193,7 @@ class Sample:
     host_reading: Any = None  # its host's CPU and memory at that poll (parsers.HostReading as a dict)
     samples_s: float | None = None  # training samples (sequences) per second
     anchors_s: float | None = None  # anchor blocks per second
+    mfu_measured: float | None = None  # MFU against the rate a large matmul reaches on the GPU (mfu: the nominal peak)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -433,9 +434,15 @@ def _m0009(db: Database) -> None:
     db["samples"].add_column("anchors_s", float)
 
 
+@migrations(name="0010_sample_mfu_measured")
+def _m0010(db: Database) -> None:
+    # MFU against the measured matmul rate, shown beside the headline (against the nominal peak).
+    db["samples"].add_column("mfu_measured", float)
+
+
 _SAMPLE_NUMBERS = ("tok_s", "loss", "acc", "accept_len", "eta_s", "mfu")
-_SAMPLE_RATES = ("samples_s", "anchors_s")  # from a metrics line's extra
-SCHEMA_VERSION = 9  # the number of migrations above; recorded as PRAGMA user_version
+_SAMPLE_EXTRAS = ("samples_s", "anchors_s", "mfu_measured")  # from a metrics line's extra
+SCHEMA_VERSION = 10  # the number of migrations above; recorded as PRAGMA user_version
 
 
 def _number(value: Any) -> float | None:
@@ -945,7 +952,7 @@ class Store:
             d.setdefault("host_reading", None)
             extra = d.get("extra") if isinstance(d.get("extra"), dict) else {}
             d["mfu"] = d.get("mfu", extra.get("mfu"))
-            for c in _SAMPLE_RATES:
+            for c in _SAMPLE_EXTRAS:
                 d[c] = d.get(c, extra.get(c))
             time_, step = _number(d.get("time")), _int64(d.get("step"))
             if time_ is None or step is None:
@@ -953,14 +960,14 @@ class Store:
             phase = d.get("phase") if isinstance(d.get("phase"), str) else None
             rows.append([run_id, time_, step, *(_number(d.get(c)) for c in _SAMPLE_NUMBERS[:5]), phase,
                          _json(d.get("gpu", gpu)), _number(d.get("mfu")), _number(observed),
-                         *(_number(d.get(c)) for c in _SAMPLE_RATES), _json(d["host_reading"])])
+                         *(_number(d.get(c)) for c in _SAMPLE_EXTRAS), _json(d["host_reading"])])
         if rows and rows[-1][-1] is None:
             rows[-1][-1] = _json(host_reading)  # one reading per poll: on its newest line, not on each
         with self._write() as db:
+            columns = ("run_id", "time", "step", *_SAMPLE_NUMBERS[:5], "phase", "gpu", "mfu", "observed",
+                       *_SAMPLE_EXTRAS, "host_reading")
             db.conn.executemany(
-                "INSERT INTO samples (run_id, time, step, tok_s, loss, acc, accept_len, eta_s, phase, gpu, mfu, "
-                "observed, samples_s, anchors_s, host_reading) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                rows,
+                f"INSERT INTO samples ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})", rows,
             )
             if metrics_offset is not None:
                 db.execute(

@@ -58,7 +58,7 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     assert applied == [m.name for m in migrations._migrations] == [
         "0001_core_tables", "0002_env_snapshots", "0003_sample_mfu", "0004_restart_outcome_numeric_samples",
         "0005_supervisor_heartbeats", "0006_evals", "0007_run_hosts", "0008_sample_host_reading",
-        "0009_sample_rates"]
+        "0009_sample_rates", "0010_sample_mfu_measured"]
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"runs", "events", "samples", "restarts", "env_snapshots"} <= tables
     conn.close()
@@ -89,15 +89,19 @@ def test_a_store_from_before_the_mfu_column_upgrades_and_keeps_its_samples(tmp_p
     assert [(x.step, x.tok_s, x.mfu) for x in got] == [(5, 100.0, None), (6, 110.0, 0.36), (7, None, None)]
 
 
-def test_samples_keep_the_trainers_samples_and_anchor_blocks_per_second(store):
+def test_samples_keep_the_trainers_samples_and_anchor_blocks_per_second_and_both_mfus(store):
     """A metrics line's extra samples_s / anchors_s (the units public trainers quote)
-    are stored beside tok/s; a hostile value is none, not a number."""
+    and mfu_measured (beside mfu, the nominal peak's) are stored beside tok/s; a
+    hostile value is none, not a number."""
     run = _run(store)
     store.add_samples(run.id, [Metrics(time=T0 + 1, step=5, total_steps=10, tok_s=284460.9,
-                                       extra={"samples_s": 34.72, "anchors_s": 17778.8}),
-                               {"time": T0 + 2, "step": 6, "extra": {"samples_s": "fast", "anchors_s": float("nan")}}])
+                                       extra={"samples_s": 34.72, "anchors_s": 17778.8, "mfu": 0.4668,
+                                              "mfu_measured": 0.5844}),
+                               {"time": T0 + 2, "step": 6, "extra": {"samples_s": "fast", "anchors_s": float("nan"),
+                                                                     "mfu_measured": [1]}}])
     got = store.samples(run.id)
-    assert [(x.step, x.samples_s, x.anchors_s) for x in got] == [(5, 34.72, 17778.8), (6, None, None)]
+    assert [(x.step, x.samples_s, x.anchors_s, x.mfu, x.mfu_measured) for x in got] == [
+        (5, 34.72, 17778.8, 0.4668, 0.5844), (6, None, None, None, None)]
 
 
 def test_json_columns_round_trip_and_are_stored_as_json_text(store):

@@ -837,23 +837,27 @@ def test_a_chart_of_a_two_hour_history_starts_at_the_runs_start(tmp_path):
     assert axis.rstrip().endswith(fmt_clock(NOW))  # an active run's charts run up to now
 
 
-def test_the_run_pane_shows_samples_per_second_beside_tok_s(tmp_path):
+def test_the_run_pane_shows_samples_per_second_beside_tok_s_and_both_mfus(tmp_path):
     """The trainer's samples/s (a metrics line's extra) is shown with tok/s, the unit
-    public trainers quote; a line without it shows none."""
+    public trainers quote, and its MFU against the measured matmul rate beside the one
+    against the nominal peak; a line without them shows neither."""
     store = build("healthy", tmp_path)
     store.add_samples(DEMO, [contract.Metrics(time=NOW - 1, step=95, total_steps=300, tok_s=930.0,
-                                              extra={"samples_s": 34.72, "anchors_s": 17778.8})])
+                                              extra={"samples_s": 34.72, "anchors_s": 17778.8, "mfu": 0.4668,
+                                                     "mfu_measured": 0.5844})])
 
     async def scenario():
         app = app_for(store, tmp_path)
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(size=(160, 40)) as pilot:
             await loaded(pilot, app)
-            assert "· 34.7 samples/s ·" in screen_text(app)
+            text = screen_text(app)
+            assert "· 34.7 samples/s ·" in text
+            assert "MFU 47% (58% of the measured matmul rate)" in text
         other = build("healthy", tmp_path / "plain")
         app = app_for(other, tmp_path / "plain")
-        async with app.run_test(size=(120, 40)) as pilot:
+        async with app.run_test(size=(160, 40)) as pilot:
             await loaded(pilot, app)
-            assert "samples/s" not in screen_text(app)
+            assert "samples/s" not in screen_text(app) and "measured matmul" not in screen_text(app)
 
     run(scenario())
 

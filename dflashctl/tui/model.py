@@ -661,7 +661,8 @@ class RunView:
     baseline_tok_s: float | None = None
     baseline_pct: float | None = None
     eta_s: float | None = None  # None when the data is not live
-    mfu: float | None = None  # the trainer's estimate, 0..1 (GPU runs only)
+    mfu: float | None = None  # the trainer's estimate against the GPU's nominal peak, 0..1 (GPU runs only)
+    mfu_measured: float | None = None  # the same against the rate a large matmul reaches there
     samples_s: float | None = None  # the newest line's samples (sequences) per second
     loss: float | None = None
     acc: float | None = None
@@ -1318,7 +1319,7 @@ class StatusReader:
         if newest is not None:
             view.step, view.tok_s_last, view.loss = newest.step, newest.tok_s, newest.loss
             view.acc, view.accept_len, view.mfu, view.sample_time = newest.acc, newest.accept_len, newest.mfu, newest.time
-            view.samples_s = newest.samples_s
+            view.samples_s, view.mfu_measured = newest.samples_s, newest.mfu_measured
             view.tok_s, view.window_s = smoothed.tok_s, smoothed.window_s
         if run.active and view.tok_s is not None and phase.name == "training":
             view.baseline_tok_s = self.baseline(run, now)
@@ -1544,7 +1545,9 @@ JSON_SCHEMA: dict[str, Any] = {
                 "tau_eval": {"type": ["object", "null"], "description": "that eval: time, step, speedup, prompts, "
                                                                         "complete (false: stopped early)"},
                 "tau_note": {**_STR, "description": "why tau is more than contract.TAU_GAP_MARGIN below tau_est"},
-                "mfu": _NUM, "samples_s": {**_NUM, "description": "the newest line's samples (sequences) per second"},
+                "mfu": {**_NUM, "description": "model FLOPs utilisation against the GPU's nominal dense peak"},
+                "mfu_measured": {**_NUM, "description": "the same against the rate a large matmul measured there"},
+                "samples_s": {**_NUM, "description": "the newest line's samples (sequences) per second"},
                 "restarts": {"type": "integer"}, "exit_reason": _STR,
                 "attention": {**_STR, "description": "why it sorts first: failed (within a day), crash loop, "
                                                      "stalled, regressed; null: nothing needs the operator"},

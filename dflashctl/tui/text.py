@@ -237,8 +237,9 @@ def run_text(run: RunView | None, events: list[EventView], width: int, now: floa
                    style="bold red" if run.baseline_pct < 60 else "")
     if run.samples_s is not None:
         out.append(f" · {run.samples_s:.3g} samples/s")
+    measured = f" ({100 * run.mfu_measured:.0f}% of the measured matmul rate)" if run.mfu_measured is not None else ""
     out.append(f" · loss {run.cell('loss')} · τ est {run.cell('accept')} · τ {tau_text(run)} · MFU {run.cell('mfu')}"
-               f" · restarts {run.restarts} · data age {run.age_text()}")
+               f"{measured} · restarts {run.restarts} · data age {run.age_text()}")
     if run.tau_note:
         out.append(f"\n{run.tau_note}", style="yellow")
     if chart is not None:
