@@ -104,6 +104,24 @@ soak() {  # soak MIN OLD DIR: the small and qwen3-0.6b soaks at once for MIN min
   tail -n 2 "$dir"/soak-*.log
 }
 
+profiled() {  # profiled TAG LIMIT GAPS: a cold 30-step run, 3 steps profiled, and where their GPU time goes ($w)
+  local tag=$1 limit=$2 gaps=$3 trace
+  timeout "$limit" python3 bench/bench_trainer.py --runs cold --steps 30 --profile 3 --timeout $((limit - 10)) \
+    --work-dir "/tmp/$tag/ref" --cache-dir "/tmp/$tag/cache" > "$w/ref.log" 2>&1
+  trace=$(find "/tmp/$tag/ref" -name profile.json | head -1)
+  [ -n "$trace" ] && python3 bench/bench_timeline.py "$trace" --steps 3 --gaps "$gaps" > "$w/timeline.json" 2>&1
+}
+
+alternate() {  # alternate TAG OLD: this tree and OLD (another checkout), 40 warm steps each, twice ($w/ab.log)
+  local i tree
+  for i in 1 2; do
+    for tree in . "$2"; do
+      timeout 60 python3 "$tree/bench/bench_trainer.py" --runs warm --steps 40 --timeout 50 \
+        --work-dir "/tmp/$1/ab-$i-$(basename "$tree")" --cache-dir "/tmp/$1/cache" >> "$w/ab.log" 2>&1
+    done
+  done
+}
+
 artifacts() {  # artifacts DIR TIMEOUT: a cold start, then warm and artifact starts alternated (reference size)
   timeout "$2" python3 bench/bench_trainer.py --runs cold,warm,artifact,warm,artifact,warm,artifact --steps 6 \
     --timeout 110 --work-dir "$1/artifacts" --cache-dir "$1/cache-ref" 2>&1 | tee "$1/artifacts.log"
@@ -340,10 +358,7 @@ PY
     ;;
   19)
     w="$out/19"; mkdir -p "$w"
-    timeout 170 python3 bench/bench_trainer.py --runs cold --steps 30 --profile 3 --timeout 160 \
-      --work-dir /tmp/b19/ref --cache-dir /tmp/b19/cache > "$w/ref.log" 2>&1
-    trace=$(find /tmp/b19/ref -name profile.json | head -1)
-    [ -n "$trace" ] && python3 bench/bench_timeline.py "$trace" --steps 3 --gaps 25 > "$w/timeline.json" 2>&1
+    profiled b19 170 25
     timeout 100 python3 bench/bench_trainer.py --runs warm,warm --steps 12 --timeout 45 \
       --work-dir /tmp/b19/warm --cache-dir /tmp/b19/cache > "$w/warm.log" 2>&1
     PYTHONPROFILEIMPORTTIME=1 timeout 60 python3 bench/bench_trainer.py --runs warm --steps 6 --timeout 50 \
@@ -354,9 +369,7 @@ PY
     old=${2:-}
     w="$out/20"; mkdir -p "$w"
     b="python3 bench/bench_trainer.py --work-dir /tmp/b20/ref --cache-dir /tmp/b20/cache"
-    timeout 170 $b --runs cold --steps 30 --profile 3 --timeout 160 > "$w/ref.log" 2>&1
-    trace=$(find /tmp/b20/ref -name profile.json | head -1)
-    [ -n "$trace" ] && python3 bench/bench_timeline.py "$trace" --steps 3 --gaps 25 > "$w/timeline.json" 2>&1
+    profiled b20 170 25
     timeout 100 $b --runs warm,warm --steps 12 --timeout 45 > "$w/warm.log" 2>&1
     if [ -n "$old" ]; then
       timeout 100 python3 "$old/bench/bench_trainer.py" --runs warm,warm --steps 12 --timeout 45 \
@@ -379,26 +392,15 @@ PY
   22)
     old=${2:?part 22 needs another checkout}
     w="$out/22"; mkdir -p "$w"
-    timeout 110 python3 bench/bench_trainer.py --runs cold --steps 30 --profile 3 --timeout 100 \
-      --work-dir /tmp/b22/ref --cache-dir /tmp/b22/cache > "$w/ref.log" 2>&1
-    trace=$(find /tmp/b22/ref -name profile.json | head -1)
-    [ -n "$trace" ] && python3 bench/bench_timeline.py "$trace" --steps 3 --gaps 12 > "$w/timeline.json" 2>&1
-    for i in 1 2; do
-      for tree in . "$old"; do
-        timeout 60 python3 "$tree/bench/bench_trainer.py" --runs warm --steps 40 --timeout 50 \
-          --work-dir "/tmp/b22/ab-$i-$(basename "$tree")" --cache-dir /tmp/b22/cache >> "$w/ab.log" 2>&1
-      done
-    done
+    profiled b22 110 12
+    alternate b22 "$old"
     soak "${3:-3}" "" "$w"
     timeout 170 python3 bench/bench_coldstart.py --cold 3 --warm 0 --steps 6 --timeout 55 \
       --work-dir /tmp/b22/safe > "$w/coldstart.log" 2>&1
     ;;
   23)
     w="$out/23"; mkdir -p "$w"
-    timeout 150 python3 bench/bench_trainer.py --runs cold --steps 30 --profile 3 --timeout 140 \
-      --work-dir /tmp/b23/ref --cache-dir /tmp/b23/cache > "$w/ref.log" 2>&1
-    trace=$(find /tmp/b23/ref -name profile.json | head -1)
-    [ -n "$trace" ] && python3 bench/bench_timeline.py "$trace" --steps 3 --gaps 12 > "$w/timeline.json" 2>&1
+    profiled b23 150 12
     timeout 330 python3 bench/bench_trainer.py --runs warm,artifact,warm,artifact,warm,artifact --steps 30 \
       --timeout 50 --work-dir /tmp/b23/art --cache-dir /tmp/b23/cache > "$w/artifacts.log" 2>&1
     ;;
@@ -407,12 +409,7 @@ PY
     w="$out/24"; mkdir -p "$w"
     b="python3 bench/bench_trainer.py --cache-dir /tmp/b24/cache"
     timeout 110 $b --runs cold --steps 30 --timeout 100 --work-dir /tmp/b24/ref > "$w/ref.log" 2>&1
-    for i in 1 2; do
-      for tree in . "$old"; do
-        timeout 60 python3 "$tree/bench/bench_trainer.py" --runs warm --steps 40 --timeout 50 \
-          --work-dir "/tmp/b24/ab-$i-$(basename "$tree")" --cache-dir /tmp/b24/cache >> "$w/ab.log" 2>&1
-      done
-    done
+    alternate b24 "$old"
     for c in 8192 2048; do
       timeout 80 $b --runs warm --steps 40 --timeout 70 --loss-chunk $c --work-dir /tmp/b24/chunk-$c >> "$w/chunks.log" 2>&1
     done
