@@ -11,7 +11,9 @@ for both mask variants, forward and backward.
         # every thread's stack (SIGUSR1 -> faulthandler) from the trainer log.
 
 Prints one JSON line per start (time to first step, steps, dynamo counters, attention
-path) and a summary line. Exit 0 when every start behaved as expected (safe mode:
+path) and a summary line: starts, finished, failed (the trainer exited with an error),
+hangs (no step before --timeout) and stopped_at_limit (steps, but still running at
+--timeout). Exit 0 when every start behaved as expected (safe mode:
 all finished; --unsafe: reported, whatever happened).
 """
 
@@ -77,7 +79,10 @@ def main(argv=None) -> int:
         "unsafe": args.unsafe,
         "starts": len(results),
         "finished": len(finished),
+        "failed": sum(r["exit_code"] not in (0, "timeout") for r in results),  # the trainer exited with an error
         "hangs": sum(r["hang"] for r in results),
+        # trained, but still running at --timeout: slow, not hung
+        "stopped_at_limit": sum(r["exit_code"] == "timeout" and not r["hang"] for r in results),
         "first_step_s": {r["run"]: r["start_to_first_step_s"] for r in results},
     }
     print(json.dumps(summary), flush=True)
