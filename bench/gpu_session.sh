@@ -62,11 +62,13 @@
 #                                 # soaks for MIN minutes (default 3); everything packed into 24.tgz
 #   bash bench/gpu_session.sh 25  # 1 GPU: the threaded cold-start drill: 5 fresh caches with the discipline,
 #                                 # then 3 without it
-#   (parts 16-25 write their logs straight into $OUT/<part>/)
+#   bash bench/gpu_session.sh 26  # 1 GPU: part 21's training-quality comparison alone: the small preset on the
+#                                 # synthetic task, 300 steps, the residual in fp32 and in the compute dtype
+#   (parts 16-26 write their logs straight into $OUT/<part>/)
 # Parts 6-10, 13 and 14 leave logs.tgz in $OUT (every bench log and JSON line; no artifacts, traces or checkpoints).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|25" >&2; exit 2 ;; esac
+case "${1:-}" in 1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26) ;; *) echo "usage: bash bench/gpu_session.sh 1|2|...|26" >&2; exit 2 ;; esac
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())' | tee "$out/versions.txt"
@@ -119,6 +121,14 @@ alternate() {  # alternate TAG OLD: this tree and OLD (another checkout), 40 war
       timeout 60 python3 "$tree/bench/bench_trainer.py" --runs warm --steps 40 --timeout 50 \
         --work-dir "/tmp/$1/ab-$i-$(basename "$tree")" --cache-dir "/tmp/$1/cache" >> "$w/ab.log" 2>&1
     done
+  done
+}
+
+residual_quality() {  # the small preset on the synthetic task, 300 steps, the residual in fp32 and bf16 ($w/quality.log)
+  local r
+  for r in float32 compute; do
+    timeout 100 python3 bench/bench_trainer.py --preset small --synthetic --batch-size 8 --anchors 128 --bucket 1024 \
+      --runs cold --steps 300 --timeout 90 --residual $r --work-dir "/tmp/q-$r" >> "$w/quality.log" 2>&1
   done
 }
 
@@ -384,10 +394,7 @@ PY
     soak "${2:-3.5}" "" "$w"
     timeout 200 python3 bench/bench_coldstart.py --cold "${3:-3}" --warm 0 --steps 6 --timeout 80 \
       --work-dir /tmp/b21/safe > "$w/coldstart.log" 2>&1
-    for r in float32 compute; do
-      timeout 100 python3 bench/bench_trainer.py --preset small --synthetic --batch-size 8 --anchors 128 --bucket 1024 \
-        --runs cold --steps 300 --timeout 90 --residual $r --work-dir /tmp/b21/q-$r >> "$w/quality.log" 2>&1
-    done
+    residual_quality
     ;;
   22)
     old=${2:?part 22 needs another checkout}
@@ -423,6 +430,11 @@ PY
     timeout 170 python3 bench/bench_coldstart.py --unsafe --cold 3 --warm 0 --steps 6 --timeout 52 \
       --work-dir /tmp/b25/unsafe > "$w/coldstart-unsafe.log" 2>&1
     tail -n 1 "$w"/*.log
+    ;;
+  26)
+    w="$out/26"; mkdir -p "$w"
+    residual_quality
+    grep -h '"run"' "$w/quality.log" | cut -c1-600
     ;;
   12)
     soak "${2:-8.5}" "${3:-}" "$out"
