@@ -359,7 +359,13 @@ _MEMINFO = re.compile(r"^(MemTotal|MemAvailable): +(\d{1,16}) kB *$")
 class HostReading:
     """A host's CPU and memory at one poll: ``/proc/loadavg``, the ``cpu`` line of
     ``/proc/stat`` (jiffies since boot, all CPUs together), ``/proc/meminfo`` and the
-    CPUs the probe may run on. A field that could not be read is None: unknown."""
+    CPUs the probe may run on. A field that could not be read is None: unknown.
+
+    In a container whose cgroup sets a memory limit below the machine's memory,
+    /proc/meminfo (without lxcfs) still tells the machine's: the memory is then the
+    cgroup's limit, and what is left under it is the limit less its usage plus the
+    inactive page cache that reclaim frees first, or the machine's MemAvailable when
+    that is less."""
 
     cpus: int | None = None
     load1: float | None = None
@@ -369,6 +375,7 @@ class HostReading:
     cpu_idle: int | None = None  # jiffies: idle + iowait
     mem_total_kib: int | None = None
     mem_available_kib: int | None = None  # MemAvailable: what can be had without swapping
+    mem_cgroup: int | None = None  # 1: the two above are a cgroup's limit and what is left under it (a container)
 
 
 def _host_text(name: str, text: Any, problems: list[str]) -> str | None:
@@ -428,14 +435,49 @@ def _meminfo(text: str, reading: HostReading, problems: list[str]) -> None:
     reading.mem_total_kib, reading.mem_available_kib = total, available
 
 
-def read_host_stats(loadavg: Any, stat: Any, meminfo: Any, cpus: Any) -> tuple[HostReading, list[str]]:
+_CGROUP_NUMBER = re.compile(r"^\d{1,20}$")
+
+
+def _cgroup_memory(raw: Any, reading: HostReading, problems: list[str]) -> None:
+    """The probe's ``cgroup_memory`` (texts of a cgroup's limit, usage and inactive
+    page cache, in bytes) over the /proc/meminfo figures, where its limit binds."""
+    if not isinstance(raw, dict):
+        problems.append(f"cgroup memory is not an object ({type(raw).__name__})")
+        return
+    numbers: dict[str, int | None] = {}
+    for key in ("limit", "usage", "inactive"):
+        text = raw.get(key)
+        if text is None and key == "inactive":
+            numbers[key] = 0
+            continue
+        if not isinstance(text, str) or not _CGROUP_NUMBER.match(text):
+            shown = _show(text) if isinstance(text, str) else f"a {type(text).__name__}"  # never str() a huge int
+            problems.append(f"cgroup memory: {key} is not a byte count ({shown})")
+            return
+        numbers[key] = int(text)
+    limit_kib = numbers["limit"] // 1024  # type: ignore[operator]
+    if limit_kib > _MAX_KIB or (reading.mem_total_kib is not None and limit_kib >= reading.mem_total_kib):
+        return  # the limit does not bind ("unlimited" in cgroup v1 is a huge number): the machine's figures
+    if limit_kib == 0:
+        problems.append(f"cgroup memory: a limit of {numbers['limit']} bytes is not a reading")
+        return
+    left_kib = max(0, min(limit_kib, (numbers["limit"] - numbers["usage"] + numbers["inactive"]) // 1024))  # type: ignore[operator]
+    if reading.mem_available_kib is not None:
+        left_kib = min(left_kib, reading.mem_available_kib)
+    reading.mem_total_kib, reading.mem_available_kib, reading.mem_cgroup = limit_kib, left_kib, 1
+
+
+def read_host_stats(loadavg: Any, stat: Any, meminfo: Any, cpus: Any,
+                    cgroup_memory: Any = None) -> tuple[HostReading, list[str]]:
     """The probe's host texts -> a ``HostReading`` and what was wrong with them.
 
     Each part stands alone: a garbage /proc/stat leaves the load and memory read.
     A part that is not what it should be (not text, longer than
     ``HOST_TEXT_MAX_CHARS``, a number out of range, memory available above total,
     a field twice) is None, unknown, with its reason in the list: never a guessed
-    number. ``cpus`` is an int in 1..``MAX_CPUS``. Never raises on any input."""
+    number. ``cpus`` is an int in 1..``MAX_CPUS``. ``cgroup_memory`` (a container's
+    limit, usage and inactive cache) replaces the memory where its limit binds; a
+    malformed one leaves /proc/meminfo's figures. Never raises on any input."""
     reading, problems = HostReading(), []
     if cpus is not None:
         if type(cpus) is int and 1 <= cpus <= MAX_CPUS:  # type(): a bool is not a CPU count
@@ -448,6 +490,8 @@ def read_host_stats(loadavg: Any, stat: Any, meminfo: Any, cpus: Any) -> tuple[H
         text = _host_text(name, text, problems)
         if text is not None:
             read(text, reading, problems)
+    if cgroup_memory is not None:
+        _cgroup_memory(cgroup_memory, reading, problems)
     return reading, problems
 
 

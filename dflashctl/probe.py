@@ -355,7 +355,8 @@ def _host_stats(raw: Any, errors: list[str]) -> HostReading | None:
     if not isinstance(raw, dict):
         errors.append(f"probe answer: host is not an object ({_kind(raw)})")
         return None
-    reading, problems = read_host_stats(raw.get("loadavg"), raw.get("stat"), raw.get("meminfo"), raw.get("cpus"))
+    reading, problems = read_host_stats(raw.get("loadavg"), raw.get("stat"), raw.get("meminfo"), raw.get("cpus"),
+                                        raw.get("cgroup_memory"))
     errors.extend(f"host stats: {p}" for p in problems)
     return reading
 

@@ -116,7 +116,7 @@ def test_a_malformed_part_is_unknown_with_its_reason_and_the_others_are_read(wha
     good = asdict(_captured()[0])
     reading, problems = read_host_stats(loadavg, stat, meminfo, cpus)
     got = asdict(reading)
-    assert {k for k, v in got.items() if v is None} == unknown, what
+    assert {k for k, v in got.items() if v is None} - {"mem_cgroup"} == unknown, what  # no cgroup given: None
     assert {k: v for k, v in got.items() if k not in unknown} == {k: v for k, v in good.items() if k not in unknown}
     assert len(problems) == 1 and len(problems[0]) < 300, problems
 
@@ -125,6 +125,51 @@ def test_nothing_read_is_all_unknown_without_a_problem():
     reading, problems = read_host_stats(None, None, None, None)
     assert reading == HostReading() and problems == []
     assert len(HOSTILE[15][3]) > HOST_TEXT_MAX_CHARS  # the megabyte case is refused by size, before any regex
+
+
+GIB = 1 << 30
+
+
+def _cgroup(limit, usage, inactive="0"):
+    return {"limit": limit, "usage": usage, "inactive": inactive}
+
+
+def test_a_containers_cgroup_limit_below_the_machines_memory_is_the_memory_shown():
+    """In an LXC container without lxcfs, /proc/meminfo tells the machine's memory:
+    the cgroup's limit is what the run can have, and what is left under it is the
+    limit less its use plus the inactive page cache reclaim frees first."""
+    machine = _captured()[0]  # the development VM: 24 GiB
+    cg = _cgroup(str(8 * GIB), str(6 * GIB), str(GIB))
+    reading, problems = read_host_stats((PROC / "loadavg").read_text(), (PROC / "stat").read_text(),
+                                        (PROC / "meminfo").read_text(), 2, cg)
+    assert problems == []
+    assert (reading.mem_total_kib, reading.mem_available_kib, reading.mem_cgroup) == (8 << 20, 3 << 20, 1)
+    assert (reading.load1, reading.cpu_total) == (machine.load1, machine.cpu_total)  # the rest as read
+    # The machine's MemAvailable when that is less; a limit at or above the machine's memory
+    # (cgroup v1's "unlimited" is 9223372036854771712) does not bind: the machine's figures.
+    tight, _ = read_host_stats(None, None, "MemTotal: 33554432 kB\nMemAvailable: 1048576 kB\n", 2, cg)
+    assert (tight.mem_total_kib, tight.mem_available_kib, tight.mem_cgroup) == (8 << 20, 1 << 20, 1)
+    for limit in (str(machine.mem_total_kib * 1024), "9223372036854771712"):
+        loose, problems = read_host_stats(None, None, (PROC / "meminfo").read_text(), 2, _cgroup(limit, str(GIB)))
+        assert problems == [] and loose.mem_cgroup is None
+        assert (loose.mem_total_kib, loose.mem_available_kib) == (machine.mem_total_kib, machine.mem_available_kib)
+    # Usage above the limit (the kernel is reclaiming) leaves nothing, never a negative figure.
+    over, _ = read_host_stats(None, None, None, None, _cgroup(str(GIB), str(2 * GIB)))
+    assert (over.mem_total_kib, over.mem_available_kib) == (1 << 20, 0)
+
+
+@pytest.mark.parametrize("cgroup_memory, problem", [
+    ("8G", "cgroup memory is not an object (str)"),
+    (_cgroup("8G", "1"), "cgroup memory: limit is not a byte count ('8G')"),
+    (_cgroup(str(GIB), 10**5000), "cgroup memory: usage is not a byte count (a int)"),
+    (_cgroup(str(GIB), "-1"), "cgroup memory: usage is not a byte count ('-1')"),
+    (_cgroup("0", "0"), "cgroup memory: a limit of 0 bytes is not a reading"),
+])
+def test_a_malformed_cgroup_reading_leaves_the_machines_memory_with_its_reason(cgroup_memory, problem):
+    reading, problems = read_host_stats(None, None, (PROC / "meminfo").read_text(), 2, cgroup_memory)
+    assert problems == [problem]
+    assert (reading.mem_total_kib, reading.mem_available_kib, reading.mem_cgroup) == (
+        _kib("MemTotal"), _kib("MemAvailable"), None)
 
 
 # --------------------------------------------------------------------------- the probe: in its one answer
@@ -148,6 +193,50 @@ def test_the_probe_reads_the_hosts_cpu_and_memory_in_its_one_answer(tmp_path):
     raw = json.loads(_run_probe([]))["host"]
     assert set(raw["meminfo"].split()) >= {"MemTotal:", "MemAvailable:"} and "\n" not in raw["stat"]
     assert len(json.dumps(raw)) < 400  # two meminfo lines and stat's first line, not the whole files
+
+
+def _cgroup_tree(tmp_path, monkeypatch, self_cgroup: str, files: dict[str, str]):
+    """A cgroup mount and /proc/self/cgroup as files under tmp_path, for the probe's own
+    functions (imported here: the paths are the run host's, fixed in the probe)."""
+    from dflashctl.remote import probe as remote
+
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (tmp_path / "self").write_text(self_cgroup)
+    monkeypatch.setattr(remote, "CGROUP_ROOT", str(root))
+    monkeypatch.setattr(remote, "SELF_CGROUP", str(tmp_path / "self"))
+    return remote
+
+
+def test_the_probe_reads_the_tightest_cgroup_memory_limit_over_its_cgroup_and_those_above(tmp_path, monkeypatch):
+    # cgroup v2 (an LXC container on Proxmox): the limit set on a parent binds, not the child's larger one
+    remote = _cgroup_tree(tmp_path, monkeypatch, "0::/lxc/101/ns\n", {
+        "lxc/memory.max": "max\n", "lxc/101/memory.max": f"{8 * GIB}\n", "lxc/101/memory.current": f"{6 * GIB}\n",
+        "lxc/101/memory.stat": f"anon 1\ninactive_file {GIB}\nactive_file 5\n",
+        "lxc/101/ns/memory.max": f"{16 * GIB}\n", "lxc/101/ns/memory.current": "1\n"})
+    assert remote.cgroup_memory() == {"limit": str(8 * GIB), "usage": str(6 * GIB), "inactive": str(GIB)}
+    raw = remote.host_stats()
+    reading, problems = read_host_stats(raw["loadavg"], raw["stat"], raw["meminfo"], raw["cpus"], raw["cgroup_memory"])
+    assert problems == [] and (reading.mem_total_kib, reading.mem_available_kib) == (8 << 20, 3 << 20)
+
+
+@pytest.mark.parametrize("self_cgroup, files, expected", [
+    # cgroup v1 (a hybrid host: the v2 line names a mount without memory files)
+    ("4:memory:/docker/abc\n0::/\n", {"memory/docker/abc/memory.limit_in_bytes": "2147483648\n",
+                                         "memory/docker/abc/memory.usage_in_bytes": "1073741824\n",
+                                         "memory/docker/abc/memory.stat": "inactive_file 7\ntotal_inactive_file 9\n",
+                                         "memory/memory.limit_in_bytes": "9223372036854771712\n"},
+     {"limit": "2147483648", "usage": "1073741824", "inactive": "9"}),
+    ("0::/\n", {"memory.current": "5\n"}, None),  # the root: no memory.max, no limit
+    ("0::/a\n", {"a/memory.max": "max\n"}, None),  # a container without a limit
+    ("0::/../../etc\n", {"memory.max": "1\n"}, None),  # a path that leaves the mount is not followed
+    ("garbage", {}, None),
+])
+def test_the_probe_finds_cgroup_v1_limits_and_nothing_where_none_binds(tmp_path, monkeypatch, self_cgroup, files,
+                                                                       expected):
+    assert _cgroup_tree(tmp_path, monkeypatch, self_cgroup, files).cgroup_memory() == expected
 
 
 def _kib_now(name: str) -> int:
@@ -275,6 +364,19 @@ def test_the_pane_shows_the_hosts_cpu_busy_memory_and_load_with_the_readings_age
     assert line.rstrip().endswith(" 5s")
     compact, _ = _host_line(store, 80, compact=True)
     assert len(compact) <= 80 and " 23% " in compact and "load 44.31/192" in compact
+
+
+def test_a_containers_memory_is_labelled_as_its_cgroups(tmp_path):
+    store = host_store(tmp_path, observed_ago=5.0)
+    (last,) = store.recent_samples(PROD, 1)
+    reading, _ = read_host_stats(*_host_text(192, 44.31, 9_000_000, 7_000_000, 2_113_929_216, 1_390_411_776),
+                                 _cgroup(str(64 * GIB), str(48 * GIB)))
+    copy = {k: v for k, v in asdict(last).items() if k not in ("id", "run_id", "gpu", "observed", "host_reading")}
+    store.add_samples(PROD, [copy], observed=last.observed or last.time, host_reading=asdict(reading))
+    line, _ = _host_line(store)
+    assert " cgrp " in line and " 48/64G " in line and " ram " not in line
+    (host,) = json.loads(json.dumps(load_status(store, NOW).to_dict()))["hosts"]
+    assert host["load"]["mem_cgroup"] == 1 and host["load"]["mem_total_kib"] == 64 << 20
 
 
 def test_a_host_reading_older_than_three_polls_is_red(tmp_path):

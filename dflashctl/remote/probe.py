@@ -339,11 +339,65 @@ def usable_cpus():
         return os.cpu_count()
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+SELF_CGROUP = "/proc/self/cgroup"
+# cgroup v2, then v1: (its /proc/self/cgroup line's controllers, its folder under CGROUP_ROOT,
+# the limit, usage and memory.stat key of the page cache that reclaim frees first)
+CGROUP_MEMORY = (("", "", "memory.max", "memory.current", "inactive_file"),
+                 ("memory", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+
+
+def cgroup_memory():
+    """The tightest cgroup memory limit over this process's cgroup and those above it
+    (a container's: LXC, Docker, a systemd slice), v2 first: the texts of that cgroup's
+    limit, usage and inactive file cache, for the controller to parse; None where no
+    cgroup sets a number (a machine, a container without a limit, not Linux)."""
+    try:
+        data = read_bounded(SELF_CGROUP, HOST_FILE_MAX_BYTES)
+    except (OSError, ValueError):
+        return None
+    lines = [] if data is None else data.decode("utf-8", "replace").splitlines()
+    for controllers, folder, limit_file, usage_file, inactive_key in CGROUP_MEMORY:
+        path = next((ln.split(":", 2)[2] for ln in lines if ln.count(":") >= 2
+                     and (ln.split(":", 2)[1] == controllers if not controllers
+                          else controllers in ln.split(":", 2)[1].split(","))), None)
+        if path is None:
+            continue
+        base = os.path.join(CGROUP_ROOT, folder) if folder else CGROUP_ROOT
+        here = os.path.normpath(os.path.join(base, path.lstrip("/")))
+        if here != base and not here.startswith(base + os.sep):
+            continue
+        tightest = None
+        while True:
+            try:
+                limit = read_first_line(os.path.join(here, limit_file), 64).strip()
+            except (OSError, ValueError):
+                limit = ""
+            if limit.isdigit() and (tightest is None or int(limit) < int(tightest[1])):
+                tightest = (here, limit)
+            if here == base:
+                break
+            here = os.path.dirname(here)
+        if tightest is None:
+            continue
+        out = {"limit": tightest[1], "usage": None, "inactive": None}
+        try:
+            out["usage"] = read_first_line(os.path.join(tightest[0], usage_file), 64).strip()
+            stat = read_bounded(os.path.join(tightest[0], "memory.stat"), HOST_FILE_MAX_BYTES)
+            for line in (stat or b"").decode("utf-8", "replace").splitlines():
+                if line.startswith(inactive_key + " "):
+                    out["inactive"] = line.split(" ", 1)[1].strip()
+        except (OSError, ValueError):
+            pass
+        return out
+    return None
+
+
 def host_stats():
     """The host's load, CPU time and memory as the kernel prints them (the
     controller parses them: dflashctl.parsers.read_host_stats); a file that cannot
-    be read is None."""
-    out = {"cpus": usable_cpus()}
+    be read is None. ``cgroup_memory``: a container's memory limit and use, when one is set."""
+    out = {"cpus": usable_cpus(), "cgroup_memory": cgroup_memory()}
     for key, path, read in (("loadavg", "/proc/loadavg", read_first_line), ("stat", "/proc/stat", read_first_line),
                             ("meminfo", "/proc/meminfo", None)):
         try:

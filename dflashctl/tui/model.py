@@ -408,6 +408,7 @@ class HostLoad:
     mem_total_kib: int | None = None
     mem_available_kib: int | None = None
     stale_after_s: float | None = None  # three polls of the run whose supervisor read it
+    mem_cgroup: int | None = None  # 1: the memory is a container's cgroup limit, not the machine's
 
     @classmethod
     def from_samples(cls, newer: Sample, older: Sample | None, stale_after_s: float) -> "HostLoad":
@@ -418,7 +419,7 @@ class HostLoad:
         if older is not None and 0 < _sample_clock(newer) - _sample_clock(older) <= stale_after_s:
             busy = cpu_busy_pct(stored_host_reading(older.host_reading), now_reading)
         return cls(_sample_clock(newer), now_reading.cpus, now_reading.load1, busy, now_reading.mem_total_kib,
-                   now_reading.mem_available_kib, stale_after_s)
+                   now_reading.mem_available_kib, stale_after_s, now_reading.mem_cgroup)
 
     def age_s(self, now: float) -> float | None:
         return reading_age(self.time, now)
@@ -461,7 +462,7 @@ class HostLoad:
         return "/".join(f"{v / scale:.1f}" if v / scale < 10 else f"{v / scale:.0f}" for v in (used, total)) + unit
 
 
-_HOST_INTS = ("cpus", "cpu_total", "cpu_idle", "mem_total_kib", "mem_available_kib")
+_HOST_INTS = ("cpus", "cpu_total", "cpu_idle", "mem_total_kib", "mem_available_kib", "mem_cgroup")
 
 
 def stored_host_reading(value: Any) -> HostReading:
@@ -1577,7 +1578,9 @@ JSON_SCHEMA: dict[str, Any] = {
                                                  "description": "the host's CPU and memory from the newest poll that "
                                                                 "read them (null: none did): time, cpus, load1, "
                                                                 "busy_pct, mem_total_kib, mem_available_kib, "
-                                                                "stale_after_s; an unknown field is null"}}}},
+                                                                "stale_after_s, mem_cgroup (1: the memory is a "
+                                                                "container's cgroup limit and what is left under "
+                                                                "it); an unknown field is null"}}}},
         "gpus": {"type": "array", "items": {"type": "object", "required": [
             "host", "index", "name", "role", "run_id", "utilization_pct", "memory_used_mib", "memory_total_mib",
             "temperature_c", "power_draw_w", "utilization_history"]}},

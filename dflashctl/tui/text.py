@@ -98,7 +98,8 @@ def _host_row(load: HostLoad, width: int, compact: bool, now: float) -> Text:
     else:
         bars = max(6, min(20, (width - 100) // 3 + 7))
         row = Text(f"    {'host':<8}{cpus:<16} cpu  ", style="")
-        mid, tail = "  ram ", f"  load {load.load_text():<11}  {age:>5}"
+        # 'cgrp': the memory is the container's cgroup limit and what is left under it
+        mid, tail = " cgrp " if load.mem_cgroup else "  ram ", f"  load {load.load_text():<11}  {age:>5}"
     row.append(bar(load.cpu_fraction, bars), style="green")
     row.append(f" {load.busy_text():>4}{mid}")
     row.append(bar(load.memory_fraction, bars), style="cyan")
