@@ -130,6 +130,56 @@ def test_a_attaches_to_a_session_in_a_pct_container_behind_a_jump(ssh_env, tmp_p
                 pass
 
 
+def test_a_on_a_run_on_two_hosts_asks_which_rank_and_attaches_to_that_process(tmp_path, monkeypatch):
+    """A run on two hosts has a session on each: ``a`` asks which process; ``1`` attaches
+    to rank 1's own session (run here in a real terminal pane, it shows that process),
+    Esc attaches to none, and a digit that is no rank is ignored."""
+    monkeypatch.delenv("TMUX", raising=False)
+    inventory_path = tmp_path / "inventory.yaml"
+    inventory_path.write_text(yaml.safe_dump({"hosts": {"local": {"transport": "local"},
+                                                        "local2": {"transport": "local"}}}))
+    for rank in (0, 1):
+        tmux(SOCKET, "new-session", "-d", "-s", f"{DEMO}-{rank}", "-x", "100", "-y", "20",
+             f"echo RANK-{rank}-OUTPUT; exec sleep 600")
+    store = Store(str(tmp_path / "runs.db"))
+    store.create_run("demo", "local", {}, time.time() - 60, run_id=DEMO, run_dir=str(tmp_path),
+                     tmux_session=f"{DEMO}-0", tmux_socket=SOCKET,
+                     hosts=[{"rank": r, "host": h, "run_dir": str(tmp_path), "tmux_session": f"{DEMO}-{r}"}
+                            for r, h in ((0, "local"), (1, "local2"))])
+    handed: list[list[str]] = []
+    local = f"{SOCKET}-term"
+    try:
+        async def scenario():
+            app = app_for(store, tmp_path, inventory_path=str(inventory_path),
+                          attach=lambda argv: handed.append(argv) or 0)
+            async with app.run_test(size=(120, 40)) as pilot:
+                await loaded(pilot, app)
+                await pilot.press("a")
+                await until(pilot, lambda: "Attach to which process" in screen_text(app), "the question")
+                assert "rank 1 on local2" in screen_text(app)
+                await pilot.press("escape")
+                await pilot.pause(0.3)
+                assert handed == [] and "Attach to which process" not in screen_text(app)
+                await pilot.press("a")
+                await until(pilot, lambda: "Attach to which process" in screen_text(app), "the question again")
+                await pilot.press("7")  # no such rank: still asking
+                await pilot.pause(0.3)
+                assert handed == [] and "Attach to which process" in screen_text(app)
+                await pilot.press("1")
+                await until(pilot, lambda: handed, "the attach command")
+
+        run(scenario())
+        (argv,) = handed
+        assert f"={DEMO}-1" in argv
+        tmux(local, "new-session", "-d", "-s", "term", "-x", "120", "-y", "30", shlex.join(argv))
+        shown = wait_for(lambda: "RANK-1-OUTPUT" in capture(local, "term") and capture(local, "term"),
+                         what="rank 1's session, attached")
+        assert "RANK-0-OUTPUT" not in shown
+    finally:
+        end_server(local)
+        end_server(SOCKET)
+
+
 def test_a_inside_tmux_opens_a_split_attached_to_a_local_run(tmp_path, monkeypatch):
     """The console runs in tmux (``$TMUX``), with no client to show a popup: ``a``
     splits its pane and attaches there to the run's session (a real nested attach)."""

@@ -40,7 +40,7 @@ from dflashctl.tui.actions import plan, readonly_default
 from dflashctl.tui.model import (
     SORTS, ChartView, DirectProbe, EventView, StatusReader, StatusView, filter_runs, next_zoom, sort_runs,
 )
-from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen
+from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen, RankScreen
 from dflashctl.tui.text import banner_text, gpu_text, notice_text, run_pane_layout, run_text
 from dflashctl.tui.widgets import FilterBox, Pane, RunsTable
 
@@ -464,23 +464,34 @@ class StatusApp(App):
     def action_attach_run(self, _how: str = "") -> None:
         """``a``: the run's tmux session on its host, attached in a tmux popup (or a
         split, where no client can show a popup) when the console runs in tmux, else
-        in this terminal with the console suspended until the detach."""
+        in this terminal with the console suspended until the detach. A run on several
+        hosts asks which process (rank) first."""
         if self.readonly:
             self.notify("read-only console: no session is attached from here", severity="warning")
             return
         run_id = self._current()
-        if run_id is not None:
+        if run_id is None:
+            return
+        run = next((r for r in (self.view.runs if self.view else []) if r.id == run_id), None)
+        if run is not None and len(run.hosts) > 1:
+            self.push_screen(RankScreen(run_id, [(h.rank, h.host) for h in run.hosts]),
+                             lambda rank: rank is not None and self.attach_to(run_id, rank))
+        else:
             self.attach_to(run_id)
 
     @work(thread=True, group="attach")
-    def attach_to(self, run_id: str) -> None:
+    def attach_to(self, run_id: str, rank: int = 0) -> None:
+        """Attach to the session of process ``rank`` of the run (its only one: 0)."""
         from dflashctl.tmux import socket_name
         from dflashctl.tui.actions import attach_argv
 
         try:
-            run = self.reader.store.get_run(run_id)
+            parts = {part.rank: part for part in self.reader.store.get_run(run_id).parts()}
+            run = parts.get(rank)
+            if run is None:
+                raise DflashError(f"run {run_id} has no process of rank {rank}")
             if not run.tmux_session:
-                raise DflashError(f"run {run_id} has no tmux session recorded")
+                raise DflashError(f"run {run_id} has no tmux session recorded" + (f" for rank {rank}" if rank else ""))
             argv = attach_argv(self.inventory().route(run.host), run.tmux_session, run.tmux_socket or socket_name())
         except DflashError as e:
             self.call_from_thread(self.notify, f"attach {run_id}: {first_line(e)}", severity="error", timeout=8)
@@ -488,7 +499,7 @@ class StatusApp(App):
         finally:
             self.reader.store.close()
         self.attached.append(argv)
-        title = f" {run_id} on {run.host}: C-b d detaches "
+        title = f" {run_id}{f' rank {rank}' if len(parts) > 1 else ''} on {run.host}: C-b d detaches "
         if os.environ.get("TMUX"):
             self._attach_in_tmux(argv, title)
         else:

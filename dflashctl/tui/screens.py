@@ -33,7 +33,8 @@ KEYS = [
     ("Enter", "the run's detail: overview, history charts, thresholds, environment"),
     ("e", "the run's events, each with its class; Enter on one shows it in full with the trainer's first error line"),
     ("l", "the log, followed: scroll up pauses (End follows), t wrap, h earlier, / m n N find"),
-    ("a / w", "attach to its tmux session (popup, split or here) / start a supervisor (asks)"),
+    ("a / w", "attach to its tmux session (popup, split or here; several hosts: a digit picks the rank) / "
+              "start a supervisor (asks)"),
     ("x", "stop the run under the cursor (asks first, saying what happens): the trainer checkpoints and exits"),
     ("r", "restart the run under the cursor from its last checkpoint (asks first; a running trainer is stopped "
           "first); y in the question says yes, anything else no"),
@@ -120,6 +121,34 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def action_answer(self, yes: bool) -> None:
         self.dismiss(yes)
+
+
+class RankScreen(ModalScreen["int | None"]):
+    """Which process of a run on several hosts ``a`` attaches to: a digit picks its
+    rank; Esc or Enter picks none (a stray Enter must not attach anywhere)."""
+
+    DEFAULT_CSS = """
+    RankScreen { align: center middle; }
+    RankScreen > Vertical { width: 70; max-width: 95%; height: auto; border: thick $accent;
+                            background: $surface; padding: 1 2; }
+    """
+    BINDINGS = [Binding("escape,enter", "pick(None)", "None")] + [
+        Binding(str(d), f"pick({d})", show=False) for d in range(10)]
+
+    def __init__(self, run_id: str, hosts: list[tuple[int, str]]) -> None:
+        super().__init__()
+        self.run_id, self.hosts = run_id, hosts  # (rank, host), by rank
+
+    def compose(self) -> ComposeResult:
+        with Vertical():
+            yield Static(Text(f"Attach to which process of {self.run_id}?", style="bold"))
+            for rank, host in self.hosts:
+                yield Static(Text.assemble((f"{rank}", "bold green"), f"  rank {rank} on {host}"))
+            yield Static(Text("Esc / Enter: none", style="dim"))
+
+    def action_pick(self, rank: "int | None") -> None:
+        if rank is None or any(r == rank for r, _ in self.hosts):
+            self.dismiss(rank)
 
 
 class EventScreen(ModalScreen[None]):
