@@ -365,7 +365,10 @@ class HostReading:
     /proc/meminfo (without lxcfs) still tells the machine's: the memory is then the
     cgroup's limit, and what is left under it is the limit less its usage plus the
     inactive page cache that reclaim frees first, or the machine's MemAvailable when
-    that is less."""
+    that is less. Where a cgroup's CPU quota is less than the CPUs the probe may use,
+    the CPU counters are that cgroup's: its CPU time used, against its quota's share
+    of the host's uptime, in /proc/stat's units (1/100 s), so the busy share between
+    two readings is the share of the quota used."""
 
     cpus: int | None = None
     load1: float | None = None
@@ -376,6 +379,7 @@ class HostReading:
     mem_total_kib: int | None = None
     mem_available_kib: int | None = None  # MemAvailable: what can be had without swapping
     mem_cgroup: int | None = None  # 1: the two above are a cgroup's limit and what is left under it (a container)
+    cpu_cgroup: float | None = None  # a cgroup's CPU quota, in CPUs, when cpu_total/cpu_idle are its time against it
 
 
 def _host_text(name: str, text: Any, problems: list[str]) -> str | None:
@@ -467,8 +471,42 @@ def _cgroup_memory(raw: Any, reading: HostReading, problems: list[str]) -> None:
     reading.mem_total_kib, reading.mem_available_kib, reading.mem_cgroup = limit_kib, left_kib, 1
 
 
+_UPTIME = re.compile(r"^\d{1,12}(\.\d{1,3})?$")
+
+
+def _cgroup_cpu(raw: Any, reading: HostReading, problems: list[str]) -> None:
+    """The probe's ``cgroup_cpu`` (texts: quota and period in microseconds, the CPU time
+    the cgroup used in microseconds, the host's uptime in seconds) over /proc/stat's
+    counters, where the quota is less than the CPUs the probe may use."""
+    if not isinstance(raw, dict):
+        problems.append(f"cgroup cpu is not an object ({type(raw).__name__})")
+        return
+    numbers: dict[str, int] = {}
+    for key in ("quota_us", "period_us", "usage_us"):
+        text = raw.get(key)
+        if not isinstance(text, str) or not _CGROUP_NUMBER.match(text):
+            shown = _show(text) if isinstance(text, str) else f"a {type(text).__name__}"
+            problems.append(f"cgroup cpu: {key} is not a number of microseconds ({shown})")
+            return
+        numbers[key] = int(text)
+    uptime = raw.get("uptime_s")
+    if not isinstance(uptime, str) or not _UPTIME.match(uptime):
+        shown = _show(uptime) if isinstance(uptime, str) else f"a {type(uptime).__name__}"
+        problems.append(f"cgroup cpu: uptime_s is not seconds ({shown})")
+        return
+    if numbers["period_us"] == 0 or numbers["quota_us"] == 0:
+        problems.append(f"cgroup cpu: a quota of {numbers['quota_us']} per {numbers['period_us']} us is not a reading")
+        return
+    quota = numbers["quota_us"] / numbers["period_us"]  # CPUs
+    if quota > MAX_CPUS or (reading.cpus is not None and quota >= reading.cpus):
+        return  # the quota does not bind: the machine's counters
+    total = int(float(uptime) * 100 * quota)
+    reading.cpu_total, reading.cpu_idle = total, max(0, total - numbers["usage_us"] // 10_000)
+    reading.cpu_cgroup = round(quota, 3)
+
+
 def read_host_stats(loadavg: Any, stat: Any, meminfo: Any, cpus: Any,
-                    cgroup_memory: Any = None) -> tuple[HostReading, list[str]]:
+                    cgroup_memory: Any = None, cgroup_cpu: Any = None) -> tuple[HostReading, list[str]]:
     """The probe's host texts -> a ``HostReading`` and what was wrong with them.
 
     Each part stands alone: a garbage /proc/stat leaves the load and memory read.
@@ -476,8 +514,9 @@ def read_host_stats(loadavg: Any, stat: Any, meminfo: Any, cpus: Any,
     ``HOST_TEXT_MAX_CHARS``, a number out of range, memory available above total,
     a field twice) is None, unknown, with its reason in the list: never a guessed
     number. ``cpus`` is an int in 1..``MAX_CPUS``. ``cgroup_memory`` (a container's
-    limit, usage and inactive cache) replaces the memory where its limit binds; a
-    malformed one leaves /proc/meminfo's figures. Never raises on any input."""
+    limit, usage and inactive cache) replaces the memory where its limit binds, and
+    ``cgroup_cpu`` (its quota, CPU time and the uptime) the CPU counters where its
+    quota binds; a malformed one leaves the /proc figures. Never raises on any input."""
     reading, problems = HostReading(), []
     if cpus is not None:
         if type(cpus) is int and 1 <= cpus <= MAX_CPUS:  # type(): a bool is not a CPU count
@@ -492,15 +531,18 @@ def read_host_stats(loadavg: Any, stat: Any, meminfo: Any, cpus: Any,
             read(text, reading, problems)
     if cgroup_memory is not None:
         _cgroup_memory(cgroup_memory, reading, problems)
+    if cgroup_cpu is not None:
+        _cgroup_cpu(cgroup_cpu, reading, problems)
     return reading, problems
 
 
 def cpu_busy_pct(older: HostReading, newer: HostReading) -> float | None:
     """How busy the host's CPUs were between two readings, 0..100 (all CPUs
-    together); None when either lacks its counters, no time passed between them or
-    the counters went back (a reboot between the readings)."""
-    if None in (older.cpu_total, older.cpu_idle, newer.cpu_total, newer.cpu_idle):
-        return None
+    together, or a cgroup's quota: ``HostReading``); None when either lacks its
+    counters, they are not of the same kind, no time passed between them or the
+    counters went back (a reboot between the readings)."""
+    if None in (older.cpu_total, older.cpu_idle, newer.cpu_total, newer.cpu_idle) or older.cpu_cgroup != newer.cpu_cgroup:
+        return None  # unknown, or counters of different kinds (a cgroup's quota set or changed between the two)
     total = newer.cpu_total - older.cpu_total  # type: ignore[operator]
     idle = newer.cpu_idle - older.cpu_idle  # type: ignore[operator]
     if total <= 0 or not 0 <= idle <= total:

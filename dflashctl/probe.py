@@ -356,7 +356,7 @@ def _host_stats(raw: Any, errors: list[str]) -> HostReading | None:
         errors.append(f"probe answer: host is not an object ({_kind(raw)})")
         return None
     reading, problems = read_host_stats(raw.get("loadavg"), raw.get("stat"), raw.get("meminfo"), raw.get("cpus"),
-                                        raw.get("cgroup_memory"))
+                                        raw.get("cgroup_memory"), raw.get("cgroup_cpu"))
     errors.extend(f"host stats: {p}" for p in problems)
     return reading
 

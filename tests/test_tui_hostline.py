@@ -116,7 +116,7 @@ def test_a_malformed_part_is_unknown_with_its_reason_and_the_others_are_read(wha
     good = asdict(_captured()[0])
     reading, problems = read_host_stats(loadavg, stat, meminfo, cpus)
     got = asdict(reading)
-    assert {k for k, v in got.items() if v is None} - {"mem_cgroup"} == unknown, what  # no cgroup given: None
+    assert {k for k, v in got.items() if v is None} - {"mem_cgroup", "cpu_cgroup"} == unknown, what  # no cgroup: None
     assert {k: v for k, v in got.items() if k not in unknown} == {k: v for k, v in good.items() if k not in unknown}
     assert len(problems) == 1 and len(problems[0]) < 300, problems
 
@@ -172,6 +172,43 @@ def test_a_malformed_cgroup_reading_leaves_the_machines_memory_with_its_reason(c
         _kib("MemTotal"), _kib("MemAvailable"), None)
 
 
+def _cpu(quota, usage, uptime, period="100000"):
+    return {"quota_us": quota, "period_us": period, "usage_us": usage, "uptime_s": uptime}
+
+
+def test_a_containers_cpu_quota_below_its_cpus_makes_the_busy_share_the_quotas():
+    """Docker's --cpus or a cgroup's cpu.max: between two readings 10 s apart, a
+    container with a quota of 2 CPUs that used 9 s of CPU time was 45 % busy, whatever
+    the machine's /proc/stat says."""
+    text = [(PROC / f).read_text() for f in ("loadavg", "stat", "meminfo")]
+    older, p1 = read_host_stats(*text, 8, None, _cpu("200000", "500000000", "1000.00"))
+    newer, p2 = read_host_stats(*text, 8, None, _cpu("200000", "509000000", "1010.00"))
+    assert p1 == p2 == [] and older.cpu_cgroup == newer.cpu_cgroup == 2.0
+    assert cpu_busy_pct(older, newer) == pytest.approx(45.0)
+    # A quota of at least the CPUs the probe may use does not bind: the machine's counters.
+    machine = _captured()[0]
+    loose, problems = read_host_stats(*text, 8, None, _cpu("800000", "1", "1000.00"))
+    assert problems == [] and loose.cpu_cgroup is None
+    assert (loose.cpu_total, loose.cpu_idle) == (machine.cpu_total, machine.cpu_idle)
+    # Counters of two kinds (a quota set between two polls) give no busy share.
+    assert cpu_busy_pct(loose, newer) is None and cpu_busy_pct(newer, loose) is None
+
+
+@pytest.mark.parametrize("cgroup_cpu, problem", [
+    ([1], "cgroup cpu is not an object (list)"),
+    (_cpu("2e5", "1", "1.0"), "cgroup cpu: quota_us is not a number of microseconds ('2e5')"),
+    (_cpu("200000", None, "1.0"), "cgroup cpu: usage_us is not a number of microseconds (a NoneType)"),
+    (_cpu("200000", "1", "-3"), "cgroup cpu: uptime_s is not seconds ('-3')"),
+    (_cpu("200000", "1", "1.0", period="0"), "cgroup cpu: a quota of 200000 per 0 us is not a reading"),
+])
+def test_a_malformed_cgroup_cpu_reading_leaves_the_machines_counters_with_its_reason(cgroup_cpu, problem):
+    machine = _captured()[0]
+    reading, problems = read_host_stats((PROC / "loadavg").read_text(), (PROC / "stat").read_text(),
+                                        (PROC / "meminfo").read_text(), 8, None, cgroup_cpu)
+    assert problems == [problem]
+    assert (reading.cpu_total, reading.cpu_idle, reading.cpu_cgroup) == (machine.cpu_total, machine.cpu_idle, None)
+
+
 # --------------------------------------------------------------------------- the probe: in its one answer
 
 
@@ -187,12 +224,13 @@ def test_the_probe_reads_the_hosts_cpu_and_memory_in_its_one_answer(tmp_path):
     host = answer.host
     assert host is not None and answer.runs[0].host == host
     assert host.cpus == len(os.sched_getaffinity(0))
-    assert host.mem_total_kib == _kib_now("MemTotal") and 0 < host.mem_available_kib <= host.mem_total_kib
+    assert host.mem_total_kib == _memory_now() and 0 < host.mem_available_kib <= host.mem_total_kib
     assert host.load1 is not None and host.cpu_total > host.cpu_idle > 0
     assert not [e for e in answer.errors if e.startswith("host stats")]
     raw = json.loads(_run_probe([]))["host"]
     assert set(raw["meminfo"].split()) >= {"MemTotal:", "MemAvailable:"} and "\n" not in raw["stat"]
-    assert len(json.dumps(raw)) < 400  # two meminfo lines and stat's first line, not the whole files
+    # two meminfo lines, stat's first line and a cgroup's few numbers, not the whole files
+    assert len(json.dumps(raw)) < 700
 
 
 def _cgroup_tree(tmp_path, monkeypatch, self_cgroup: str, files: dict[str, str]):
@@ -237,6 +275,46 @@ def test_the_probe_reads_the_tightest_cgroup_memory_limit_over_its_cgroup_and_th
 def test_the_probe_finds_cgroup_v1_limits_and_nothing_where_none_binds(tmp_path, monkeypatch, self_cgroup, files,
                                                                        expected):
     assert _cgroup_tree(tmp_path, monkeypatch, self_cgroup, files).cgroup_memory() == expected
+
+
+def test_the_probe_reads_the_tightest_cgroup_cpu_quota_and_that_cgroups_cpu_time(tmp_path, monkeypatch):
+    remote = _cgroup_tree(tmp_path, monkeypatch, "0::/docker/abc\n", {
+        "docker/cpu.max": "400000 100000\n", "docker/abc/cpu.max": "150000 100000\n",
+        "docker/abc/cpu.stat": "usage_usec 123456789\nuser_usec 1\nsystem_usec 2\n", "cpu.max": "max 100000\n"})
+    got = remote.cgroup_cpu()
+    assert {k: got[k] for k in ("quota_us", "period_us", "usage_us")} == {
+        "quota_us": "150000", "period_us": "100000", "usage_us": "123456789"}
+    assert float(got["uptime_s"]) > 0  # this machine's /proc/uptime
+    raw = remote.host_stats()
+    reading, problems = read_host_stats(raw["loadavg"], raw["stat"], raw["meminfo"], 8, raw["cgroup_memory"],
+                                        raw["cgroup_cpu"])
+    assert problems == [] and reading.cpu_cgroup == 1.5
+
+
+@pytest.mark.parametrize("self_cgroup, files, expected", [
+    # cgroup v1, cpu and cpuacct mounted apart: the quota from one, the time (ns) from the other
+    ("3:cpuacct:/k8s/pod\n2:cpu:/k8s/pod\n0::/\n", {"cpu/k8s/pod/cpu.cfs_quota_us": "50000\n",
+                                                     "cpu/k8s/pod/cpu.cfs_period_us": "100000\n",
+                                                     "cpuacct/k8s/pod/cpuacct.usage": "7000000000\n",
+                                                     "cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"},
+     {"quota_us": "50000", "period_us": "100000", "usage_us": "7000000"}),
+    ("0::/a\n", {"a/cpu.max": "max 100000\n", "a/cpu.stat": "usage_usec 5\n"}, None),  # no quota
+    ("0::/../x\n", {"cpu.max": "1 100000\n"}, None),  # a path that leaves the mount
+])
+def test_the_probe_finds_cgroup_v1_cpu_quotas_and_nothing_where_none_is_set(tmp_path, monkeypatch, self_cgroup,
+                                                                           files, expected):
+    got = _cgroup_tree(tmp_path, monkeypatch, self_cgroup, files).cgroup_cpu()
+    assert (got if got is None else {k: got[k] for k in ("quota_us", "period_us", "usage_us")}) == expected
+
+
+def _memory_now() -> int:
+    """What the host line should call this machine's memory: MemTotal, or the memory
+    limit of a cgroup above this process where one is lower (CI may run in a container)."""
+    from dflashctl.remote.probe import cgroup_memory
+
+    limit = cgroup_memory()
+    total = _kib_now("MemTotal")
+    return min(total, int(limit["limit"]) // 1024) if limit else total
 
 
 def _kib_now(name: str) -> int:
@@ -289,7 +367,7 @@ def test_a_real_supervisor_stores_this_machines_cpu_and_memory_and_the_pane_draw
         sup.close()
     older, newer = store.host_samples(run_id, 2)
     assert newer.host_reading["cpus"] == len(os.sched_getaffinity(0))
-    assert newer.host_reading["mem_total_kib"] == _kib_now("MemTotal")
+    assert newer.host_reading["mem_total_kib"] == _memory_now()
     assert newer.host_reading["cpu_total"] >= older.host_reading["cpu_total"]
     read = [s.observed for s in store.samples(run_id) if s.host_reading is not None]
     assert len(set(read)) == len(read)  # one reading per poll (a poll's lines share its time), not one per line
@@ -374,9 +452,24 @@ def test_a_containers_memory_is_labelled_as_its_cgroups(tmp_path):
     copy = {k: v for k, v in asdict(last).items() if k not in ("id", "run_id", "gpu", "observed", "host_reading")}
     store.add_samples(PROD, [copy], observed=last.observed or last.time, host_reading=asdict(reading))
     line, _ = _host_line(store)
-    assert " cgrp " in line and " 48/64G " in line and " ram " not in line
+    assert " cgrp " in line and " 48/64G " in line and " ram " not in line and "192 CPUs" in line
     (host,) = json.loads(json.dumps(load_status(store, NOW).to_dict()))["hosts"]
     assert host["load"]["mem_cgroup"] == 1 and host["load"]["mem_total_kib"] == 64 << 20
+
+
+def test_a_containers_cpu_quota_is_shown_with_the_busy_share_of_it(tmp_path):
+    store = host_store(tmp_path, observed_ago=5.0)
+    (last,) = store.recent_samples(PROD, 1)
+    copy = {k: v for k, v in asdict(last).items() if k not in ("id", "run_id", "gpu", "observed", "host_reading")}
+    for back, used, uptime in ((INTERVAL, "500000000", 1000.0), (0.0, "506000000", 1000.0 + INTERVAL)):
+        reading, problems = read_host_stats(*_host_text(192, 44.31, 9_000_000, 7_000_000, 2_113_929_216, 1_390_411_776),
+                                            None, _cpu("400000", used, f"{uptime:.2f}"))
+        assert problems == []
+        store.add_samples(PROD, [{**copy, "time": last.time - back}], observed=(last.observed or last.time) - back,
+                          host_reading=asdict(reading))
+    line, _ = _host_line(store)
+    busy = round(100 * 6.0 / (INTERVAL * 4))  # 6 s of CPU time over the poll, against 4 CPUs
+    assert "4/192 CPUs" in line and f" {busy}% " in line
 
 
 def test_a_host_reading_older_than_three_polls_is_red(tmp_path):

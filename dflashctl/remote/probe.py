@@ -345,6 +345,39 @@ SELF_CGROUP = "/proc/self/cgroup"
 # the limit, usage and memory.stat key of the page cache that reclaim frees first)
 CGROUP_MEMORY = (("", "", "memory.max", "memory.current", "inactive_file"),
                  ("memory", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+# cgroup v2, then v1: (controllers, folder, the quota file(s), the usage file and the factor to microseconds)
+CGROUP_CPU = (("", "", ("cpu.max",), "cpu.stat", 1),
+              ("cpu", "cpu", ("cpu.cfs_quota_us", "cpu.cfs_period_us"), "cpuacct.usage", 1000))
+
+
+def first_line_or_empty(path):
+    try:
+        return read_first_line(path, 64).strip()
+    except (OSError, ValueError):
+        return ""
+
+
+def cgroup_folders(controllers, folder):
+    """Each folder from this process's cgroup up to the mount's root, for the hierarchy
+    of ``controllers`` ("": cgroup v2); nothing where /proc/self/cgroup names none or a
+    path that leaves the mount."""
+    try:
+        data = read_bounded(SELF_CGROUP, HOST_FILE_MAX_BYTES)
+    except (OSError, ValueError):
+        return []
+    for line in ([] if data is None else data.decode("utf-8", "replace").splitlines()):
+        parts = line.split(":", 2)
+        if len(parts) == 3 and (parts[1] == controllers if not controllers else controllers in parts[1].split(",")):
+            base = os.path.join(CGROUP_ROOT, folder) if folder else CGROUP_ROOT
+            here = os.path.normpath(os.path.join(base, parts[2].lstrip("/")))
+            if here != base and not here.startswith(base + os.sep):
+                return []
+            out = [here]
+            while here != base:
+                here = os.path.dirname(here)
+                out.append(here)
+            return out
+    return []
 
 
 def cgroup_memory():
@@ -352,52 +385,72 @@ def cgroup_memory():
     (a container's: LXC, Docker, a systemd slice), v2 first: the texts of that cgroup's
     limit, usage and inactive file cache, for the controller to parse; None where no
     cgroup sets a number (a machine, a container without a limit, not Linux)."""
-    try:
-        data = read_bounded(SELF_CGROUP, HOST_FILE_MAX_BYTES)
-    except (OSError, ValueError):
-        return None
-    lines = [] if data is None else data.decode("utf-8", "replace").splitlines()
     for controllers, folder, limit_file, usage_file, inactive_key in CGROUP_MEMORY:
-        path = next((ln.split(":", 2)[2] for ln in lines if ln.count(":") >= 2
-                     and (ln.split(":", 2)[1] == controllers if not controllers
-                          else controllers in ln.split(":", 2)[1].split(","))), None)
-        if path is None:
+        limits = [(int(t), d, t) for d, t in ((d, first_line_or_empty(os.path.join(d, limit_file)))
+                                              for d in cgroup_folders(controllers, folder)) if t.isdigit()]
+        if not limits:
             continue
-        base = os.path.join(CGROUP_ROOT, folder) if folder else CGROUP_ROOT
-        here = os.path.normpath(os.path.join(base, path.lstrip("/")))
-        if here != base and not here.startswith(base + os.sep):
-            continue
-        tightest = None
-        while True:
-            try:
-                limit = read_first_line(os.path.join(here, limit_file), 64).strip()
-            except (OSError, ValueError):
-                limit = ""
-            if limit.isdigit() and (tightest is None or int(limit) < int(tightest[1])):
-                tightest = (here, limit)
-            if here == base:
-                break
-            here = os.path.dirname(here)
-        if tightest is None:
-            continue
-        out = {"limit": tightest[1], "usage": None, "inactive": None}
+        _, where, limit = min(limits)
+        out = {"limit": limit, "usage": first_line_or_empty(os.path.join(where, usage_file)) or None,
+               "inactive": None}
         try:
-            out["usage"] = read_first_line(os.path.join(tightest[0], usage_file), 64).strip()
-            stat = read_bounded(os.path.join(tightest[0], "memory.stat"), HOST_FILE_MAX_BYTES)
-            for line in (stat or b"").decode("utf-8", "replace").splitlines():
-                if line.startswith(inactive_key + " "):
-                    out["inactive"] = line.split(" ", 1)[1].strip()
+            stat = read_bounded(os.path.join(where, "memory.stat"), HOST_FILE_MAX_BYTES)
         except (OSError, ValueError):
-            pass
+            stat = None
+        for line in (stat or b"").decode("utf-8", "replace").splitlines():
+            if line.startswith(inactive_key + " "):
+                out["inactive"] = line.split(" ", 1)[1].strip()
         return out
     return None
+
+
+def cpu_quota(folder, files):
+    """A cgroup's CPU quota as (quota, period) texts in microseconds, or None: none set."""
+    if len(files) == 1:  # v2: "QUOTA PERIOD" or "max PERIOD"
+        parts = first_line_or_empty(os.path.join(folder, files[0])).split()
+    else:  # v1: two files, quota -1 for none
+        parts = [first_line_or_empty(os.path.join(folder, f)) for f in files]
+    return tuple(parts) if len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[1]) > 0 else None
+
+
+def cgroup_cpu():
+    """The tightest cgroup CPU quota over this process's cgroup and those above it, v2
+    first: that quota, its period, the cgroup's CPU time used (microseconds) and the
+    host's uptime, as texts for the controller; None where no cgroup sets a quota."""
+    for controllers, folder, quota_files, usage_file, to_us in CGROUP_CPU:
+        quotas = [(int(q[0]) / int(q[1]), d, q) for d, q in ((d, cpu_quota(d, quota_files))
+                                                            for d in cgroup_folders(controllers, folder)) if q]
+        if not quotas:
+            continue
+        _, where, (quota, period) = min(quotas)
+        if to_us == 1:  # v2: cpu.stat's usage_usec line
+            usage = next((ln.split()[1] for ln in first_lines(os.path.join(where, usage_file))
+                          if ln.startswith("usage_usec ") and len(ln.split()) == 2), "")
+        else:  # v1: cpuacct.usage, nanoseconds, in the cpuacct hierarchy (often the same folder)
+            rel = os.path.relpath(where, os.path.join(CGROUP_ROOT, folder))
+            usage = next((t for t in (first_line_or_empty(os.path.join(d, usage_file))
+                                      for d in (where, os.path.normpath(os.path.join(CGROUP_ROOT, "cpuacct", rel))))
+                          if t.isdigit()), "")
+            usage = str(int(usage) // to_us) if usage else ""
+        uptime = first_line_or_empty("/proc/uptime").split(" ", 1)[0]
+        return {"quota_us": quota, "period_us": period, "usage_us": usage or None, "uptime_s": uptime or None}
+    return None
+
+
+def first_lines(path):
+    try:
+        data = read_bounded(path, HOST_FILE_MAX_BYTES)
+    except (OSError, ValueError):
+        return []
+    return (data or b"").decode("utf-8", "replace").splitlines()
 
 
 def host_stats():
     """The host's load, CPU time and memory as the kernel prints them (the
     controller parses them: dflashctl.parsers.read_host_stats); a file that cannot
-    be read is None. ``cgroup_memory``: a container's memory limit and use, when one is set."""
-    out = {"cpus": usable_cpus(), "cgroup_memory": cgroup_memory()}
+    be read is None. ``cgroup_memory`` and ``cgroup_cpu``: a container's memory limit and
+    use, its CPU quota and the CPU time it used, where such a limit is set."""
+    out = {"cpus": usable_cpus(), "cgroup_memory": cgroup_memory(), "cgroup_cpu": cgroup_cpu()}
     for key, path, read in (("loadavg", "/proc/loadavg", read_first_line), ("stat", "/proc/stat", read_first_line),
                             ("meminfo", "/proc/meminfo", None)):
         try:

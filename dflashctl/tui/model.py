@@ -409,6 +409,7 @@ class HostLoad:
     mem_available_kib: int | None = None
     stale_after_s: float | None = None  # three polls of the run whose supervisor read it
     mem_cgroup: int | None = None  # 1: the memory is a container's cgroup limit, not the machine's
+    cpu_cgroup: float | None = None  # a container's CPU quota (CPUs) when the busy share is of it
 
     @classmethod
     def from_samples(cls, newer: Sample, older: Sample | None, stale_after_s: float) -> "HostLoad":
@@ -419,7 +420,7 @@ class HostLoad:
         if older is not None and 0 < _sample_clock(newer) - _sample_clock(older) <= stale_after_s:
             busy = cpu_busy_pct(stored_host_reading(older.host_reading), now_reading)
         return cls(_sample_clock(newer), now_reading.cpus, now_reading.load1, busy, now_reading.mem_total_kib,
-                   now_reading.mem_available_kib, stale_after_s, now_reading.mem_cgroup)
+                   now_reading.mem_available_kib, stale_after_s, now_reading.mem_cgroup, now_reading.cpu_cgroup)
 
     def age_s(self, now: float) -> float | None:
         return reading_age(self.time, now)
@@ -1580,7 +1581,9 @@ JSON_SCHEMA: dict[str, Any] = {
                                                                 "busy_pct, mem_total_kib, mem_available_kib, "
                                                                 "stale_after_s, mem_cgroup (1: the memory is a "
                                                                 "container's cgroup limit and what is left under "
-                                                                "it); an unknown field is null"}}}},
+                                                                "it), cpu_cgroup (its CPU quota in CPUs, when "
+                                                                "busy_pct is the share of it used); an unknown "
+                                                                "field is null"}}}},
         "gpus": {"type": "array", "items": {"type": "object", "required": [
             "host", "index", "name", "role", "run_id", "utilization_pct", "memory_used_mib", "memory_total_mib",
             "temperature_c", "power_draw_w", "utilization_history"]}},

@@ -92,6 +92,8 @@ def _host_row(load: HostLoad, width: int, compact: bool, now: float) -> Text:
     as a GPU's). What the host did not tell reads N/A."""
     age, age_style = _age(load, now)
     cpus = f"{load.cpus} CPUs" if load.cpus else ""
+    if load.cpu_cgroup is not None:  # a container's quota: the busy share is of it
+        cpus = f"{load.cpu_cgroup:g}/{load.cpus or '?'} CPUs"
     if compact:  # " 0 T " then the bars, as _gpu_row
         row = Text("  cpu ")
         bars, mid, tail = 5, " ", f" load {load.load_text():<10} {age:>4}"
