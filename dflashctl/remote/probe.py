@@ -357,15 +357,19 @@ def first_line_or_empty(path):
         return ""
 
 
+def first_lines(path):
+    try:
+        data = read_bounded(path, HOST_FILE_MAX_BYTES)
+    except (OSError, ValueError):
+        return []
+    return (data or b"").decode("utf-8", "replace").splitlines()
+
+
 def cgroup_folders(controllers, folder):
     """Each folder from this process's cgroup up to the mount's root, for the hierarchy
     of ``controllers`` ("": cgroup v2); nothing where /proc/self/cgroup names none or a
     path that leaves the mount."""
-    try:
-        data = read_bounded(SELF_CGROUP, HOST_FILE_MAX_BYTES)
-    except (OSError, ValueError):
-        return []
-    for line in ([] if data is None else data.decode("utf-8", "replace").splitlines()):
+    for line in first_lines(SELF_CGROUP):
         parts = line.split(":", 2)
         if len(parts) == 3 and (parts[1] == controllers if not controllers else controllers in parts[1].split(",")):
             base = os.path.join(CGROUP_ROOT, folder) if folder else CGROUP_ROOT
@@ -391,16 +395,10 @@ def cgroup_memory():
         if not limits:
             continue
         _, where, limit = min(limits)
-        out = {"limit": limit, "usage": first_line_or_empty(os.path.join(where, usage_file)) or None,
-               "inactive": None}
-        try:
-            stat = read_bounded(os.path.join(where, "memory.stat"), HOST_FILE_MAX_BYTES)
-        except (OSError, ValueError):
-            stat = None
-        for line in (stat or b"").decode("utf-8", "replace").splitlines():
-            if line.startswith(inactive_key + " "):
-                out["inactive"] = line.split(" ", 1)[1].strip()
-        return out
+        inactive = next((ln.split(" ", 1)[1].strip() for ln in first_lines(os.path.join(where, "memory.stat"))
+                         if ln.startswith(inactive_key + " ")), None)
+        return {"limit": limit, "usage": first_line_or_empty(os.path.join(where, usage_file)) or None,
+                "inactive": inactive}
     return None
 
 
@@ -435,14 +433,6 @@ def cgroup_cpu():
         uptime = first_line_or_empty("/proc/uptime").split(" ", 1)[0]
         return {"quota_us": quota, "period_us": period, "usage_us": usage or None, "uptime_s": uptime or None}
     return None
-
-
-def first_lines(path):
-    try:
-        data = read_bounded(path, HOST_FILE_MAX_BYTES)
-    except (OSError, ValueError):
-        return []
-    return (data or b"").decode("utf-8", "replace").splitlines()
 
 
 def host_stats():
