@@ -442,30 +442,46 @@ def _meminfo(text: str, reading: HostReading, problems: list[str]) -> None:
 _CGROUP_NUMBER = re.compile(r"^\d{1,20}$")
 
 
+def _shown(value: Any) -> str:
+    """A value from a host answer, for an error line: text cut short, else only its type
+    (never str() of what may be a huge int)."""
+    return _show(value) if isinstance(value, str) else f"a {type(value).__name__}"
+
+
+def _cgroup_numbers(raw: Any, what: str, keys: tuple[str, ...], unit: str, problems: list[str],
+                    optional: tuple[str, ...] = ()) -> dict[str, int] | None:
+    """The whole numbers ``keys`` of a probe's cgroup object (texts of digits; an absent
+    ``optional`` one reads 0), or None with the first reason it is not a reading."""
+    if not isinstance(raw, dict):
+        problems.append(f"{what} is not an object ({type(raw).__name__})")
+        return None
+    numbers: dict[str, int] = {}
+    for key in keys:
+        text = raw.get(key)
+        if text is None and key in optional:
+            numbers[key] = 0
+        elif isinstance(text, str) and _CGROUP_NUMBER.match(text):
+            numbers[key] = int(text)
+        else:
+            problems.append(f"{what}: {key} is not {unit} ({_shown(text)})")
+            return None
+    return numbers
+
+
 def _cgroup_memory(raw: Any, reading: HostReading, problems: list[str]) -> None:
     """The probe's ``cgroup_memory`` (texts of a cgroup's limit, usage and inactive
     page cache, in bytes) over the /proc/meminfo figures, where its limit binds."""
-    if not isinstance(raw, dict):
-        problems.append(f"cgroup memory is not an object ({type(raw).__name__})")
+    numbers = _cgroup_numbers(raw, "cgroup memory", ("limit", "usage", "inactive"), "a byte count", problems,
+                              optional=("inactive",))
+    if numbers is None:
         return
-    numbers: dict[str, int | None] = {}
-    for key in ("limit", "usage", "inactive"):
-        text = raw.get(key)
-        if text is None and key == "inactive":
-            numbers[key] = 0
-            continue
-        if not isinstance(text, str) or not _CGROUP_NUMBER.match(text):
-            shown = _show(text) if isinstance(text, str) else f"a {type(text).__name__}"  # never str() a huge int
-            problems.append(f"cgroup memory: {key} is not a byte count ({shown})")
-            return
-        numbers[key] = int(text)
-    limit_kib = numbers["limit"] // 1024  # type: ignore[operator]
+    limit_kib = numbers["limit"] // 1024
     if limit_kib > _MAX_KIB or (reading.mem_total_kib is not None and limit_kib >= reading.mem_total_kib):
         return  # the limit does not bind ("unlimited" in cgroup v1 is a huge number): the machine's figures
     if limit_kib == 0:
         problems.append(f"cgroup memory: a limit of {numbers['limit']} bytes is not a reading")
         return
-    left_kib = max(0, min(limit_kib, (numbers["limit"] - numbers["usage"] + numbers["inactive"]) // 1024))  # type: ignore[operator]
+    left_kib = max(0, min(limit_kib, (numbers["limit"] - numbers["usage"] + numbers["inactive"]) // 1024))
     if reading.mem_available_kib is not None:
         left_kib = min(left_kib, reading.mem_available_kib)
     reading.mem_total_kib, reading.mem_available_kib, reading.mem_cgroup = limit_kib, left_kib, 1
@@ -478,21 +494,13 @@ def _cgroup_cpu(raw: Any, reading: HostReading, problems: list[str]) -> None:
     """The probe's ``cgroup_cpu`` (texts: quota and period in microseconds, the CPU time
     the cgroup used in microseconds, the host's uptime in seconds) over /proc/stat's
     counters, where the quota is less than the CPUs the probe may use."""
-    if not isinstance(raw, dict):
-        problems.append(f"cgroup cpu is not an object ({type(raw).__name__})")
+    numbers = _cgroup_numbers(raw, "cgroup cpu", ("quota_us", "period_us", "usage_us"), "a number of microseconds",
+                              problems)
+    if numbers is None:
         return
-    numbers: dict[str, int] = {}
-    for key in ("quota_us", "period_us", "usage_us"):
-        text = raw.get(key)
-        if not isinstance(text, str) or not _CGROUP_NUMBER.match(text):
-            shown = _show(text) if isinstance(text, str) else f"a {type(text).__name__}"
-            problems.append(f"cgroup cpu: {key} is not a number of microseconds ({shown})")
-            return
-        numbers[key] = int(text)
     uptime = raw.get("uptime_s")
     if not isinstance(uptime, str) or not _UPTIME.match(uptime):
-        shown = _show(uptime) if isinstance(uptime, str) else f"a {type(uptime).__name__}"
-        problems.append(f"cgroup cpu: uptime_s is not seconds ({shown})")
+        problems.append(f"cgroup cpu: uptime_s is not seconds ({_shown(uptime)})")
         return
     if numbers["period_us"] == 0 or numbers["quota_us"] == 0:
         problems.append(f"cgroup cpu: a quota of {numbers['quota_us']} per {numbers['period_us']} us is not a reading")
@@ -541,8 +549,10 @@ def cpu_busy_pct(older: HostReading, newer: HostReading) -> float | None:
     together, or a cgroup's quota: ``HostReading``); None when either lacks its
     counters, they are not of the same kind, no time passed between them or the
     counters went back (a reboot between the readings)."""
-    if None in (older.cpu_total, older.cpu_idle, newer.cpu_total, newer.cpu_idle) or older.cpu_cgroup != newer.cpu_cgroup:
-        return None  # unknown, or counters of different kinds (a cgroup's quota set or changed between the two)
+    if None in (older.cpu_total, older.cpu_idle, newer.cpu_total, newer.cpu_idle):
+        return None
+    if older.cpu_cgroup != newer.cpu_cgroup:
+        return None  # counters of different kinds: a cgroup's quota set or changed between the two
     total = newer.cpu_total - older.cpu_total  # type: ignore[operator]
     idle = newer.cpu_idle - older.cpu_idle  # type: ignore[operator]
     if total <= 0 or not 0 <= idle <= total:

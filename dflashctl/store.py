@@ -442,6 +442,9 @@ def _m0010(db: Database) -> None:
 
 _SAMPLE_NUMBERS = ("tok_s", "loss", "acc", "accept_len", "eta_s", "mfu")
 _SAMPLE_EXTRAS = ("samples_s", "anchors_s", "mfu_measured")  # from a metrics line's extra
+# An inserted sample row, in order (Store.add_samples builds its rows in this order).
+_SAMPLE_COLUMNS = ("run_id", "time", "step", *_SAMPLE_NUMBERS[:5], "phase", "gpu", "mfu", "observed",
+                   *_SAMPLE_EXTRAS, "host_reading")
 SCHEMA_VERSION = 10  # the number of migrations above; recorded as PRAGMA user_version
 
 
@@ -964,10 +967,9 @@ class Store:
         if rows and rows[-1][-1] is None:
             rows[-1][-1] = _json(host_reading)  # one reading per poll: on its newest line, not on each
         with self._write() as db:
-            columns = ("run_id", "time", "step", *_SAMPLE_NUMBERS[:5], "phase", "gpu", "mfu", "observed",
-                       *_SAMPLE_EXTRAS, "host_reading")
             db.conn.executemany(
-                f"INSERT INTO samples ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})", rows,
+                f"INSERT INTO samples ({', '.join(_SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(_SAMPLE_COLUMNS))})",
+                rows,
             )
             if metrics_offset is not None:
                 db.execute(

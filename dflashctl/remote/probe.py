@@ -365,6 +365,11 @@ def first_lines(path):
     return (data or b"").decode("utf-8", "replace").splitlines()
 
 
+def stat_field(path, key):
+    """The value of the ``KEY VALUE`` line of a stat file (memory.stat, cpu.stat), or None."""
+    return next((ln.split(" ", 1)[1].strip() for ln in first_lines(path) if ln.startswith(key + " ")), None)
+
+
 def cgroup_folders(controllers, folder):
     """Each folder from this process's cgroup up to the mount's root, for the hierarchy
     of ``controllers`` ("": cgroup v2); nothing where /proc/self/cgroup names none or a
@@ -395,10 +400,8 @@ def cgroup_memory():
         if not limits:
             continue
         _, where, limit = min(limits)
-        inactive = next((ln.split(" ", 1)[1].strip() for ln in first_lines(os.path.join(where, "memory.stat"))
-                         if ln.startswith(inactive_key + " ")), None)
         return {"limit": limit, "usage": first_line_or_empty(os.path.join(where, usage_file)) or None,
-                "inactive": inactive}
+                "inactive": stat_field(os.path.join(where, "memory.stat"), inactive_key)}
     return None
 
 
@@ -422,8 +425,7 @@ def cgroup_cpu():
             continue
         _, where, (quota, period) = min(quotas)
         if to_us == 1:  # v2: cpu.stat's usage_usec line
-            usage = next((ln.split()[1] for ln in first_lines(os.path.join(where, usage_file))
-                          if ln.startswith("usage_usec ") and len(ln.split()) == 2), "")
+            usage = stat_field(os.path.join(where, usage_file), "usage_usec") or ""
         else:  # v1: cpuacct.usage, nanoseconds, in the cpuacct hierarchy (often the same folder)
             rel = os.path.relpath(where, os.path.join(CGROUP_ROOT, folder))
             usage = next((t for t in (first_line_or_empty(os.path.join(d, usage_file))

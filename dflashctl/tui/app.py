@@ -472,7 +472,7 @@ class StatusApp(App):
         run_id = self._current()
         if run_id is None:
             return
-        run = next((r for r in (self.view.runs if self.view else []) if r.id == run_id), None)
+        run = self._view_run(run_id)
         if run is not None and len(run.hosts) > 1:
             self.push_screen(RankScreen(run_id, [(h.rank, h.host) for h in run.hosts]),
                              lambda rank: rank is not None and self.attach_to(run_id, rank))
@@ -534,6 +534,10 @@ class StatusApp(App):
                         timeout=15)
         self.refresh()
 
+    def _view_run(self, run_id: str):
+        """The run ``run_id`` as the newest read of the store shows it (None: not in it yet)."""
+        return next((r for r in (self.view.runs if self.view else []) if r.id == run_id), None)
+
     def _confirm(self, command: str) -> None:
         """Ask, saying what happens to the trainer, then run ``dflashctl COMMAND RUN``
         on the run under the cursor (the one named in the question, whatever the
@@ -544,7 +548,7 @@ class StatusApp(App):
         run_id = self._current()
         if run_id is None:
             return
-        run = next((r for r in (self.view.runs if self.view else []) if r.id == run_id), None)
+        run = self._view_run(run_id)
         if run is None:
             self.notify(f"run {run_id} is not in the newest read of the store yet", severity="warning")
             return
