@@ -36,8 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dflashctl.alerts import Alerter, make_event  # noqa: E402
 from dflashctl.config import Alerts  # noqa: E402
+from dflashctl.supervise.alerts import Alerter, make_event  # noqa: E402
 
 
 def peak_kib() -> int:

@@ -27,9 +27,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflashctl import compile_cache as cc  # noqa: E402
 from dflashctl.config import load_inventory  # noqa: E402
-from dflashctl.transport import connect  # noqa: E402
+from dflashctl.hosts.transport import connect  # noqa: E402
+from dflashctl.runs import compile_cache as cc  # noqa: E402
 from trainer import compile_cache as trainer_cache  # noqa: E402
 from trainer import config as trainer_config  # noqa: E402
 

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dflashctl import envaudit as ea  # noqa: E402
-from dflashctl.transport import connect  # noqa: E402
+from dflashctl.hosts.transport import connect  # noqa: E402
 from tests.test_envaudit_envs import CUDNN12, Venv, cudnn_files, torch_files, write_dist  # noqa: E402
 
 TARGET_S = 1.0

@@ -4,7 +4,7 @@
 
 Each scenario appends to a real run directory's metrics.jsonl before every tick,
 then does what one supervisor tick does for that run: the real host-side probe
-(dflashctl/remote/probe.py, run by this machine's python as the local transport
+(dflashctl/hosts/remote/probe.py, run by this machine's python as the local transport
 runs it), ``parse_probe_host``, ``read_metrics_chunk`` and ``supervisor_core.step``.
 
     clean        10 good lines per tick (the reference)
@@ -32,12 +32,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dflashctl import contract  # noqa: E402
-from dflashctl import supervisor_core as core  # noqa: E402
 from dflashctl.config import Alerts, Expect, RestartPolicy  # noqa: E402
-from dflashctl.parsers import read_metrics_chunk  # noqa: E402
-from dflashctl.probe import ProbeArgs, parse_probe_host, probe_command  # noqa: E402
+from dflashctl.core import contract  # noqa: E402
+from dflashctl.hosts.parsers import read_metrics_chunk  # noqa: E402
+from dflashctl.hosts.probe import ProbeArgs, parse_probe_host, probe_command  # noqa: E402
 from dflashctl.store import Run  # noqa: E402
+from dflashctl.supervise import supervisor_core as core  # noqa: E402
 
 
 def vm_hwm_kib() -> int:

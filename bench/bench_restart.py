@@ -7,7 +7,7 @@ after the stop against a cold restart (no standby): request -> first step.
 For each mode a run is launched on the local host (real tmux, the real trainer, a
 real SQLite store) and supervised in this process until its standby is ready (or,
 cold, the playbook's ``restart.standby: false``) and it has a checkpoint; then the
-supervisor lets go and ``dflashctl.runhost.restart`` does what the `restart`
+supervisor lets go and ``dflashctl.runs.runhost.restart`` does what the `restart`
 command does: a graceful stop (the trainer checkpoints), then the new process.
 Printed per mode: the seconds from the restart request to the new process's first
 step (the stop's checkpoint included, the same in both modes), and the new
@@ -29,14 +29,15 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_standby import arguments, status, wait_for  # noqa: E402  (this directory is on sys.path)
-from dflashctl import contract  # noqa: E402
-from dflashctl.bundle import build_bundle  # noqa: E402
+
 from dflashctl.config import load_inventory, load_playbook  # noqa: E402
+from dflashctl.core import contract  # noqa: E402
+from dflashctl.hosts.bundle import build_bundle  # noqa: E402
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux  # noqa: E402
 from dflashctl.launch import launch_run  # noqa: E402
-from dflashctl.runhost import restart, standby_session  # noqa: E402
+from dflashctl.runs.runhost import restart, standby_session  # noqa: E402
 from dflashctl.store import Store  # noqa: E402
-from dflashctl.supervisor import Supervisor  # noqa: E402
-from dflashctl.tmux import SOCKET_ENV, Tmux  # noqa: E402
+from dflashctl.supervise.supervisor import Supervisor  # noqa: E402
 
 
 def _supervised_until(store, inventory, root: Path, run_id: str, ready, interval: float) -> None:

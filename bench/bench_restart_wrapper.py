@@ -38,15 +38,17 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dflashctl import contract, transport  # noqa: E402
-from dflashctl.bundle import build_bundle  # noqa: E402
-from dflashctl.config import load_playbook  # noqa: E402
-from dflashctl.launch import launch_run  # noqa: E402
-from dflashctl.runhost import standby_session  # noqa: E402
-from dflashctl.store import Store  # noqa: E402
-from dflashctl.supervisor import Supervisor  # noqa: E402
-from dflashctl.tmux import SOCKET_ENV, UTF8_ENV, Tmux  # noqa: E402
 from bench_standby import arguments, status, trainer_config, wait_for  # noqa: E402  (this folder)
+
+from dflashctl.config import load_playbook  # noqa: E402
+from dflashctl.core import contract  # noqa: E402
+from dflashctl.hosts import transport
+from dflashctl.hosts.bundle import build_bundle  # noqa: E402
+from dflashctl.hosts.tmux import SOCKET_ENV, UTF8_ENV, Tmux  # noqa: E402
+from dflashctl.launch import launch_run  # noqa: E402
+from dflashctl.runs.runhost import standby_session  # noqa: E402
+from dflashctl.store import Store  # noqa: E402
+from dflashctl.supervise.supervisor import Supervisor  # noqa: E402
 
 HOSTS = ("local", "target")
 
@@ -100,7 +102,7 @@ class HostRun:
 
     def _restart(self, run_id, serialized, store, inventory) -> None:
         """The supervisor's own restart, its host commands counted."""
-        from dflashctl.runhost import restart_run
+        from dflashctl.runs.runhost import restart_run
 
         self.calls.thread, before = threading.get_ident(), len(self.calls.calls.get(self.host, []))
         started = time.monotonic()
@@ -155,7 +157,7 @@ def lifecycle_call(env, host: str, calls: int = 10) -> dict:
         tmux.has_session("bench-none")
         kept.append(time.monotonic() - started)
     fresh_code = (
-        "import sys; from dflashctl.config import load_inventory; from dflashctl.transport import connect; "
+        "import sys; from dflashctl.config import load_inventory; from dflashctl.hosts.transport import connect; "
         "t = connect(sys.argv[2], load_inventory(sys.argv[1])); "
         "sys.exit(t.run(['tmux', '-L', sys.argv[3], 'has-session', '-t', '=bench-none'], env=%r, check=False).exit_code)"
         % UTF8_ENV)

@@ -28,14 +28,14 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dflashctl import contract  # noqa: E402
-from dflashctl.bundle import build_bundle  # noqa: E402
 from dflashctl.config import load_inventory, load_playbook  # noqa: E402
+from dflashctl.core import contract  # noqa: E402
+from dflashctl.hosts.bundle import build_bundle  # noqa: E402
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux  # noqa: E402
 from dflashctl.launch import launch_run  # noqa: E402
-from dflashctl.runhost import standby_session  # noqa: E402
+from dflashctl.runs.runhost import standby_session  # noqa: E402
 from dflashctl.store import Store  # noqa: E402
-from dflashctl.supervisor import Supervisor  # noqa: E402
-from dflashctl.tmux import SOCKET_ENV, Tmux  # noqa: E402
+from dflashctl.supervise.supervisor import Supervisor  # noqa: E402
 
 
 def wait_for(predicate, timeout: float, what: str):

@@ -95,7 +95,7 @@ def _ms(seconds: float) -> str:
 
 
 def bench_refresh(store: Store, playbooks: str, repeat: int = 20) -> None:
-    from dflashctl.tui.model import StatusReader
+    from dflashctl.status.model import StatusReader
 
     reader = StatusReader(store, playbooks)
     t0 = time.perf_counter()

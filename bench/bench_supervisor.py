@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench_transport import cpu_ms, cpu_model  # noqa: E402  (this directory is on sys.path)
+from bench_transport import cpu_model, cpu_ms  # noqa: E402  (this directory is on sys.path)
 
 SOCKET = f"dflash-bench-{os.getpid()}"
 
@@ -58,7 +58,7 @@ def _playbook(directory: Path, name: str, host: str, **settings) -> str:
 
 
 def _status_pid(run_dir: str) -> int | None:
-    from dflashctl import contract
+    from dflashctl.core import contract
 
     try:
         status = contract.parse_status(Path(run_dir, contract.STATUS_FILE).read_text())
@@ -70,7 +70,7 @@ def _status_pid(run_dir: str) -> int | None:
 def tick_cost(env, store, playbook: str, hosts: list[str], ticks: int) -> dict:
     """Median tick seconds, this process's CPU per tick, the hosts' CPU per tick."""
     from dflashctl.config import load_playbook
-    from dflashctl.supervisor import Supervisor
+    from dflashctl.supervise.supervisor import Supervisor
     from tests.harness.fake_trainer import start_fake_run
 
     pb = load_playbook(playbook, inventory=env.inventory)
@@ -104,7 +104,7 @@ def tick_cost(env, store, playbook: str, hosts: list[str], ticks: int) -> dict:
 def detection_latency(env, store, playbook: str, host: str, trials: int, interval: float) -> dict:
     """Seconds from SIGKILL to the stored crash event, over ``trials`` kills."""
     from dflashctl.config import load_playbook
-    from dflashctl.supervisor import Supervisor
+    from dflashctl.supervise.supervisor import Supervisor
     from tests.harness.fake_trainer import start_fake_run
 
     pb = load_playbook(playbook, inventory=env.inventory)
@@ -153,7 +153,7 @@ def detection_latency(env, store, playbook: str, host: str, trials: int, interva
 
 def end_tmux_servers(env, hosts: list[str]) -> None:
     """The trainer-like processes live in tmux servers on the hosts: end them by pid."""
-    from dflashctl.tmux import Tmux
+    from dflashctl.hosts.tmux import Tmux
 
     def one(host):
         pid = Tmux(env.inventory.get(host), env.inventory, SOCKET).server_pid()

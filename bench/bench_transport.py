@@ -42,7 +42,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflashctl.transport import Pool, command_line, fanout  # noqa: E402
+from dflashctl.hosts.transport import Pool, command_line, fanout  # noqa: E402
 from tests.harness import SshEnv  # noqa: E402
 from tests.harness.sshd import descendants  # noqa: E402
 

@@ -286,7 +286,7 @@ PY
     python3 - "$work" <<'PY' 2>&1 | tee "$work/advice.log"
 import glob, json, os, statistics, sys
 from dflashctl import contract
-from dflashctl.placement import advise
+from dflashctl.supervise.placement import advise
 for name in ("split", "shared"):
     path = glob.glob(os.path.join(sys.argv[1], name, "0-*", "metrics.jsonl"))[0]
     lines = [contract.read_metrics_line(l) for l in open(path) if l.strip()]

@@ -16,8 +16,7 @@ import os
 import sys
 
 from dflashctl.commands._app import app, err, fail
-from dflashctl.errors import DflashError
-
+from dflashctl.core.errors import DflashError
 
 # Shown at the end of each command's --help (RUN: a run id or its first characters).
 EXAMPLES = {

@@ -14,12 +14,12 @@
     record      the run in the store, state ``launching``; the GPU claim against
                 other active runs on the host is checked in the same transaction
     configure   <workdir>/runs/<run_id>/ with config.json and run.sh, and a held
-                compile artifact that fits the run (dflashctl.compile_cache)
+                compile artifact that fits the run (dflashctl.runs.compile_cache)
     start       tmux session <run_id> running run.sh
     wait        status.json shows the trainer started -> state ``running``
 
 then ``start_supervisor`` hands the run to the supervisor (a local tmux session,
-or the foreground through ``dflashctl.console.follow``). A run supervised in the
+or the foreground through ``dflashctl.supervise.console.follow``). A run supervised in the
 foreground (``supervise_here``) is never left unsupervised by the process's end:
 Ctrl-C, SIGTERM and SIGHUP (the terminal or the ssh connection closed) hand it to
 a background supervisor (``HandOverSignals``).
@@ -29,9 +29,9 @@ the bundle locally to show its hash, and touches neither the host nor the store)
 
 Placement GPU indices in a playbook are physical (as nvidia-smi numbers them);
 the run files (config.json, run.sh), the start itself and everything that later
-happens to the run on its host (stop, restart, logs) are ``dflashctl.runhost``'s.
+happens to the run on its host (stop, restart, logs) are ``dflashctl.runs.runhost``'s.
 
-This module never restarts, stops or signals a run (``dflashctl.runhost``), and
+This module never restarts, stops or signals a run (``dflashctl.runs.runhost``), and
 the supervisor never imports it: it only starts the supervisor.
 """
 
@@ -48,23 +48,37 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from dflashctl import contract, deploy
-from dflashctl.bundle import Bundle, build_bundle
-from dflashctl.errors import DflashError, TransportError, first_line
-from dflashctl.facts import gpu_count_problem
-from dflashctl.runhost import (
-    RUN_SCRIPT, START_TIMEOUT, LaunchError, Progress, host_transport, local_host, new_rendezvous_key, part_config,
-    port_check_argv, port_in_use_error, quiet, rendezvous_port_problem, run_environment, run_files, start_command,
+from dflashctl.core import contract
+from dflashctl.core.errors import DflashError, TransportError, first_line
+from dflashctl.hosts import deploy
+from dflashctl.hosts.bundle import Bundle, build_bundle
+from dflashctl.hosts.facts import gpu_count_problem
+from dflashctl.hosts.tmux import Tmux, socket_name
+from dflashctl.runs.runhost import (
+    RUN_SCRIPT,
+    START_TIMEOUT,
+    LaunchError,
+    Progress,
+    host_transport,
+    local_host,
+    new_rendezvous_key,
+    part_config,
+    port_check_argv,
+    port_in_use_error,
+    quiet,
+    rendezvous_port_problem,
+    run_environment,
+    run_files,
+    start_command,
     wait_started,
 )
 from dflashctl.store import FAILED, FINAL_STATES, LAUNCHING, Run, Store, new_run_id
-from dflashctl.tmux import Tmux, socket_name
 
 if TYPE_CHECKING:
     from dflashctl.config import Host, Inventory, Playbook
-    from dflashctl.detectors import Finding
-    from dflashctl.probe import HostProbe
-    from dflashctl.transport import Transport
+    from dflashctl.hosts.probe import HostProbe
+    from dflashctl.hosts.transport import Transport
+    from dflashctl.supervise.detectors import Finding
 
 # A GPU with more memory in use than this is busy (an idle H200 shows 0 MiB; a bare
 # CUDA context takes ~500 MiB).
@@ -154,13 +168,13 @@ def _show(argv: list[str], stdin_bytes: int | None = None) -> str:
 
 def gpu_probe_argv(python: str) -> list[str]:
     """The probe asked for nvidia-smi only (no runs)."""
-    from dflashctl.probe import probe_command
+    from dflashctl.hosts.probe import probe_command
 
     return probe_command(python, [], nvidia_smi=True)
 
 
 def probe_gpus(transport: "Transport") -> "HostProbe":
-    from dflashctl.probe import ProbeError, parse_probe_host
+    from dflashctl.hosts.probe import ProbeError, parse_probe_host
 
     result = transport.run(gpu_probe_argv(transport.host.python), timeout=60)
     host = parse_probe_host(result.stdout)
@@ -230,7 +244,7 @@ class _Launcher:
         """The run's data shards, model directory and free disk on ``host``, in one
         read-only round trip before anything is deployed: an error stops the launch
         (unless forced) with its fix, which is in the playbook and needs a new launch."""
-        from dflashctl.facts import check_inputs, input_problems
+        from dflashctl.hosts.facts import check_inputs, input_problems
 
         data, model = trainer.get("data") or {}, trainer.get("model") or {}
         asked = [w for w, v in (("data shards", data.get("shards")), ("model", model.get("path"))) if v]
@@ -482,7 +496,7 @@ class _Launcher:
             self.say("connect", f"would prove on {host.name} that a detached process and a tmux session outlive "
                      "the call (as `dflashctl check` does)")
             return
-        from dflashctl.facts import LAUNCH_BLOCKERS, prove_launchable
+        from dflashctl.hosts.facts import LAUNCH_BLOCKERS, prove_launchable
 
         _, problems = prove_launchable(transport)
         blocking = [p for p in problems if p.code in LAUNCH_BLOCKERS]
@@ -547,7 +561,7 @@ class _Launcher:
         trainer["run_dir"] = run_dir
         cache = pb.compile_cache
         if self.host.is_local and "compile_cache" not in pb.model_fields_set:
-            from dflashctl.paths import local_compile_cache
+            from dflashctl.core.paths import local_compile_cache
 
             cache = local_compile_cache() or cache  # DFLASHCTL_HOME holds a local run's cache too
         if cache and not trainer["compile"].get("cache_dir"):
@@ -584,8 +598,8 @@ class _Launcher:
     def _provide_compile_cache(self, run_id: str, run_dir: str, files: dict[str, str], config: dict[str, Any],
                                bundle_hash: str, gpus: list[int], rank: int = 0) -> None:
         """Before the start: a held compile artifact that fits the run goes into its
-        run directory (dflashctl.compile_cache), said and recorded."""
-        from dflashctl import compile_cache
+        run directory (dflashctl.runs.compile_cache), said and recorded."""
+        from dflashctl.runs import compile_cache
 
         if self.dry_run:
             held = len(compile_cache.LocalCache().entries())
@@ -630,7 +644,7 @@ def thresholds_of(pb: "Playbook") -> dict[str, Any]:
 
 
 def _route(host_name: str, inventory: "Inventory") -> str:
-    from dflashctl.transport import describe_route
+    from dflashctl.hosts.transport import describe_route
 
     return describe_route(inventory.route(host_name))
 
@@ -678,7 +692,7 @@ def start_supervisor(run_id: str, foreground: bool, store: Store, inventory: "In
     status console passes its own store's path)."""
     say = progress or quiet
     if foreground:
-        from dflashctl.console import follow
+        from dflashctl.supervise.console import follow
 
         return follow(run_id, store, inventory, emit or print, playbooks_dir=playbooks_dir, stop=stop)
     argv = [sys.executable, "-m", "dflashctl"]

@@ -42,7 +42,7 @@ from tests.harness import SshEnv
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_dflashctl_home(tmp_path_factory):
-    """Keep tests away from the user's ~/.config and ~/.local/share (see dflashctl.paths)."""
+    """Keep tests away from the user's ~/.config and ~/.local/share (see dflashctl.core.paths)."""
     if "DFLASHCTL_HOME" in os.environ:
         yield
         return
@@ -61,7 +61,7 @@ def ssh_home(ssh_env, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def ssh_env(tmp_path_factory):
-    from dflashctl import transport
+    from dflashctl.hosts import transport
 
     env = SshEnv(tmp_path_factory.mktemp("ssh"))
     try:

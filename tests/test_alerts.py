@@ -17,7 +17,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 
 import pytest
 
-from dflashctl.alerts import (
+from dflashctl.config import Alerts
+from dflashctl.supervise.alerts import (
     BELOW_MIN_SEVERITY,
     DROPPED,
     HOOK_FAILED,
@@ -27,7 +28,6 @@ from dflashctl.alerts import (
     Alerter,
     make_event,
 )
-from dflashctl.config import Alerts
 
 
 @pytest.fixture
@@ -358,7 +358,7 @@ def test_a_huge_command_output_keeps_memory_bounded(tmp_path) -> None:
     # earlier test's.
     script = r"""
 import json, sys
-from dflashctl.alerts import Alerter, make_event
+from dflashctl.supervise.alerts import Alerter, make_event
 from dflashctl.config import Alerts
 
 def peak_kib():

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl import deploy
-from dflashctl.bundle import Bundle, build_bundle
 from dflashctl.config import load_inventory
-from dflashctl.errors import TransportError
-from dflashctl.transport import connect
+from dflashctl.core.errors import TransportError
+from dflashctl.hosts import deploy
+from dflashctl.hosts.bundle import Bundle, build_bundle
+from dflashctl.hosts.transport import connect
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def _members(bundle: Bundle) -> list[tarfile.TarInfo]:
 def _source_copy(tmp_path: Path) -> Path:
     """The bundle's sources copied somewhere they can be changed."""
     root = tmp_path / "src"
-    for rel in ("trainer", "dflashctl/__init__.py", "dflashctl/contract.py"):
+    for rel in ("trainer", "dflashctl/__init__.py", "dflashctl/core/__init__.py", "dflashctl/core/contract.py"):
         src, dst = REPO / rel, root / rel
         if src.is_dir():
             shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
@@ -63,9 +63,9 @@ def local_inventory(tmp_path):
 def test_bundle_is_reproducible_and_holds_only_the_trainer_side(tmp_path):
     a, b = build_bundle(), build_bundle()
     assert a.hash == b.hash and a.data == b.data and len(a.hash) == 64
-    assert "dflashctl/contract.py" in a.files and "dflashctl/__init__.py" in a.files
+    assert "dflashctl/core/contract.py" in a.files and "dflashctl/__init__.py" in a.files
     assert "trainer/__main__.py" in a.files and "trainer/config.py" in a.files
-    assert not [f for f in a.files if f.startswith("dflashctl/") and f not in ("dflashctl/__init__.py", "dflashctl/contract.py")]
+    assert not [f for f in a.files if f.startswith("dflashctl/") and f not in ("dflashctl/__init__.py", "dflashctl/core/__init__.py", "dflashctl/core/contract.py")]
     assert not [f for f in a.files if "__pycache__" in f or f.endswith(".pyc")]
     for m in _members(a):
         assert (m.mtime, m.uid, m.gid, m.uname, m.gname) == (946684800, 0, 0, "", "")
@@ -100,7 +100,7 @@ def test_unpacked_bundle_imports_every_trainer_module_on_its_own(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=120)
     assert out.returncode == 0, out.stderr
     modules, location = out.stdout.splitlines()
-    assert modules == "['dflashctl', 'dflashctl.contract']"
+    assert modules == "['dflashctl', 'dflashctl.core', 'dflashctl.core.contract']"
     assert location.startswith(str(tmp_path))
 
 
@@ -249,7 +249,7 @@ def test_upload_cut_halfway_keeps_the_previous_bundle_and_says_so(ssh_env, tmp_p
     assert [p for p in os.listdir(bundles) if p.startswith(".tmp-")] == []
     # The previous bundle is whole and usable.
     t = connect("target", ssh_env.inventory)
-    check = t.run([ssh_env.inventory.get("target").python, "-c", "import trainer.config, dflashctl.contract; print('ok')"],
+    check = t.run([ssh_env.inventory.get("target").python, "-c", "import trainer.config, dflashctl.core.contract; print('ok')"],
                   env={"PYTHONPATH": str(bundles / good.hash)}, cwd="/")
     assert check.stdout.strip() == "ok"
     # And the next deploy of the new bundle completes.

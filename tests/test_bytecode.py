@@ -18,7 +18,8 @@ import textwrap
 
 import pytest
 
-from trainer import bytecode, compile_cache as cc
+from trainer import bytecode
+from trainer import compile_cache as cc
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "gpu": "NVIDIA H200", "python": "3.12.3",
@@ -211,7 +212,7 @@ def test_the_artifact_read_twice_at_a_start_is_hashed_again_once_it_changed(tmp_
 
 
 def test_the_controller_reads_the_bytecode_size_of_a_manifest_it_was_sent(tmp_path):
-    from dflashctl.compile_cache import Entry
+    from dflashctl.runs.compile_cache import Entry
 
     good = {"parts": {"artifacts": {"offset": 0, "bytes": 5}, "bytecode": {"offset": 5, "bytes": 7}}}
     assert Entry("k", good, str(tmp_path)).bytecode_bytes == 7

@@ -10,8 +10,8 @@ import sys
 import pytest
 import yaml
 
-from dflashctl.facts import parse_facts
-from dflashctl.transport import connect
+from dflashctl.hosts.facts import parse_facts
+from dflashctl.hosts.transport import connect
 
 CAPTURES = os.path.join(os.path.dirname(__file__), "fixtures", "nvidia-smi")
 
@@ -249,7 +249,7 @@ def test_gpus_in_the_inventory_that_nvidia_smi_does_not_show_are_a_warning(ssh_e
 
 def test_the_trainer_requirements_are_pyprojects_trainer_extra():
     tomllib = pytest.importorskip("tomllib")
-    from dflashctl.facts import TRAINER_REQUIREMENTS
+    from dflashctl.hosts.facts import TRAINER_REQUIREMENTS
 
     with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "pyproject.toml"), "rb") as f:
         extra = tomllib.load(f)["project"]["optional-dependencies"]["trainer"]
@@ -287,7 +287,7 @@ TRITON_PIN = ["triton==3.4.0; platform_system == \"Linux\" and platform_machine 
 )
 def test_launch_problems(launch, look, codes):
     from dflashctl.config import Host
-    from dflashctl.facts import HostFacts, LaunchFacts, LookAgain, launch_problems
+    from dflashctl.hosts.facts import HostFacts, LaunchFacts, LookAgain, launch_problems
 
     host = Host(name="h", address="h", wrapper="pct exec 1 --")
     facts = HostFacts("h", "Debian", "6", "3.11.7", "/usr/bin/python3", "/w", tmux="tmux 3.3a")
@@ -305,7 +305,7 @@ def test_launch_problems(launch, look, codes):
 
 def test_launch_problems_without_tmux():
     from dflashctl.config import Host
-    from dflashctl.facts import HostFacts, LaunchFacts, LookAgain, launch_problems
+    from dflashctl.hosts.facts import HostFacts, LaunchFacts, LookAgain, launch_problems
 
     facts = HostFacts("h", "Debian", "6", "3.11.7", "/usr/bin/python3", "/w", tmux=None)
     facts.launch = LaunchFacts(versions=GOOD, pidns="pid:[1]", detached_pid=5, detached_start=9)

@@ -37,7 +37,7 @@ def test_the_controller_never_imports_torch():
     modules = [m.name for m in pkgutil.walk_packages(dflashctl.__path__, "dflashctl.") if not m.name.endswith("__main__")]
     assert len(modules) > 20
     assert {"dflashctl.cli", "dflashctl.commands._app", "dflashctl.commands.runs", "dflashctl.launch",
-            "dflashctl.runhost", "dflashctl.console", "dflashctl.supervisor", "dflashctl.signatures"} <= set(modules)
+            "dflashctl.runs.runhost", "dflashctl.supervise.console", "dflashctl.supervise.supervisor", "dflashctl.core.signatures"} <= set(modules)
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from dflashctl import contract
-from dflashctl.tmux import SOCKET_ENV
+from dflashctl.core import contract
+from dflashctl.hosts.tmux import SOCKET_ENV
 from tests.test_status import RUN_A, RUN_B, RUN_C, fill
 from tests.test_supervisor import REPO, SOCKET, LocalEnv, kill_tmux_servers, metrics_lines, wait_for
 
@@ -151,7 +151,7 @@ def test_the_supervisor_stream_is_in_time_order_and_loses_no_event(local_env):
     """Defect: `watch` / `launch --foreground` printed a tick's metrics lines before
     the events written meanwhile (out of time order), and of two events stored in
     one interval with the later id holding the earlier time, only one was printed."""
-    from dflashctl.console import format_line
+    from dflashctl.supervise.console import format_line
 
     pb = local_env.playbook("ordered")
     run_id = local_env.start(pb)

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dflashctl import compile_cache as cc
 from dflashctl.config import load_inventory, load_playbook
-from dflashctl.errors import TransportError
-from dflashctl.runhost import restart_run, run_files
+from dflashctl.core.errors import TransportError
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
+from dflashctl.hosts.transport import connect
+from dflashctl.runs import compile_cache as cc
+from dflashctl.runs.runhost import restart_run, run_files
 from dflashctl.store import Store
-from dflashctl.tmux import SOCKET_ENV, Tmux
-from dflashctl.transport import connect
 from tests.harness import environ
 from tests.harness.fake_trainer import start_fake_run
 from tests.test_supervisor import kill_tmux_servers, wait_for, write_playbook
@@ -304,7 +304,7 @@ def test_the_supervisor_copies_a_cold_starts_artifact_back_once(tmp_path, home):
                        inventory=inventory)
     run_id = start_fake_run(store, inventory, "local", pb.trainer.to_dict(), playbook=pb.name,
                             playbook_source=pb.source, socket=SOCKET, env={"FAKE_TRAINER_COMPILE_CACHE": "miss"})
-    from dflashctl.supervisor import Supervisor
+    from dflashctl.supervise.supervisor import Supervisor
 
     sup = Supervisor(store, inventory, interval=0.2, playbooks_dir=str(playbooks))
     sup.attach(run_id)

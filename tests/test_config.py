@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import config, paths
+from dflashctl import config
 from dflashctl.config import (
     DEMO_PLAYBOOK_YAML,
     EMBEDDED,
@@ -22,7 +22,8 @@ from dflashctl.config import (
     load_playbook,
     parse_duration,
 )
-from dflashctl.errors import ConfigError
+from dflashctl.core import paths
+from dflashctl.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "config"

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflashctl import contract
-from dflashctl.contract import (
+from dflashctl.core import contract
+from dflashctl.core.contract import (
     ContractError,
     Metrics,
     Status,

@@ -6,21 +6,21 @@ import time
 
 import pytest
 
-from dflashctl import contract
 from dflashctl.config import Expect
-from dflashctl.detectors import (
+from dflashctl.core import contract
+from dflashctl.hosts.parsers import GpuReading
+from dflashctl.hosts.probe import ProbeResult, ProcessState
+from dflashctl.supervise.detectors import (
     Finding,
     Sample,
     baseline_from_history,
-    detect_crash,
     detect,
+    detect_crash,
     detect_unreachable,
     env_drift,
     fmt_duration,
     fmt_tok_s,
 )
-from dflashctl.parsers import GpuReading
-from dflashctl.probe import ProbeResult, ProcessState
 
 NOW = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
 DAY = 86400.0

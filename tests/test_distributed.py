@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from dflashctl import contract
+from dflashctl.core import contract
 from tests.harness import free_port
 from tests.test_trainer_run import REPO, read_metrics, run_trainer, tiny_config
 

@@ -27,10 +27,10 @@ import pytest
 from packaging.utils import canonicalize_name
 
 from dflashctl import envaudit as ea
-from dflashctl import remote
 from dflashctl.config import load_inventory, load_playbook
+from dflashctl.core.errors import ConfigError, TransportError
 from dflashctl.envaudit.snapshot import FRAME, framed
-from dflashctl.errors import ConfigError, TransportError
+from dflashctl.hosts import remote
 from dflashctl.store import Store
 from tests.harness import environ
 
@@ -603,7 +603,7 @@ PYTHON_3_8 = _python38()
 
 def run_collector(argument, env: dict[str, str] | None = None, check: bool = True,
                   python: str = sys.executable, cwd: str | None = None) -> subprocess.CompletedProcess:
-    """dflashctl/remote/audit.py run as a file by a real python, as a person (or the
+    """dflashctl/hosts/remote/audit.py run as a file by a real python, as a person (or the
     controller, through ``python -c``) runs it on a host."""
     argv = [python, str(COLLECTOR)] + ([] if argument is None else
                                        [argument if isinstance(argument, str) else json.dumps(argument)])
@@ -724,7 +724,7 @@ def test_target_through_jump_and_container(ssh_env):
     assert report.torch is not None and s.owner("torch").requires
     assert "direct-tcpip" in ssh_env.log("jump")
     # A fix runs as it is written: the host's python, through the wrapper.
-    from dflashctl.transport import connect
+    from dflashctl.hosts.transport import connect
 
     fixer = ea.Fixer(s, ea.protected(s))
     argv = fixer.pip("--version")

@@ -32,8 +32,8 @@ from packaging.utils import canonicalize_name
 
 from dflashctl import envaudit as ea
 from dflashctl.config import load_inventory
-from dflashctl.errors import TransportError
-from dflashctl.signatures import classify
+from dflashctl.core.errors import TransportError
+from dflashctl.core.signatures import classify
 
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
 TORCH_VERSION = "2.7.0+cu126"

@@ -18,9 +18,17 @@ from pathlib import Path
 import pytest
 
 from dflashctl import envaudit as ea
-from dflashctl.transport import connect
-from tests.test_envaudit_envs import TORCH_VERSION, Venv, dist_info_name, elf_library, write_dist, write_wheel
-from tests.test_envaudit_envs import TRAINER_STACK, trainer_stack_wheels
+from dflashctl.hosts.transport import connect
+from tests.test_envaudit_envs import (
+    TORCH_VERSION,
+    TRAINER_STACK,
+    Venv,
+    dist_info_name,
+    elf_library,
+    trainer_stack_wheels,
+    write_dist,
+    write_wheel,
+)
 from tests.test_envaudit_replay import OFFLINE, fresh_venv, pip  # noqa: F401  (fresh_venv: a fixture)
 
 CUDNN12, CUDNN13 = ("nvidia-cudnn-cu12", "9.1.0.70"), ("nvidia-cudnn-cu13", "9.13.0.50")

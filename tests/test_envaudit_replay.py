@@ -17,12 +17,20 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+
 import pytest
 
 from dflashctl import envaudit as ea
-from dflashctl.transport import connect
+from dflashctl.hosts.transport import connect
 from tests.test_envaudit_envs import (
-    CUDNN12, CUDNN13, TORCH_VERSION, Venv, cudnn_files, torch_files, trainer_stack_wheels, write_wheel,
+    CUDNN12,
+    CUDNN13,
+    TORCH_VERSION,
+    Venv,
+    cudnn_files,
+    torch_files,
+    trainer_stack_wheels,
+    write_wheel,
 )
 
 # pip reads its options from the environment too: local wheels only, no network at all.

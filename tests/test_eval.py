@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from dflashctl import contract
+from dflashctl.core import contract
 from tests.test_export import cli, latest, run_config, train, write_model_dir
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -135,8 +136,8 @@ def test_speculative_greedy_output_is_plain_greedy_output_on_20_prompts(written_
 
 
 def test_the_greedy_baseline_is_the_targets_own_greedy_decoding(written_by_target):
-    from trainer.eval import load_samples, split_prompt
     from trainer import restore
+    from trainer.eval import load_samples, split_prompt
     from trainer.speculative import greedy_generate
 
     loaded = restore.load(written_by_target["ckpt"])
@@ -288,7 +289,8 @@ def test_the_demo_as_shipped_measures_tau_near_accept_len_plus_one(tmp_path):
     import yaml
 
     from trainer.eval import format_text, run_eval
-    from trainer.info import describe, format_text as info_text
+    from trainer.info import describe
+    from trainer.info import format_text as info_text
 
     with open(os.path.join(os.path.dirname(__file__), "..", "playbooks", "demo.yaml")) as f:
         playbook = yaml.safe_load(f)

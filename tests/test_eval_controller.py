@@ -14,13 +14,16 @@ import sys
 import pytest
 import yaml
 
-from dflashctl import supervisor_core as core
 from dflashctl.config import EvalSettings, load_inventory, load_playbook
 from dflashctl.launch import launch_run
 from dflashctl.store import Store
-from dflashctl.supervisor import Supervisor
-from tests.test_launch import _playbook, _uses_tmux
-from tests.test_launch import private_tmux_socket_and_home  # noqa: F401  (fixture)
+from dflashctl.supervise import supervisor_core as core
+from dflashctl.supervise.supervisor import Supervisor
+from tests.test_launch import (
+    _playbook,
+    _uses_tmux,
+    private_tmux_socket_and_home,  # noqa: F401  (fixture)
+)
 from tests.test_supervisor_core import T0, make_policy, make_state, probe
 
 
@@ -73,7 +76,7 @@ def test_dflashctl_eval_says_each_prompt_and_ctrl_c_keeps_what_was_measured(tmp_
     report as it grows: each prompt is said and stored at once; a Ctrl-C (here: raised
     from the progress callback once two prompts are in) ends the session and keeps
     those prompts as a partial report."""
-    from dflashctl.runhost import eval_run, eval_session, part_tmux
+    from dflashctl.runs.runhost import eval_run, eval_session, part_tmux
 
     inventory = load_inventory(None)
     _uses_tmux("local", inventory)

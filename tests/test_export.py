@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dflashctl import contract
+from dflashctl.core import contract
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflashctl.freshness import freshness
+from dflashctl.status.freshness import freshness
 from dflashctl.store import Run, Sample
 
 NOW = 1_800_000_000.0

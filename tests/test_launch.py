@@ -18,20 +18,27 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl import contract
-from dflashctl.bundle import build_bundle
 from dflashctl.config import load_inventory, load_playbook
+from dflashctl.core import contract
+from dflashctl.hosts.bundle import build_bundle
+from dflashctl.hosts.parsers import parse_compute_apps, parse_gpu_query
+from dflashctl.hosts.probe import HostProbe
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
+from dflashctl.hosts.transport import connect
 from dflashctl.launch import busy_gpus, launch_run, start_supervisor, wanted_gpus
-from dflashctl.parsers import parse_compute_apps, parse_gpu_query
-from dflashctl.probe import HostProbe
-from dflashctl.runhost import (
-    LaunchError, logs, probe_run, render_run_script, renumber_placement, restart_run, run_environment, stop,
+from dflashctl.runs.runhost import (
+    LaunchError,
+    logs,
+    probe_run,
+    render_run_script,
+    renumber_placement,
+    restart_run,
+    run_environment,
+    stop,
 )
 from dflashctl.store import GpuConflict, Store
-from dflashctl.tmux import SOCKET_ENV, Tmux
 from tests.harness import environ
 from tests.harness.fake_trainer import start_fake_run
-from dflashctl.transport import connect
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
 SOCKET = f"dflash-test-{os.getpid()}"

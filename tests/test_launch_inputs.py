@@ -1,7 +1,7 @@
 """A launch checks its inputs on the run host before anything is deployed: the
 data shards (present, readable, a valid first line), the model directory (with a
 config.json) and the free disk, in one read-only round trip of the host-side facts
-script (dflashctl/remote/facts.py) through the real local transport. A playbook
+script (dflashctl/hosts/remote/facts.py) through the real local transport. A playbook
 that cannot launch is refused with nothing on the host or in the store, and its
 dry run exits non-zero."""
 
@@ -17,11 +17,11 @@ import pytest
 import yaml
 
 from dflashctl.config import load_inventory, load_playbook
-from dflashctl.facts import InputsCheck, check_inputs, input_problems
+from dflashctl.hosts.facts import InputsCheck, check_inputs, input_problems
+from dflashctl.hosts.transport import connect
 from dflashctl.launch import launch_run
-from dflashctl.runhost import LaunchError
+from dflashctl.runs.runhost import LaunchError
 from dflashctl.store import Store
-from dflashctl.transport import connect
 
 REPO = Path(__file__).resolve().parent.parent
 GOOD_LINE = json.dumps({"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]})

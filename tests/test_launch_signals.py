@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl import contract
 from dflashctl.config import load_inventory
+from dflashctl.core import contract
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
 from dflashctl.store import Store
-from dflashctl.supervisor import live_supervisor
-from dflashctl.tmux import SOCKET_ENV, Tmux
+from dflashctl.supervise.supervisor import live_supervisor
 from tests.harness import environ
 from tests.test_supervisor import wait_for
 

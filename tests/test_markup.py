@@ -24,10 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from dflashctl import contract
 from dflashctl.commands._app import escape, printable
+from dflashctl.core import contract
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
 from dflashctl.store import Store
-from dflashctl.tmux import SOCKET_ENV, Tmux
 from tests.harness import free_port
 from tests.test_launch_signals import SOCKET, LocalLaunch, end, private_tmux_socket, trainer_pid  # noqa: F401
 

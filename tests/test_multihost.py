@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl import contract
-from dflashctl.bundle import build_bundle
 from dflashctl.config import load_playbook
+from dflashctl.core import contract
+from dflashctl.hosts.bundle import build_bundle
+from dflashctl.hosts.tmux import SOCKET_ENV
 from dflashctl.launch import launch_run
-from dflashctl.runhost import logs, stop
+from dflashctl.runs.runhost import logs, stop
 from dflashctl.store import Store
-from dflashctl.supervisor import Supervisor
-from dflashctl.tmux import SOCKET_ENV
+from dflashctl.supervise.supervisor import Supervisor
 from tests.harness import environ, free_port
 from tests.test_supervisor import SOCKET, Background, kill_tmux_servers, kinds, states, wait_for
 
@@ -153,8 +153,8 @@ def test_stop_ends_the_process_on_every_host_with_a_checkpoint(ssh_env, pair):
 
 def test_a_start_that_fails_on_one_host_leaves_no_process_waiting_on_the_others(tmp_path, monkeypatch):
     from dflashctl.config import load_inventory
-    from dflashctl.errors import DflashError
-    from dflashctl.tmux import Tmux, TmuxError
+    from dflashctl.core.errors import DflashError
+    from dflashctl.hosts.tmux import Tmux, TmuxError
 
     (tmp_path / "inventory.yaml").write_text(yaml.safe_dump({"hosts": {
         "one": {"transport": "local", "workdir": str(tmp_path / "w1")},

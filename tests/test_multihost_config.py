@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from dflashctl import contract
 from dflashctl.config import load_inventory, load_playbook
-from dflashctl.errors import ConfigError
-from dflashctl.probe import PROBE_SOURCE, ProbeArgs, parse_probe_host, probe_args_json
-from dflashctl.runhost import part_config, run_files
+from dflashctl.core import contract
+from dflashctl.core.errors import ConfigError
+from dflashctl.hosts.probe import PROBE_SOURCE, ProbeArgs, parse_probe_host, probe_args_json
+from dflashctl.runs.runhost import part_config, run_files
 
 INVENTORY = """
 hosts:
@@ -105,7 +105,7 @@ def test_the_probe_reads_a_ranks_own_status_and_metrics(tmp_path):
 
 def parsed_and_paired(result, entries, host):
     """A host's answer as the supervisor's tick reads it: parsed, and paired with what was asked."""
-    from dflashctl.probe import pair
+    from dflashctl.hosts.probe import pair
 
     parsed = parse_probe_host(result.stdout)
     return parsed, pair([w.args_of(rank) for w, rank in entries], parsed.runs, host)
@@ -116,7 +116,7 @@ def two_host_run(tmp_path):
     """A supervisor (not claiming) attached to run r: rank 0 on local host a, rank 1 on
     local host b; yields (supervisor, watched run, inventory)."""
     from dflashctl.store import Store
-    from dflashctl.supervisor import Supervisor
+    from dflashctl.supervise.supervisor import Supervisor
 
     (tmp_path / "inventory.yaml").write_text("hosts:\n  a: {transport: local}\n  b: {transport: local}\n")
     inventory = load_inventory(str(tmp_path / "inventory.yaml"))
@@ -132,8 +132,8 @@ def two_host_run(tmp_path):
 
 
 def test_an_answer_listing_fewer_runs_than_asked_marks_the_rank_unanswered(two_host_run):
-    from dflashctl.probe import probe_command
-    from dflashctl.transport import connect
+    from dflashctl.hosts.probe import probe_command
+    from dflashctl.hosts.transport import connect
 
     sup, w, inventory = two_host_run
     # Host b's real probe, asked for no run: an answer that lost the one it was asked for.
@@ -145,8 +145,8 @@ def test_an_answer_listing_fewer_runs_than_asked_marks_the_rank_unanswered(two_h
 
 
 def test_an_answer_naming_another_run_directory_is_not_taken_for_the_rank(tmp_path, two_host_run):
-    from dflashctl.probe import probe_command
-    from dflashctl.transport import connect
+    from dflashctl.hosts.probe import probe_command
+    from dflashctl.hosts.transport import connect
 
     sup, w, inventory = two_host_run
     # Host b's real probe, asked about another directory: an answer out of order.
@@ -160,7 +160,7 @@ def test_an_answer_naming_another_run_directory_is_not_taken_for_the_rank(tmp_pa
 
 
 def test_pair_takes_an_entry_only_for_the_run_it_names():
-    from dflashctl.probe import ProbeResult, pair
+    from dflashctl.hosts.probe import ProbeResult, pair
 
     asked = [ProbeArgs(run_dir="/r/a"), ProbeArgs(run_dir="/r/b"), ProbeArgs(run_dir="/r/c")]
     answered = [ProbeResult(run_dir="/r/a", session=None, host_time=1.0),
@@ -172,11 +172,11 @@ def test_pair_takes_an_entry_only_for_the_run_it_names():
 
 
 def test_a_rank0_answer_naming_another_run_directory_is_reported_and_not_acted_on(tmp_path):
-    from dflashctl import supervisor_core as core
-    from dflashctl.probe import probe_command
+    from dflashctl.hosts.probe import probe_command
+    from dflashctl.hosts.transport import connect
     from dflashctl.store import Store
-    from dflashctl.supervisor import Supervisor, TickReport, _Tick
-    from dflashctl.transport import connect
+    from dflashctl.supervise import supervisor_core as core
+    from dflashctl.supervise.supervisor import Supervisor, TickReport, _Tick
 
     (tmp_path / "inventory.yaml").write_text("hosts:\n  a: {transport: local}\n")
     inventory = load_inventory(str(tmp_path / "inventory.yaml"))

@@ -14,19 +14,17 @@ import os
 import signal
 import subprocess
 import sys
-
-import pytest
-
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
-from dflashctl.bundle import build_bundle
 from dflashctl.config import load_playbook
+from dflashctl.hosts.bundle import build_bundle
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
 from dflashctl.launch import launch_run
-from dflashctl.supervisor import Supervisor
-from dflashctl.tmux import SOCKET_ENV, Tmux
+from dflashctl.supervise.supervisor import Supervisor
 from tests.test_multihost import INTERVAL, _checkpoints, _status, pair  # noqa: F401  (the two-host fixture)
 from tests.test_supervisor import SOCKET, Background, kinds, wait_for
 from trainer.distributed import HUNG_MARGIN_S
@@ -102,7 +100,7 @@ def test_a_rank_that_ends_between_the_stops_look_and_its_signal_is_stopped_there
     server with it) before the stop's turn comes to signal it. That window is opened
     here on purpose: right after the stop's first look at rank 1, its tmux server is
     killed for real (the look is the only thing wrapped, to choose the moment)."""
-    from dflashctl import runhost
+    from dflashctl.runs import runhost
 
     store, playbook, _ = pair
     run, _, pids = _started(ssh_env, store, playbook)

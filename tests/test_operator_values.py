@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl.bundle import build_bundle
 from dflashctl.config import load_inventory, load_playbook
-from dflashctl.errors import ConfigError
+from dflashctl.core.errors import ConfigError
+from dflashctl.hosts.bundle import build_bundle
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
 from dflashctl.launch import launch_run
-from dflashctl.runhost import LaunchError, render_run_script
+from dflashctl.runs.runhost import LaunchError, render_run_script
 from dflashctl.store import Store
-from dflashctl.tmux import SOCKET_ENV, Tmux
 from tests.harness import environ
 from tests.test_supervisor import write_playbook
 

@@ -12,14 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflashctl import contract
-from dflashctl.parsers import (
+from dflashctl.core import contract
+from dflashctl.core.logtext import last_error_start, last_traceback, tail_lines
+from dflashctl.hosts.parsers import (
     GPU_QUERY_FIELDS,
     ComputeApp,
     GpuReading,
     Rejected,
-    last_error_start,
-    last_traceback,
     parse_compute_apps,
     parse_gpu_query,
     parse_metrics_chunk,
@@ -27,7 +26,6 @@ from dflashctl.parsers import (
     read_gpu_query,
     read_metrics_chunk,
     smi_number,
-    tail_lines,
 )
 
 SMI = Path(__file__).parent / "fixtures" / "nvidia-smi"

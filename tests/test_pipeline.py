@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from dflashctl import contract
+from dflashctl.core import contract
 from tests.test_trainer_run import Trainer, read_status, tiny_config
 from trainer import pipeline as pl
 from trainer.anchors import sample_anchors

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from dflashctl import contract
-from dflashctl.placement import PlacementError, advise
+from dflashctl.core import contract
 from dflashctl.store import Store
+from dflashctl.supervise.placement import PlacementError, advise
 
 T0 = 1_800_000_000.0
 

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from dflashctl.config import RestartPolicy
-from dflashctl.detectors import Finding
-from dflashctl.policy import Restart, backoff, counted_restarts, decide
-from dflashctl.signatures import classify
+from dflashctl.core.signatures import classify
+from dflashctl.supervise.detectors import Finding
+from dflashctl.supervise.policy import Restart, backoff, counted_restarts, decide
 
 NOW = 1_800_000_000.0
 H = 3600.0

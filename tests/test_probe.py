@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import contract
-from dflashctl.probe import (
+from dflashctl.core import contract
+from dflashctl.hosts.probe import (
     PROBE_SOURCE,
     ProbeArgs,
     ProbeError,
@@ -350,7 +350,7 @@ def test_probe_command_shape() -> None:
 def test_probe_through_jump_and_container_wrapper(ssh_env) -> None:
     """One round trip over the real route: ssh to a jump host, on to the target,
     into `pct exec 200 --`; '~' in the run dir expands on the run host."""
-    from dflashctl import transport
+    from dflashctl.hosts import transport
 
     host = ssh_env.inventory.get("target")
     run_dir = ssh_env.workdir("target") / "runs" / "probe-test"

@@ -162,7 +162,7 @@ def test_the_trainer_regenerates_at_its_start_and_stops_cleanly_while_it_does(tm
     """data.regenerate in a trainer config: the trainer writes the shards into its run
     directory before training; a SIGTERM while it does ends it with EXIT_STOPPED
     within a batch, the shards written kept; started again, it goes on from them."""
-    from dflashctl import contract
+    from dflashctl.core import contract
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -208,7 +208,7 @@ def test_a_long_batch_rewrites_its_progress_while_it_decodes(tmp_path):
     (status.json, through on_progress) while it decodes, not only between batches,
     so the controller sees it alive. The clock is an argument: here each reading
     advances it by a second."""
-    from dflashctl import contract
+    from dflashctl.core import contract
     from trainer import config as config_mod
     from trainer.regenerate import regenerate
 

@@ -1,4 +1,4 @@
-"""The host-side scripts in dflashctl/remote/, run for real as a host runs them (this
+"""The host-side scripts in dflashctl/hosts/remote/, run for real as a host runs them (this
 python, and a Python 3.8 when the machine has one), against real run directories,
 hostile ones included; and the controller's reading of the probe's answer, which
 must take any text at all (hypothesis property tests)."""
@@ -21,11 +21,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import dflashctl.remote
-from dflashctl import contract, facts, parsers, probe
-from dflashctl.probe import HostProbe, ProbeError, ProbeResult, parse_probe_host, parse_probe_output
+import dflashctl.hosts.remote
+from dflashctl.core import contract
+from dflashctl.hosts import facts, parsers, probe
+from dflashctl.hosts.probe import HostProbe, ProbeError, ProbeResult, parse_probe_host, parse_probe_output
 
-REMOTE = Path(dflashctl.remote.__file__).parent
+REMOTE = Path(dflashctl.hosts.remote.__file__).parent
 SCRIPTS = sorted(p for p in REMOTE.glob("*.py") if p.name != "__init__.py")
 
 
@@ -47,7 +48,7 @@ PYTHONS = [
 
 
 def run_script(name: str, argument, python: str = sys.executable, how: str = "file", path: str | None = None) -> dict:
-    """Run dflashctl/remote/NAME.py with one JSON argument, as a file or as the
+    """Run dflashctl/hosts/remote/NAME.py with one JSON argument, as a file or as the
     controller ships it (``-I -S -c TEXT``); its one JSON line, parsed."""
     script = REMOTE / f"{name}.py"
     arg = argument if isinstance(argument, str) else json.dumps(argument)
@@ -111,8 +112,8 @@ def test_each_script_is_python38_stdlib_only_and_standalone(script: Path) -> Non
 
 
 def test_the_scripts_ship_as_their_files_text_and_agree_with_the_contract() -> None:
-    from dflashctl.remote import facts as remote_facts
-    from dflashctl.remote import probe as remote_probe
+    from dflashctl.hosts.remote import facts as remote_facts
+    from dflashctl.hosts.remote import probe as remote_probe
 
     assert {p.stem for p in SCRIPTS} >= {"probe", "facts"}
     assert probe.PROBE_SOURCE == (REMOTE / "probe.py").read_text()

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl import contract
-from dflashctl.errors import ConfigError
-from dflashctl.recorded import reloaded, trainer_changes
+from dflashctl.core import contract
+from dflashctl.core.errors import ConfigError
+from dflashctl.runs.recorded import reloaded, trainer_changes
 from tests.test_small_cli import _cli, local_env  # noqa: F401  (the fixture)
 from tests.test_supervisor import metrics_lines, wait_for
 
@@ -83,8 +83,8 @@ def test_a_restart_after_a_playbook_change_says_so_and_reload_takes_it(local_env
 def test_after_an_operators_restart_a_crash_quotes_only_its_own_attempts_error(local_env):
     """trainer.log keeps every attempt: the error the process before an operator's
     restart ended with is never quoted as the next crash's (a kill -9 prints nothing)."""
-    from dflashctl.detectors import detect_crash
-    from dflashctl.runhost import host_transport, probe_run
+    from dflashctl.runs.runhost import host_transport, probe_run
+    from dflashctl.supervise.detectors import detect_crash
 
     env = local_env
     earlier = "RuntimeError: the earlier attempt failed at step 2"

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import contract
+from dflashctl.core import contract
 from dflashctl.launch import launch_run
-from dflashctl.runhost import restart, standby_session
-from dflashctl.supervisor import Supervisor
+from dflashctl.runs.runhost import restart, standby_session
+from dflashctl.supervise.supervisor import Supervisor
 from tests.test_standby import local_env  # noqa: F401  (the fixture: the local host on a private tmux socket)
 from tests.test_supervisor import Background, kinds, wait_for
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dflashctl import contract
+from dflashctl.core import contract
 
 
 def test_metrics_lines_are_never_appended_through_a_symlink(tmp_path):

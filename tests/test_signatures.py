@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import contract
-from dflashctl.signatures import BUILTIN_SIGNATURES, PlaybookSignature, classify, signature_names
+from dflashctl.core import contract
+from dflashctl.core.signatures import BUILTIN_SIGNATURES, PlaybookSignature, classify, signature_names
 
 FX_RACE = """\
   File "/usr/lib/python3/dist-packages/torch/_dynamo/eval_frame.py", line 838, in _fn

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl import contract
-from dflashctl.runhost import stop
-from dflashctl.tmux import SOCKET_ENV
+from dflashctl.core import contract
+from dflashctl.hosts.tmux import SOCKET_ENV
+from dflashctl.runs.runhost import stop
 from tests.harness import environ
 from tests.test_supervisor import REPO, SOCKET, LocalEnv, kill_tmux_servers, metrics_lines, wait_for
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from dflashctl.config import Inventory, load_inventory, load_playbook, proxy_jump_hops
-from dflashctl.errors import ConfigError
-from dflashctl.transport import Pool, SSHTransport, UnknownHostKey
+from dflashctl.core.errors import ConfigError
+from dflashctl.hosts.transport import Pool, SSHTransport, UnknownHostKey
 from tests.harness.sshd import ALIAS, ALIAS_JUMP
 
 

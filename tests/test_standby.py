@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import contract
+from dflashctl.core import contract
+from dflashctl.hosts.tmux import SOCKET_ENV
 from dflashctl.launch import launch_run
-from dflashctl.runhost import STANDBY_SCRIPT, run_files, standby_session
-from dflashctl.supervisor import Supervisor
-from dflashctl.tmux import SOCKET_ENV
+from dflashctl.runs.runhost import STANDBY_SCRIPT, run_files, standby_session
+from dflashctl.supervise.supervisor import Supervisor
 from tests.harness import environ
 from tests.test_supervisor import SOCKET, Background, LocalEnv, kill_tmux_servers, kinds, wait_for
 from tests.test_trainer_run import Trainer, tiny_config
@@ -118,7 +118,7 @@ def test_a_standby_is_ready_only_when_the_pid_it_names_is_that_standby(local_env
     import subprocess
     import sys
 
-    from dflashctl.runhost import _on_hosts, _ready_standby
+    from dflashctl.runs.runhost import _on_hosts, _ready_standby
     from dflashctl.store import Run
 
     env, run_dir = local_env, str(tmp_path / "runs" / "r")

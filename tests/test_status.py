@@ -16,12 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.errors import ConfigError
-from dflashctl.parsers import GpuReading
-from dflashctl.store import Sample, Store
-from dflashctl.tui.model import (
-    JSON_SCHEMA, NA, SCHEMA, StatusReader, current_process, load_status, select_columns, smooth, spark,
+from dflashctl.core.errors import ConfigError
+from dflashctl.hosts.parsers import GpuReading
+from dflashctl.status.model import (
+    JSON_SCHEMA,
+    NA,
+    SCHEMA,
+    StatusReader,
+    current_process,
+    load_status,
+    select_columns,
+    smooth,
+    spark,
 )
+from dflashctl.store import Sample, Store
 from tests.test_tui_scenes import DEMO, NOW, OLD, PROD, beat, build, training
 
 RUN_A = "prod-20261129-101500-ab12"
@@ -378,7 +386,7 @@ def test_help_and_runs_start_without_the_heavy_imports(tmp_path):
 
 
 def test_data_code_imports_no_ui_and_no_torch():
-    code = ("import sys, dflashctl.commands, dflashctl.tui.model, dflashctl.tui.text, dflashctl.envaudit; "
+    code = ("import sys, dflashctl.commands, dflashctl.status.model, dflashctl.tui.text, dflashctl.envaudit; "
             "print(sorted({'textual', 'torch'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "[]", done.stderr
@@ -400,7 +408,7 @@ def test_second_launch_of_a_playbook_is_refused(tmp_path):
     """Defect: two `launch demo` at once both started, silently."""
     from dflashctl.config import load_inventory, load_playbook
     from dflashctl.launch import launch_run
-    from dflashctl.runhost import LaunchError
+    from dflashctl.runs.runhost import LaunchError
 
     store = Store(str(tmp_path / "runs.db"))
     active = store.create_run("demo", "local", {}, time.time(), run_id=DEMO)
@@ -415,10 +423,10 @@ def test_stop_records_the_step_the_trainer_reached(tmp_path):
     supervisor last stored) though the trainer checkpointed at step 800."""
     import yaml
 
-    from dflashctl import contract
     from dflashctl.config import load_inventory, load_playbook
-    from dflashctl.runhost import stop
-    from dflashctl.tmux import SOCKET_ENV, Tmux
+    from dflashctl.core import contract
+    from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
+    from dflashctl.runs.runhost import stop
     from tests.harness import environ
     from tests.harness.fake_trainer import CHECKPOINT, start_fake_run
     from tests.test_supervisor import metrics_lines, wait_for, write_playbook

@@ -11,8 +11,8 @@ import json
 import re
 import time
 
+from dflashctl.status.model import JSON_SCHEMA, StatusReader
 from dflashctl.store import Store
-from dflashctl.tui.model import JSON_SCHEMA, StatusReader
 from tests.test_status import _check, _cli
 from tests.test_tui import app_for, detail_loaded, loaded, run, screen_text, utc
 from tests.test_tui_scenes import NOW
@@ -189,7 +189,7 @@ def test_the_run_detail_lists_the_hosts(tmp_path):
 
 
 def test_a_hosts_error_in_the_gpu_pane_is_shown_not_obeyed():
-    from dflashctl.tui.model import HostView
+    from dflashctl.status.model import HostView
     from dflashctl.tui.text import gpu_text
 
     view = HostView("gpu2", ["r1"], down_since=100.0, error="ssh: \x1b]0;pwned\x07 refused\nsecond line", supervised=True)

@@ -16,15 +16,23 @@ import time
 
 import pytest
 
-from dflashctl.bundle import build_bundle
 from dflashctl.config import load_playbook
+from dflashctl.hosts.bundle import build_bundle
+from dflashctl.hosts.tmux import SOCKET_ENV
 from dflashctl.launch import launch_run
 from dflashctl.store import Store
-from dflashctl.supervisor import Supervisor
-from dflashctl.tmux import SOCKET_ENV
+from dflashctl.supervise.supervisor import Supervisor
 from tests.harness import environ
 from tests.test_supervisor import (
-    SOCKET, Background, end_trainer, kill_tmux_servers, kinds, read_status, states, wait_for, write_playbook,
+    SOCKET,
+    Background,
+    end_trainer,
+    kill_tmux_servers,
+    kinds,
+    read_status,
+    states,
+    wait_for,
+    write_playbook,
 )
 
 INTERVAL = 0.5

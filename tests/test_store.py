@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from dflashctl.contract import Metrics
-from dflashctl.errors import ConfigError
+from dflashctl.core.contract import Metrics
+from dflashctl.core.errors import ConfigError
 from dflashctl.store import (
     ACTIVE_STATES,
     FINAL_STATES,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from dflashctl.errors import StoreError
+from dflashctl.core.errors import StoreError
 from dflashctl.store import SCHEMA_VERSION, Store
 
 T0 = 1_800_000_000.0
@@ -160,7 +160,7 @@ def test_the_cli_reports_a_newer_store_without_a_traceback(tmp_path):
 
 def test_an_empty_run_reference_matches_nothing(tmp_path):
     """`dflashctl stop ""` once acted on the only run in the store."""
-    from dflashctl.errors import ConfigError
+    from dflashctl.core.errors import ConfigError
 
     store = Store(str(tmp_path / "runs.db"))
     _run(store)

@@ -23,16 +23,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl import contract
-from dflashctl.bundle import build_bundle
 from dflashctl.config import load_inventory, load_playbook
+from dflashctl.core import contract
+from dflashctl.hosts.bundle import build_bundle
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
 from dflashctl.store import Store
-from dflashctl.supervisor import (
-    RESTART_MARKER, Supervisor, SupervisorConflict, _attempt_output, live_supervisor,
+from dflashctl.supervise.supervisor import (
+    RESTART_MARKER,
+    Supervisor,
+    SupervisorConflict,
+    _attempt_output,
+    live_supervisor,
 )
-from dflashctl.tmux import SOCKET_ENV, Tmux
-from tests.harness.fake_trainer import start_fake_run
 from tests.harness import environ
+from tests.harness.fake_trainer import start_fake_run
 
 SOCKET = f"dflash-sup-{os.getpid()}"
 REPO = Path(__file__).resolve().parent.parent
@@ -613,7 +617,7 @@ def test_a_run_with_a_live_supervisor_is_refused(local_env):
 
 
 def test_only_the_current_process_output_is_classified():
-    from dflashctl.probe import ProbeResult
+    from dflashctl.hosts.probe import ProbeResult
 
     log = "\n".join([
         "step 10/100",

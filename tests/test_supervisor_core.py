@@ -14,11 +14,12 @@ from dataclasses import replace
 
 import pytest
 
-from dflashctl import contract, detectors
-from dflashctl import supervisor_core as core
 from dflashctl.config import Alerts, Expect, RestartPolicy
-from dflashctl.probe import ProbeArgs, ProbeResult, ProcessState
+from dflashctl.core import contract
+from dflashctl.hosts.probe import ProbeArgs, ProbeResult, ProcessState
 from dflashctl.store import Run
+from dflashctl.supervise import detectors
+from dflashctl.supervise import supervisor_core as core
 
 T0 = 1_800_000_000.0
 PID = 4242
@@ -466,7 +467,7 @@ def test_a_metrics_file_rewritten_in_place_stores_nothing_twice():
 
 
 def test_bad_metrics_lines_are_reported_once_with_their_line_numbers_and_the_position_moves_on():
-    from dflashctl.parsers import read_metrics_chunk
+    from dflashctl.hosts.parsers import read_metrics_chunk
 
     pol = make_policy()
     good = metrics(T0, 1).to_line()

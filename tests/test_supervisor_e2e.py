@@ -21,17 +21,28 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import contract
-from dflashctl.bundle import build_bundle
 from dflashctl.config import load_playbook
+from dflashctl.core import contract
+from dflashctl.hosts.bundle import build_bundle
+from dflashctl.hosts.tmux import SOCKET_ENV
 from dflashctl.launch import launch_run
 from dflashctl.store import Store
-from dflashctl.supervisor import RESTART_MARKER, Supervisor
-from dflashctl.tmux import SOCKET_ENV
+from dflashctl.supervise.supervisor import RESTART_MARKER, Supervisor
 from tests.harness import environ
 from tests.test_supervisor import (
-    REPO, SOCKET, Background, LocalEnv, Webhook, end_trainer, kill_tmux_servers, kinds, metrics_lines, read_status,
-    states, wait_for, write_playbook,
+    REPO,
+    SOCKET,
+    Background,
+    LocalEnv,
+    Webhook,
+    end_trainer,
+    kill_tmux_servers,
+    kinds,
+    metrics_lines,
+    read_status,
+    states,
+    wait_for,
+    write_playbook,
 )
 
 pytestmark = pytest.mark.slow

@@ -13,11 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import contract
+from dflashctl.core import contract
 from dflashctl.store import Store
 from tests.test_store_hostile import _mount_tmpfs, fill
 from tests.test_supervisor import (  # noqa: F401  (fixtures: local_env, private_tmux_socket, webhook)
-    LocalEnv, local_env, private_tmux_socket, wait_for, webhook,
+    LocalEnv,
+    local_env,
+    private_tmux_socket,
+    wait_for,
+    webhook,
 )
 
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from dflashctl import contract
+from dflashctl.core import contract
+from dflashctl.status.model import StatusReader, load_status
 from dflashctl.store import Store
-from dflashctl.tui.model import StatusReader, load_status
 from dflashctl.tui.text import detail_text
 
 RUN = "demo-20261201-101500-ab12"

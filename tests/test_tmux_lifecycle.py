@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import contract, transport
-from trainer import config as trainer_config
-from dflashctl.runhost import restart_run, standby_session, start_standby
+from dflashctl.core import contract
+from dflashctl.hosts import transport
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux, TmuxError
+from dflashctl.runs.runhost import restart_run, standby_session, start_standby
 from dflashctl.store import Store
-from dflashctl.tmux import SOCKET_ENV, Tmux, TmuxError
 from tests.harness import environ
 from tests.harness.fake_trainer import start_fake_run
 from tests.test_supervisor import SOCKET, kill_tmux_servers, read_status, wait_for
+from trainer import config as trainer_config
 
 
 class Commands:

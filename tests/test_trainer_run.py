@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from dflashctl import contract
+from dflashctl.core import contract
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

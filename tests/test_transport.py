@@ -16,8 +16,8 @@ import paramiko
 import pytest
 
 from dflashctl.config import Inventory
-from dflashctl.errors import CommandTimeout, TransportError, UnreachableError
-from dflashctl.transport import (
+from dflashctl.core.errors import CommandTimeout, TransportError, UnreachableError
+from dflashctl.hosts.transport import (
     KILL_AFTER,
     LocalTransport,
     Pool,

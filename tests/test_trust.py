@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from dflashctl.config import load_inventory
-from dflashctl.errors import UnreachableError
-from dflashctl.transport import Pool, UnknownHostKey
+from dflashctl.core.errors import UnreachableError
+from dflashctl.hosts.transport import Pool, UnknownHostKey
 
 VENV_BIN = os.path.dirname(sys.executable)
 COMMAND_PREFIXES = ("dflashctl ", "ssh-keyscan ", "ssh-keygen ")

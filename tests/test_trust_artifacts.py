@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dflashctl import compile_cache as cc
-from dflashctl import contract
 from dflashctl.config import load_inventory
-from dflashctl.transport import connect
+from dflashctl.core import contract
+from dflashctl.hosts.transport import connect
+from dflashctl.runs import compile_cache as cc
 from tests.test_trainer_run import Trainer, read_status, tiny_config
 from trainer import bytecode
 from trainer import compile_cache as trainer_cache
@@ -263,9 +263,9 @@ def test_dates_are_the_controllers_and_a_newer_verified_copy_replaces_the_older(
 
 _RSS = textwrap.dedent("""
     import json, resource, sys
-    from dflashctl import compile_cache as cc
+    from dflashctl.runs import compile_cache as cc
     from dflashctl.config import load_inventory
-    from dflashctl.transport import connect
+    from dflashctl.hosts.transport import connect
     inventory, run_dir, store, trainer = sys.argv[1:5]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out = cc.fetch(connect("red1", load_inventory(inventory)), run_dir, json.loads(trainer), "b" * 64, claim="miss",
@@ -361,7 +361,7 @@ def test_a_second_trainer_in_a_live_run_directory_never_starts(tmp_path):
         assert code == contract.EXIT_RUN_DIR_BUSY, second.output[-2000:]
         assert "owned by another trainer" in second.output and f"pid {first.proc.pid}" in second.output
         assert read_status(str(run_dir))["pid"] == owner == first.proc.pid and first.proc.poll() is None
-        from dflashctl.signatures import classify
+        from dflashctl.core.signatures import classify
 
         assert classify(second.output, exit_code=code).name == "run_dir_busy"
     finally:
@@ -396,7 +396,7 @@ def test_a_go_file_from_another_process_does_not_wake_a_standby_beside_the_live_
 
 @pytest.fixture
 def private_tmux(monkeypatch):
-    from dflashctl.tmux import SOCKET_ENV
+    from dflashctl.hosts.tmux import SOCKET_ENV
     from tests.test_supervisor import kill_tmux_servers
 
     socket = f"dflash-trust-{os.getpid()}"
@@ -409,10 +409,10 @@ def private_tmux(monkeypatch):
 def test_a_miss_a_host_writes_in_its_metrics_does_not_make_the_supervisor_copy_back(tmp_path, private_tmux,
                                                                                        monkeypatch):
     from dflashctl.config import load_playbook
-    from dflashctl.runhost import run_files
+    from dflashctl.hosts.tmux import Tmux
+    from dflashctl.runs.runhost import run_files
     from dflashctl.store import Store
-    from dflashctl.supervisor import Supervisor
-    from dflashctl.tmux import Tmux
+    from dflashctl.supervise.supervisor import Supervisor
     from tests.harness.fake_trainer import start_fake_run
     from tests.test_supervisor import wait_for, write_playbook
 
@@ -452,7 +452,7 @@ _AFTER_RM = textwrap.dedent("""
     prefix, site = sys.argv[1:3]
     sys.pycache_prefix, sys.dont_write_bytecode = prefix, False
     sys.path.insert(0, site)
-    from dflashctl import contract
+    from dflashctl.core import contract
     from trainer import bytecode
     dropped = bytecode.drop_if_outdated(prefix, os.environ.get(contract.ARTIFACT_GENERATION_ENV))
     import victim
@@ -467,7 +467,7 @@ def test_bytecode_unpacked_on_a_host_does_not_survive_cache_rm_all(tmp_path, mon
     monkeypatch.setenv("DFLASHCTL_HOME", str(tmp_path / "home"))
     from dflashctl.cli import _load_commands
     from dflashctl.commands._app import app
-    from dflashctl.runhost import RUN_SCRIPT, run_files
+    from dflashctl.runs.runhost import RUN_SCRIPT, run_files
 
     site, prefix = tmp_path / "site", tmp_path / "cache" / "pycache"
     site.mkdir()

@@ -28,8 +28,8 @@ import time
 
 import pytest
 
-from dflashctl import contract
-from dflashctl.signatures import classify
+from dflashctl.core import contract
+from dflashctl.core.signatures import classify
 from tests.harness import free_port
 from tests.test_distributed import _env, _metrics, _write_config
 from tests.test_trainer_run import REPO, tiny_config
@@ -341,9 +341,9 @@ def test_a_stopped_rank_ends_the_other_within_the_timeout_and_margin_naming_it(r
 
 
 def test_each_start_writes_a_fresh_key_mode_0600_never_in_run_sh(tmp_path):
-    from dflashctl import deploy
     from dflashctl.config import load_inventory
-    from dflashctl.runhost import host_transport, new_rendezvous_key, run_files
+    from dflashctl.hosts import deploy
+    from dflashctl.runs.runhost import host_transport, new_rendezvous_key, run_files
 
     config = {"python": sys.executable, "workdir": str(tmp_path), "env": {}, "gpus": [],
               "trainer": tiny_config(), "compile_cache": None,
@@ -364,7 +364,7 @@ def test_each_start_writes_a_fresh_key_mode_0600_never_in_run_sh(tmp_path):
 
 def test_the_port_check_binds_as_torch_does_time_wait_is_free_a_listener_is_eaddrinuse():
     from dflashctl.config import load_inventory
-    from dflashctl.runhost import host_transport, rendezvous_port_problem
+    from dflashctl.runs.runhost import host_transport, rendezvous_port_problem
 
     transport = host_transport("local", load_inventory(None))
     port = free_port("127.0.0.1")

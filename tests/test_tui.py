@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import contract
+from dflashctl.core import contract
 from dflashctl.store import Store
 from tests.test_tui_scenes import DEMO, NOW, OLD, PROD, build, utc
 
@@ -663,7 +663,7 @@ def test_readonly_removes_every_action(tmp_path, monkeypatch, how):
 
 
 def test_a_readonly_environment_value_that_is_neither_on_nor_off_is_an_error():
-    from dflashctl.errors import ConfigError
+    from dflashctl.core.errors import ConfigError
     from dflashctl.tui.actions import readonly_default
 
     assert readonly_default({"DFLASHCTL_READONLY": "1"}) and not readonly_default({})
@@ -813,8 +813,8 @@ def test_a_chart_of_a_two_hour_history_starts_at_the_runs_start(tmp_path):
     title naming the whole history. Here 2 h of real samples in a real store: the first
     30 min at 2 Ktok/s, then 12 Ktok/s; the chart's first quarter is the low one and its
     time axis starts at the first sample."""
-    from dflashctl.detectors import fmt_clock
-    from dflashctl.tui.model import StatusReader
+    from dflashctl.status.model import StatusReader
+    from dflashctl.supervise.detectors import fmt_clock
     from dflashctl.tui.text import detail_text
 
     store = Store(str(tmp_path / "runs.db"))

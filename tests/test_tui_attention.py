@@ -166,10 +166,10 @@ def test_a_long_event_message_is_folded_so_its_fix_is_seen(tmp_path):
 def test_a_crash_read_from_status_json_opens_with_the_trainers_words_not_its_signature():
     """status.json's error is a signature with its numbers blanked ("allocate N.N
     GiB", for matching); the event's first error line is what the trainer said."""
-    from dflashctl import contract
-    from dflashctl.detectors import detect
+    from dflashctl.core import contract
+    from dflashctl.status.model import EventView
     from dflashctl.store import Event
-    from dflashctl.tui.model import EventView
+    from dflashctl.supervise.detectors import detect
     from tests.test_detectors import EXPECT, HEALTHY, obs
     from tests.test_detectors import NOW as T
 

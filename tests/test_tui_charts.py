@@ -53,7 +53,7 @@ def long_run(root: Path) -> Store:
 
 
 def detail(store: Store, zoom: str = "all"):
-    from dflashctl.tui.model import StatusReader
+    from dflashctl.status.model import StatusReader
 
     return StatusReader(store).detail(PROD, NOW, zoom=zoom)
 
@@ -185,7 +185,7 @@ def test_zoom_six_hours_of_a_shorter_run_is_all_of_it(tmp_path):
 
 
 def test_a_finished_runs_chart_ends_at_its_last_sample(tmp_path):
-    from dflashctl.tui.model import chart_window
+    from dflashctl.status.model import chart_window
 
     assert chart_window(100.0, 900.0, 5000.0, False, "all") == (100.0, 900.0)
     assert chart_window(100.0, 900.0, 5000.0, True, "all") == (100.0, 5000.0)

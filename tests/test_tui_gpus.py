@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.parsers import parse_compute_apps, parse_gpu_query
-from dflashctl.probe import ProbeResult, ProcessState
-from dflashctl.supervisor_core import gpu_rows
-from dflashctl.tui.model import load_status
+from dflashctl.hosts.parsers import parse_compute_apps, parse_gpu_query
+from dflashctl.hosts.probe import ProbeResult, ProcessState
+from dflashctl.status.model import load_status
+from dflashctl.store import Store
+from dflashctl.supervise.supervisor_core import gpu_rows
 from dflashctl.tui.text import gpu_text
 from tests.test_tui import app_for, loaded, run, screen_text
 from tests.test_tui_scenes import INTERVAL, NOW, PROD, beat, gpus, playbook, run_config, utc
-from dflashctl.store import Store
 
 CAPTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
 

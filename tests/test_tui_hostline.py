@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import supervisor_core as core
-from dflashctl.parsers import HOST_TEXT_MAX_CHARS, HostReading, cpu_busy_pct, read_host_stats
-from dflashctl.probe import PROBE_SOURCE, parse_probe_host
+from dflashctl.hosts.parsers import HOST_TEXT_MAX_CHARS, HostReading, cpu_busy_pct, read_host_stats
+from dflashctl.hosts.probe import PROBE_SOURCE, parse_probe_host
+from dflashctl.status.model import load_status
 from dflashctl.store import Store
-from dflashctl.tui.model import load_status
+from dflashctl.supervise import supervisor_core as core
 from dflashctl.tui.text import gpu_text
 from tests.test_supervisor import local_env  # noqa: F401 (the fixture: fake trainer runs in tmux on this host)
 from tests.test_supervisor_core import make_policy, make_state, metrics, probe
@@ -236,7 +236,7 @@ def test_the_probe_reads_the_hosts_cpu_and_memory_in_its_one_answer(tmp_path):
 def _cgroup_tree(tmp_path, monkeypatch, self_cgroup: str, files: dict[str, str]):
     """A cgroup mount and /proc/self/cgroup as files under tmp_path, for the probe's own
     functions (imported here: the paths are the run host's, fixed in the probe)."""
-    from dflashctl.remote import probe as remote
+    from dflashctl.hosts.remote import probe as remote
 
     root = tmp_path / "cgroup"
     for rel, text in files.items():
@@ -310,7 +310,7 @@ def test_the_probe_finds_cgroup_v1_cpu_quotas_and_nothing_where_none_is_set(tmp_
 def _memory_now() -> int:
     """What the host line should call this machine's memory: MemTotal, or the memory
     limit of a cgroup above this process where one is lower (CI may run in a container)."""
-    from dflashctl.remote.probe import cgroup_memory
+    from dflashctl.hosts.remote.probe import cgroup_memory
 
     limit = cgroup_memory()
     total = _kib_now("MemTotal")
@@ -507,7 +507,7 @@ def test_no_reading_at_all_draws_no_host_line(tmp_path):
 
 
 def test_status_json_has_each_hosts_cpu_and_memory(tmp_path):
-    from dflashctl.tui.model import JSON_SCHEMA
+    from dflashctl.status.model import JSON_SCHEMA
     from tests.test_status import _check
 
     store = host_store(tmp_path, observed_ago=5.0)

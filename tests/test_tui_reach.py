@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl import contract
+from dflashctl.core import contract
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
 from dflashctl.store import Store
-from dflashctl.tmux import SOCKET_ENV, Tmux
 from tests.harness import environ
 from tests.test_supervisor import wait_for
 from tests.test_tui import app_for, loaded, log_open, run, run_with_log, screen_text, until

@@ -28,8 +28,8 @@ import pytest
 import yaml
 
 from dflashctl.config import load_inventory, load_playbook
+from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
 from dflashctl.store import Store
-from dflashctl.tmux import SOCKET_ENV, Tmux
 from tests.harness import environ
 from tests.harness.fake_trainer import start_fake_run
 from tests.test_supervisor import read_status, write_playbook

@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from dflashctl.config import load_inventory, load_playbook
-from dflashctl.errors import CommandTimeout
+from dflashctl.core.errors import CommandTimeout
+from dflashctl.hosts.transport import Pool, connect
 from dflashctl.store import Store
-from dflashctl.supervisor import Supervisor
-from dflashctl.transport import Pool, connect
+from dflashctl.supervise.supervisor import Supervisor
 from tests.harness.fake_trainer import start_fake_run
 from tests.test_supervisor import SOCKET, kill_tmux_servers, kinds, read_status, wait_for, write_playbook
 

@@ -20,7 +20,7 @@ import signal
 import sys
 import typing
 
-from dflashctl import contract
+from dflashctl.core import contract
 from trainer import config as config_mod
 
 
@@ -162,9 +162,9 @@ def run_subcommand(argv: list[str]) -> int:
                 for line in result["warnings"]:
                     print(f"warning: {line}", file=sys.stderr)
         else:
-            from trainer import eval as eval_mod
-
             import torch
+
+            from trainer import eval as eval_mod
 
             device = args.device
             if device == "auto":

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from dflashctl.contract import CHECKPOINT_DIR
+from dflashctl.core.contract import CHECKPOINT_DIR
 from trainer import serving
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")

@@ -66,7 +66,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from dflashctl import contract
+from dflashctl.core import contract
 
 CACHE_DIR = "compile_cache"
 MANIFEST_FILE = "compile_cache.json"

@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from dflashctl.contract import did_you_mean
+from dflashctl.core.contract import did_you_mean
 
 
 class ConfigError(ValueError):
@@ -385,7 +385,7 @@ def load(path: str) -> TrainerConfig:
 
 
 def save(cfg: TrainerConfig, path: str) -> None:
-    from dflashctl.contract import atomic_write_text
+    from dflashctl.core.contract import atomic_write_text
 
     atomic_write_text(path, json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
 

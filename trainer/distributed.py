@@ -61,7 +61,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from dflashctl import contract
+from dflashctl.core import contract
 
 ENV_KEYS = ("RANK", "WORLD_SIZE")
 HEARTBEAT_S = 1.0

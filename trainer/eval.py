@@ -29,7 +29,7 @@ and the speed baseline. The report (``run_eval``, a JSON-able dict) holds:
 (greedy), the data on which measured and training figures must agree.
 
 Tau is accepted draft tokens + 1 per verification step, as published; the trainer's
-``accept_len`` + 1 is its training-time estimate ("τ est", dflashctl.contract).
+``accept_len`` + 1 is its training-time estimate ("τ est", dflashctl.core.contract).
 
 The report is handed over after every prompt (``on_prompt``; ``--out`` is rewritten
 each time) with ``complete`` false until the last; past ``timeout`` no prompt is
@@ -106,7 +106,7 @@ def target_data(target, out_dir: str, samples: int, prompt_len: int, new_tokens:
     learn in the real recipe. Returns ``out_dir``."""
     import torch
 
-    from dflashctl.contract import atomic_write_text
+    from dflashctl.core.contract import atomic_write_text
 
     rng = random.Random(f"target-data-{seed}")
     skip = set(reserved) | {0}
@@ -133,7 +133,7 @@ def training_figure(ckpt: str, step: int, recent: int = 5) -> Optional[dict]:
     its mean over the last ``recent`` lines: one line covers only log_every steps of
     a few sequences, and varies from line to line. Read from the run directory that
     holds the checkpoint; None when it has no metrics."""
-    from dflashctl import contract
+    from dflashctl.core import contract
 
     run_dir = os.path.dirname(os.path.dirname(ckpt))
     by_step: dict[int, float] = {}
@@ -382,7 +382,7 @@ def format_text(report: dict) -> str:
         lines.append(f"training    τ est {_fmt(tr['tau_estimate'])} (accept_len {_fmt(tr['accept_len'])} + 1) at step "
                      f"{tr['step']} ({_fmt(tr['tau_estimate_recent'])} over the lines since step "
                      f"{tr['recent_from_step']})")
-        from dflashctl.contract import tau_gap
+        from dflashctl.core.contract import tau_gap
 
         gap = tau_gap(tr["tau_estimate"], report["tau"])
         if gap:

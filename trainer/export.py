@@ -372,7 +372,7 @@ def export(path: str, out_dir: str, fmt: Optional[str] = None, dtype: str = "aut
     import torch
     from safetensors.torch import save_file
 
-    from dflashctl.contract import atomic_write_text
+    from dflashctl.core.contract import atomic_write_text
     from trainer import checkpoint, restore
     from trainer import serving as serving_mod
 

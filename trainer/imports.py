@@ -106,7 +106,7 @@ def remember_package_map(cache_dir: Optional[str]) -> str:
         mapping = {k: list(v) for k, v in original().items()}
         outcome = "saved"
         try:
-            from dflashctl.contract import atomic_write_text
+            from dflashctl.core.contract import atomic_write_text
 
             os.makedirs(os.path.dirname(path), exist_ok=True)
             atomic_write_text(path, json.dumps({"path": stamp, "map": mapping}))

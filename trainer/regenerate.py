@@ -38,9 +38,16 @@ import time
 from dataclasses import asdict
 from typing import Callable, Optional
 
-from dflashctl.contract import REGENERATE_BEAT_S
+from dflashctl.core.contract import REGENERATE_BEAT_S
 from trainer.data import (
-    MANIFEST, PAD_ID, DataError, ErrorBudget, ShardDataset, chat_head, chat_records, shard_paths,
+    MANIFEST,
+    PAD_ID,
+    DataError,
+    ErrorBudget,
+    ShardDataset,
+    chat_head,
+    chat_records,
+    shard_paths,
 )
 
 FORMAT = "jsonl input_ids+loss_mask v1"
@@ -208,7 +215,7 @@ def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock,
     """regenerate() with its settings and threads in place."""
     import torch
 
-    from dflashctl.contract import atomic_write_text
+    from dflashctl.core.contract import atomic_write_text
     from trainer.serving import target_config_hash
     from trainer.target import build_target, default_dtype
 

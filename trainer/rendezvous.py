@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from dflashctl import contract
+from dflashctl.core import contract
 
 KEY_ENV = "DFLASHCTL_RENDEZVOUS_KEY_FILE"  # a key file elsewhere than the run directory (by hand)
 MIN_KEY_BYTES = 16

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Optional
 
-from dflashctl import contract
+from dflashctl.core import contract
 
 WAIT_S = 10.0  # how long a start waits for the previous owner to end before it gives up
 _held: dict[str, int] = {}  # path -> fd of a lock this process holds (kept open for its life)

@@ -25,7 +25,7 @@ import json
 import os
 import time
 
-from dflashctl import contract
+from dflashctl.core import contract
 
 POLL_S = 0.1  # seconds between looks for the go file
 ENDED = (contract.EXIT_DONE, contract.EXIT_STOPPED)

@@ -23,7 +23,7 @@ from typing import Union
 import torch
 import torch.nn as nn
 
-from dflashctl.contract import did_you_mean
+from dflashctl.core.contract import did_you_mean
 from trainer.config import ConfigError, ModelConfig
 
 PRESET_SEED = 0

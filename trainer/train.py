@@ -1,7 +1,7 @@
 """The trainer's main: read top to bottom.
 
 Phases written to status.json: starting -> compiling -> training (-> checkpointing)
--> done | stopped | failed. Exit codes: dflashctl.contract (EXIT_*).
+-> done | stopped | failed. Exit codes: dflashctl.core.contract (EXIT_*).
 
 Fault injection (``fault:`` in the config; for tests and drills, never production),
 checked at each step boundary once ``after_steps`` optimiser steps are done:
@@ -40,8 +40,8 @@ import time
 import traceback
 from typing import Optional
 
-from dflashctl import contract
-from dflashctl.contract import Metrics, Status, error_signature
+from dflashctl.core import contract
+from dflashctl.core.contract import Metrics, Status, error_signature
 from trainer.config import ConfigError, TrainerConfig
 
 FAULT_MARKER = "fault_fired.json"
@@ -244,7 +244,8 @@ def checkpoint_limit(model) -> int:
 def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, stop: StopRequest) -> int:
     # ---------------------------------------------------------------- torch, devices, seeds
     startup = Startup()
-    from trainer import bytecode as bytecode_mod, compile_cache, imports
+    from trainer import bytecode as bytecode_mod
+    from trainer import compile_cache, imports
 
     hidden = imports.hide_unused()
     bytecode = bytecode_mod.keep(cfg.compile.cache_dir)  # before the imports it speeds up
@@ -258,7 +259,9 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     imports.prehash_triton()
     import torch
 
-    from trainer import checkpoint, compile as compile_mod, distributed, pipeline as pl
+    from trainer import checkpoint, distributed
+    from trainer import compile as compile_mod
+    from trainer import pipeline as pl
     from trainer.anchors import sample_anchors
     from trainer.attention import FLEX_COMPILED, paths_ran, select_attention_path
     from trainer.data import build_source

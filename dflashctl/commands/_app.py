@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from dflashctl.errors import DflashError
-from dflashctl.terminal import printable
+from dflashctl.core.errors import DflashError
+from dflashctl.core.terminal import printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -124,7 +124,7 @@ def parse_duration_option(value: str | float, option: str) -> float:
     except (TypeError, ValueError):
         pass
     from dflashctl.config import DURATION_HELP, parse_duration  # the playbooks' parser, only when a unit is given
-    from dflashctl.errors import ConfigError
+    from dflashctl.core.errors import ConfigError
 
     try:
         return parse_duration(value)

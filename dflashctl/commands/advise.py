@@ -1,5 +1,5 @@
 """`dflashctl advise RUN`: the target:drafter GPU split a run's measurements call for
-(``dflashctl.placement``). Reads the run's metrics on its host; never changes a run."""
+(``dflashctl.supervise.placement``). Reads the run's metrics on its host; never changes a run."""
 
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ def advise_command(
     target GPU makes when always busy, and one drafter GPU takes when it never
     waits; what every GPU running both (shared) and the best split would make, and
     whether a target and a drafter fit one GPU's memory (rule in
-    dflashctl/placement.py). Run a short calibration (a few log intervals of
+    dflashctl/supervise/placement.py). Run a short calibration (a few log intervals of
     training), then advise on it."""
     from dflashctl.config import load_inventory
-    from dflashctl.paths import store_path
-    from dflashctl.placement import PlacementError, advise
-    from dflashctl.runhost import metrics_tail
+    from dflashctl.core.errors import ConfigError
+    from dflashctl.core.paths import store_path
+    from dflashctl.runs.runhost import metrics_tail
     from dflashctl.store import Store
-    from dflashctl.errors import ConfigError
+    from dflashctl.supervise.placement import PlacementError, advise
 
     store = Store(store_path())
     record = store.get_run(run)

@@ -14,8 +14,9 @@ import sqlite3
 import time
 
 import typer
+
 from dflashctl.commands._app import G, app, err, escape, fail, out, parse_duration_option
-from dflashctl.errors import DflashError
+from dflashctl.core.errors import DflashError
 
 _STYLE = {"critical": "bold red", "error": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -95,7 +96,7 @@ def _apply(target: str, timeout: float, as_json: bool) -> None:
 
 def _store():
     """The run store (for drift and to record the snapshot); a store problem must not hide the audit."""
-    from dflashctl.paths import store_path
+    from dflashctl.core.paths import store_path
     from dflashctl.store import Store
 
     try:

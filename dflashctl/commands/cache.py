@@ -1,6 +1,6 @@
 """Commands: `cache ls` and `cache rm` (the compile artifacts this controller holds).
 
-The store is ``dflashctl.compile_cache.LocalCache`` (under the controller's data
+The store is ``dflashctl.runs.compile_cache.LocalCache`` (under the controller's data
 directory); this module parses options and prints. Every field shown came from a
 trainer's manifest and is escaped. It never imports ``dflashctl.cli`` (it registers
 on ``dflashctl.commands._app``) and never reaches a host.
@@ -41,7 +41,7 @@ def ls_command(
 ) -> None:
     """List the held compile artifacts: key, the trust domain it came from, what it was compiled for, size, when this
     controller received it, last used."""
-    from dflashctl.compile_cache import LocalCache
+    from dflashctl.runs.compile_cache import LocalCache
 
     cache = LocalCache()
     entries = cache.entries()
@@ -53,7 +53,7 @@ def ls_command(
         return
     from rich.text import Text
 
-    from dflashctl.tables import Col, lines
+    from dflashctl.status.tables import Col, lines
 
     columns = (Col("key", "key", 32, 0), Col("from", "from", 12, 2), Col("torch", "torch", 14, 1), Col("triton", "triton", 8, 3),
                Col("cuda", "cuda", 6, 3), Col("gpu", "gpu", 16, 2), Col("bundle", "bundle", 12, 4),
@@ -81,14 +81,14 @@ def rm_command(
                                              help="Remove those neither used nor created within this long (30d)."),
 ) -> None:
     """Remove held compile artifacts: one by key, those older than a duration, or all."""
-    from dflashctl.compile_cache import LocalCache
+    from dflashctl.runs.compile_cache import LocalCache
 
     if sum(x is not None and x is not False for x in (key, all_ or None, older_than)) != 1:
         raise typer.BadParameter("give exactly one of KEY, --all or --older-than DURATION")
     cache = LocalCache()
     if key is not None:
         if not cache.remove(key):
-            from dflashctl.errors import DflashError
+            from dflashctl.core.errors import DflashError
 
             raise DflashError(f"no compile artifact {key} held", hint="`dflashctl cache ls` lists what is held")
         removed = [key]

@@ -1,7 +1,7 @@
 """Commands: `hosts` (what the inventory says), `check` (what the hosts say) and
 `trust` (accept a host's SSH key, fetched through its route).
 
-The facts come from ``dflashctl.facts``, host keys from ``dflashctl.transport``;
+The facts come from ``dflashctl.hosts.facts``, host keys from ``dflashctl.hosts.transport``;
 this module parses options and prints.
 It never imports ``dflashctl.cli`` (it registers on ``dflashctl.commands._app``).
 """
@@ -29,7 +29,7 @@ def hosts_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List the inventory's hosts: how each is reached (jumps, container wrapper) and its GPUs."""
-    from dflashctl.transport import describe_route
+    from dflashctl.hosts.transport import describe_route
 
     inventory = _inventory()
     rows = []
@@ -52,7 +52,7 @@ def hosts_command(
     if as_json:
         print(json.dumps({"source": inventory.source, "hosts": rows}, indent=2))
         return
-    from dflashctl.tables import Col, lines
+    from dflashctl.status.tables import Col, lines
 
     columns = (Col("host", "host", 24, 0), Col("transport", "transport", 9, 2), Col("address", "address", 21, 3),
                Col("route", "route", 20, 1, grow=40), Col("wrapper", "wrapper", 16, 4, grow=24),
@@ -82,7 +82,7 @@ def check_command(
     per host (the columns that fit), then the package versions it proved on each
     run host (`proved: torch 2.6.0, ...`). Each problem is printed with its fix.
     Exit code 1 when any host failed."""
-    from dflashctl.facts import check_hosts
+    from dflashctl.hosts.facts import check_hosts
 
     checks = check_hosts(_inventory(), names or None, timeout=parse_duration_option(timeout, "--timeout"))
     if as_json:
@@ -106,8 +106,8 @@ def trust_command(
     differs from the one on file is refused. Compare each fingerprint with the
     host's own (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub`, run there)
     before you confirm."""
-    from dflashctl.errors import DflashError, UnreachableError
-    from dflashctl.transport import host_key
+    from dflashctl.core.errors import DflashError, UnreachableError
+    from dflashctl.hosts.transport import host_key
 
     inventory = _inventory()
     route = inventory.route(name)
@@ -149,7 +149,7 @@ def _say_lines(lines) -> None:
 def _print_checks(checks) -> None:
     """One line per host (the columns that fit), then per run host the package
     versions it proved, then each problem with its fix."""
-    from dflashctl.tables import Col, lines
+    from dflashctl.status.tables import Col, lines
 
     columns = (Col("host", "host", 24, 0), Col("result", "result", 6, 0), Col("route", "route", 20, 3, grow=30),
                Col("hostname", "hostname", 16, 4), Col("system", "system", 24, 5, grow=30),
@@ -201,7 +201,7 @@ def _proved(f) -> str | None:
     host with no launch checks (a jump host, or one not reached)."""
     if f is None or f.launch is None or not f.launch.versions:
         return None
-    from dflashctl.facts import LAUNCH_PACKAGES
+    from dflashctl.hosts.facts import LAUNCH_PACKAGES
 
     return ", ".join(f"{name} {f.launch.versions.get(name) or 'missing'}" for name in LAUNCH_PACKAGES) + \
         f" (python {f.python_path})"

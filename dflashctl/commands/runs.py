@@ -1,7 +1,7 @@
 """Commands: `launch`, `stop`, `restart`, `logs`, `runs`, `events` (runs and their history).
 
 The work is done by ``dflashctl.launch`` (the launch flow) and
-``dflashctl.runhost`` (stop, restart, logs on the run host); this module parses
+``dflashctl.runs.runhost`` (stop, restart, logs on the run host); this module parses
 options and prints. It never imports ``dflashctl.cli`` (it registers on
 ``dflashctl.commands._app``).
 """
@@ -28,7 +28,7 @@ def _inventory():
 
 
 def _store():
-    from dflashctl.paths import store_path
+    from dflashctl.core.paths import store_path
     from dflashctl.store import Store
 
     return Store(store_path())
@@ -53,7 +53,7 @@ def _say_record(line: str) -> None:
     """One record of a stream (an event, a metrics line) as one line: cut to the
     terminal's width, whole when piped (``stream_width``)."""
     from dflashctl.commands._app import stream_width
-    from dflashctl.terminal import one_line
+    from dflashctl.core.terminal import one_line
 
     _say_text(Text(one_line(line, stream_width(sys.stdout))))
 
@@ -136,7 +136,7 @@ def stop_command(
     timeout: str = typer.Option("2m", "--timeout", help="How long to wait for the checkpoint before killing (120, 2m)."),
 ) -> None:
     """Stop a run gracefully: the trainer checkpoints and exits; then its session is closed."""
-    from dflashctl.runhost import stop
+    from dflashctl.runs.runhost import stop
 
     result = stop(run, _store(), _inventory(), timeout=parse_duration_option(timeout, "--timeout"),
                   progress=_progress(False))
@@ -162,8 +162,8 @@ def restart_command(
     import time
 
     from dflashctl.launch import start_supervisor
-    from dflashctl.recorded import prepare
-    from dflashctl.runhost import restart
+    from dflashctl.runs.recorded import prepare
+    from dflashctl.runs.runhost import restart
 
     store, inventory, show = _store(), _inventory(), _progress(False)
     record = store.get_run(run)
@@ -189,7 +189,7 @@ def logs_command(
 
     Control characters in it (ANSI colours, carriage returns) are shown as escapes
     (\\x1b), never sent to the terminal as they are."""
-    from dflashctl.runhost import logs
+    from dflashctl.runs.runhost import logs
 
     try:
         for chunk in logs(run, _store(), _inventory(), follow=follow, n=n, host=host):
@@ -223,8 +223,8 @@ def eval_command(
 
     Example: dflashctl eval demo-20261130-203528-9854 --prompts 4 --timeout 2m --threads 1"""
     from dflashctl.config import EvalSettings
-    from dflashctl.runhost import eval_run
-    from dflashctl.supervisor import policy_for_run
+    from dflashctl.runs.runhost import eval_run
+    from dflashctl.supervise.supervisor import policy_for_run
 
     store, inventory = _store(), _inventory()
     record = store.get_run(run)
@@ -251,7 +251,7 @@ def _eval_summary(row: dict | None) -> dict | None:
 
 
 def _run_columns():
-    from dflashctl.tables import Col
+    from dflashctl.status.tables import Col
 
     return (
         Col("run", "run", 64, 0),  # ids are copied into other commands: whole, never cut
@@ -272,9 +272,8 @@ def _run_columns():
 
 def _run_summary(r, outcome: dict, evaluation: dict | None, now: float) -> dict:
     """What ``runs --json`` adds to a run's record: what it achieved."""
-    from dflashctl.tui.model import _total_steps
-
-    from dflashctl.contract import tau_estimate
+    from dflashctl.core.contract import tau_estimate
+    from dflashctl.status.model import _total_steps
 
     start = r.started or r.created
     return {"step": outcome["step"], "total_steps": _total_steps(r), "loss": outcome["loss"],
@@ -284,7 +283,7 @@ def _run_summary(r, outcome: dict, evaluation: dict | None, now: float) -> dict:
 
 
 def _run_cells(r, s: dict) -> dict:
-    from dflashctl.detectors import fmt_duration
+    from dflashctl.supervise.detectors import fmt_duration
 
     step = "-" if s["step"] is None else f"{s['step']:,}" + (f"/{s['total_steps']:,}" if s["total_steps"] else "")
     return {
@@ -327,11 +326,11 @@ def runs_command(
     duration_s; `tau_note`)."""
     import time
 
-    from dflashctl.tables import lines
+    from dflashctl.status.tables import lines
 
     store = _store()
     runs = store.list_runs(playbook=playbook, limit=None if all_runs else 20)
-    from dflashctl.contract import tau_gap
+    from dflashctl.core.contract import tau_gap
 
     evals = store.latest_evals()
     outcomes = store.run_outcomes([r.id for r in runs])
@@ -377,7 +376,7 @@ def events_command(
     line is cut to the width, and `--json` has every event whole (id, run_id, time,
     kind, severity, message, detail)."""
     from dflashctl.commands._app import stream_width
-    from dflashctl.terminal import one_line
+    from dflashctl.core.terminal import one_line
 
     store = _store()
     found = store.get_run(run)

@@ -45,19 +45,19 @@ def status_command(
     `--readonly` or DFLASHCTL_READONLY=1), `/` filter, `s` sort.
 
     Read from the store only (the supervisors write it), so it never waits on a host."""
-    from dflashctl.paths import store_path
+    from dflashctl.core.paths import store_path
 
     if json_schema:
-        from dflashctl.tui.model import JSON_SCHEMA
+        from dflashctl.status.model import JSON_SCHEMA
 
         print(json.dumps(JSON_SCHEMA, indent=2))
         return
+    from dflashctl.status.model import load_status
     from dflashctl.store import Store
-    from dflashctl.tui.model import load_status
 
     path = store_path()
     if not os.path.isfile(path):  # never made here: a mistyped path must not read as "no runs yet"
-        from dflashctl.errors import ConfigError
+        from dflashctl.core.errors import ConfigError
 
         raise ConfigError(f"no run store at {path}" + (" (DFLASHCTL_STORE)" if os.environ.get("DFLASHCTL_STORE")
                                                        else ""),
@@ -76,12 +76,11 @@ def status_command(
     store.close()
     seconds = parse_duration_option(interval, "--interval")
     if seconds < 0.2:
-        from dflashctl.errors import ConfigError
+        from dflashctl.core.errors import ConfigError
 
         raise ConfigError(f"--interval: {interval} is too short", hint="give 0.2 seconds or more (2, 0.5, 2s, 1m)")
-    from dflashctl.tui.app import StatusApp
-
     from dflashctl.tui.actions import readonly_default
+    from dflashctl.tui.app import StatusApp
 
     if readonly is None:
         readonly = readonly_default()
@@ -124,7 +123,7 @@ def print_status(view, width: int) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from dflashctl.tui.model import SEVERITY_STYLE, fit, fit_middle, select_columns
+    from dflashctl.status.model import SEVERITY_STYLE, fit, fit_middle, select_columns
     from dflashctl.tui.text import gpu_text, run_hosts_text
 
     width = max(40, width)

@@ -1,6 +1,6 @@
 """Command: `watch` (the supervisor loop in the foreground).
 
-The loop is ``dflashctl.supervisor``, its lines ``dflashctl.console``; this
+The loop is ``dflashctl.supervise.supervisor``, its lines ``dflashctl.supervise.console``; this
 module parses options and prints. It never imports ``dflashctl.cli`` (it
 registers on ``dflashctl.commands._app``).
 """
@@ -16,7 +16,7 @@ from typing import List, Optional
 import typer
 
 from dflashctl.commands._app import G, app, err, printable, stream_width
-from dflashctl.detectors import SEVERITIES
+from dflashctl.supervise.detectors import SEVERITIES
 
 
 @app.command("watch")
@@ -39,11 +39,11 @@ def watch_command(
     width (cut to a terminal's, whole when piped; `--json`: one JSON object per
     line). Ctrl-C (or SIGTERM) stops watching; the runs go on."""
     from dflashctl.config import load_inventory, parse_duration
-    from dflashctl.errors import ConfigError
-    from dflashctl.paths import store_path
+    from dflashctl.core.errors import ConfigError
+    from dflashctl.core.paths import store_path
     from dflashctl.store import DONE, STOPPED, Store
-    from dflashctl.console import format_line, format_observation
-    from dflashctl.supervisor import watch
+    from dflashctl.supervise.console import format_line, format_observation
+    from dflashctl.supervise.supervisor import watch
 
     seconds = None
     if interval is not None:

@@ -1,7 +1,7 @@
 """Environment audit: what the trainer's Python on a host will actually load, and
 what in it would break a run.
 
-One round trip per host: the collector (dflashctl/remote/audit.py, stdlib only)
+One round trip per host: the collector (dflashctl/hosts/remote/audit.py, stdlib only)
 runs with the host's python and asks its import system; it prints a JSON
 snapshot, and everything after that is pure. The rooms:
 
@@ -15,7 +15,7 @@ snapshot, and everything after that is pure. The rooms:
                it (wheels fetched first, installed with --no-index)
     report     ``AuditReport``: one host's result, its exit code, plan and JSON form
     apply      ``env-audit --apply``: the plan run step by step, audited after each, a
-               failed step undone (dflashctl/remote/envsave.py saves what it removes)
+               failed step undone (dflashctl/hosts/remote/envsave.py saves what it removes)
     drift      the package set against the playbook's last good run (the store)
     host       the round trip and the entry points: ``audit_target`` (the CLI),
                ``preflight`` (the launcher), ``record_snapshot`` (drift checks)

@@ -3,7 +3,7 @@ says, one step at a time, and checked after each.
 
 Before a step that removes or replaces a distribution (an uninstall, a dist-info
 removed, an install or reinstall over an installed copy), what it will remove is
-saved on the host (dflashctl/remote/envsave.py: the dist-info and every file its
+saved on the host (dflashctl/hosts/remote/envsave.py: the dist-info and every file its
 RECORD lists). The step runs through the host's transport (jump hosts, container
 wrapper, the playbook's environment); then the host is audited again. A step that
 fails, or after which the audit has more errors than before it, is undone (the
@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from dflashctl import remote
+from dflashctl.core.errors import first_line
 from dflashctl.envaudit.host import audit_host, resolve_target
 from dflashctl.envaudit.report import AuditReport
-from dflashctl.errors import first_line
+from dflashctl.hosts import remote
 
 if TYPE_CHECKING:
     from dflashctl.config import Inventory
@@ -86,7 +86,7 @@ def apply_plan(target: str, inventory: "Inventory", playbooks_dir: str | None = 
     """Audit ``target``, then run its plan step by step (see the module docstring).
     ``progress(kind, text)`` hears each step ("step", "ok", "failed", "restored");
     ``after_step(i, line)`` is called after each step that is kept."""
-    from dflashctl.transport import connect
+    from dflashctl.hosts.transport import connect
 
     host_name, playbook = resolve_target(target, inventory, playbooks_dir)
     env = dict(playbook.env) if playbook else None

@@ -16,8 +16,8 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from dflashctl.detectors import Finding as Drift
-from dflashctl.detectors import env_drift
+from dflashctl.supervise.detectors import Finding as Drift
+from dflashctl.supervise.detectors import env_drift
 
 if TYPE_CHECKING:
     from dflashctl.store import Run, Store
@@ -54,7 +54,7 @@ def drift_since_good_run(store: "Store", playbook: str, host: str, current: dict
 
 def open_existing_store(path: str | None = None) -> "Store | None":
     """The run store when its file exists (a dry run must not create one), else None."""
-    from dflashctl.paths import store_path
+    from dflashctl.core.paths import store_path
     from dflashctl.store import Store
 
     path = path or store_path()

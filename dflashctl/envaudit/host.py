@@ -1,4 +1,4 @@
-"""Auditing a host: the one round trip (the collector, dflashctl/remote/audit.py,
+"""Auditing a host: the one round trip (the collector, dflashctl/hosts/remote/audit.py,
 run by the host's python through its transport: jump hosts, container wrapper,
 the run's environment), then the rules, as the CLI and the launcher ask for it.
 
@@ -22,19 +22,19 @@ import shlex
 import time
 from typing import TYPE_CHECKING
 
-from dflashctl import remote
-from dflashctl.contract import did_you_mean
+from dflashctl.core.contract import did_you_mean
+from dflashctl.core.errors import ConfigError, DflashError, TransportError, UnreachableError, first_line
 from dflashctl.envaudit.drift import drift_since_good_run, open_existing_store
 from dflashctl.envaudit.report import AuditReport
 from dflashctl.envaudit.rules import Finding, Policy, audit
 from dflashctl.envaudit.snapshot import ASKED_MODULES, LIB_PREFIXES, Snapshot, parse_snapshot
 from dflashctl.envaudit.stack import torch_build
-from dflashctl.errors import ConfigError, DflashError, TransportError, UnreachableError, first_line
+from dflashctl.hosts import remote
 
 if TYPE_CHECKING:
     from dflashctl.config import Host, Inventory, Playbook
+    from dflashctl.hosts.transport import Transport
     from dflashctl.store import Store
-    from dflashctl.transport import Transport
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -124,7 +124,7 @@ def audit_host(
 ) -> AuditReport:
     """Collect a host's snapshot (with the playbook's environment, when given) and
     audit it; with a playbook and a store, the drift since its last good run."""
-    from dflashctl.transport import connect
+    from dflashctl.hosts.transport import connect
 
     host = inventory.get(host_name)
     policy = policy_for(host, inventory, playbook)

@@ -35,7 +35,8 @@ from typing import Any, Iterable
 
 from packaging.utils import canonicalize_name
 
-from dflashctl.contract import did_you_mean
+from dflashctl.core.contract import did_you_mean
+from dflashctl.core.errors import ConfigError
 from dflashctl.envaudit.fixes import Fixer, Removal, index_args, listing, only_inits, short_path
 from dflashctl.envaudit.program import prove
 from dflashctl.envaudit.snapshot import LIB_PREFIXES, TRAINER_MODULES, Dist, LibEntry, ModuleSpec, Snapshot
@@ -46,14 +47,13 @@ from dflashctl.envaudit.stack import (
     cuda_major,
     protected,
     release_of,
-    requirement_checks,
     required_by,
+    requirement_checks,
     same_soname,
     torch_build,
     unmet_requirements,
     wheel_sonames,
 )
-from dflashctl.errors import ConfigError
 
 SEVERITIES = ("info", "warning", "error", "critical")
 # Finding codes, one per kind of problem (documented in README.md; env_audit.ignore names them).
@@ -313,7 +313,7 @@ CRASH_TEXT = "OSError: {soname}: cannot open shared object file: No such file or
 def crash_signature(soname: str) -> tuple[str, str]:
     """The error `import torch` prints without ``soname``, and the crash signature
     the supervisor will file it under (the same table classifies real crashes)."""
-    from dflashctl.signatures import classify
+    from dflashctl.core.signatures import classify
 
     text = CRASH_TEXT.format(soname=soname)
     return text, classify(text).name
@@ -342,7 +342,7 @@ def _rule_torch(c: _Context) -> list[Finding]:
     if deep.get("error"):
         text = deep["error"]
         soname = re.search(r"(lib\S+?\.so(?:\.\d+)*): cannot open shared object file", text)
-        from dflashctl.signatures import classify
+        from dflashctl.core.signatures import classify
 
         findings.append(c.finding(
             "error", "torch-import", f"`import torch` fails on the host: {text} (crash signature "

@@ -1,5 +1,5 @@
 """What a host's trainer python loads, as data: the ``Snapshot`` and its parts, and
-``parse_snapshot``, which reads the collector's JSON (dflashctl/remote/audit.py).
+``parse_snapshot``, which reads the collector's JSON (dflashctl/hosts/remote/audit.py).
 
 The collector asks the host's import system; this module only holds the answers
 and the few lookups every rule needs (which distribution owns a module, which copy

@@ -41,7 +41,7 @@ def readonly_default(environ=None) -> bool:
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    from dflashctl.errors import ConfigError
+    from dflashctl.core.errors import ConfigError
 
     raise ConfigError(f"{READONLY_ENV}={value!r} is neither on nor off",
                       hint=f"set {READONLY_ENV}=1 for a console without stop/restart keys, or unset it")
@@ -94,8 +94,8 @@ def plan(command: str, run) -> Plan:
 
 
 def _watch_plan(run) -> Plan:
+    from dflashctl.hosts.tmux import socket_name
     from dflashctl.launch import supervisor_session
-    from dflashctl.tmux import socket_name
 
     if not run.active:
         return Plan("watch", run.id, refused=f"run {run.id} is {run.state}: there is nothing to supervise")

@@ -34,12 +34,20 @@ from textual.containers import Container, VerticalScroll
 from textual.widgets import DataTable, Footer, Static
 from textual.worker import get_current_worker
 
-from dflashctl.errors import DflashError, first_line
+from dflashctl.core.errors import DflashError, first_line
+from dflashctl.status.model import (
+    SORTS,
+    ChartView,
+    DirectProbe,
+    EventView,
+    StatusReader,
+    StatusView,
+    filter_runs,
+    next_zoom,
+    sort_runs,
+)
 from dflashctl.store import Store
 from dflashctl.tui.actions import plan, readonly_default
-from dflashctl.tui.model import (
-    SORTS, ChartView, DirectProbe, EventView, StatusReader, StatusView, filter_runs, next_zoom, sort_runs,
-)
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen, RankScreen
 from dflashctl.tui.text import banner_text, gpu_text, notice_text, run_pane_layout, run_text
 from dflashctl.tui.widgets import FilterBox, Pane, RunsTable
@@ -152,8 +160,8 @@ class StatusApp(App):
         # What the workers use to reach a host, imported now, before the screen runs and
         # sys.stdout becomes Textual's capture (imports in a worker then would read it).
         import dflashctl.config  # noqa: F401
-        import dflashctl.runhost  # noqa: F401
-        import dflashctl.transport  # noqa: F401
+        import dflashctl.hosts.transport  # noqa: F401
+        import dflashctl.runs.runhost  # noqa: F401
 
     # ----------------------------------------------------------------- layout
 
@@ -264,7 +272,7 @@ class StatusApp(App):
 
     @work(thread=True, group="probe")
     def probe(self, run_id: str) -> None:
-        from dflashctl.runhost import host_transport, probe_run
+        from dflashctl.runs.runhost import host_transport, probe_run
 
         try:
             run = self.reader.store.get_run(run_id)
@@ -482,7 +490,7 @@ class StatusApp(App):
     @work(thread=True, group="attach")
     def attach_to(self, run_id: str, rank: int = 0) -> None:
         """Attach to the session of process ``rank`` of the run (its only one: 0)."""
-        from dflashctl.tmux import socket_name
+        from dflashctl.hosts.tmux import socket_name
         from dflashctl.tui.actions import attach_argv
 
         try:

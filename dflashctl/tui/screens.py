@@ -21,9 +21,9 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Static, TabbedContent, TabPane
 from textual.worker import get_current_worker
 
-from dflashctl.contract import TAU_GAP_MARGIN
-from dflashctl.errors import DflashError, first_line
-from dflashctl.tui.model import STATE_STYLE, DetailView, EventView, filter_events
+from dflashctl.core.contract import TAU_GAP_MARGIN
+from dflashctl.core.errors import DflashError, first_line
+from dflashctl.status.model import STATE_STYLE, DetailView, EventView, filter_events
 from dflashctl.tui.text import detail_text, event_text
 from dflashctl.tui.widgets import EventsTable, FilterBox, LogLines, LogView, Pane
 
@@ -332,8 +332,8 @@ class DetailScreen(Screen):
         """The trainer's log, read on the run's host and followed until the trainer
         ends: its last lines first (where they start is kept, for ``h``), then what is
         appended after them."""
-        from dflashctl.terminal import printable
-        from dflashctl.runhost import log_before, logs
+        from dflashctl.core.terminal import printable
+        from dflashctl.runs.runhost import log_before, logs
 
         self.following = True
         app, worker = self.app, get_current_worker()
@@ -388,8 +388,8 @@ class DetailScreen(Screen):
     def read_earlier(self, end: int) -> None:
         """The lines before byte ``end`` of the log, one bounded read (``HISTORY_LINES``,
         ``HISTORY_BYTES``), put before the lines held."""
-        from dflashctl.runhost import log_before
-        from dflashctl.terminal import printable
+        from dflashctl.core.terminal import printable
+        from dflashctl.runs.runhost import log_before
 
         app = self.app
         try:

@@ -1,5 +1,5 @@
 """The status console's text: pure functions from view models
-(``dflashctl.tui.model``) to rich ``Text``, shared by the live screen and
+(``dflashctl.status.model``) to rich ``Text``, shared by the live screen and
 ``status --once``: notices with their fix, the GPU pane, the highlighted run, a
 multi-host run's hosts, a run's detail overview.
 
@@ -13,14 +13,32 @@ import textwrap
 
 from rich.text import Text
 
-from dflashctl.terminal import printable
-from dflashctl.detectors import fmt_clock, fmt_duration, fmt_tok_s
-from dflashctl.tui import charts
-from dflashctl.tui.model import (
-    NA, PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, ChartView, DetailView, DirectProbe, EventView,
-    HostView, Notice, RunHostView, RunView, bar, fit, fit_middle, short_duration, short_rate, spark,
+from dflashctl.core.terminal import printable
+from dflashctl.status.model import (
+    NA,
+    PHASE_STYLE,
+    SEVERITY_STYLE,
+    SMOOTH_WINDOW_S,
+    STATE_STYLE,
+    ChartView,
+    DetailView,
+    DirectProbe,
+    EventView,
+    HostLoad,
+    HostView,
+    Notice,
+    RunHostView,
+    RunView,
+    bar,
+    fit,
+    fit_middle,
+    short_duration,
+    short_rate,
+    spark,
 )
-from dflashctl.tui.model import HostLoad
+from dflashctl.supervise.detectors import fmt_clock, fmt_duration, fmt_tok_s
+from dflashctl.tui import charts
+
 
 def notice_text(notices: list[Notice], width: int, lines: int = 2) -> Text:
     """The most urgent notices, one line each, with the command that fixes them."""

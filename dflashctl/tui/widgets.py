@@ -1,5 +1,5 @@
 """Widgets of the status console. Each draws one part of a view model
-(``dflashctl.tui.model``), with the text of ``dflashctl.tui.text``; none reads the
+(``dflashctl.status.model``), with the text of ``dflashctl.tui.text``; none reads the
 store or a host (the app hands them snapshots)."""
 
 from __future__ import annotations
@@ -12,8 +12,16 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Input, RichLog, Static
 
-from dflashctl.tui.model import (
-    COMPACT_RUN_WIDTH, SEVERITY_STYLE, Column, EventView, RunView, fit, fit_middle, matching, select_columns,
+from dflashctl.status.model import (
+    COMPACT_RUN_WIDTH,
+    SEVERITY_STYLE,
+    Column,
+    EventView,
+    RunView,
+    fit,
+    fit_middle,
+    matching,
+    select_columns,
 )
 
 # --------------------------------------------------------------------------- widgets

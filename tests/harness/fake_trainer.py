@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 
-from dflashctl import contract
+from dflashctl.core import contract
 
 CHECKPOINT = os.path.join(contract.CHECKPOINT_DIR, "fake-step")
 FAULT_MARKER = "fault_fired.json"
@@ -141,7 +141,8 @@ def save_fake_artifact(run_dir: str, config: dict, size: int) -> dict:
     with fake torch/triton/CUDA fields and deterministic bytes."""
     import platform
 
-    from trainer import compile_cache, config as trainer_config
+    from trainer import compile_cache
+    from trainer import config as trainer_config
 
     cfg = trainer_config.from_dict(config)
     fields = {"torch": "fake", "triton": "fake", "cuda": "fake", "gpu": os.environ.get("FAKE_TRAINER_GPU", "cpu"),
@@ -157,12 +158,12 @@ def start_fake_run(store, inventory, host: str, trainer: dict, *, playbook: str 
     """Record a run and start this fake trainer for it in tmux on ``host``, as the
     launcher starts the real one (bundle deployed, config.json and run.sh written,
     run.sh in a session named after the run). Returns the run id (state launching)."""
-    from dflashctl import deploy
-    from dflashctl.bundle import build_bundle
-    from dflashctl.runhost import run_files, start_command
+    from dflashctl.hosts import deploy
+    from dflashctl.hosts.bundle import build_bundle
+    from dflashctl.hosts.tmux import Tmux, socket_name
+    from dflashctl.hosts.transport import connect
+    from dflashctl.runs.runhost import run_files, start_command
     from dflashctl.store import new_run_id
-    from dflashctl.tmux import Tmux, socket_name
-    from dflashctl.transport import connect
 
     socket = socket or socket_name()
     transport = connect(host, inventory)

@@ -453,7 +453,7 @@ def convert(in_path: str, out_dir: str, tokenizer: str, shard_size: int = 10000,
     """Tokenize chat-style JSONL into shards; returns the manifest written beside them."""
     from transformers import AutoTokenizer
 
-    from dflashctl.contract import atomic_write_text
+    from dflashctl.core.contract import atomic_write_text
 
     tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
     os.makedirs(out_dir, exist_ok=True)

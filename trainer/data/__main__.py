@@ -16,7 +16,7 @@ from trainer.data import DataError, convert
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from dflashctl.contract import EXIT_DATA_ERROR
+    from dflashctl.core.contract import EXIT_DATA_ERROR
 
     parser = argparse.ArgumentParser(prog="python -m trainer.data", description="Training data tools.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,7 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _regenerate_command(args) -> int:
-    from dflashctl.contract import EXIT_CONFIG_ERROR, EXIT_DATA_ERROR
+    from dflashctl.core.contract import EXIT_CONFIG_ERROR, EXIT_DATA_ERROR
     from trainer import config as config_mod
 
     try:

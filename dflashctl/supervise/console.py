@@ -1,0 +1,89 @@
+"""What the operator sees of the supervisor's stream, line by line.
+
+The supervisor emits ``(kind, payload)`` pairs (an event, or a run's new metrics
+record); this module turns them into one text line each (``format_line``) and runs
+the supervisor in the foreground for one run, printing those lines (``follow``:
+``dflashctl launch --foreground``). ``dflashctl watch`` prints with the same lines.
+
+The lines carry what runs and hosts wrote as it is (messages, log excerpts): a
+printer makes them safe for its terminal (``dflashctl.commands._app.printable``).
+
+It imports the supervisor and never the reverse: the supervisor emits data and
+never formats it for a person. It never decides, stores or reaches a host itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from dflashctl.core import contract
+from dflashctl.core.terminal import one_line
+from dflashctl.supervise.detectors import fmt_clock, fmt_duration, fmt_tok_s
+from dflashctl.supervise.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from dflashctl.config import Inventory
+    from dflashctl.store import Store
+
+
+def format_metrics(m: contract.Metrics) -> str:
+    """One metrics record on one line: step, phase, tok/s, loss, accuracy, acceptance, ETA."""
+    parts = [f"step {m.step}/{m.total_steps}", m.phase]
+    if m.tok_s is not None:
+        parts.append(fmt_tok_s(m.tok_s))
+    if m.loss is not None:
+        parts.append(f"loss {m.loss:.4f}" if m.loss == 0 or abs(m.loss) >= 1e-3 else f"loss {m.loss:.2e}")  # 4e-7 is not 0
+    if m.acc is not None:
+        parts.append(f"acc {m.acc:.3f}")
+    if m.accept_len is not None:
+        parts.append(f"τ est {contract.tau_estimate(m.accept_len):.2f}")  # accept_len + 1, as eval's τ
+    if m.eta_s is not None:
+        parts.append(f"ETA {fmt_duration(m.eta_s)}")
+    return "  ".join(parts)
+
+
+def format_line(kind: str, payload: Any, width: int | None = None) -> str:
+    """One line per event (clock time, run, severity, kind, message) or metrics line,
+    safe for a terminal: a message's line breaks shown as ⏎, cut to ``width`` when given."""
+    return one_line(_line(kind, payload), width)
+
+
+def _line(kind: str, payload: Any) -> str:
+    if kind == "event":
+        e = payload
+        return f"{fmt_clock(e.time)}  {e.run_id}  {e.severity:<8} {e.kind:<11} {e.message}"
+    if kind == "metrics":
+        run_id, m = payload
+        return f"{fmt_clock(m.time)}  {run_id}  {format_metrics(m)}"
+    return str(payload)
+
+
+def format_observation(o: dict[str, Any], width: int | None = None) -> str:
+    """One line for what `watch --once` saw of a run: state, phase, step, speed,
+    how old the newest sample is; then one line per finding (each line cut to
+    ``width`` when given)."""
+    step = f"step {o['step']}" + (f"/{o['total_steps']}" if o.get("total_steps") else "") if o.get("step") else "no step yet"
+    speed = f", {fmt_tok_s(o['tok_s'])}" if o.get("tok_s") else ""
+    age = f", newest sample {fmt_clock(o['sample_time'])}" if o.get("sample_time") else ""
+    host = f"; host unreachable: {o['host_error']}" if o.get("host_error") else ""
+    line = f"{o['run_id']}  {o['state']}" + (f" ({o['phase']})" if o.get("phase") else "") + f"  {step}{speed}{age}{host}"
+    findings = (f"  {f['severity']:<8} {f['kind']:<11} {f['message']}" for f in o.get("findings", []))
+    return "\n".join(one_line(text, width) for text in [line, *findings])
+
+
+def follow(run_id: str, store: "Store", inventory: "Inventory", emit_line: Callable[[str], None], *,
+           interval: float | None = None, playbooks_dir: str | None = None,
+           stop: threading.Event | None = None) -> str:
+    """Supervise one run in the foreground until it ends (``launch --foreground``),
+    printing its events and metrics lines; returns its state then (final, unless
+    ``stop`` was set: then the tick in progress finishes and the run is let go)."""
+    sup = Supervisor(store, inventory, interval=interval, playbooks_dir=playbooks_dir, metrics=True,
+                     emit=lambda kind, payload: emit_line(format_line(kind, payload)))
+    try:
+        sup.attach(run_id)
+    except BaseException:
+        sup.close()
+        raise
+    sup.run(stop)
+    return store.get_run(run_id).state
