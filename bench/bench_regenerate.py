@@ -6,7 +6,7 @@
 
 Part 1 (always): the target of ``--preset`` (random, seeded weights: no download)
 writes ``--new-tokens`` tokens for each of ``--prompts`` random prompts of
-``--prompt-len`` tokens with trainer/regenerate.py's batched decoding, once per
+``--prompt-len`` tokens with trainer/data/regenerate.py's batched decoding, once per
 batch size of ``--batch-sizes``: new tokens per second (the first batch, which pays
 for lazy initialisation, is not timed), and peak GPU memory.
 
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer.config import ModelConfig  # noqa: E402
-from trainer.regenerate import decode_batch  # noqa: E402
+from trainer.data.regenerate import decode_batch  # noqa: E402
 from trainer.target import build_target, default_dtype  # noqa: E402
 
 

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from dflashctl.core import contract
 from dflashctl.core.errors import DflashError, TransportError, first_line
+from dflashctl.core.states import FAILED, FINAL_STATES, LAUNCHING
 from dflashctl.hosts import deploy
 from dflashctl.hosts.bundle import Bundle, build_bundle
 from dflashctl.hosts.facts import gpu_count_problem
@@ -72,7 +73,7 @@ from dflashctl.runs.runhost import (
     start_command,
     wait_started,
 )
-from dflashctl.store import FAILED, FINAL_STATES, LAUNCHING, Run, Store, new_run_id
+from dflashctl.store import Run, Store, new_run_id
 
 if TYPE_CHECKING:
     from dflashctl.config import Host, Inventory, Playbook

@@ -12,4 +12,6 @@ if [ ! -f $interp/.ok ]; then
   .venv/bin/python -m pip install -q --no-deps --target $interp "triton==3.6.0" "numpy>=2,<2.4"
   touch $interp/.ok
 fi
+echo "==> import contracts (pyproject.toml, [tool.importlinter])"
+.venv/bin/lint-imports --no-cache | sed -n '/^Contracts/,$p'
 exec .venv/bin/python -m pytest -q -ra "$@"

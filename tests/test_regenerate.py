@@ -1,4 +1,4 @@
-"""`python -m trainer.data regenerate`: the target writes the responses (trainer/regenerate.py).
+"""`python -m trainer.data regenerate`: the target writes the responses (trainer/data/regenerate.py).
 Real parts: the tiny preset target on CPU, real processes (one killed with SIGKILL
 mid-run), shards read back by the trainer's own loader, `trainer info` on a run
 trained on them."""
@@ -210,7 +210,7 @@ def test_a_long_batch_rewrites_its_progress_while_it_decodes(tmp_path):
     advances it by a second."""
     from dflashctl.core import contract
     from trainer import config as config_mod
-    from trainer.regenerate import regenerate
+    from trainer.data.regenerate import regenerate
 
     cfg = config_mod.from_dict({"model": {"preset": "tiny", "drafter_layers": 1, "block_size": 4},
                                 "data": {"regenerate": {"max_new_tokens": 40, "batch_size": 4, "shard_size": 4}},

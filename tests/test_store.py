@@ -14,17 +14,8 @@ import pytest
 
 from dflashctl.core.contract import Metrics
 from dflashctl.core.errors import ConfigError
-from dflashctl.store import (
-    ACTIVE_STATES,
-    FINAL_STATES,
-    STATES,
-    TRANSITIONS,
-    GpuConflict,
-    InvalidTransition,
-    Store,
-    migrations,
-    new_run_id,
-)
+from dflashctl.core.states import ACTIVE_STATES, FINAL_STATES, STATES, TRANSITIONS
+from dflashctl.store import GpuConflict, InvalidTransition, Store, migrations, new_run_id
 
 T0 = 1_800_000_000.0
 

@@ -56,7 +56,7 @@ class ModelConfig:
 
 @dataclass
 class RegenerateConfig:
-    """Responses written by the target itself before training (trainer/regenerate.py): the prompts of ``source``, the target's continuations, shards in ``out``."""
+    """Responses written by the target itself before training (trainer/data/regenerate.py): the prompts of ``source``, the target's continuations, shards in ``out``."""
 
     source: str = "synthetic"
     """'synthetic' (the prompts of the built-in synthetic task) or shards (directory or glob) whose prompts (the tokens before each sample's first loss token) are kept and responses replaced."""
@@ -101,7 +101,7 @@ class DataConfig:
     holdout: int = 0
     """Samples set aside (chosen from data.seed) that training never reads; ``python -m trainer eval`` measures its prompts, ones the drafter never saw."""
     regenerate: Optional[RegenerateConfig] = None
-    """Before training, the target writes the responses (trainer/regenerate.py) and training reads them; see RegenerateConfig."""
+    """Before training, the target writes the responses (trainer/data/regenerate.py) and training reads them; see RegenerateConfig."""
 
 
 @dataclass

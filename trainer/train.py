@@ -313,8 +313,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     startup.mark("models")
 
     # ---------------------------------------------------------------- data
-    if cfg.data.regenerate is not None:  # the target writes the responses first (trainer/regenerate.py)
-        from trainer.regenerate import ensure_regenerated
+    if cfg.data.regenerate is not None:  # the target writes the responses first (trainer/data/regenerate.py)
+        from trainer.data.regenerate import ensure_regenerated
 
         cfg.run_dir = run_dir
         status.set(contract.PHASE_REGENERATING)

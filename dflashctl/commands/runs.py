@@ -92,8 +92,8 @@ def launch_command(
     A playbook with `hosts: [a, b]` starts one torch.distributed process on each host
     (rank 0 on the first) and records them as one run (README: Past one host)."""
     from dflashctl.config import load_playbook
+    from dflashctl.core.states import FAILED, FINAL_STATES
     from dflashctl.launch import HandOverSignals, launch_run, start_supervisor, supervise_here
-    from dflashctl.store import FAILED, FINAL_STATES
 
     if foreground and no_watch:
         raise typer.BadParameter("--foreground and --no-watch exclude each other")

@@ -16,7 +16,7 @@ from typing import List, Optional
 import typer
 
 from dflashctl.commands._app import G, app, err, printable, stream_width
-from dflashctl.supervise.detectors import SEVERITIES
+from dflashctl.core.states import SEVERITIES
 
 
 @app.command("watch")
@@ -41,7 +41,8 @@ def watch_command(
     from dflashctl.config import load_inventory, parse_duration
     from dflashctl.core.errors import ConfigError
     from dflashctl.core.paths import store_path
-    from dflashctl.store import DONE, STOPPED, Store
+    from dflashctl.core.states import DONE, STOPPED
+    from dflashctl.store import Store
     from dflashctl.supervise.console import format_line, format_observation
     from dflashctl.supervise.supervisor import watch
 

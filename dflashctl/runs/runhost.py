@@ -55,21 +55,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from dflashctl.core import contract
 from dflashctl.core.errors import DflashError, StoreError, TransportError, first_line
+from dflashctl.core.logtext import RESTART_MARKER
+from dflashctl.core.states import DONE, FAILED, FINAL_STATES, RESTARTING, RUNNING, STOPPED, TRANSITIONS
 from dflashctl.hosts import deploy
 from dflashctl.hosts.bundle import build_bundle
-from dflashctl.core.logtext import RESTART_MARKER
 from dflashctl.hosts.tmux import Tmux, TmuxError, socket_name
-from dflashctl.store import (
-    DONE,
-    FAILED,
-    FINAL_STATES,
-    RESTARTING,
-    RUNNING,
-    STOPPED,
-    TRANSITIONS,
-    Run,
-    Store,
-)
+from dflashctl.store import Run, Store
 
 if TYPE_CHECKING:
     from dflashctl.config import EvalSettings, Host, Inventory

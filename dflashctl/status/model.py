@@ -41,9 +41,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
 from dflashctl.core.contract import describe_exit, tau_estimate, tau_gap
+from dflashctl.core.states import ACTIVE_STATES, FINAL_STATES, LAUNCHING, RESTARTING
 from dflashctl.hosts.parsers import HostReading, cpu_busy_pct
 from dflashctl.status.freshness import Freshness, freshness
-from dflashctl.store import ACTIVE_STATES, FINAL_STATES, LAUNCHING, RESTARTING, Event, Run, Sample, Store
+from dflashctl.store import Event, Run, Sample, Store
 from dflashctl.supervise.detectors import fmt_clock, fmt_duration, fmt_tok_s
 
 SCHEMA = "dflashctl.status/1"  # the --json document's name and version (JSON_SCHEMA below)

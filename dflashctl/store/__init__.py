@@ -38,37 +38,22 @@ if TYPE_CHECKING:
 
 from dflashctl.core.contract import PHASE_TRAINING, Metrics, did_you_mean
 from dflashctl.core.errors import ConfigError, DflashError, StoreError
-
-# --------------------------------------------------------------------------- states
-
-LAUNCHING = "launching"
-RUNNING = "running"
-STALLED = "stalled"
-RESTARTING = "restarting"
-STOPPED = "stopped"
-DONE = "done"
-FAILED = "failed"
-LOST = "lost"  # the host or the session cannot be seen; the trainer may still be alive
-
-STATES = (LAUNCHING, RUNNING, STALLED, RESTARTING, STOPPED, DONE, FAILED, LOST)
-FINAL_STATES = (STOPPED, DONE, FAILED)
-# A lost run may still be training on its GPUs, so it counts as holding them.
-ACTIVE_STATES = tuple(s for s in STATES if s not in FINAL_STATES)
-
-TRANSITIONS: dict[str, frozenset[str]] = {
-    LAUNCHING: frozenset({RUNNING, FAILED, STOPPED, LOST}),
-    RUNNING: frozenset({STALLED, RESTARTING, STOPPED, DONE, FAILED, LOST}),
-    STALLED: frozenset({RUNNING, RESTARTING, STOPPED, DONE, FAILED, LOST}),
-    RESTARTING: frozenset({RUNNING, FAILED, STOPPED, LOST}),
-    LOST: frozenset({RUNNING, STALLED, RESTARTING, STOPPED, DONE, FAILED}),
-    # An operator may restart a stopped or failed run (``dflashctl restart``); a
-    # finished run stays finished.
-    STOPPED: frozenset({RESTARTING}),
-    FAILED: frozenset({RESTARTING}),
-    DONE: frozenset(),
-}
-
-SEVERITIES = ("info", "warning", "error", "critical")
+from dflashctl.core.states import (
+    ACTIVE_STATES,
+    DONE,
+    FAILED,
+    FINAL_STATES,
+    LAUNCHING,
+    LOST,
+    RESTARTING,
+    RUNNING,
+    SEVERITIES,
+    STALLED,
+    STATES,
+    STOPPED,
+    TRANSITIONS,
+    severity_rank,
+)
 
 # The severity of the event a transition writes unless the caller says otherwise.
 _STATE_SEVERITY = {STALLED: "warning", RESTARTING: "warning", LOST: "warning", FAILED: "error"}
@@ -99,10 +84,6 @@ class GpuConflict(DflashError):
             f"{host}: GPUs already held by active runs: {listed}",
             hint="stop that run first (dflashctl stop RUN), change the playbook's placement, or pass --force",
         )
-
-
-def severity_rank(severity: str) -> int:
-    return SEVERITIES.index(severity)
 
 
 # --------------------------------------------------------------------------- rows

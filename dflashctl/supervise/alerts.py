@@ -42,7 +42,7 @@ import urllib.request
 from typing import TYPE_CHECKING, Any, Callable
 
 from dflashctl import __version__
-from dflashctl.supervise.detectors import SEVERITIES, severity_at_least
+from dflashctl.core.states import SEVERITIES, more_severe, severity_at_least
 
 if TYPE_CHECKING:
     from dflashctl.config import Alerts
@@ -143,7 +143,7 @@ class Alerter:
         with self._lock:
             now = self.clock()
             last = self._last_sent.get(key)
-            if last is not None and now - last[0] < self.alerts.min_interval and not _more_severe(event["severity"], last[1]):
+            if last is not None and now - last[0] < self.alerts.min_interval and not more_severe(event["severity"], last[1]):
                 self._suppressed_since[key] = self._suppressed_since.get(key, 0) + 1
                 self.suppressed += 1
                 return RATE_LIMITED
@@ -552,7 +552,3 @@ def _tail(data: bytes) -> str:
 
 class _HookError(Exception):
     """A hook failure already worded for the operator."""
-
-
-def _more_severe(severity: str, than: str) -> bool:
-    return SEVERITIES.index(severity) > SEVERITIES.index(than)

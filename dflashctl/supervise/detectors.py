@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from dflashctl.core import contract
 from dflashctl.core.logtext import last_traceback, this_attempt
+from dflashctl.core.states import ALIVE_STATES
 
 if TYPE_CHECKING:
     from dflashctl.config import Expect
@@ -36,10 +37,6 @@ FINISHED = "finished"  # done or stopped on request: not a failure, the loop clo
 # never acted on. Nothing destructive happens on one signal that was not cross-checked.
 CONFLICT = "conflict"
 
-SEVERITIES = ("info", "warning", "error", "critical")
-
-# Run states (store) in which the trainer should be alive on its host.
-ALIVE_STATES = ("launching", "running", "stalled")
 # Process states (/proc/PID/stat) of a trainer stopped on purpose: by a signal (T)
 # or a debugger (t, tracing stop). Left alone, never restarted.
 STOPPED_STATES = ("T", "t")
@@ -69,10 +66,6 @@ class Sample:
     @classmethod
     def from_metrics(cls, m: contract.Metrics) -> "Sample":
         return cls(time=m.time, step=m.step, tok_s=m.tok_s, phase=m.phase, eta_s=m.eta_s, total_steps=m.total_steps)
-
-
-def severity_at_least(severity: str, minimum: str) -> bool:
-    return SEVERITIES.index(severity) >= SEVERITIES.index(minimum)
 
 
 # --------------------------------------------------------------------------- formatting

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from dflashctl.core.signatures import RESTART, STOP, UNKNOWN, Classification
+from dflashctl.core.states import most_severe
 from dflashctl.supervise import detectors
 from dflashctl.supervise.detectors import Finding, fmt_duration
 
@@ -49,10 +50,6 @@ class Action:
     signature: str | None = None  # the crash signature (or 'stall') behind a restart/stop
     finding: str | None = None  # the finding kind an alert is about (alerts rate-limit per kind)
     detail: dict[str, Any] = field(default_factory=dict)
-
-
-def _worst(*severities: str) -> str:
-    return max(severities, key=detectors.SEVERITIES.index)
 
 
 def backoff(policy: "RestartPolicy", attempt: int, rng: random.Random) -> float:
@@ -111,7 +108,7 @@ def decide(
     alert = Action(
         ALERT,
         decision.reason,
-        severity=_worst(trigger.severity, decision.severity),
+        severity=most_severe((trigger.severity, decision.severity)),
         finding=trigger.kind,
         detail={**trigger.detail, "decision": decision.kind, "signature": decision.signature},
     )
@@ -148,9 +145,9 @@ def _decide_trigger(
         return Action(STOP, f"{what}; {why}", severity=severity, signature=name, detail={"hint": hint})
 
     if action == STOP:
-        return stop(f"not restarting: {hint}" if hint else "not restarting (signature action: stop)", _worst(severity, "error"))
+        return stop(f"not restarting: {hint}" if hint else "not restarting (signature action: stop)", most_severe((severity, "error")))
     if not policy.enabled:
-        return stop("not restarting: restart.enabled is false in the playbook", _worst(severity, "error"))
+        return stop("not restarting: restart.enabled is false in the playbook", most_severe((severity, "error")))
     recent = list(history)[-policy.crash_loop_k :]
     if len(recent) >= policy.crash_loop_k and not any(r.progressed for r in recent):
         return stop(

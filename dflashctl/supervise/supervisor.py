@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dflashctl.core import contract
 from dflashctl.core.errors import DflashError, StoreError, first_line
+from dflashctl.core.states import FINAL_STATES, RESTARTING, more_severe
 from dflashctl.hosts.parsers import read_metrics_chunk
 from dflashctl.hosts.probe import (
     ProbeArgs,
@@ -51,7 +52,7 @@ from dflashctl.hosts.probe import (
     parse_probe_host,
     probe_command,
 )
-from dflashctl.store import FINAL_STATES, RESTARTING, InvalidTransition, Run, Store
+from dflashctl.store import InvalidTransition, Run, Store
 from dflashctl.supervise import alerts as alerts_mod
 from dflashctl.supervise import detectors, policy
 from dflashctl.supervise import supervisor_core as core
@@ -573,7 +574,7 @@ class Supervisor:
         hs.error = error
         finding = detectors.detect_unreachable(host, hs.down_since, hs.polls, now, error=error,
                                                escalate_after=self.escalate_after)
-        worse = hs.severity is None or _rank(finding.severity) > _rank(hs.severity)
+        worse = hs.severity is None or more_severe(finding.severity, hs.severity)
         for w in watched:
             others = tuple(sorted((members or {}).get(w.id, ()), key=lambda m: m.rank))
             self._step(w, core.Unreachable(host, finding, hs.polls, hs.down_since, worse, others), now, t)
@@ -836,10 +837,6 @@ def _bounded_carry(writes: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     samples = [i for i, (_, x) in enumerate(writes) if isinstance(x, core.Samples)]
     dropped = set(samples[:-MAX_CARRIED_SAMPLES]) if len(samples) > MAX_CARRIED_SAMPLES else set()
     return [w for i, w in enumerate(writes) if i not in dropped]
-
-
-def _rank(severity: str) -> int:
-    return detectors.SEVERITIES.index(severity)
 
 
 def _tmux_socket() -> str:

@@ -40,11 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Union
 
-from dflashctl.core import contract, signatures
-from dflashctl.core import logtext
-from dflashctl.hosts.parsers import Rejected
-from dflashctl.hosts.probe import ProbeArgs, ProbeResult
-from dflashctl.store import (
+from dflashctl.core import contract, logtext, signatures
+from dflashctl.core.states import (
     DONE,
     FAILED,
     FINAL_STATES,
@@ -55,13 +52,16 @@ from dflashctl.store import (
     STALLED,
     STOPPED,
     TRANSITIONS,
-    Run,
+    more_severe,
 )
+from dflashctl.hosts.parsers import Rejected
+from dflashctl.hosts.probe import ProbeArgs, ProbeResult
 from dflashctl.supervise import detectors, policy
 from dflashctl.supervise.detectors import Finding, Sample, fmt_duration
 
 if TYPE_CHECKING:
     from dflashctl.config import Alerts, EvalSettings, Expect, Playbook, RestartPolicy
+    from dflashctl.store import Run
 
 WINDOW = 256  # samples kept per run for the detectors
 LOST_AFTER_POLLS = 2  # one failed poll can be a blip; two in a row mark the host's runs lost
@@ -522,7 +522,7 @@ def _member_hosts(s: RunState, members: tuple[Member, ...], local: float, pol: P
             since, polls, written = down if down is not None else (local, 0, None)
             f = detectors.detect_unreachable(m.host, since, polls + 1, local, error=m.error,
                                              escalate_after=pol.escalate_after)
-            worse = written is None or _rank(f.severity) > _rank(written)
+            worse = written is None or more_severe(f.severity, written)
             s.members_down = {**s.members_down, m.rank: (since, polls + 1, f.severity if worse else written)}
             if worse:
                 message = f"{f.message} (rank {m.rank} of this run; its process may still be running there)"
@@ -969,7 +969,7 @@ def _note_findings(s: RunState, findings: list[Finding], local: float, out: _Out
     fresh = set()
     for f in findings:
         o = s.findings.get(f.kind)
-        worse = o is not None and _rank(f.severity) > _rank(o.severity)
+        worse = o is not None and more_severe(f.severity, o.severity)
         if o is None or worse or o.shape != _shape(f.message) or local - o.written >= REPEAT_FINDING_S:
             fresh.add(f.kind)
             s.findings[f.kind] = Open(f.severity, o.since if o else local, local, _shape(f.message))
@@ -1184,10 +1184,6 @@ def _stop_why(trigger: Finding, decision: policy.Action) -> str:
     what = f"{trigger.kind} ({decision.signature}): {trigger.message}; "
     why = decision.reason[len(what) :] if decision.reason.startswith(what) else decision.reason
     return f"{decision.signature or trigger.kind}: {why}"[:300]
-
-
-def _rank(severity: str) -> int:
-    return detectors.SEVERITIES.index(severity)
 
 
 def _seconds(value: float) -> str:

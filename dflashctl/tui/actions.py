@@ -26,7 +26,7 @@ import os
 import shlex
 from dataclasses import dataclass
 
-from dflashctl.store import DONE, FINAL_STATES
+from dflashctl.core.states import DONE, FINAL_STATES
 
 READONLY_ENV = "DFLASHCTL_READONLY"
 COMMANDS = ("stop", "restart", "watch")

@@ -1,7 +1,7 @@
 """``python -m trainer.data``: the training-data tools (convert, regenerate).
 
 The command line lives here, apart from ``trainer.data`` itself, so that the data
-module never imports what reads it (``trainer.regenerate`` builds on ``trainer.data``).
+module never imports what reads it (``trainer.data.regenerate`` builds on ``trainer.data``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--tokenizer", required=True, help="local tokenizer directory (never downloaded)")
     c.add_argument("--shard-size", type=int, default=10000, help="samples per shard (default 10000)")
     c.add_argument("--error-budget", type=int, default=10, help="bad input lines skipped before giving up (default 10)")
-    r = sub.add_parser("regenerate", help="the target writes the responses of the prompts (trainer/regenerate.py)")
+    r = sub.add_parser("regenerate", help="the target writes the responses of the prompts (trainer/data/regenerate.py)")
     r.add_argument("input", help="'synthetic' (the built-in task's prompts), trainer shards (directory or glob: the "
                                  "tokens before each first loss token are the prompt) or chat JSONL {\"prompt\": ...}")
     r.add_argument("out_dir", help="directory for shard-NNNNN.jsonl and manifest.json (kept shards are resumed)")
@@ -87,7 +87,7 @@ def _regenerate_command(args) -> int:
         return EXIT_CONFIG_ERROR
     import torch
 
-    from trainer.regenerate import regenerate
+    from trainer.data.regenerate import regenerate
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     try:
