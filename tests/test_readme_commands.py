@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[1]
+# The checkout: the nearest folder above this file with README.md and docs/ (a lane folder moves nothing).
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "README.md").is_file() and (p / "docs").is_dir())
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # The program's name as a word: bare, or at the end of a path (.venv/bin/dflashctl),
@@ -53,7 +54,8 @@ def _code_spans(text: str):
                 fenced = None
             continue
         if fenced is not None:
-            yield number, line.split(" #", 1)[0]  # a shell comment is no part of the command
+            if not line.lstrip().startswith("#"):
+                yield number, line.split(" #", 1)[0]  # a shell comment is no part of the command
         else:
             for span in INLINE.finditer(line):
                 yield number, span.group("code")
