@@ -123,8 +123,8 @@ def parse_duration_option(value: str | float, option: str) -> float:
         return float(value)
     except (TypeError, ValueError):
         pass
-    from dflashctl.config import DURATION_HELP, parse_duration  # the playbooks' parser, only when a unit is given
     from dflashctl.core.errors import ConfigError
+    from dflashctl.core.units import DURATION_HELP, parse_duration  # the playbooks' parser, only when a unit is given
 
     try:
         return parse_duration(value)

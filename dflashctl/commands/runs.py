@@ -283,7 +283,7 @@ def _run_summary(r, outcome: dict, evaluation: dict | None, now: float) -> dict:
 
 
 def _run_cells(r, s: dict) -> dict:
-    from dflashctl.supervise.detectors import fmt_duration
+    from dflashctl.core.units import fmt_duration
 
     step = "-" if s["step"] is None else f"{s['step']:,}" + (f"/{s['total_steps']:,}" if s["total_steps"] else "")
     return {

@@ -38,10 +38,11 @@ def watch_command(
     and records everything in the store. One line per event, in time order, at any
     width (cut to a terminal's, whole when piped; `--json`: one JSON object per
     line). Ctrl-C (or SIGTERM) stops watching; the runs go on."""
-    from dflashctl.config import load_inventory, parse_duration
+    from dflashctl.config import load_inventory
     from dflashctl.core.errors import ConfigError
     from dflashctl.core.paths import store_path
     from dflashctl.core.states import DONE, STOPPED
+    from dflashctl.core.units import parse_duration
     from dflashctl.store import Store
     from dflashctl.supervise.console import format_line, format_observation
     from dflashctl.supervise.supervisor import watch

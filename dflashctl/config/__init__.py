@@ -32,7 +32,6 @@ above it (transport, launch, supervisor): they all depend on it.
 from __future__ import annotations
 
 import fnmatch
-import math
 import os
 import re
 import shlex
@@ -59,6 +58,7 @@ from dflashctl.core import paths
 from dflashctl.core.contract import did_you_mean
 from dflashctl.core.errors import ConfigError
 from dflashctl.core.signatures import Action, PlaybookSignature, Severity, signature_names
+from dflashctl.core.units import describe, number_text, parse_duration
 from trainer import config as trainer_config
 from trainer.config import TrainerConfig
 
@@ -160,34 +160,6 @@ restart:
   healthy_after: 1m
 """
 
-# --------------------------------------------------------------------------- durations
-
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_NUMBER = re.compile(r"\d+(?:\.\d*)?|\.\d+")
-_DURATION = re.compile(r"(?:(?:\d+(?:\.\d*)?|\.\d+)[smhd])+")
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd])")
-DURATION_HELP = "use seconds or a number with s, m, h or d: 45s, 30m, 36h, 7d, 1h30m"
-
-
-def parse_duration(value: Any) -> float:
-    """Seconds from a number or a text such as '45s', '30m', '36h', '7d', '1h30m'."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"expected a duration ({DURATION_HELP}), got {_describe(value)}")
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        if _NUMBER.fullmatch(text):
-            seconds = float(text)
-        elif _DURATION.fullmatch(text):
-            seconds = sum(float(n) * _UNITS[u] for n, u in _DURATION_PART.findall(text))
-        else:
-            raise ValueError(f"{_describe(value)} is not a duration ({DURATION_HELP})")
-    else:
-        seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{_describe(value)} is not a duration: it must be zero or more")
-    return seconds
-
-
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 """Seconds, as a float; YAML may say 600, '45s', '30m', '36h', '7d'."""
 
@@ -220,24 +192,6 @@ def _loc_path(loc: tuple) -> str:
     for part in loc:
         path = _join(path, f"[{part}]" if isinstance(part, int) else str(part))
     return path
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "nothing (null)"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, str):
-        return f"'{value}'"  # not repr(): a regex's backslashes would show doubled
-    return _number(value)
-
-
-def _number(value: Any) -> str:
-    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def _unwrap(tp: Any) -> Any:
@@ -322,12 +276,12 @@ def _translate(error: ValidationError, root: type[BaseModel], prefix: tuple = ()
         elif kind == "literal_error":
             choices = typing.get_args(_type_at(root, loc))
             listed = ", ".join(repr(c) for c in choices) or ctx.get("expected", "")
-            out.append((path, kind, f"{_describe(value)} is not one of {listed}{did_you_mean(value, choices)}"))
+            out.append((path, kind, f"{describe(value)} is not one of {listed}{did_you_mean(value, choices)}"))
         elif kind in _BOUNDS:
             key, words = _BOUNDS[kind]
-            out.append((path, kind, f"{words} {_number(ctx.get(key))}, got {_describe(value)}"))
+            out.append((path, kind, f"{words} {number_text(ctx.get(key))}, got {describe(value)}"))
         elif kind in _EXPECTED:
-            out.append((path, kind, f"expected {_EXPECTED[kind]}, got {_describe(value)}"))
+            out.append((path, kind, f"expected {_EXPECTED[kind]}, got {describe(value)}"))
         elif kind in ("value_error", "assertion_error"):
             exc = ctx.get("error")
             if isinstance(exc, _Problems):
@@ -450,9 +404,9 @@ def _env_values(value: Any) -> Any:
                                 "with a digit)"))
             continue
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            v = _number(v)
+            v = number_text(v)
         elif not isinstance(v, str):
-            bad.append((str(k), f"expected a string, got {_describe(v)} (quote the value)"))
+            bad.append((str(k), f"expected a string, got {describe(v)} (quote the value)"))
         out[str(k)] = v
     if bad:
         raise _Problems(bad)
@@ -858,7 +812,7 @@ class RestartPolicy(BaseModel):
     @model_validator(mode="after")
     def _backoff_order(self) -> "RestartPolicy":
         if self.backoff_max < self.backoff_initial:
-            low, high = _number(self.backoff_max), _number(self.backoff_initial)
+            low, high = number_text(self.backoff_max), number_text(self.backoff_initial)
             raise _Problems([("backoff_max", f"{low}s is less than backoff_initial ({high}s)")])
         return self
 
@@ -887,7 +841,7 @@ class Alerts(BaseModel):
         ok = value is None or (isinstance(value, str) and value.strip())
         ok = ok or (isinstance(value, list) and value and all(isinstance(a, str) for a in value))
         if not ok:
-            raise ValueError(f"expected a command line or a non-empty list of arguments, got {_describe(value)}")
+            raise ValueError(f"expected a command line or a non-empty list of arguments, got {describe(value)}")
         return value
 
     @field_validator("webhook")
@@ -905,7 +859,7 @@ def _trainer_from_raw(value: Any) -> Any:
     if isinstance(value, TrainerConfig):
         return value
     if not isinstance(value, dict):
-        raise ValueError(f"expected a mapping, got {_describe(value)}")
+        raise ValueError(f"expected a mapping, got {describe(value)}")
     try:
         return trainer_config.from_dict(value, prefix="trainer")
     except trainer_config.ConfigError as e:
@@ -1127,7 +1081,7 @@ def _inventory_from_text(text: str, source: str, base_dir: Optional[str]) -> Inv
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"expected a mapping with `hosts:` at the top level, got {_describe(raw)}", source=source)
+        raise ConfigError(f"expected a mapping with `hosts:` at the top level, got {describe(raw)}", source=source)
 
     found: list[tuple[str, str, str]] = []
     for key in raw:
@@ -1141,7 +1095,7 @@ def _inventory_from_text(text: str, source: str, base_dir: Optional[str]) -> Inv
 
     defaults = raw.get("defaults") or {}
     if not isinstance(defaults, dict):
-        found.append(("defaults", "type", f"expected a mapping, got {_describe(defaults)}"))
+        found.append(("defaults", "type", f"expected a mapping, got {describe(defaults)}"))
         defaults = {}
     bad_defaults = False
     for key in defaults:
@@ -1163,7 +1117,7 @@ def _inventory_from_text(text: str, source: str, base_dir: Optional[str]) -> Inv
         found.append(("hosts", "missing", "required (a mapping of host names to their settings)"))
         hosts_raw = {}
     elif not isinstance(hosts_raw, dict) or not hosts_raw:
-        found.append(("hosts", "type", f"expected a mapping of host names to settings, got {_describe(hosts_raw)}"))
+        found.append(("hosts", "type", f"expected a mapping of host names to settings, got {describe(hosts_raw)}"))
         hosts_raw = {}
 
     hosts: dict[str, Host] = {}
@@ -1174,7 +1128,7 @@ def _inventory_from_text(text: str, source: str, base_dir: Optional[str]) -> Inv
         where = ("hosts", name)
         host_raw = {} if host_raw is None else host_raw
         if not isinstance(host_raw, dict):
-            found.append((_loc_path(where), "type", f"expected a mapping of host settings, got {_describe(host_raw)}"))
+            found.append((_loc_path(where), "type", f"expected a mapping of host settings, got {describe(host_raw)}"))
             continue
         if "name" in host_raw:
             message = "a host's name is its key under hosts:; remove this line"
@@ -1280,7 +1234,7 @@ def _playbook_from_text(text: str, name: str, source: str, inventory: Optional[I
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        what = f"expected a mapping of playbook settings at the top level, got {_describe(raw)}"
+        what = f"expected a mapping of playbook settings at the top level, got {describe(raw)}"
         raise ConfigError(what, source=source)
 
     found: list[tuple[str, str, str]] = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from dflashctl.supervise.detectors import fmt_duration
+from dflashctl.core.units import fmt_duration
 
 STALE_AFTER_POLLS = 3  # a supervisor or host silent for this many poll intervals is not live
 MIN_INTERVAL_S = 1.0

@@ -42,10 +42,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 from dflashctl.core.contract import describe_exit, tau_estimate, tau_gap
 from dflashctl.core.states import ACTIVE_STATES, FINAL_STATES, LAUNCHING, RESTARTING
+from dflashctl.core.units import NA, fmt_clock, fmt_duration, fmt_tok_s, short_duration, short_rate
 from dflashctl.hosts.parsers import HostReading, cpu_busy_pct
 from dflashctl.status.freshness import Freshness, freshness
 from dflashctl.store import Event, Run, Sample, Store
-from dflashctl.supervise.detectors import fmt_clock, fmt_duration, fmt_tok_s
 
 SCHEMA = "dflashctl.status/1"  # the --json document's name and version (JSON_SCHEMA below)
 HISTORY = 60  # newest samples per active run read on each refresh (smoothing, sparkline)
@@ -58,7 +58,6 @@ DETAIL_EVENTS = 500  # events in a run's detail view
 RECENT_RUNS = 20  # finished runs shown besides the active ones
 SERIES_POINTS = 240  # buckets of a run's whole history in its charts
 BASELINE_TTL_S = 60.0  # a learned baseline is read again after this long
-NA = "N/A"
 
 # Styles are data (rich style names); the drawing code decides how to apply them.
 STATE_STYLE = {
@@ -107,21 +106,6 @@ def _num(value: Any, fmt: str, unit: str = "") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return NA
     return format(value, fmt) + unit
-
-
-def short_duration(seconds: float | None) -> str:
-    """``fmt_duration`` without the space: '12m', '1.5h' (for narrow cells)."""
-    return fmt_duration(seconds).replace(" ", "") if seconds is not None else NA
-
-
-def short_rate(tok_s: float | None) -> str:
-    """12800 -> '12.8K', 1.2e6 -> '1.2M', 900 -> '900' (tok/s in a narrow cell)."""
-    if tok_s is None or not math.isfinite(tok_s):
-        return NA
-    for unit, size in (("M", 1e6), ("K", 1e3)):
-        if tok_s >= size:
-            return f"{tok_s / size:.1f}{unit}"
-    return f"{tok_s:.0f}"
 
 
 def fit(text: str, width: int) -> str:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from dflashctl.core import contract
 from dflashctl.core.terminal import one_line
-from dflashctl.supervise.detectors import fmt_clock, fmt_duration, fmt_tok_s
+from dflashctl.core.units import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.supervise.supervisor import Supervisor
 
 if TYPE_CHECKING:

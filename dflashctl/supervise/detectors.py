@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from dflashctl.core import contract
 from dflashctl.core.logtext import last_traceback, this_attempt
 from dflashctl.core.states import ALIVE_STATES
+from dflashctl.core.units import fmt_clock, fmt_duration, fmt_tok_s
 
 if TYPE_CHECKING:
     from dflashctl.config import Expect
@@ -66,40 +66,6 @@ class Sample:
     @classmethod
     def from_metrics(cls, m: contract.Metrics) -> "Sample":
         return cls(time=m.time, step=m.step, tok_s=m.tok_s, phase=m.phase, eta_s=m.eta_s, total_steps=m.total_steps)
-
-
-# --------------------------------------------------------------------------- formatting
-
-
-def fmt_tok_s(value: float | None) -> str:
-    """12800 -> '12.8 Ktok/s'."""
-    if value is None:
-        return "n/a"
-    if value >= 1e6:
-        return f"{value / 1e6:.1f} Mtok/s"
-    if value >= 1e3:
-        return f"{value / 1e3:.1f} Ktok/s"
-    return f"{value:.0f} tok/s"
-
-
-def fmt_duration(seconds: float | None) -> str:
-    """45 -> '45 s', 750 -> '12.5 m', 3.3e6 -> '38.2 d', 604800 -> '7 d'."""
-    if seconds is None or not math.isfinite(seconds):
-        return "n/a"
-    for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
-        if abs(seconds) >= size:
-            return f"{_trim(seconds / size)} {unit}"
-    return f"{seconds:.0f} s"
-
-
-def _trim(value: float) -> str:
-    text = f"{value:.1f}"
-    return text[:-2] if text.endswith(".0") else text
-
-
-def fmt_clock(timestamp: float) -> str:
-    """A unix time as local HH:MM:SS."""
-    return time.strftime("%H:%M:%S", time.localtime(timestamp))
 
 
 # --------------------------------------------------------------------------- baseline

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from dflashctl.core.signatures import RESTART, STOP, UNKNOWN, Classification
 from dflashctl.core.states import most_severe
+from dflashctl.core.units import fmt_duration
 from dflashctl.supervise import detectors
-from dflashctl.supervise.detectors import Finding, fmt_duration
+from dflashctl.supervise.detectors import Finding
 
 if TYPE_CHECKING:
     from dflashctl.config import RestartPolicy

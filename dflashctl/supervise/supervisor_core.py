@@ -54,10 +54,11 @@ from dflashctl.core.states import (
     TRANSITIONS,
     more_severe,
 )
+from dflashctl.core.units import fmt_duration
 from dflashctl.hosts.parsers import Rejected
 from dflashctl.hosts.probe import ProbeArgs, ProbeResult
 from dflashctl.supervise import detectors, policy
-from dflashctl.supervise.detectors import Finding, Sample, fmt_duration
+from dflashctl.supervise.detectors import Finding, Sample
 
 if TYPE_CHECKING:
     from dflashctl.config import Alerts, EvalSettings, Expect, Playbook, RestartPolicy

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Sequence
 
 from rich.text import Text
 
-from dflashctl.supervise.detectors import fmt_clock
+from dflashctl.core.units import fmt_clock
 
 BLOCKS = " ▁▂▃▄▅▆▇█"  # eighths of a cell, from the bottom
 MARK_GLYPH = {"restart": "↻", "stall": "‖"}

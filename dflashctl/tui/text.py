@@ -14,8 +14,8 @@ import textwrap
 from rich.text import Text
 
 from dflashctl.core.terminal import printable
+from dflashctl.core.units import NA, fmt_clock, fmt_duration, fmt_tok_s, short_duration, short_rate
 from dflashctl.status.model import (
-    NA,
     PHASE_STYLE,
     SEVERITY_STYLE,
     SMOOTH_WINDOW_S,
@@ -32,11 +32,8 @@ from dflashctl.status.model import (
     bar,
     fit,
     fit_middle,
-    short_duration,
-    short_rate,
     spark,
 )
-from dflashctl.supervise.detectors import fmt_clock, fmt_duration, fmt_tok_s
 from dflashctl.tui import charts
 
 
