@@ -55,6 +55,7 @@ from dflashctl.hosts import deploy
 from dflashctl.hosts.bundle import Bundle, build_bundle
 from dflashctl.hosts.facts import gpu_count_problem
 from dflashctl.hosts.tmux import Tmux, socket_name
+from dflashctl.runs.recorded import thresholds_of
 from dflashctl.runs.runhost import (
     RUN_SCRIPT,
     START_TIMEOUT,
@@ -631,17 +632,6 @@ def run_session(run_id: str, rank: int) -> str:
     """The tmux session of a run's process: the run id for rank 0, ``<run id>-r<rank>``
     for the others (hosts that share one tmux server still get distinct sessions)."""
     return run_id if rank == 0 else f"{run_id}-r{rank}"
-
-
-def thresholds_of(pb: "Playbook") -> dict[str, Any]:
-    """The playbook's expectations and restart limits as plain numbers (the console's
-    ``Thresholds`` fields)."""
-    e, r = pb.expect, pb.restart
-    return {"baseline_tok_s": e.baseline_tok_s, "regression_fraction": e.regression_fraction,
-            "regression_windows": e.regression_windows, "max_eta_s": e.max_eta, "stall_window_s": e.stall_window,
-            "compile_budget_s": e.compile_budget, "startup_budget_s": e.startup_budget,
-            "poll_interval_s": float(pb.poll_interval), "max_restarts": r.max_restarts,
-            "restart_window_s": r.window, "crash_loop_k": r.crash_loop_k}
 
 
 def _route(host_name: str, inventory: "Inventory") -> str:

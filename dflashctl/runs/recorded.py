@@ -81,9 +81,27 @@ def reloaded(config: dict[str, Any], playbook: dict[str, Any]) -> tuple[dict[str
     return {**config, "trainer": trainer}, changes
 
 
+def thresholds_of(pb: "Playbook | None") -> dict[str, Any]:
+    """The playbook's expectations and restart limits as plain numbers: what launch
+    records (``runs.config.thresholds``) and the console shows. None: the defaults,
+    as the playbook models declare them (the one place they are written)."""
+    if pb is None:
+        from dflashctl.config import Expect, Playbook, RestartPolicy
+
+        e, r, poll = Expect(), RestartPolicy(), Playbook.model_fields["poll_interval"].default
+    else:
+        e, r, poll = pb.expect, pb.restart, pb.poll_interval
+    return {"baseline_tok_s": e.baseline_tok_s, "regression_fraction": e.regression_fraction,
+            "regression_windows": e.regression_windows, "max_eta_s": e.max_eta, "stall_window_s": e.stall_window,
+            "compile_budget_s": e.compile_budget, "startup_budget_s": e.startup_budget,
+            "poll_interval_s": float(poll), "max_restarts": r.max_restarts,
+            "restart_window_s": r.window, "crash_loop_k": r.crash_loop_k}
+
+
 def playbook_now(run: "Run", inventory: "Inventory", playbooks_dir: str | None) -> tuple["Playbook | None", str]:
     """The run's playbook as it loads now (the file it was launched from, else by
-    name), or None and why not."""
+    name), or None and why not. The one lookup of a run's playbook: the supervisor's
+    policy, the console's thresholds and a restart's config all start here."""
     from dflashctl.config import load_playbook
 
     source = (run.config or {}).get("playbook_source")

@@ -44,6 +44,7 @@ from dflashctl.core.contract import describe_exit, tau_estimate, tau_gap
 from dflashctl.core.states import ACTIVE_STATES, FINAL_STATES, LAUNCHING, RESTARTING
 from dflashctl.core.units import NA, fmt_clock, fmt_duration, fmt_tok_s, short_duration, short_rate
 from dflashctl.hosts.parsers import HostReading, cpu_busy_pct
+from dflashctl.runs.recorded import playbook_now, thresholds_of
 from dflashctl.status.freshness import Freshness, freshness
 from dflashctl.store import Event, Run, Sample, Store
 
@@ -132,19 +133,19 @@ def _ago(now: float, t: float | None) -> str:
 class Thresholds:
     """What the run's playbook holds it to (as its file says now)."""
 
-    source: str | None = None
-    error: str | None = None  # why the playbook could not be read (the defaults are shown)
-    baseline_tok_s: float | None = None  # the playbook's; None: learned from earlier healthy runs
-    regression_fraction: float = 0.6
-    regression_windows: int = 3
-    max_eta_s: float | None = None
-    stall_window_s: float = 300.0
-    compile_budget_s: float = 1800.0
-    startup_budget_s: float = 600.0
-    poll_interval_s: float = 15.0
-    max_restarts: int = 5
-    restart_window_s: float = 6 * 3600.0
-    crash_loop_k: int = 3
+    source: str | None
+    error: str | None  # why the playbook could not be read (the defaults are shown)
+    baseline_tok_s: float | None  # the playbook's; None: learned from earlier healthy runs
+    regression_fraction: float
+    regression_windows: int
+    max_eta_s: float | None
+    stall_window_s: float
+    compile_budget_s: float
+    startup_budget_s: float
+    poll_interval_s: float
+    max_restarts: int
+    restart_window_s: float
+    crash_loop_k: int
 
     def lines(self) -> list[tuple[str, str]]:
         """(name, value) pairs for the detail view."""
@@ -173,21 +174,11 @@ def _thresholds_of(run: Run, playbooks_dir: str | None) -> Thresholds:
             return Thresholds(source, None, **recorded)
         except TypeError:
             pass  # recorded by another version: read the file
-    from dflashctl.config import load_playbook  # pydantic: only when the file must be read
-    from dflashctl.core.errors import DflashError, first_line
-
-    error = "not found"
-    for ref in [s for s in (source if source and os.path.isfile(source) else None, run.playbook) if s]:
-        try:
-            pb = load_playbook(ref, playbooks_dir, None)
-        except DflashError as e:
-            error = first_line(e)
-            continue
-        e, r = pb.expect, pb.restart
-        return Thresholds(pb.source, None, e.baseline_tok_s, e.regression_fraction, e.regression_windows, e.max_eta,
-                          e.stall_window, e.compile_budget, e.startup_budget, float(pb.poll_interval),
-                          r.max_restarts, r.window, r.crash_loop_k)
-    return Thresholds(source, f"playbook {run.playbook} cannot be read ({error}): default thresholds shown")
+    pb, error = playbook_now(run, None, playbooks_dir)  # pydantic: only when the file must be read
+    if pb is not None:
+        return Thresholds(pb.source, None, **thresholds_of(pb))
+    return Thresholds(source, f"playbook {run.playbook} cannot be read ({error}): default thresholds shown",
+                      **thresholds_of(None))
 
 
 # --------------------------------------------------------------------------- phase

@@ -52,6 +52,7 @@ from dflashctl.hosts.probe import (
     parse_probe_host,
     probe_command,
 )
+from dflashctl.runs.recorded import playbook_now
 from dflashctl.store import InvalidTransition, Run, Store
 from dflashctl.supervise import alerts as alerts_mod
 from dflashctl.supervise import detectors, policy
@@ -86,17 +87,11 @@ class RestartCancelled(DflashError):
 
 
 def policy_for_run(run: Run, inventory: "Inventory", playbooks_dir: str | None = None) -> tuple[RunPolicy, str | None]:
-    """The run's playbook (the file it was launched from, else by name); when neither
-    loads, the defaults and a warning saying why."""
-    from dflashctl.config import load_playbook
-
-    source = (run.config or {}).get("playbook_source")
-    error = "not found"
-    for ref in [s for s in (source if source and os.path.isfile(source) else None, run.playbook) if s]:
-        try:
-            return RunPolicy.from_playbook(load_playbook(ref, playbooks_dir, inventory)), None
-        except DflashError as e:
-            error = first_line(e)
+    """The run's playbook (``recorded.playbook_now``); when it does not load, the
+    defaults and a warning saying why."""
+    pb, error = playbook_now(run, inventory, playbooks_dir)
+    if pb is not None:
+        return RunPolicy.from_playbook(pb), None
     return RunPolicy.defaults(run.playbook), (
         f"playbook {run.playbook} cannot be loaded ({error}); holding the run to the default expectations "
         "and restart policy"
