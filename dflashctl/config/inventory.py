@@ -26,11 +26,7 @@ from pydantic import (
 
 from dflashctl.config.fields import Duration, EnvMap, _none_is_empty
 from dflashctl.config.problems import _lines, _Problems, _translate
-from dflashctl.config.sshconfig import (
-    proxy_jump_hops,
-    ssh_config_knows,
-    ssh_config_lookup,
-)
+from dflashctl.config.sshconfig import proxy_jump_hops, ssh_config_knows, ssh_config_lookup
 from dflashctl.core import paths
 from dflashctl.core.contract import did_you_mean
 from dflashctl.core.errors import ConfigError

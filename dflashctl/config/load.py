@@ -13,13 +13,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import ValidationError
 
-from dflashctl.config.inventory import (
-    _DEFAULTABLE,
-    EMBEDDED,
-    Host,
-    Inventory,
-    _jump_problems,
-)
+from dflashctl.config.inventory import _DEFAULTABLE, EMBEDDED, Host, Inventory, _jump_problems
 from dflashctl.config.playbook import Playbook
 from dflashctl.config.problems import _lines, _loc_path, _translate
 from dflashctl.core import paths

@@ -10,25 +10,12 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Annotated, Any, Optional, Union
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    InstanceOf,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, field_validator, model_validator
 
 from dflashctl.config.fields import Duration, EnvMap, _none_is_empty
 from dflashctl.config.problems import _Problems
 from dflashctl.core.contract import did_you_mean
-from dflashctl.core.signatures import (
-    Action,
-    PlaybookSignature,
-    Severity,
-    signature_names,
-)
+from dflashctl.core.signatures import Action, PlaybookSignature, Severity, signature_names
 from dflashctl.core.units import describe, number_text
 from trainer import config as trainer_config
 from trainer.config import TrainerConfig

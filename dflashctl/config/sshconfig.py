@@ -40,9 +40,7 @@ def ssh_config():
     with _ssh_config_lock:
         if _ssh_config_cache.get("stamp") == stamp:
             return _ssh_config_cache["config"]
-    from fabric import (
-        Config as FabricConfig,  # the SSH library the transport opens connections with
-    )
+    from fabric import Config as FabricConfig  # the SSH library the transport opens connections with
 
     loaded = FabricConfig(user_ssh_path=files[0], system_ssh_path=files[1]).base_ssh_config
     with _ssh_config_lock:
