@@ -123,7 +123,8 @@ def print_status(view, width: int) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from dflashctl.status.model import SEVERITY_STYLE, fit, fit_middle, select_columns
+    from dflashctl.status.columns import fit, fit_middle
+    from dflashctl.status.model import SEVERITY_STYLE, select_columns
     from dflashctl.tui.text import gpu_text, run_hosts_text
 
     width = max(40, width)

@@ -45,6 +45,7 @@ from dflashctl.core.states import ACTIVE_STATES, FINAL_STATES, LAUNCHING, RESTAR
 from dflashctl.core.units import NA, fmt_clock, fmt_duration, fmt_tok_s, short_duration, short_rate
 from dflashctl.hosts.parsers import HostReading, cpu_busy_pct
 from dflashctl.runs.recorded import playbook_now, thresholds_of
+from dflashctl.status.columns import Col, choose
 from dflashctl.status.freshness import Freshness, freshness
 from dflashctl.store import Event, Run, Sample, Store
 
@@ -107,19 +108,6 @@ def _num(value: Any, fmt: str, unit: str = "") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return NA
     return format(value, fmt) + unit
-
-
-def fit(text: str, width: int) -> str:
-    """``text`` cut to ``width`` characters, an ellipsis marking the cut."""
-    return text if len(text) <= width else (text[: width - 1] + "…" if width > 1 else text[:width])
-
-
-def fit_middle(text: str, width: int) -> str:
-    """``text`` cut in the middle (run ids: the playbook and the unique tail stay)."""
-    if len(text) <= width or width < 5:
-        return fit(text, width)
-    tail = min(5, width // 3)
-    return text[: width - tail - 1] + "…" + text[-tail:]
 
 
 def _ago(now: float, t: float | None) -> str:
@@ -815,56 +803,37 @@ class RunView:
 # --------------------------------------------------------------------------- run columns
 
 
-@dataclass(frozen=True)
-class Column:
-    key: str
-    header: str
-    width: int  # cells; text longer than this is cut with an ellipsis
-    priority: int  # lower: kept at narrower widths
-    justify: str = "left"
-
-
+LAST_EVENT_MAX = 60  # the widest the last-event column grows (its full text is in the detail view)
 COLUMNS = (
-    Column("run", "run", 25, 0),
-    Column("state", "state", 12, 0),
-    Column("phase", "phase", 17, 1),
-    Column("progress", "done", 5, 1, "right"),
-    Column("eta", "ETA", 6, 1, "right"),
-    Column("tok_s", "tok/s", 6, 2, "right"),
-    Column("baseline", "%base", 5, 2, "right"),
-    Column("step", "step", 15, 3, "right"),
-    Column("host", "host", 10, 4),
-    Column("age", "age", 5, 3, "right"),
-    Column("history", "tok/s history", 13, 6),
-    Column("loss", "loss", 6, 5, "right"),
-    Column("accept", "τ est", 5, 5, "right"),
-    Column("tau", "τ", 5, 5, "right"),
-    Column("restarts", "rst", 3, 5, "right"),
-    Column("mfu", "MFU", 4, 7, "right"),
-    Column("last_event", "last event", 24, 8),
+    Col("run", "run", 25, 0),
+    Col("state", "state", 12, 0),
+    Col("phase", "phase", 17, 1),
+    Col("progress", "done", 5, 1, "right"),
+    Col("eta", "ETA", 6, 1, "right"),
+    Col("tok_s", "tok/s", 6, 2, "right"),
+    Col("baseline", "%base", 5, 2, "right"),
+    Col("step", "step", 15, 3, "right"),
+    Col("host", "host", 10, 4),
+    Col("age", "age", 5, 3, "right"),
+    Col("history", "tok/s history", 13, 6),
+    Col("loss", "loss", 6, 5, "right"),
+    Col("accept", "τ est", 5, 5, "right"),
+    Col("tau", "τ", 5, 5, "right"),
+    Col("restarts", "rst", 3, 5, "right"),
+    Col("mfu", "MFU", 4, 7, "right"),
+    Col("last_event", "last event", 24, 8, grow=LAST_EVENT_MAX - 24),
 )
 COLUMN = {c.key: c for c in COLUMNS}
-LAST_EVENT_MAX = 60  # the widest the last-event column grows (its full text is in the detail view)
 COMPACT_RUN_WIDTH = 18
 
 
-def select_columns(width: int, gap: int = 2, run_width: int = 25) -> list[Column]:
+def select_columns(width: int, gap: int = 2, run_width: int = 25) -> list[Col]:
     """The run columns that fit ``width`` cells (each column costs its width plus
     ``gap``), most important first, shown in ``COLUMNS`` order; the last-event
     column takes what is left, up to ``LAST_EVENT_MAX``. Cells are never folded:
-    a column that does not fit is left out."""
-    columns = [Column("run", "run", run_width, 0)] + [c for c in COLUMNS if c.key != "run"]
-    chosen: set[str] = set()
-    used = 0
-    for c in sorted(columns, key=lambda c: c.priority):
-        if used + c.width + gap <= width:
-            chosen.add(c.key)
-            used += c.width + gap
-    out = [c for c in columns if c.key in chosen]
-    if "last_event" in chosen:
-        grow = min(LAST_EVENT_MAX - COLUMN["last_event"].width, width - used)
-        out = [Column(c.key, c.header, c.width + max(0, grow), c.priority) if c.key == "last_event" else c for c in out]
-    return out
+    a column that does not fit is left out (``columns.choose``)."""
+    columns = [Col("run", "run", run_width, 0)] + [c for c in COLUMNS if c.key != "run"]
+    return choose(columns, width - gap, gap)
 
 
 # --------------------------------------------------------------------------- status and detail

@@ -3,59 +3,18 @@ the columns that fit the terminal's width, each cell cut to its column (an
 ellipsis marks the cut), never folded, so a table is one line per row at any
 width and when piped. Long texts go in a detail line below a row or in ``--json``.
 
-It chooses and lays out; the commands give it the cells (already ``printable``)
-and print the lines. It imports Rich's ``Text`` only, never a console.
+It lays out (``columns.choose`` picks the columns, as it does for the console);
+the commands give it the cells (already ``printable``) and print the lines. It
+imports Rich's ``Text`` only, never a console.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from rich.text import Text
 
-from dflashctl.status.model import fit, fit_middle
-
-
-@dataclass(frozen=True)
-class Col:
-    key: str
-    header: str
-    width: int  # cells; a longer text is cut
-    priority: int = 0  # lower: kept at narrower widths; 0: always shown
-    justify: str = "left"
-    grow: int = 0  # extra cells the column takes from what is left over, at most
-    middle: bool = False  # cut in the middle (ids: the head and the unique tail stay)
-
-
-def choose(columns: Sequence[Col], width: int, gap: int = 2) -> list[Col]:
-    """The columns that fit ``width`` (each costs its width plus ``gap`` but the
-    last), most important first, in their given order; then the growing columns
-    take what is left, in order. Priority-0 columns are always kept."""
-    kept: set[str] = set()
-    used = -gap
-    for c in sorted(columns, key=lambda c: c.priority):
-        if c.priority == 0 or used + gap + c.width <= width:
-            kept.add(c.key)
-            used += gap + c.width
-    chosen = [c for c in columns if c.key in kept]
-    spare = width - used
-    for i, c in enumerate(chosen):
-        if c.grow and spare > 0:
-            extra = min(c.grow, spare)
-            chosen[i] = replace(c, width=c.width + extra)
-            spare -= extra
-    return chosen
-
-
-def widths_for(columns: Sequence[Col], rows: Sequence[Mapping[str, str]]) -> list[Col]:
-    """Each column narrowed to its longest cell or header (a column of short cells
-    gives its room to the others), never below 1."""
-    out = []
-    for c in columns:
-        longest = max([len(c.header), *(len(str(r.get(c.key, ""))) for r in rows)])
-        out.append(replace(c, width=max(1, min(c.width, longest)), grow=max(0, min(c.grow, longest - c.width))))
-    return out
+from dflashctl.status.columns import Col, choose, fit, fit_middle, widths_for
 
 
 def _cell(text: str, c: Col, last: bool) -> str:

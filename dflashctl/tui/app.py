@@ -161,7 +161,8 @@ class StatusApp(App):
         # sys.stdout becomes Textual's capture (imports in a worker then would read it).
         import dflashctl.config  # noqa: F401
         import dflashctl.hosts.transport  # noqa: F401
-        import dflashctl.runs.runhost  # noqa: F401
+        import dflashctl.runs.access  # noqa: F401
+        import dflashctl.runs.logs  # noqa: F401
 
     # ----------------------------------------------------------------- layout
 
@@ -272,7 +273,7 @@ class StatusApp(App):
 
     @work(thread=True, group="probe")
     def probe(self, run_id: str) -> None:
-        from dflashctl.runs.runhost import host_transport, probe_run
+        from dflashctl.runs.access import host_transport, probe_run
 
         try:
             run = self.reader.store.get_run(run_id)

@@ -333,7 +333,7 @@ class DetailScreen(Screen):
         ends: its last lines first (where they start is kept, for ``h``), then what is
         appended after them."""
         from dflashctl.core.terminal import printable
-        from dflashctl.runs.runhost import log_before, logs
+        from dflashctl.runs.logs import log_before, logs
 
         self.following = True
         app, worker = self.app, get_current_worker()
@@ -389,7 +389,7 @@ class DetailScreen(Screen):
         """The lines before byte ``end`` of the log, one bounded read (``HISTORY_LINES``,
         ``HISTORY_BYTES``), put before the lines held."""
         from dflashctl.core.terminal import printable
-        from dflashctl.runs.runhost import log_before
+        from dflashctl.runs.logs import log_before
 
         app = self.app
         try:

@@ -15,25 +15,8 @@ from rich.text import Text
 
 from dflashctl.core.terminal import printable
 from dflashctl.core.units import NA, fmt_clock, fmt_duration, fmt_tok_s, short_duration, short_rate
-from dflashctl.status.model import (
-    PHASE_STYLE,
-    SEVERITY_STYLE,
-    SMOOTH_WINDOW_S,
-    STATE_STYLE,
-    ChartView,
-    DetailView,
-    DirectProbe,
-    EventView,
-    HostLoad,
-    HostView,
-    Notice,
-    RunHostView,
-    RunView,
-    bar,
-    fit,
-    fit_middle,
-    spark,
-)
+from dflashctl.status.model import PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, ChartView, DetailView, DirectProbe, EventView, HostLoad, HostView, Notice, RunHostView, RunView, bar, spark
+from dflashctl.status.columns import fit, fit_middle
 from dflashctl.tui import charts
 
 

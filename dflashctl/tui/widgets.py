@@ -12,17 +12,8 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import DataTable, Input, RichLog, Static
 
-from dflashctl.status.model import (
-    COMPACT_RUN_WIDTH,
-    SEVERITY_STYLE,
-    Column,
-    EventView,
-    RunView,
-    fit,
-    fit_middle,
-    matching,
-    select_columns,
-)
+from dflashctl.status.columns import Col, fit, fit_middle
+from dflashctl.status.model import COMPACT_RUN_WIDTH, SEVERITY_STYLE, EventView, RunView, matching, select_columns
 
 # --------------------------------------------------------------------------- widgets
 
@@ -84,10 +75,10 @@ class RunsTable(DataTable):
 
     def __init__(self, **kw) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, fixed_columns=1, **kw)
-        self.columns_shown: list[Column] = []
+        self.columns_shown: list[Col] = []
         self.ids: list[str] = []
 
-    def layout_for(self, width: int) -> list[Column]:
+    def layout_for(self, width: int) -> list[Col]:
         compact = width < 100
         return select_columns(width - 2, gap=2, run_width=COMPACT_RUN_WIDTH if compact else 25)
 
@@ -119,7 +110,7 @@ class RunsTable(DataTable):
             self.call_after_refresh(self.scroll_to, x=keep_x, animate=False)
 
     @staticmethod
-    def _cell(run: RunView, c: Column) -> Text:
+    def _cell(run: RunView, c: Col) -> Text:
         text = run.cell(c.key)
         text = fit_middle(text, c.width) if c.key == "run" else fit(text, c.width)
         return Text(text, style=run.style(c.key), justify=c.justify, no_wrap=True, overflow="ellipsis")
