@@ -1,0 +1,235 @@
+"""A run's progress: its samples (metrics lines), series, baselines, evaluations and outcomes."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, fields
+from typing import Any, Iterable
+
+from dflashctl.core.contract import PHASE_TRAINING, Metrics
+from dflashctl.core.states import DONE, STOPPED
+from dflashctl.store.connection import StoreConnection
+from dflashctl.store.rows import (
+    _SAMPLE_COLUMNS,
+    _SAMPLE_EXTRAS,
+    _SAMPLE_NUMBERS,
+    EVENT_REGRESSION,
+    Sample,
+    _decode,
+    _int64,
+    _json,
+    _number,
+    _row_to,
+)
+
+
+class SamplesMixin(StoreConnection):
+    """The store's samples and evaluations: written as the supervisor reads them,
+    read back as histories, chart series, throughput baselines and outcomes."""
+
+    def add_sample(self, run_id: str, sample: Metrics | dict[str, Any], gpu: Any = None) -> None:
+        self.add_samples(run_id, [sample], gpu=gpu)
+
+    def add_samples(
+        self,
+        run_id: str,
+        samples: Iterable[Metrics | dict[str, Any]],
+        gpu: Any = None,
+        metrics_offset: int | None = None,
+        metrics_inode: int | None = None,
+        observed: float | None = None,
+        host_reading: Any = None,
+    ) -> int:
+        """Store metrics lines as samples; with ``metrics_offset`` (and the file's
+        inode), advance the run's read position in the same transaction, so a crash
+        between the two never stores a line twice or skips one. ``gpu`` and
+        ``host_reading`` (the host's CPU and memory) are the poll's readings."""
+        rows = []
+        for s in samples:
+            d = asdict(s) if isinstance(s, Metrics) else dict(s)
+            d.setdefault("host_reading", None)
+            extra = d.get("extra") if isinstance(d.get("extra"), dict) else {}
+            d["mfu"] = d.get("mfu", extra.get("mfu"))
+            for c in _SAMPLE_EXTRAS:
+                d[c] = d.get(c, extra.get(c))
+            time_, step = _number(d.get("time")), _int64(d.get("step"))
+            if time_ is None or step is None:
+                continue  # no time or step: not a sample (the contract rejects such lines first)
+            phase = d.get("phase") if isinstance(d.get("phase"), str) else None
+            rows.append([run_id, time_, step, *(_number(d.get(c)) for c in _SAMPLE_NUMBERS[:5]), phase,
+                         _json(d.get("gpu", gpu)), _number(d.get("mfu")), _number(observed),
+                         *(_number(d.get(c)) for c in _SAMPLE_EXTRAS), _json(d["host_reading"])])
+        if rows and rows[-1][-1] is None:
+            rows[-1][-1] = _json(host_reading)  # one reading per poll: on its newest line, not on each
+        with self._write() as db:
+            db.conn.executemany(
+                f"INSERT INTO samples ({', '.join(_SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(_SAMPLE_COLUMNS))})",
+                rows,
+            )
+            if metrics_offset is not None:
+                db.execute(
+                    "UPDATE runs SET metrics_offset = ?, metrics_inode = ? WHERE id = ?",
+                    [metrics_offset, metrics_inode, run_id],
+                )
+        return len(rows)
+
+    def samples(self, run_id: str, since: float | None = None, limit: int | None = None) -> list[Sample]:
+        """Samples in time order (the last ``limit`` of them when given)."""
+        sql = "SELECT * FROM samples WHERE run_id = ?"
+        params: list[Any] = [run_id]
+        if since is not None:
+            sql += " AND time > ?"
+            params.append(since)
+        sql += " ORDER BY time DESC, id DESC"
+        if limit:
+            sql += f" LIMIT {int(limit)}"
+        return [_row_to(Sample, r) for r in reversed(self._query(sql, params))]
+
+    def recent_samples(self, run_id: str, limit: int) -> list[Sample]:
+        """The newest ``limit`` samples in time order, without their GPU readings
+        (``gpu`` is None): what a view of many runs reads on every refresh."""
+        names = [f.name for f in fields(Sample) if f.name not in ("gpu", "host_reading")]
+        cursor = self.conn.execute(f"SELECT {', '.join(names)} FROM samples WHERE run_id = ? "
+                                 "ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
+        return [Sample(**dict(zip(names, row))) for row in reversed(cursor.fetchall())]
+
+    def gpu_samples(self, run_id: str, limit: int) -> list[Sample]:
+        """The newest ``limit`` samples that carry GPU readings, in time order."""
+        rows = self._query("SELECT * FROM samples WHERE run_id = ? AND gpu IS NOT NULL AND gpu != 'null' "
+                           "ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
+        return [_row_to(Sample, r) for r in reversed(rows)]
+
+    def host_samples(self, run_id: str, limit: int = 2) -> list[Sample]:
+        """The newest ``limit`` samples that carry their host's CPU and memory
+        reading, in time order (two give the CPU's busy share between them)."""
+        rows = self._query("SELECT * FROM samples WHERE run_id = ? AND host_reading IS NOT NULL "
+                           "AND host_reading != 'null' ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
+        return [_row_to(Sample, r) for r in reversed(rows)]
+
+    def sample_series(self, run_id: str, points: int = 240, since: float | None = None) -> list[dict[str, Any]]:
+        """The run's whole history (its samples from ``since`` on, when given) in at
+        most ``points`` buckets of equal time, oldest first: per bucket its last time
+        (``start``: its first) and step, the mean tok/s, loss, accuracy and
+        acceptance length, and how many samples it holds. A chart over days of
+        samples reads one row per bucket, never every sample."""
+        since = float("-inf") if since is None else float(since)
+        span = self._query("SELECT min(time) AS t0, max(time) AS t1 FROM samples WHERE run_id = ? AND time >= ?",
+                           [run_id, since])[0]
+        if span["t0"] is None:
+            return []
+        width = max((span["t1"] - span["t0"]) / max(1, int(points)), 1e-9)
+        return self._query(
+            "SELECT min(CAST((time - ?) / ? AS INTEGER), ?) AS bucket, max(time) AS time, min(time) AS start, "
+            "max(step) AS step, avg(tok_s) AS tok_s, avg(loss) AS loss, avg(acc) AS acc, "
+            "avg(accept_len) AS accept_len, count(*) AS samples "
+            "FROM samples WHERE run_id = ? AND time >= ? GROUP BY bucket ORDER BY bucket",
+            [span["t0"], width, max(1, int(points)) - 1, run_id, since])
+
+    def metrics_position(self, run_id: str) -> tuple[int, int | None]:
+        """(byte offset, inode) of metrics.jsonl up to which samples are stored."""
+        rows = self._query("SELECT metrics_offset, metrics_inode FROM runs WHERE id = ?", [run_id])
+        if not rows:
+            return 0, None
+        return int(rows[0]["metrics_offset"] or 0), rows[0]["metrics_inode"]
+
+    def metrics_offset(self, run_id: str) -> int:
+        return self.metrics_position(run_id)[0]
+
+    def set_metrics_offset(self, run_id: str, offset: int, inode: int | None = None) -> None:
+        with self._write() as db:
+            db.execute("UPDATE runs SET metrics_offset = ?, metrics_inode = ? WHERE id = ?", [offset, inode, run_id])
+
+    def healthy_tok_s_history(self, playbook: str, exclude_run: str | None = None, limit: int = 10) -> list[float]:
+        """Median training tok/s of each earlier healthy run of a playbook, newest first.
+
+        Healthy: the run ended ``done`` or ``stopped`` (not failed), and no throughput
+        regression (event kind ``regression``) was recorded for it. Only samples in
+        phase ``training`` count, so compile warm-up does not drag the median down.
+        """
+        rows = self._query(
+            """
+            SELECT r.id, r.created FROM runs r
+            WHERE r.playbook = ? AND r.state IN (?, ?) AND r.id != ?
+              AND NOT EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.id AND e.kind = ?)
+            ORDER BY r.created DESC
+            """,
+            [playbook, DONE, STOPPED, exclude_run or "", EVENT_REGRESSION],
+        )
+        history = []
+        for row in rows:
+            values = [
+                r["tok_s"]
+                for r in self._query(
+                    "SELECT tok_s FROM samples WHERE run_id = ? AND phase = ? AND tok_s IS NOT NULL",
+                    [row["id"], PHASE_TRAINING],
+                )
+            ]
+            if values:
+                history.append(float(statistics.median(values)))
+            if len(history) >= limit:
+                break
+        return history
+
+    def baseline_tok_s(self, playbook: str, exclude_run: str | None = None) -> float | None:
+        """The learned baseline: the median over ``healthy_tok_s_history``; None without history."""
+        history = self.healthy_tok_s_history(playbook, exclude_run=exclude_run)
+        return float(statistics.median(history)) if history else None
+
+    # ----------------------------------------------------------------- evaluations
+
+    def add_eval(self, run_id: str, now: float, report: dict[str, Any] | None = None, error: str | None = None) -> int:
+        """An evaluation of the run's drafter: the trainer's JSON report, or why there is none."""
+        report = report if isinstance(report, dict) else None
+        speed = (report or {}).get("speed") if isinstance((report or {}).get("speed"), dict) else {}
+        with self._write() as db:
+            cur = db.execute(
+                "INSERT INTO evals (run_id, time, step, tau, speedup, report, error) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [run_id, now, _int64((report or {}).get("step")), _number((report or {}).get("tau")),
+                 _number(speed.get("speedup")), _json(report), error])
+            return cur.lastrowid
+
+    def update_eval(self, eval_id: int, now: float, report: dict[str, Any]) -> None:
+        """Replace an evaluation's report with a newer one (eval reports as it goes)."""
+        speed = report.get("speed") if isinstance(report.get("speed"), dict) else {}
+        with self._write() as db:
+            db.execute("UPDATE evals SET time = ?, step = ?, tau = ?, speedup = ?, report = ? WHERE id = ?",
+                       [now, _int64(report.get("step")), _number(report.get("tau")), _number(speed.get("speedup")),
+                        _json(report), eval_id])
+
+    def evals(self, run_id: str | None = None) -> list[dict[str, Any]]:
+        """Evaluations, oldest first (of one run, or of all)."""
+        sql, params = "SELECT * FROM evals", []
+        if run_id is not None:
+            sql, params = sql + " WHERE run_id = ?", [run_id]
+        return [_decode(r) for r in self._query(sql + " ORDER BY time, id", params)]
+
+    def latest_evals(self) -> dict[str, dict[str, Any]]:
+        """Each run's newest evaluation that produced a report."""
+        rows = self._query("SELECT * FROM evals WHERE error IS NULL ORDER BY time, id")
+        return {r["run_id"]: _decode(r) for r in rows}
+
+    def run_outcomes(self, run_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """What each run achieved, from its samples and restarts: the newest step and
+        its sample time, the newest loss and acceptance length recorded, and the
+        restarts that started a process (``Restart.counts``). One query per kind for
+        every run asked, never one per run."""
+        ids = list(run_ids)
+        result: dict[str, dict[str, Any]] = {
+            r: {"step": None, "sample_time": None, "loss": None, "accept_len": None, "restarts": 0} for r in ids}
+        if not ids:
+            return result
+        marks = ", ".join("?" for _ in ids)
+        rows = self._query(f"SELECT run_id, step, time FROM samples WHERE id IN (SELECT max(id) FROM samples "
+                           f"WHERE run_id IN ({marks}) GROUP BY run_id)", ids)
+        for r in rows:
+            result[r["run_id"]].update(step=r["step"], sample_time=r["time"])
+        for column in ("loss", "accept_len"):
+            rows = self._query(f"SELECT run_id, {column} FROM samples WHERE id IN (SELECT max(id) FROM samples "
+                               f"WHERE run_id IN ({marks}) AND {column} IS NOT NULL GROUP BY run_id)", ids)
+            for r in rows:
+                result[r["run_id"]][column] = r[column]
+        rows = self._query(f"SELECT run_id, count(*) AS n FROM restarts WHERE run_id IN ({marks}) AND (outcome IS NULL "
+                           "OR (outcome NOT LIKE 'not issued%' AND outcome NOT LIKE 'cancelled%')) GROUP BY run_id", ids)
+        for r in rows:
+            result[r["run_id"]]["restarts"] = r["n"]
+        return result
