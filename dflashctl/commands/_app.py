@@ -41,7 +41,7 @@ app = typer.Typer(
         "reached over SSH (jump hosts and container wrappers included).\n\n"
         "Start with: dflashctl launch demo, then dflashctl status. Every command has -h / --help "
         "with an example. Durations are seconds or a number with s, m, h or d (30s, 5m, 1h30m). "
-        "Shell completion: dflashctl --install-completion (README.md, Shell completion)."
+        "Shell completion: dflashctl --install-completion (docs/commands.md, Shell completion)."
     ),
     no_args_is_help=True,
     add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish)

@@ -43,13 +43,11 @@ from dflashctl.envaudit.report import SCHEMA, AuditReport, failed_document, plan
 from dflashctl.envaudit.rules import (
     CODES,
     EXIT_NOT_RUN,
-    SEVERITIES,
     Finding,
     IgnoreRule,
     Policy,
     audit,
     exit_code,
-    severity_rank,
 )
 from dflashctl.envaudit.snapshot import (
     ASKED_MODULES,
@@ -81,11 +79,11 @@ from dflashctl.envaudit.stack import (
 )
 
 __all__ = [
-    "ASKED_MODULES", "CODES", "DEFAULT_TIMEOUT", "EXIT_NOT_RUN", "LIB_PREFIXES", "SCHEMA", "SEVERITIES", "TRAINER_MODULES",
+    "ASKED_MODULES", "CODES", "DEFAULT_TIMEOUT", "EXIT_NOT_RUN", "LIB_PREFIXES", "SCHEMA", "TRAINER_MODULES",
     "TRAINER_ROOTS", "AuditReport", "Dist", "Finding", "Fixer", "IgnoreRule", "LibEntry", "LoadedLib", "ModuleSpec",
     "PathEntry", "Policy", "PthFile", "Removal", "ReqCheck", "SharedFiles", "Snapshot", "TorchBuild", "Unmet",
     "audit", "audit_command", "audit_host", "audit_target", "collect", "collector_argument", "component",
     "cuda_major", "drift_since_good_run", "exit_code", "failed_document", "last_good_run", "parse_ldconfig",
     "parse_snapshot", "plan", "policy_for", "preflight", "protected", "record_snapshot", "required_by",
-    "requirement_checks", "resolve_target", "severity_rank", "torch_build", "unmet_requirements",
+    "requirement_checks", "resolve_target", "torch_build", "unmet_requirements",
 ]

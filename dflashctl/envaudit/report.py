@@ -1,7 +1,7 @@
 """An env-audit's result for one host: the snapshot, its findings and torch's build,
 with the exit code, the counts, the plan (every fix command in a safe order) and
 the JSON form ``dflashctl env-audit --json`` prints (``SCHEMA``, documented in
-README.md); ``failed_document`` is that JSON when the audit could not run.
+docs/env-audit.md); ``failed_document`` is that JSON when the audit could not run.
 
 Data only: no I/O, no drawing (the command draws the text form).
 """

@@ -37,6 +37,7 @@ from packaging.utils import canonicalize_name
 
 from dflashctl.core.contract import did_you_mean
 from dflashctl.core.errors import ConfigError
+from dflashctl.core.states import severity_rank
 from dflashctl.envaudit.fixes import Fixer, Removal, index_args, listing, only_inits, short_path
 from dflashctl.envaudit.program import prove
 from dflashctl.envaudit.snapshot import LIB_PREFIXES, TRAINER_MODULES, Dist, LibEntry, ModuleSpec, Snapshot
@@ -55,8 +56,7 @@ from dflashctl.envaudit.stack import (
     wheel_sonames,
 )
 
-SEVERITIES = ("info", "warning", "error", "critical")
-# Finding codes, one per kind of problem (documented in README.md; env_audit.ignore names them).
+# Finding codes, one per kind of problem (documented in docs/env-audit.md; env_audit.ignore names them).
 CODES = (
     "torch-missing", "torch-import", "torch-cpu-build", "broken-metadata", "shadowed", "duplicate-package",
     "missing-requirement", "requirement-version", "triton-version", "unmet-requirement", "missing-files",
@@ -116,10 +116,6 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def severity_rank(severity: str) -> int:
-    return SEVERITIES.index(severity)
 
 
 def exit_code(findings: Iterable[Finding]) -> int:

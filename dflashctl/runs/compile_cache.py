@@ -223,9 +223,6 @@ class LocalCache:
         found = [self.get(name) for name in names if _KEY.fullmatch(name)]
         return sorted((e for e in found if e is not None), key=lambda e: e.age_reference, reverse=True)
 
-    def has(self, key: str) -> bool:
-        return self.get(key) is not None
-
     def put(self, manifest: dict, data: bytes, origin: Optional[dict] = None, now: Optional[float] = None) -> Entry:
         """Hold ``data`` under its manifest's key (checked first), replacing an entry
         held for the key (a newer verified copy wins). ``origin``: the controller's

@@ -932,10 +932,6 @@ class StatusView:
     chart: ChartView | None = None  # the selected run's history at the screen's zoom
 
     @property
-    def selected_run(self) -> RunView | None:
-        return next((r for r in self.runs if r.id == self.selected), None)
-
-    @property
     def gpus(self) -> list[GpuView]:
         return [g for h in self.hosts for g in h.gpus]
 

@@ -124,10 +124,6 @@ class Alerter:
             hook.thread = threading.Thread(target=self._run, args=(hook,), name=name, daemon=True)
             hook.thread.start()
 
-    @property
-    def has_hooks(self) -> bool:
-        return bool(self.alerts.command) or bool(self.alerts.webhook)
-
     # ----------------------------------------------------------------- caller side
 
     def send(self, event: dict[str, Any]) -> str:
