@@ -1,17 +1,4 @@
-"""Run commands on inventory hosts: locally (subprocess) or over SSH (fabric + paramiko).
-
-One interface, ``Transport.run(argv, ...)``; an argv list arrives byte-exact on the
-run host, through jump hosts, the container wrapper and the remote login shell.
-The command line is built in exactly one place, ``command_line``:
-
-    [wrapper...] timeout -k K T [env K=V...] [sh -c CD_PRELUDE sh DIR] argv...
-
-joined with ``shlex.join`` for the remote login shell (sshd runs the command
-string through the user's shell). The wrapper (``pct exec 200 --``) executes the
-rest as an argv, without a second shell, so one level of quoting is right. Every
-layer after the wrapper is an argv-executing program (``timeout``, ``env``, a ``sh
--c`` whose script is constant and whose data travels as positional parameters),
-so nothing in ``argv``, ``env`` or ``cwd`` is ever interpreted by a shell.
+"""Hosts reached over SSH: one pooled connection each, jumps, wedged connections.
 
 Connections. Each SSH host has one fabric ``Connection``, opened on first use and
 reused by every command (``Pool``); a jump host is a ``gateway=`` of the hosts
@@ -25,11 +12,6 @@ run on the Connection's paramiko client (``Connection.client``), not through
 ``Connection.run``: invoke's runner has no way to send a byte-exact command line
 with stdin bytes and a client-side deadline, and would read this process's stdin.
 
-Host keys are checked against the host's known_hosts file on every hop, gateways
-included (fabric's default is to accept any key); unknown keys are refused, with
-``dflashctl trust HOST`` as the way to accept one, unless the inventory says
-``trust_on_first_use: true``, in which case the key is appended to that file.
-
 A connection that stops answering (the server's session process frozen, a
 half-open TCP connection behind a NAT or a jump) is replaced: when the server does
 not open a session within ``connect_timeout``, or a command gets no answer by its
@@ -38,8 +20,8 @@ A session that was never opened ran nothing, so that command is retried at once
 on a new connection; the Result's ``notes`` say what happened. Keepalives
 (``keepalive``, ServerAliveInterval) keep idle connections through NATs.
 
-This module never decides anything about runs; it runs commands and says what
-happened.
+The pool lives here with the transports it holds: a transport asks it for its
+gateway and for the connections riding on its own.
 """
 
 from __future__ import annotations
@@ -50,21 +32,29 @@ import logging
 import math
 import os
 import shlex
-import signal
 import socket
-import subprocess
 import threading
 import time
-from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import paramiko
 from fabric import Config as FabricConfig
 from fabric import Connection
 
-from dflashctl.core.errors import CommandTimeout, TransportError, UnreachableError, first_line
+from dflashctl.core.errors import TransportError, UnreachableError
+from dflashctl.hosts.transport.base import Transport
+from dflashctl.hosts.transport.command import describe_route
+from dflashctl.hosts.transport.hostkeys import (
+    HostKey,
+    UnknownHostKey,
+    _dflashctl_command,
+    _KeyNotKnown,
+    _Refuse,
+    _TrustOnFirstUse,
+    key_name,
+)
+from dflashctl.hosts.transport.local import LocalTransport
+from dflashctl.hosts.transport.results import _Outcome
 
 if TYPE_CHECKING:
     from dflashctl.config import Host, Inventory
@@ -74,414 +64,9 @@ if TYPE_CHECKING:
 if not os.environ.get("DFLASHCTL_DEBUG"):
     logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
-# `timeout -k`: seconds between SIGTERM and SIGKILL on the host.
-KILL_AFTER = 2.0
-# The client gives up this long after the host should have killed the command:
-# covers a host (or a frozen container) that never answers.
-CLIENT_SLACK = 3.0
-# Linux caps one argv string at 128 KiB, and sshd hands the whole command line to
-# the login shell as one `-c` argument.
-MAX_COMMAND_BYTES = 120_000
-STDERR_TAIL_CHARS = 2000
-# An argument longer than this (a script sent as `python -c TEXT`) is shown in
-# messages by its size, not its text.
-SHOWN_ARG_CHARS = 160
 # Concurrent commands per connection: sshd refuses more than MaxSessions (default
 # 10) sessions on one connection; further commands wait for a free one.
 MAX_SESSIONS = 8
-# Exit codes of coreutils `timeout` when it had to stop the command (TERM / KILL).
-# When it sends KILL it also kills itself (it signals its whole process group), so
-# the host reports a signal: a negative code locally, -1 (no exit status) over SSH.
-TIMEOUT_EXIT_CODES = (124, 137)
-# Exit codes of a shell or `timeout` that could not find / execute the command.
-NOT_FOUND_EXIT_CODES = (126, 127)
-
-# Enter the working directory, then exec the argv. "~" and "~/..." expand against
-# the run host's $HOME; the directory itself is data ($1), never shell text.
-_CD_PRELUDE = (
-    'd=$1; shift; case $d in "~") d=$HOME ;; "~/"*) d=$HOME/${d#"~/"} ;; esac; '
-    'cd -- "$d" || exit 125; exec "$@"'
-)
-
-
-# --------------------------------------------------------------------------- results
-
-
-@dataclass
-class Result:
-    """What a command did on a host. ``command`` is the full line the host ran;
-    ``notes``: what the transport had to do first (a connection replaced)."""
-
-    host: str
-    argv: list[str]
-    command: str
-    exit_code: int
-    stdout_bytes: bytes
-    stderr_bytes: bytes
-    duration: float
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_bytes.decode("utf-8", errors="replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_bytes.decode("utf-8", errors="replace")
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0
-
-
-@dataclass
-class _Outcome:
-    """One command line's run: ``finished`` is False when the client gave up."""
-
-    finished: bool
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    notes: list[str] = field(default_factory=list)
-
-
-def stderr_tail(text: str, limit: int = STDERR_TAIL_CHARS) -> str:
-    text = text.strip()
-    return text if len(text) <= limit else "..." + text[-limit:]
-
-
-def shown_argv(argv: Iterable[object]) -> str:
-    """An argv as messages show it: shell-quoted, an argument of more than
-    ``SHOWN_ARG_CHARS`` characters (a script) replaced by its size."""
-    words = []
-    for a in map(str, argv):
-        words.append(f"<{len(a.encode('utf-8'))}-byte argument>" if len(a) > SHOWN_ARG_CHARS else shlex.quote(a))
-    return " ".join(words)
-
-
-# --------------------------------------------------------------------------- the command line
-
-
-def command_line(
-    argv: list[str],
-    *,
-    wrapper: Iterable[str] = (),
-    timeout: float,
-    env: dict[str, str] | None = None,
-    cwd: str | None = None,
-) -> str:
-    """The one place a command string is built (see the module docstring)."""
-    if not argv:
-        raise ValueError("argv is empty")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be more than 0 seconds, got {timeout!r}")  # `timeout 0` means none
-    inner = [str(a) for a in argv]
-    if cwd is not None:
-        inner = ["sh", "-c", _CD_PRELUDE, "sh", str(cwd), *inner]
-    if env:
-        for key in env:
-            if not key.isidentifier() or not key.isascii():
-                raise ValueError(f"environment variable name {key!r} is not a valid name")
-        if "=" in inner[0]:  # env would take it for one more variable
-            raise ValueError(f"with env, the command name cannot contain '=': {inner[0]!r}")
-        inner = ["env", *(f"{k}={v}" for k, v in env.items()), *inner]
-    inner = ["timeout", "-k", f"{KILL_AFTER:g}", f"{timeout:g}", *inner]
-    line = shlex.join([*wrapper, *inner])
-    if len(line.encode("utf-8")) > MAX_COMMAND_BYTES:
-        raise ValueError(
-            f"command line is {len(line.encode('utf-8'))} bytes, over {MAX_COMMAND_BYTES}: "
-            "send large data as input= (stdin) instead"
-        )
-    return line
-
-
-def describe_route(route: list["Host"], wrapper: bool = True) -> str:
-    """'jump -> jump2 -> target [pct exec 200 --]', 'direct' or 'local'."""
-    target = route[-1]
-    if target.is_local:
-        text = "local"
-    else:
-        text = " -> ".join(h.name for h in route) if len(route) > 1 else "direct"
-    if wrapper and target.wrapper:
-        text += f" [{shlex.join(target.wrapper)}]"
-    return text
-
-
-def not_found_hint(host: "Host", argv: list[str], stderr: str) -> str | None:
-    """Why a command exited 126/127 (not found / not executable), in inventory terms:
-    the container wrapper, the host's python, or the command itself."""
-    text = stderr.strip()
-    if not text:
-        return None
-    where = f"host '{host.name}'"
-    if host.wrapper and host.wrapper[0] in text and ("not found" in text or "No such file" in text):
-        return (f"the container wrapper `{shlex.join(host.wrapper)}` does not run on the host: check `wrapper:` "
-                f"for {where} (is the container tool installed, the container running?)")
-    command = str(argv[0]) if argv else ""
-    if command and command == host.python and command in text:
-        return (f"python `{command}` is not found inside {where}'s "
-                f"{'container' if host.wrapper else 'login'}: set `python:` for {where} to an interpreter "
-                "that exists there (the one with torch)")
-    if command and command in text:
-        return f"`{command}` is not installed on {where} (or not on the PATH of its {'container' if host.wrapper else 'login shell'})"
-    return None
-
-
-# --------------------------------------------------------------------------- the interface
-
-
-class Transport(ABC):
-    """Runs argv lists on one host. Thread-safe; reusable; a context manager."""
-
-    def __init__(self, host: "Host", route: list["Host"] | None = None):
-        self.host = host
-        self.route = route or [host]
-
-    @property
-    def name(self) -> str:
-        return self.host.name
-
-    def describe_route(self) -> str:
-        return describe_route(self.route)
-
-    def run(
-        self,
-        argv: list[str],
-        *,
-        timeout: float | None = None,
-        input: bytes | None = None,
-        env: dict[str, str] | None = None,
-        check: bool = True,
-        cwd: str | None = None,
-        stdout_sink: Callable[[bytes], bool] | None = None,
-    ) -> Result:
-        """Run ``argv`` on the host (inside its wrapper). ``env`` adds to the host's
-        ``env`` from the inventory. ``input`` is sent as stdin, then EOF; without it
-        stdin is empty. ``timeout`` (default: the host's command_timeout) kills the
-        command on the host and raises CommandTimeout. ``check`` raises
-        TransportError on a non-zero exit. ``stdout_sink``: stdout is handed to it
-        piece by piece as it arrives (never held: ``Result.stdout_bytes`` is empty); a
-        sink that returns False ends the command at once (it was sent more than it
-        takes; the sink knows, the exit code is then the kill's)."""
-        limit = float(timeout if timeout is not None else self.host.command_timeout)
-        merged_env = {**(self.host.env or {}), **(env or {})}
-        shown = shown_argv(argv)
-        try:
-            command = command_line(argv, wrapper=self.host.wrapper, timeout=limit, env=merged_env, cwd=cwd)
-        except ValueError as e:
-            raise TransportError(self.name, shown, str(e)) from None
-        started = time.monotonic()
-        deadline = limit + KILL_AFTER + CLIENT_SLACK
-        outcome = self._execute(command, input, deadline, shown, stdout_sink)
-        duration = time.monotonic() - started
-        code = outcome.exit_code
-        result = Result(self.name, list(argv), command, code, outcome.stdout, outcome.stderr, duration, outcome.notes)
-        if not outcome.finished:
-            raise CommandTimeout(
-                self.name,
-                shown,
-                f"no answer within {deadline:g}s (timeout {limit:g}s): gave up; the host did not confirm the "
-                "command was stopped" + "".join(f"; {n}" for n in outcome.notes),
-                stderr_tail=stderr_tail(result.stderr),
-            )
-        if (code in TIMEOUT_EXIT_CODES or code < 0) and duration >= limit:
-            raise CommandTimeout(
-                self.name,
-                shown,
-                f"timed out after {limit:g}s and was killed on the host",
-                exit_code=code,
-                stderr_tail=stderr_tail(result.stderr),
-            )
-        if check and code != 0:
-            hint = not_found_hint(self.host, argv, result.stderr) if code in NOT_FOUND_EXIT_CODES else None
-            raise TransportError(
-                self.name, shown, "command failed", exit_code=code, stderr_tail=stderr_tail(result.stderr), hint=hint
-            )
-        return result
-
-    def run_script(self, source: str, args: Iterable[str] = (), **kwargs: Any) -> Result:
-        """Run Python ``source`` with the host's python, ``args`` as sys.argv[1:].
-        The source travels as an argument, so stdin stays free for ``input=``."""
-        return self.run([self.host.python, "-c", source, *args], **kwargs)
-
-    @abstractmethod
-    def _execute(self, command: str, input: bytes | None, deadline: float, shown: str,
-                 stdout_sink: Callable[[bytes], bool] | None = None) -> _Outcome:
-        """Run one command line; give up after ``deadline`` seconds."""
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> "Transport":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# --------------------------------------------------------------------------- local
-
-
-# What points this process's own Python at its packages is not the host's: a
-# command on the local host runs with the environment sshd would give it.
-_CONTROLLER_ONLY_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH")
-
-
-class LocalTransport(Transport):
-    """This machine: the same command line, run by /bin/sh as sshd would."""
-
-    def _execute(self, command, input, deadline, shown, stdout_sink=None):
-        proc = subprocess.Popen(
-            ["/bin/sh", "-c", command],
-            env={k: v for k, v in os.environ.items() if k not in _CONTROLLER_ONLY_ENV},
-            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group, so a give-up kills it all
-        )
-        if stdout_sink is not None:
-            return _stream_local(proc, input, deadline, stdout_sink)
-        try:
-            out, err = proc.communicate(input, timeout=deadline)
-            return _Outcome(True, proc.returncode, out, err)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            out, err = proc.communicate()
-            return _Outcome(False, proc.returncode, out, err)
-
-
-def _stream_local(proc: subprocess.Popen, input: bytes | None, deadline: float,
-                  sink: Callable[[bytes], bool]) -> _Outcome:
-    """``LocalTransport._execute`` with stdout handed to ``sink`` as it arrives."""
-    err: list[bytes] = []
-    readers = [threading.Thread(target=lambda: err.append(proc.stderr.read()), name="local-stderr", daemon=True)]
-    if input is not None:
-        def feed() -> None:
-            try:
-                proc.stdin.write(input)
-                proc.stdin.close()
-            except OSError:
-                pass
-        readers.append(threading.Thread(target=feed, name="local-stdin", daemon=True))
-    for t in readers:
-        t.start()
-    end, finished = time.monotonic() + deadline, True
-    timer = threading.Timer(deadline, lambda: _kill_group(proc))
-    timer.daemon = True
-    timer.start()
-    try:
-        while True:
-            chunk = proc.stdout.read1(65536)
-            if not chunk:
-                break
-            if not sink(chunk):
-                _kill_group(proc)
-                break
-    finally:
-        timer.cancel()
-    finished = time.monotonic() < end
-    proc.stdout.close()
-    code = proc.wait()
-    for t in readers:
-        t.join(1.0)
-    return _Outcome(finished, code, b"", b"".join(err))
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-# --------------------------------------------------------------------------- host keys
-
-
-class UnknownHostKey(UnreachableError):
-    """The host presented a key its known_hosts file does not list: refused."""
-
-
-class _KeyNotKnown(paramiko.SSHException):
-    def __init__(self, hostname: str, key: paramiko.PKey):
-        super().__init__(f"host key for {hostname} is not known")
-        self.key = key
-
-
-class _Refuse(paramiko.MissingHostKeyPolicy):
-    """RejectPolicy that keeps the key, so the message can show its fingerprint."""
-
-    def missing_host_key(self, client, hostname, key):
-        raise _KeyNotKnown(hostname, key)
-
-
-_known_hosts_lock = threading.Lock()
-
-
-def append_known_host(path: str, key_name: str, key: paramiko.PKey) -> None:
-    """Add one ``key_name key-type base64`` line to a known_hosts file (created with
-    its directory if missing; the file's other lines are never rewritten)."""
-    with _known_hosts_lock:
-        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "a") as f:
-            f.write(f"{key_name} {key.get_name()} {key.get_base64()}\n")
-
-
-class _TrustOnFirstUse(paramiko.MissingHostKeyPolicy):
-    """Accept an unknown key and append it to known_hosts, as `ssh` does with
-    StrictHostKeyChecking=accept-new."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def missing_host_key(self, client, hostname, key):
-        append_known_host(self.path, hostname, key)
-        client.get_host_keys().add(hostname, key.get_name(), key)
-
-
-def key_name(address: str, port: int) -> str:
-    """How known_hosts names a host: ``address``, or ``[address]:port`` off port 22."""
-    return address if port == 22 else f"[{address}]:{port}"
-
-
-@dataclass
-class HostKey:
-    """The key a host presented, and what its known_hosts file says about it."""
-
-    host: str  # the inventory name
-    route: str  # 'jump -> target' or 'direct'
-    key_name: str  # '[127.0.0.4]:2222', as known_hosts keys it
-    key_type: str  # 'ssh-ed25519'
-    fingerprint: str  # 'SHA256:...', as `ssh` shows it
-    known_hosts: str
-    status: str  # 'trusted', 'unknown' or 'changed'
-    key: paramiko.PKey
-
-    def trust(self) -> None:
-        """Append the key to the host's known_hosts file."""
-        append_known_host(self.known_hosts, self.key_name, self.key)
-
-
-def _dflashctl_command(inventory: "Inventory", *args: str) -> str:
-    """A dflashctl command line that, typed where this one ran, uses this inventory."""
-    from dflashctl.config import EMBEDDED, find_inventory
-
-    words = ["dflashctl"]
-    source = inventory.source
-    if source != EMBEDDED and os.path.isfile(source):
-        try:
-            found = find_inventory(None)
-        except Exception:  # noqa: BLE001  (a broken search path: name the file explicitly)
-            found = None
-        if found is None or os.path.abspath(found) != os.path.abspath(source):
-            words += ["--inventory", os.path.abspath(source)]
-    return shlex.join([*words, *args])
-
-
-# --------------------------------------------------------------------------- ssh
 
 
 def _fabric_config() -> FabricConfig:
@@ -945,7 +530,7 @@ def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float,
     return True, chan.recv_exit_status(), b"".join(out), b"".join(err)
 
 
-# --------------------------------------------------------------------------- pool and fan-out
+# --------------------------------------------------------------------------- the pool
 
 
 class Pool:
@@ -987,53 +572,3 @@ class Pool:
 
 default_pool = Pool()
 atexit.register(default_pool.close)
-
-
-def connect(host_or_name: Union["Host", str], inventory: "Inventory") -> Transport:
-    """The pooled transport for a host (connections open lazily, on first run)."""
-    return default_pool.get(host_or_name, inventory)
-
-
-def host_key(host_or_name: Union["Host", str], inventory: "Inventory") -> HostKey:
-    """The SSH host key a host presents, fetched through its route (its jump hosts
-    must be trusted already: trust a route outermost hop first), with its status."""
-    transport = connect(host_or_name, inventory)
-    if not isinstance(transport, SSHTransport):
-        raise TransportError(transport.name, "trust", "a local host is reached without SSH: it has no host key")
-    return transport.host_key()
-
-
-def trust_command(inventory: "Inventory", name: str) -> str:
-    """The `dflashctl trust NAME` command line for this inventory, runnable as printed."""
-    return _dflashctl_command(inventory, "trust", name)
-
-
-def fanout(
-    transports_or_names: Iterable[Union[Transport, str]],
-    fn: Callable[[Transport], Any],
-    max_workers: int | None = None,
-    inventory: "Inventory | None" = None,
-) -> dict[str, Any]:
-    """Call ``fn(transport)`` for every host at once: {name: return value or the
-    Exception it raised}. Names need ``inventory``. A failing host is a value in
-    the answer, never an exception that loses the others."""
-    items = list(transports_or_names)
-    if not items:
-        return {}
-
-    def one(item: Union[Transport, str]) -> Any:
-        try:
-            transport = item if isinstance(item, Transport) else connect(item, _need(inventory))
-            return fn(transport)
-        except Exception as e:  # noqa: BLE001  (a dead host is a finding, not a crash)
-            return e
-
-    names = [item.name if isinstance(item, Transport) else item for item in items]
-    with ThreadPoolExecutor(max_workers or min(32, len(items)), thread_name_prefix="fanout") as ex:
-        return dict(zip(names, ex.map(one, items)))
-
-
-def _need(inventory: "Inventory | None") -> "Inventory":
-    if inventory is None:
-        raise ValueError("fanout over host names needs inventory=")
-    return inventory
