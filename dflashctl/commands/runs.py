@@ -273,7 +273,7 @@ def _run_columns():
 def _run_summary(r, outcome: dict, evaluation: dict | None, now: float) -> dict:
     """What ``runs --json`` adds to a run's record: what it achieved."""
     from dflashctl.core.contract import tau_estimate
-    from dflashctl.status.model import _total_steps
+    from dflashctl.status.reader import _total_steps
 
     start = r.started or r.created
     return {"step": outcome["step"], "total_steps": _total_steps(r), "loss": outcome["loss"],

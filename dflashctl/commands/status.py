@@ -48,11 +48,11 @@ def status_command(
     from dflashctl.core.paths import store_path
 
     if json_schema:
-        from dflashctl.status.model import JSON_SCHEMA
+        from dflashctl.status.schema import JSON_SCHEMA
 
         print(json.dumps(JSON_SCHEMA, indent=2))
         return
-    from dflashctl.status.model import load_status
+    from dflashctl.status.reader import load_status
     from dflashctl.store import Store
 
     path = store_path()
@@ -124,7 +124,8 @@ def print_status(view, width: int) -> None:
     from rich.text import Text
 
     from dflashctl.status.columns import fit, fit_middle
-    from dflashctl.status.model import SEVERITY_STYLE, select_columns
+    from dflashctl.status.runs import select_columns
+    from dflashctl.status.styles import SEVERITY_STYLE
     from dflashctl.tui.text import gpu_text, run_hosts_text
 
     width = max(40, width)

@@ -35,17 +35,11 @@ from textual.widgets import DataTable, Footer, Static
 from textual.worker import get_current_worker
 
 from dflashctl.core.errors import DflashError, first_line
-from dflashctl.status.model import (
-    SORTS,
-    ChartView,
-    DirectProbe,
-    EventView,
-    StatusReader,
-    StatusView,
-    filter_runs,
-    next_zoom,
-    sort_runs,
-)
+from dflashctl.status.charts import ChartView, next_zoom
+from dflashctl.status.events import EventView
+from dflashctl.status.reader import StatusReader
+from dflashctl.status.runs import SORTS, DirectProbe, filter_runs, sort_runs
+from dflashctl.status.views import StatusView
 from dflashctl.store import Store
 from dflashctl.tui.actions import plan, readonly_default
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen, RankScreen
@@ -140,7 +134,7 @@ class StatusApp(App):
         self._mode: str | None = None  # set from each resize's own size
         self.view: StatusView | None = None
         self.sort = SORTS[0]
-        self.zoom = "all"  # the history charts' span (model.ZOOMS), cycled by z
+        self.zoom = "all"  # the history charts' span (status.charts.ZOOMS), cycled by z
         # The charts each run had at its last read, per zoom: moving the cursor back to a
         # run draws them at once (their axis ends at the time they were read) instead of
         # none until the next read of that run comes back.

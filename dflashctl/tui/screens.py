@@ -23,7 +23,9 @@ from textual.worker import get_current_worker
 
 from dflashctl.core.contract import TAU_GAP_MARGIN
 from dflashctl.core.errors import DflashError, first_line
-from dflashctl.status.model import STATE_STYLE, DetailView, EventView, filter_events
+from dflashctl.status.events import EventView, filter_events
+from dflashctl.status.styles import STATE_STYLE
+from dflashctl.status.views import DetailView
 from dflashctl.tui.text import detail_text, event_text
 from dflashctl.tui.widgets import EventsTable, FilterBox, LogLines, LogView, Pane
 

@@ -15,8 +15,14 @@ from rich.text import Text
 
 from dflashctl.core.terminal import printable
 from dflashctl.core.units import NA, fmt_clock, fmt_duration, fmt_tok_s, short_duration, short_rate
-from dflashctl.status.model import PHASE_STYLE, SEVERITY_STYLE, SMOOTH_WINDOW_S, STATE_STYLE, ChartView, DetailView, DirectProbe, EventView, HostLoad, HostView, Notice, RunHostView, RunView, bar, spark
+from dflashctl.status.charts import ChartView
 from dflashctl.status.columns import fit, fit_middle
+from dflashctl.status.events import EventView
+from dflashctl.status.gpus import HostLoad, HostView
+from dflashctl.status.runs import DirectProbe, Notice, RunHostView, RunView
+from dflashctl.status.samples import SMOOTH_WINDOW_S
+from dflashctl.status.styles import PHASE_STYLE, SEVERITY_STYLE, STATE_STYLE, bar, spark
+from dflashctl.status.views import DetailView
 from dflashctl.tui import charts
 
 

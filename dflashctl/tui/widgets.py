@@ -13,7 +13,9 @@ from textual.message import Message
 from textual.widgets import DataTable, Input, RichLog, Static
 
 from dflashctl.status.columns import Col, fit, fit_middle
-from dflashctl.status.model import COMPACT_RUN_WIDTH, SEVERITY_STYLE, EventView, RunView, matching, select_columns
+from dflashctl.status.events import EventView, matching
+from dflashctl.status.runs import COMPACT_RUN_WIDTH, RunView, select_columns
+from dflashctl.status.styles import SEVERITY_STYLE
 
 # --------------------------------------------------------------------------- widgets
 
