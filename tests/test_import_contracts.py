@@ -40,7 +40,9 @@ def tree_copy(tmp_path: Path) -> Path:
 
 
 def _add_import(root: Path, module: str, line: str) -> None:
-    path = root / (module.replace(".", "/") + ".py")
+    """Append ``line`` to the module's file (a package's ``__init__.py``)."""
+    base = root / module.replace(".", "/")
+    path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
     path.write_text(path.read_text() + f"\n{line}\n")
 
 
