@@ -180,16 +180,16 @@ def test_the_supervisor_stream_is_in_time_order_and_loses_no_event(local_env):
         sup.close()
 
 
-def test_the_readme_gives_every_commands_exit_codes():
-    """Scripts gate on exit codes: each command has its row in the README's table."""
+def test_the_docs_give_every_commands_exit_codes():
+    """Scripts gate on exit codes: each command has its row in the table of docs/commands.md."""
     import re
 
     from dflashctl.cli import _load_commands
     from dflashctl.commands._app import app
 
     _load_commands()
-    text = (REPO / "README.md").read_text()
-    table = text[text.index("### Exit codes"):]
+    text = (REPO / "docs" / "commands.md").read_text()
+    table = text[text.index("## Exit codes"):]
     table = table[: table.index("\n\n", table.index("| command | 0 |"))]
     named = set(re.findall(r"`([a-z-]+)`", "\n".join(line.split("|")[1] for line in table.splitlines()
                                                     if line.startswith("| `"))))
