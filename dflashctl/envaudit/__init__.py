@@ -9,7 +9,13 @@ snapshot, and everything after that is pure. The rooms:
     stack      the torch Python imports and its build, each wheel's CUDA major,
                the requirement tree, every distribution's unmet requirements
     fixes      exact commands for the host's python, uninstalls simulated first
-    rules      ``audit(snapshot) -> [Finding]``, ``Policy`` (env_audit: of a host and a playbook)
+    findings   ``Finding``, its codes, the exit codes, ``Policy`` (env_audit: of a
+               host and a playbook)
+    context    what every rule reads, computed once per audit
+    rules_*    the rules by family: torch, shadowing, requirements, integrity, cuda,
+               environment
+    rules      ``audit(snapshot) -> [Finding]``: every family's rules, worst first,
+               their commands kept only where ``program`` proves them safe
     program    the plan as a program over a model of the environment: ``prove`` keeps a
                finding's commands only where the whole plan stays safe, ``plan`` renders
                it (wheels fetched first, installed with --no-index)
@@ -26,6 +32,7 @@ or imports it in a subprocess there with --deep) and never draws: the
 """
 
 from dflashctl.envaudit.drift import drift_since_good_run, last_good_run
+from dflashctl.envaudit.findings import CODES, EXIT_NOT_RUN, Finding, IgnoreRule, Policy, exit_code
 from dflashctl.envaudit.fixes import Fixer, Removal
 from dflashctl.envaudit.host import (
     DEFAULT_TIMEOUT,
@@ -40,15 +47,7 @@ from dflashctl.envaudit.host import (
     resolve_target,
 )
 from dflashctl.envaudit.report import SCHEMA, AuditReport, failed_document, plan
-from dflashctl.envaudit.rules import (
-    CODES,
-    EXIT_NOT_RUN,
-    Finding,
-    IgnoreRule,
-    Policy,
-    audit,
-    exit_code,
-)
+from dflashctl.envaudit.rules import audit
 from dflashctl.envaudit.snapshot import (
     ASKED_MODULES,
     LIB_PREFIXES,

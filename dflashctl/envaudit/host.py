@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING
 from dflashctl.core.contract import did_you_mean
 from dflashctl.core.errors import ConfigError, DflashError, TransportError, UnreachableError, first_line
 from dflashctl.envaudit.drift import drift_since_good_run, open_existing_store
+from dflashctl.envaudit.findings import Finding, Policy
 from dflashctl.envaudit.report import AuditReport
-from dflashctl.envaudit.rules import Finding, Policy, audit
+from dflashctl.envaudit.rules import audit
 from dflashctl.envaudit.snapshot import ASKED_MODULES, LIB_PREFIXES, Snapshot, parse_snapshot
 from dflashctl.envaudit.stack import torch_build
 from dflashctl.hosts import remote

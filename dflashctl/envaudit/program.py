@@ -48,7 +48,7 @@ from dflashctl.envaudit.fixes import Fixer, only_inits
 from dflashctl.envaudit.snapshot import Dist, Snapshot
 
 if TYPE_CHECKING:
-    from dflashctl.envaudit.rules import Finding
+    from dflashctl.envaudit.findings import Finding
 
 # The order operations run in; ``fetch`` is rendered from the installs, never given.
 STAGES = ("ensurepip", "unblock", "fetch", "uninstall", "install", "reinstall", "rm-dist-info")

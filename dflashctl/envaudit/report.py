@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflashctl.envaudit import program
-from dflashctl.envaudit.rules import EXIT_NOT_RUN, Finding, exit_code
+from dflashctl.envaudit.findings import EXIT_NOT_RUN, Finding, exit_code
 from dflashctl.envaudit.snapshot import Snapshot
 from dflashctl.envaudit.stack import TorchBuild, protected
 
