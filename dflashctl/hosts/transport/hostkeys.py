@@ -21,6 +21,7 @@ from dflashctl.core.errors import UnreachableError
 if TYPE_CHECKING:
     from dflashctl.config import Inventory
 
+
 class UnknownHostKey(UnreachableError):
     """The host presented a key its known_hosts file does not list: refused."""
 
