@@ -1,6 +1,6 @@
 """Alert hook benchmark: what hostile hooks cost the supervisor's process.
 
-    .venv/bin/python bench/bench_alerts.py [--mb 150] [--deadline 3] [--burst 100]
+    .venv/bin/python -m bench.controller.alerts [--mb 150] [--deadline 3] [--burst 100]
 
 Each scenario runs in a fresh interpreter (so its peak RSS, VmHWM, is its own) with
 a real command hook or a real HTTP server on 127.0.0.1:
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,16 +32,9 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from dflashctl.config import Alerts  # noqa: E402
-from dflashctl.supervise.alerts import Alerter, make_event  # noqa: E402
-
-
-def peak_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+from bench.common import REPO, vm_hwm_kib
+from dflashctl.config import Alerts
+from dflashctl.supervise.alerts import Alerter, make_event
 
 
 def serve(mode: dict) -> tuple[ThreadingHTTPServer, str, list]:
@@ -90,12 +82,12 @@ def big_output(args) -> dict:
     command = (f"head -c {args.mb * 1_000_000} /dev/zero; yes 'noise on stderr' | head -c 5000000 >&2; "
                "echo 'mail: relay down' >&2; exit 4")
     alerter = Alerter(Alerts(command=command), failures.append, timeout=max(60.0, args.limit))
-    before = peak_kib()
+    before = vm_hwm_kib()
     started = time.monotonic()
     alerter.send(make_event("crash", "error", "big output"))
     delivered = alerter.flush(args.limit)
     took = time.monotonic() - started
-    growth = peak_kib() - before
+    growth = vm_hwm_kib() - before
     alerter.close(0.5)
     return {"delivered": delivered, "seconds": took, "rss_growth_mib": growth / 1024,
             "failure_message_chars": max((len(f["message"]) for f in failures), default=0)}
@@ -129,7 +121,7 @@ def burst(args) -> dict:
     failures: list = []
     alerter = Alerter(Alerts(webhook=url, command="cat > /dev/null", min_interval=0), failures.append,
                       timeout=args.deadline)
-    before = peak_kib()
+    before = vm_hwm_kib()
     send_s, statuses = [], []
     started = time.monotonic()
     for i in range(args.burst):
@@ -142,7 +134,7 @@ def burst(args) -> dict:
     good = {"send_max_ms": max(send_s) * 1000, "send_median_us": statistics.median(send_s) * 1e6,
             "queued": statuses.count("queued"), "all_delivered": delivered, "all_delivered_s": all_took,
             "webhook_received": len(received), "failures": len(failures),
-            "rss_growth_mib": (peak_kib() - before) / 1024}
+            "rss_growth_mib": (vm_hwm_kib() - before) / 1024}
 
     mode["answer"] = "silent"
     failures = []
@@ -182,10 +174,10 @@ def main() -> int:
 
     ok = True
     for name in SCENARIOS:
-        argv = [sys.executable, os.path.abspath(__file__), "--scenario", name, "--mb", str(args.mb),
+        argv = [sys.executable, "-m", "bench.controller.alerts", "--scenario", name, "--mb", str(args.mb),
                 "--deadline", str(args.deadline), "--burst", str(args.burst), "--limit", str(args.limit)]
         try:
-            p = subprocess.run(argv, capture_output=True, text=True, timeout=3 * args.limit + 30)
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=3 * args.limit + 30, cwd=REPO)
         except subprocess.TimeoutExpired:
             print(f"{name}: did not finish within {3 * args.limit + 30:.0f}s (blocked)")
             ok = False

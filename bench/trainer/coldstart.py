@@ -3,8 +3,8 @@ GPU 0, each start with a FRESH compile cache, then one start on the warm cache. 
 2-layer drafter has a full and a sliding-window layer, so flex_attention is compiled
 for both mask variants, forward and backward.
 
-    python bench/bench_coldstart.py                     # 3 cold starts + 1 warm, 50 steps each
-    python bench/bench_coldstart.py --unsafe --timeout 180
+    python -m bench.trainer.coldstart                     # 3 cold starts + 1 warm, 50 steps each
+    python -m bench.trainer.coldstart --unsafe --timeout 180
         # the same with the compile discipline switched off (compile.unsafe_parallel_warmup):
         # on a cold cache the drafter threads compile flex_attention forward+backward at once;
         # a start that reaches no training step before --timeout is reported as a hang, with
@@ -22,12 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trainer import cold_then_warm, run_once, write_shard  # noqa: E402
+from bench.common import cold_then_warm, finish, run_once, write_shard
 
 
 def config(args) -> dict:
@@ -85,10 +83,7 @@ def main(argv=None) -> int:
         "stopped_at_limit": sum(r["exit_code"] == "timeout" and not r["hang"] for r in results),
         "first_step_s": {r["run"]: r["start_to_first_step_s"] for r in results},
     }
-    print(json.dumps(summary), flush=True)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if (args.unsafe or len(finished) == len(results)) else 1
+    return finish(summary, work, keep=bool(args.work_dir), ok=args.unsafe or len(finished) == len(results))
 
 
 if __name__ == "__main__":

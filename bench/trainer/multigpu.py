@@ -3,9 +3,9 @@ target GPUs, then D drafter GPUs), cold starts in fresh compile caches and a war
 start; throughput of the whole pipeline and per drafter GPU, queue depths, replica
 checksums, and scaling per drafter GPU against the first topology.
 
-    python bench/bench_multigpu.py --topology 1+1 --topology 2+2      # 2 or 4 GPUs
-    python bench/bench_multigpu.py --topology 5+3 --cold 3 --steps 200  # the seed topology, 8 GPUs
-    python bench/bench_multigpu.py --cpu-smoke                        # the bench itself, on CPU
+    python -m bench.trainer.multigpu --topology 1+1 --topology 2+2      # 2 or 4 GPUs
+    python -m bench.trainer.multigpu --topology 5+3 --cold 3 --steps 200  # the seed topology, 8 GPUs
+    python -m bench.trainer.multigpu --cpu-smoke                        # the bench itself, on CPU
 
 Reading the queues: a drafter queue that stays full means the drafters are the
 bottleneck (add drafter GPUs); one that stays near empty while drafters wait means
@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trainer import add_shape_arguments, cold_then_warm, reference_config, run_once, write_shard  # noqa: E402
+from bench.common import add_shape_arguments, cold_then_warm, finish, reference_config, run_once, write_shard
 
 
 def topology(text: str) -> tuple[int, int]:
@@ -90,10 +88,7 @@ def main(argv=None) -> int:
             "tok_s": round(best["tok_s"]), "tok_s_per_drafter": best["tok_s_per_drafter"],
             "queue_depth": best["queue_depth"], "scaling_per_drafter_gpu": round(per_gpu / base, 3),
         }
-    print(json.dumps(summary), flush=True)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if ok else 1
+    return finish(summary, work, keep=bool(args.work_dir), ok=ok)
 
 
 if __name__ == "__main__":

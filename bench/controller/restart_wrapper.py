@@ -1,7 +1,7 @@
 """Crash to first step through a jump host and a `pct exec` wrapper vs the local host, in one run.
 
-    python bench/bench_restart_wrapper.py                  # tiny CPU trainer, 3 restarts per host
-    python bench/bench_restart_wrapper.py --restarts 5 --json
+    python -m bench.controller.restart_wrapper                  # tiny CPU trainer, 3 restarts per host
+    python -m bench.controller.restart_wrapper --restarts 5 --json
 
 Real OpenSSH servers on loopback (tests/harness: `target` is reached through the
 jump host `jump` and runs every command inside the test `pct exec 200 --`), real
@@ -24,9 +24,9 @@ call through a fresh connection in a new Python process (what a forwarding
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,20 +35,11 @@ import threading
 import time
 from pathlib import Path
 
-import yaml
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_standby import arguments, status, trainer_config, wait_for  # noqa: E402  (this folder)
-
-from dflashctl.config import load_playbook  # noqa: E402
-from dflashctl.core import contract  # noqa: E402
+from bench.common import (REPO, crash_after_checkpoint, end_sessions, launch, restart_arguments, restart_trainer,
+                          ssh_hosts, supervising)
 from dflashctl.hosts import transport
-from dflashctl.hosts.bundle import build_bundle  # noqa: E402
-from dflashctl.hosts.tmux import SOCKET_ENV, UTF8_ENV, Tmux  # noqa: E402
-from dflashctl.launch import launch_run  # noqa: E402
-from dflashctl.runs.runhost import standby_session  # noqa: E402
-from dflashctl.store import Store  # noqa: E402
-from dflashctl.supervise.supervisor import Supervisor  # noqa: E402
+from dflashctl.hosts.tmux import SOCKET_ENV, UTF8_ENV, Tmux
+from dflashctl.supervise.supervisor import Supervisor
 
 HOSTS = ("local", "target")
 
@@ -79,26 +70,18 @@ class HostRun:
 
     def __init__(self, env, root: Path, host: str, args, calls: CallLog):
         self.host, self.args, self.calls, self.inventory = host, args, calls, env.inventory
-        playbooks = root / f"playbooks-{host}"
-        playbooks.mkdir()
-        path = playbooks / "bench.yaml"
-        path.write_text(yaml.safe_dump({"host": host, "trainer": trainer_config(args), "poll_interval": args.interval,
-                                       "compile_cache": None,
-                                       "restart": {"backoff_initial": 0, "jitter": 0, "standby": True,
-                                                   "max_restarts": args.restarts + 1,
-                                                   "crash_loop_k": args.restarts + 1}}))
-        self.store = Store(str(root / f"runs-{host}.db"))
-        pb = load_playbook(str(path), inventory=self.inventory)
-        self.run_id = launch_run(pb, self.inventory, self.store, bundle=build_bundle()).run_id
-        self.run = self.store.get_run(self.run_id)
-        self.sup = Supervisor(self.store, self.inventory, interval=args.interval, playbooks_dir=str(playbooks))
+        self.store, self.run, playbooks = launch(root, self.inventory, {
+            "host": host, "trainer": restart_trainer(args), "poll_interval": args.interval, "compile_cache": None,
+            "restart": {"backoff_initial": 0, "jitter": 0, "standby": True, "max_restarts": args.restarts + 1,
+                        "crash_loop_k": args.restarts + 1}}, tag=f"-{host}")
+        self.run_id = self.run.id
+        self.sup = Supervisor(self.store, self.inventory, interval=args.interval, playbooks_dir=playbooks)
         self.sup.attach(self.run_id)
         self.sup.restart_fn = self._restart
         self.restart_calls: list[tuple[int, float]] = []
         self.kill_to_step: list[float] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.sup.run, args=(self.stop,), daemon=True, name=f"bench-{host}")
-        self.thread.start()
+        self.looping = contextlib.ExitStack()
+        self.looping.enter_context(supervising(self.sup, name=f"bench-{host}"))
 
     def _restart(self, run_id, serialized, store, inventory) -> None:
         """The supervisor's own restart, its host commands counted."""
@@ -114,26 +97,13 @@ class HostRun:
 
     def kill_once(self, i: int) -> None:
         """After a checkpoint and a step, with the standby ready: SIGKILL, then the first step after."""
-        store, run_dir = self.store, self.run.run_dir
-        wait_for(lambda: store.get_run(self.run_id).state == "running" and status(run_dir).get("phase") == "training"
-                 and (status(run_dir).get("step") or 0) % 4 >= 1, 600, "a trained step past a checkpoint")
-        wait_for(lambda: Path(run_dir, contract.STANDBY_FILE).exists()
-                 and json.loads(Path(run_dir, contract.STANDBY_FILE).read_text())["pid"] != status(run_dir)["pid"],
-                 600, "the standby's imports")
-        time.sleep(1.0)
-        killed_at = time.time()
-        os.kill(status(run_dir)["pid"], signal.SIGKILL)  # every test host is this machine
-        row = wait_for(lambda: len(store.restarts(self.run_id)) > i and store.restarts(self.run_id)[i].time_to_first_step_s
-                       is not None and store.restarts(self.run_id)[i], 600, f"restart {i + 1}'s first step")
-        first = min(s.time for s in store.samples(self.run_id) if s.time > row.time)
+        killed_at, row = crash_after_checkpoint(self.store, self.run_id, self.run.run_dir, i, standby=True)
+        first = min(s.time for s in self.store.samples(self.run_id) if s.time > row.time)
         self.kill_to_step.append(round(first - killed_at, 2))
 
     def close(self) -> None:
-        self.stop.set()
-        self.thread.join(60)
-        tmux = Tmux(self.inventory.get(self.host), self.inventory)
-        tmux.kill(self.run.tmux_session)
-        tmux.kill(standby_session(self.run.tmux_session))
+        self.looping.close()
+        end_sessions(self.inventory, self.host, self.run)
 
     def result(self) -> dict:
         rows = self.store.restarts(self.run_id)[: self.args.restarts]
@@ -165,19 +135,17 @@ def lifecycle_call(env, host: str, calls: int = 10) -> dict:
     for _ in range(3):
         started = time.monotonic()
         subprocess.run([sys.executable, "-c", fresh_code, env.inventory_path, host, tmux.socket], check=False,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=REPO)
         fresh.append(time.monotonic() - started)
     return {"host": host, "kept_open_s": round(statistics.median(kept), 3), "fresh_process_s": round(statistics.median(fresh), 3)}
 
 
 def main() -> None:
-    args = arguments(__doc__).parse_args()
+    args = restart_arguments(__doc__).parse_args()
     os.environ.setdefault(SOCKET_ENV, f"bench-restart-{os.getpid()}")
-    from tests.harness import SshEnv
-
     calls = CallLog()
     with tempfile.TemporaryDirectory(prefix="bench-restart-wrapper-") as root:
-        with SshEnv(os.path.join(root, "ssh")) as env:
+        with ssh_hosts(os.path.join(root, "ssh")) as env:
             runs = []
             try:
                 runs = [HostRun(env, Path(root), host, args, calls) for host in HOSTS]

@@ -1,6 +1,6 @@
 """Transport benchmark on loopback sshd hosts reached through a jump host.
 
-    .venv/bin/python bench/bench_transport.py [--hosts 16] [--repeat 30] [--keepalive 1]
+    .venv/bin/python -m bench.controller.transport [--hosts 16] [--repeat 30] [--keepalive 1]
 
 Starts its own test hosts (tests/harness), then measures:
 
@@ -40,42 +40,11 @@ import time
 
 import yaml
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dflashctl.hosts.transport import Pool, command_line, fanout  # noqa: E402
-from tests.harness import SshEnv  # noqa: E402
-from tests.harness.sshd import descendants  # noqa: E402
+from bench.common import cpu_model, cpu_ms, median_ms, print_markdown, ssh_hosts
+from dflashctl.hosts.transport import Pool, command_line, fanout
 
 
-def median_ms(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), platform.processor())
-
-
-def cpu_ms(pids: list[int]) -> float:
-    """CPU time (user+system, with reaped children) of these processes and their
-    descendants: the sshd side of the work."""
-    total = 0
-    for pid in {p for root in pids for p in [root, *descendants(root)]}:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += sum(int(x) for x in fields[11:15])
-    return total * 1000 / os.sysconf("SC_CLK_TCK")
-
-
-def set_defaults(env: SshEnv, **values) -> None:
+def set_defaults(env, **values) -> None:
     """Change the test inventory's `defaults:` (every host), then reload it."""
     with open(env.inventory_path) as f:
         raw = yaml.safe_load(f)
@@ -85,7 +54,7 @@ def set_defaults(env: SshEnv, **values) -> None:
     env.reload()
 
 
-def wedged_ms(env: SshEnv, transport, wedged, server: str, repeat: int) -> list[float]:
+def wedged_ms(env, transport, wedged, server: str, repeat: int) -> list[float]:
     """How long a command takes on ``transport`` right after ``server``'s side of
     ``wedged``'s connection (``transport`` itself, or its jump) is SIGSTOPped."""
     times = []
@@ -112,7 +81,7 @@ def main() -> int:
                         help="connect_timeout for the wedged-connection figures (default 1)")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory(prefix="bench-transport-") as root, SshEnv(root) as env:
+    with tempfile.TemporaryDirectory(prefix="bench-transport-") as root, ssh_hosts(root) as env:
         names = env.add_hosts(args.hosts, jump="jump")
 
         def on(ts, argv):
@@ -197,10 +166,7 @@ def main() -> int:
         print(f"{name:<{width}}  {value}")
     print()
     print("markdown for bench/RESULTS.md:")
-    print("| measurement | median |")
-    print("| --- | --- |")
-    for name, value in rows:
-        print(f"| {name} | {value} |")
+    print_markdown(rows)
     print(f"\nnproc {cores}, {cpu_model()}, Python {platform.python_version()}, {args.repeat} samples per figure")
     wait_ratio = figures[("sleep 0.2", args.keepalive)][1] / figures[("sleep 0.2", args.keepalive)][0]
     return 0 if wait_ratio < 2 and reuse_ratio >= 5 else 1

@@ -1,10 +1,10 @@
 """Building one batch's DFlash BlockMask: the ``direct`` builder (tables computed from
 the anchors) against torch's create_block_mask, eager and (optionally) compiled.
 
-    python bench/bench_masks.py                                   # CPU, B=2
-    python bench/bench_masks.py --device cuda --batch 16          # reference size on a GPU
-    python bench/bench_masks.py --device cuda --builders direct,eager,compiled --ctx 1024 --anchors 64
-    python bench/bench_masks.py --device cuda --builders direct --check-dense --attention   # both sliding semantics
+    python -m bench.trainer.masks                                   # CPU, B=2
+    python -m bench.trainer.masks --device cuda --batch 16          # reference size on a GPU
+    python -m bench.trainer.masks --device cuda --builders direct,eager,compiled --ctx 1024 --anchors 64
+    python -m bench.trainer.masks --device cuda --builders direct --check-dense --attention   # both sliding semantics
 
 Prints one JSON line per builder and layer type (sliding layers once per
 ``--semantics``): milliseconds per call (best of --repeat, after one untimed call,
@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer.anchors import sample_anchors  # noqa: E402
-from trainer.masks import SLIDING_SEMANTICS, TILE, build_block_mask, dense_mask  # noqa: E402
+from bench.common import reference_anchors, sync
+from trainer.masks import SLIDING_SEMANTICS, TILE, build_block_mask, dense_mask
 
 
 def tables(mask) -> list[list[list[frozenset]]]:
@@ -89,20 +87,6 @@ def attention_figures(mask, dense, heads: int = 16, kv_heads: int = 8, head_dim:
     both = do_bench(step, grad_to_none=[q, k, v])
     return {"fwd_ms": round(fwd, 3), "fwd_bwd_ms": round(both, 3),
             "max_diff_vs_sdpa": float((out.float() - torch.nan_to_num(ref)).abs().max())}
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def reference_anchors(batch: int, ctx: int, anchors: int, block_size: int, device: torch.device):
-    """(anchors, valid) of a batch of full-length sequences (64 prompt tokens, the rest
-    supervised), seeded: the masks every bench builds."""
-    torch.manual_seed(0)
-    loss_mask = torch.ones(batch, ctx, dtype=torch.bool, device=device)
-    loss_mask[:, :64] = False
-    return sample_anchors(loss_mask, anchors, block_size)
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """env-audit benchmark: one audit of a large environment.
 
-    .venv/bin/python bench/bench_envaudit.py [--dists 400] [--record-lines 20000] [--repeat 5]
+    .venv/bin/python -m bench.controller.envaudit [--dists 400] [--record-lines 20000] [--repeat 5]
 
 Builds a real venv (no pip) whose site-packages hold ``--dists`` distributions
 written as an installer writes them (files, METADATA with requirements between
@@ -31,11 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dflashctl import envaudit as ea  # noqa: E402
-from dflashctl.hosts.transport import connect  # noqa: E402
-from tests.test_envaudit_envs import CUDNN12, Venv, cudnn_files, torch_files, write_dist  # noqa: E402
+from bench.common import print_markdown
+from dflashctl import envaudit as ea
+from dflashctl.hosts.transport import connect
+from tests.test_envaudit_envs import CUDNN12, Venv, cudnn_files, torch_files, write_dist
 
 TARGET_S = 1.0
 
@@ -89,19 +88,20 @@ def main() -> int:
 
     audit_s = statistics.median(total)
     verdict = "ok" if audit_s < TARGET_S else "MISSED"
-    print("## env-audit: one audit of a large environment (`bench/bench_envaudit.py`)\n")
-    print(f"Command: `.venv/bin/python bench/bench_envaudit.py --dists {args.dists} --record-lines "
+    print("## env-audit: one audit of a large environment (`bench.controller.envaudit`)\n")
+    print(f"Command: `.venv/bin/python -m bench.controller.envaudit --dists {args.dists} --record-lines "
           f"{args.record_lines} --repeat {args.repeat}` (medians of {args.repeat} audits).\n")
     print(f"Date: {time.strftime('%a %b %d %H:%M UTC %Y', time.gmtime())}. Hardware: {os.cpu_count()} CPU(s), "
           f"{platform.platform()}, Python {platform.python_version()}; load average "
           f"{os.getloadavg()[0]:.1f}. Environment built in {built:.1f} s: {len(snapshot.dists)} distributions "
           f"(torch's RECORD: {torch.files} lines), {len(snapshot.modules)} modules looked up, "
           f"{sum(d.files or 0 for d in snapshot.dists)} RECORD files checked; {len(findings)} finding(s).\n")
-    print("| measurement | median |\n| --- | --- |")
-    print(f"| collector on the host (RECORDs, find_spec, torch, ldconfig) | {statistics.median(collector) * 1000:.0f} ms |")
-    print(f"| parse + every rule on the controller | {statistics.median(rules) * 1000:.0f} ms |")
-    print(f"| audit time (the two) | {audit_s * 1000:.0f} ms (target < {TARGET_S * 1000:.0f} ms: {verdict}) |")
-    print(f"| round trip (python start-up and transport included) | {statistics.median(round_trip) * 1000:.0f} ms |")
+    print_markdown([
+        ("collector on the host (RECORDs, find_spec, torch, ldconfig)", f"{statistics.median(collector) * 1000:.0f} ms"),
+        ("parse + every rule on the controller", f"{statistics.median(rules) * 1000:.0f} ms"),
+        ("audit time (the two)", f"{audit_s * 1000:.0f} ms (target < {TARGET_S * 1000:.0f} ms: {verdict})"),
+        ("round trip (python start-up and transport included)", f"{statistics.median(round_trip) * 1000:.0f} ms"),
+    ])
     return 0 if verdict == "ok" else 1
 
 

@@ -6,9 +6,9 @@ every few minutes at full speed, and a 50-step drill never sees it. This runs
 the process ends before that, its first error line is recorded and it is started again
 with ``--resume auto`` (from its last checkpoint). At the end it is stopped with SIGTERM.
 
-    python bench/bench_soak.py --preset small --drafters 2 --buckets 1024 --minutes 8
-    python bench/bench_soak.py --preset qwen3-0.6b --drafters 3 --buckets 512,1024 --minutes 8
-    python bench/bench_soak.py ... --repo /path/to/other/checkout   # another version of the trainer
+    python -m bench.trainer.soak --preset small --drafters 2 --buckets 1024 --minutes 8
+    python -m bench.trainer.soak --preset qwen3-0.6b --drafters 3 --buckets 512,1024 --minutes 8
+    python -m bench.trainer.soak ... --repo /path/to/other/checkout   # another version of the trainer
 
 Prints a JSON line per process (steps it ran, how it ended, its first error line, the
 recompiles it counted after the warm-up) and a summary: steps in all, failures, failures
@@ -28,8 +28,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_trainer import REPO, VOCAB  # noqa: E402
+from bench.common import REPO, write_shard
 
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit|Hit|Interrupt))(?::\s?(.*))?$")
 
@@ -43,24 +42,6 @@ def config(args) -> dict:
         "placement": {"device": args.device, "target": [0], "drafter": [0] * args.drafters, "queue_depth": 4},
         "compile": {"enabled": "on" if args.device == "cuda" else "off", "cache_dir": args.cache_dir},
     }
-
-
-def write_shard(directory: str, cfg: dict, samples: int) -> str:
-    """Random token ids with lengths spread over every bucket (each bucket gets batches)."""
-    import random
-
-    buckets = sorted(cfg["data"]["buckets"])
-    vocab = VOCAB.get(cfg["model"]["preset"], 151936) - 1  # the last id is the drafter's MASK
-    rng = random.Random(0)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "soak.jsonl"), "w") as f:
-        for i in range(samples):
-            hi = buckets[i % len(buckets)]
-            lo = buckets[i % len(buckets) - 1] + 1 if i % len(buckets) else min(hi, 160)
-            n = rng.randint(lo, hi)
-            f.write(json.dumps({"input_ids": [rng.randrange(1, vocab) for _ in range(n)],
-                                "loss_mask": [0] * 64 + [1] * (n - 64)}) + "\n")
-    return directory
 
 
 def first_error(log_path: str) -> str | None:
@@ -148,7 +129,8 @@ def main(argv=None) -> int:
     os.makedirs(args.work_dir, exist_ok=True)
     args.cache_dir = os.path.join(args.work_dir, "compile-cache")
     cfg = config(args)
-    cfg["data"]["shards"] = write_shard(os.path.join(args.work_dir, "shards"), cfg, samples=args.samples)
+    cfg["data"]["shards"] = write_shard(os.path.join(args.work_dir, "shards"), cfg, samples=args.samples, spread=True,
+                                        name="soak.jsonl")
     cfg_path = os.path.join(args.work_dir, "config.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)

@@ -1,9 +1,9 @@
 """The status console's costs: one refresh over a large store, and the CLI's start-up.
 
-    .venv/bin/python bench/bench_status.py            # everything
-    .venv/bin/python bench/bench_status.py --refresh  # only the refresh
-    .venv/bin/python bench/bench_status.py --startup  # only the CLI start-up
-    .venv/bin/python bench/bench_status.py --paint    # only the live screen's first paint and idle CPU
+    .venv/bin/python -m bench.controller.status            # everything
+    .venv/bin/python -m bench.controller.status --refresh  # only the refresh
+    .venv/bin/python -m bench.controller.status --startup  # only the CLI start-up
+    .venv/bin/python -m bench.controller.status --paint    # only the live screen's first paint and idle CPU
 
 Refresh: a store with 8 hosts x 8 GPUs (one active run per host, every sample with
 its 8 GPU readings) and 50 runs of recorded history (8 active + 42 finished, 2000
@@ -35,11 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from dflashctl.store import Store  # noqa: E402
-from tests.test_tui_scenes import gpus, playbook, run_config  # noqa: E402
+from bench.common import proc_cpu_s
+from dflashctl.store import Store
+from tests.test_tui_scenes import gpus, playbook, run_config
 
 NOW = time.time()
 HOSTS, GPUS, RUNS, SAMPLES = 8, 8, 50, 2000
@@ -184,13 +182,6 @@ def bench_startup(store_path: str, repeat: int = 7) -> None:
     print(f"  (python -c pass      {_ms(min(base))} best: the interpreter alone)")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of the process so far (/proc/PID/stat, fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _first_paint(env: dict, needle: bytes, timeout: float = 60.0, interval: str = "600",
                  idle_s: float = 0.0) -> tuple[float, float | None]:
     """Seconds from starting ``dflashctl status`` in a pseudo-terminal (120x40) until
@@ -217,11 +208,11 @@ def _first_paint(env: dict, needle: bytes, timeout: float = 60.0, interval: str 
             while time.perf_counter() < settle:
                 if select.select([leader], [], [], 0.1)[0]:
                     os.read(leader, 65536)
-            cpu0, wall0 = cpu_seconds(proc.pid), time.perf_counter()
+            cpu0, wall0 = proc_cpu_s(proc.pid), time.perf_counter()
             while time.perf_counter() - wall0 < idle_s:  # read what it draws: a full terminal would block it
                 if select.select([leader], [], [], 0.1)[0]:
                     os.read(leader, 65536)
-            idle = (cpu_seconds(proc.pid) - cpu0) / (time.perf_counter() - wall0)
+            idle = (proc_cpu_s(proc.pid) - cpu0) / (time.perf_counter() - wall0)
         os.write(leader, b"q")
         deadline = time.monotonic() + 20
         while proc.poll() is None and time.monotonic() < deadline:  # read on: a full terminal blocks the app

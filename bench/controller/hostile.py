@@ -1,6 +1,6 @@
 """What hostile run files cost the supervisor: time per tick and memory.
 
-    .venv/bin/python bench/bench_hostile.py [--ticks 20]
+    .venv/bin/python -m bench.controller.hostile [--ticks 20]
 
 Each scenario appends to a real run directory's metrics.jsonl before every tick,
 then does what one supervisor tick does for that run: the real host-side probe
@@ -14,7 +14,7 @@ runs it), ``parse_probe_host``, ``read_metrics_chunk`` and ``supervisor_core.ste
 Prints per scenario: median and max tick time, the peak RSS growth of this
 process (VmHWM) over the scenario, and the read position at the end against the
 file size (it must always move on). A 150 MB alert hook output is measured by
-bench/bench_alerts.py.
+bench.controller.alerts.
 """
 
 from __future__ import annotations
@@ -29,23 +29,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from dflashctl.config import Alerts, Expect, RestartPolicy  # noqa: E402
-from dflashctl.core import contract  # noqa: E402
-from dflashctl.hosts.parsers import read_metrics_chunk  # noqa: E402
-from dflashctl.hosts.probe import ProbeArgs, parse_probe_host, probe_command  # noqa: E402
-from dflashctl.store import Run  # noqa: E402
-from dflashctl.supervise import supervisor_core as core  # noqa: E402
-
-
-def vm_hwm_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
+from bench.common import vm_hwm_kib
+from dflashctl.config import Alerts, Expect, RestartPolicy
+from dflashctl.core import contract
+from dflashctl.hosts.parsers import read_metrics_chunk
+from dflashctl.hosts.probe import ProbeArgs, parse_probe_host, probe_command
+from dflashctl.store import Run
+from dflashctl.supervise import supervisor_core as core
 
 
 def good_line(step: int) -> str:

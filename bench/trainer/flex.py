@@ -4,9 +4,9 @@ warps, pipeline stages), against inductor's autotuning (``max-autotune``) and ag
 flash-attention 4's CuTe kernels (``flash``: ``BACKEND="FLASH"``, where the flash-attn-4
 package is installed).
 
-    python bench/bench_flex.py --device cuda                  # reference size: B=16, 2048 context, 512 anchors
-    python bench/bench_flex.py --device cuda --variants default,bwd-64-128
-    python bench/bench_flex.py --device cuda --variants default --window 512 --semantics bidirectional   # a sliding layer
+    python -m bench.trainer.flex --device cuda                  # reference size: B=16, 2048 context, 512 anchors
+    python -m bench.trainer.flex --device cuda --variants default,bwd-64-128
+    python -m bench.trainer.flex --device cuda --variants default --window 512 --semantics bidirectional   # a sliding layer
 
 Prints one JSON line per variant: forward and forward+backward milliseconds
 (``triton.testing.do_bench`` median; the compile, and any autotuning, is not timed)
@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_masks import reference_anchors  # noqa: E402
-from trainer.masks import build_block_mask  # noqa: E402
+from bench.common import reference_anchors
+from trainer.masks import build_block_mask
 
 VARIANTS = {
     "default": ({}, "default"),

@@ -1,6 +1,6 @@
 """Where a profiled window's GPU time goes, from the trainer's chrome trace.
 
-    python3 bench/bench_timeline.py RUN_DIR/profile.json --steps 3 [--gaps 15]
+    python -m bench.trainer.timeline RUN_DIR/profile.json --steps 3 [--gaps 15]
 
 Reads the GPU kernels, copies and memsets of a ``train.profile_steps`` trace (every
 stream of every device) and prints, per step of the window:

@@ -1,8 +1,8 @@
 """Regeneration throughput, and eval's speed-up on a drafter whose data its target wrote.
 
-    python bench/bench_regenerate.py --device cuda --preset qwen3-0.6b                  # part 1: tokens/s
-    python bench/bench_regenerate.py --device cuda --preset qwen3-0.6b --e2e --steps 2000
-    python bench/bench_regenerate.py                                                     # CPU, tiny preset
+    python -m bench.trainer.regenerate --device cuda --preset qwen3-0.6b                  # part 1: tokens/s
+    python -m bench.trainer.regenerate --device cuda --preset qwen3-0.6b --e2e --steps 2000
+    python -m bench.trainer.regenerate                                                     # CPU, tiny preset
 
 Part 1 (always): the target of ``--preset`` (random, seeded weights: no download)
 writes ``--new-tokens`` tokens for each of ``--prompts`` random prompts of
@@ -27,16 +27,14 @@ import argparse
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer.config import ModelConfig  # noqa: E402
-from trainer.data.regenerate import decode_batch  # noqa: E402
-from trainer.target import build_target, default_dtype  # noqa: E402
+from trainer.config import ModelConfig
+from trainer.data.regenerate import decode_batch
+from trainer.target import build_target, default_dtype
 
 
 def throughput(args) -> None:

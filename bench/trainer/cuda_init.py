@@ -2,7 +2,7 @@
 of what a trainer start needs (dynamo, inductor, flex_attention, transformers, the
 trainer's modules: ``trainer.imports.MODULES``), shorten the start?
 
-    python bench/bench_cuda_init.py --repeat 4
+    python -m bench.trainer.cuda_init --repeat 4
 
 Each start is a fresh interpreter with one bytecode cache (``-X pycache_prefix``, its
 first start writes it and is not counted). ``serial``: import torch, the rest, then the
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.common import REPO
 
 CHILD = r"""
 import json, sys, threading, time

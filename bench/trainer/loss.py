@@ -4,8 +4,8 @@ each chunk's softmax and gradient compiled (``--compiled``, as the trainer runs 
 a GPU), against the activation-checkpointed form (forward, forward again in the
 backward, backward: three projections).
 
-    python bench/bench_loss.py                                  # CPU, small vocabulary
-    python bench/bench_loss.py --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 --vocab 151936 --compiled
+    python -m bench.trainer.loss                                  # CPU, small vocabulary
+    python -m bench.trainer.loss --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 --vocab 151936 --compiled
 
 Prints one JSON line: seconds per forward+backward of each (best of --repeat; the
 compiled form's first call, its compile, is not timed), the projections' TFLOP/s
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -25,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer.loss import dflash_loss, resolve_kernel  # noqa: E402
+from trainer.loss import dflash_loss, resolve_kernel
 
 
 def checkpointed_loss(hidden_XH, weight_VH, labels_X, weight_X, chunk):

@@ -1,6 +1,6 @@
 """Supervisor benchmark on loopback sshd hosts (tests/harness), real tmux and SQLite.
 
-    .venv/bin/python bench/bench_supervisor.py [--hosts 16] [--ticks 20] [--trials 20] [--interval 1.0]
+    .venv/bin/python -m bench.controller.supervisor [--hosts 16] [--ticks 20] [--trials 20] [--interval 1.0]
 
 1. Per-tick cost: one supervisor tick (probe every host in one round trip each,
    concurrently, parse, store, detect, decide) for 1 host and for N hosts, each
@@ -28,15 +28,11 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench_transport import cpu_model, cpu_ms  # noqa: E402  (this directory is on sys.path)
+from bench.common import cpu_model, cpu_ms, print_markdown, ssh_hosts, supervising
 
 SOCKET = f"dflash-bench-{os.getpid()}"
 
@@ -113,12 +109,9 @@ def detection_latency(env, store, playbook: str, host: str, trials: int, interva
     run_dir = store.get_run(run_id).run_dir
     sup = Supervisor(store, env.inventory, interval=interval)
     sup.attach(run_id)
-    stop = threading.Event()
-    loop = threading.Thread(target=sup.run, args=(stop,), name="bench-supervisor", daemon=True)
-    loop.start()
     rng = random.Random(1)
     latencies = []
-    try:
+    with supervising(sup, name="bench-supervisor"):
         for trial in range(trials):
             # Wait for the (re)started process to be running and seen training.
             deadline = time.monotonic() + 120
@@ -141,9 +134,6 @@ def detection_latency(env, store, playbook: str, host: str, trials: int, interva
                 time.sleep(0.01)
             latencies.append(store.events(run_id, kind="crash")[-1].time - killed)
             print(f"  trial {trial + 1:2d}: crash recorded {latencies[-1]:.3f} s after SIGKILL", flush=True)
-    finally:
-        stop.set()
-        loop.join(60)
     rows = store.restarts(run_id)
     return {"latency": latencies, "restarts": len(rows),
             "detect_delay_s": [r.detect_delay_s for r in rows if r.detect_delay_s is not None],
@@ -176,9 +166,8 @@ def main() -> int:
         os.environ["DFLASHCTL_HOME"] = os.path.join(root, "home")
         os.environ["DFLASHCTL_TMUX_SOCKET"] = SOCKET
         from dflashctl.store import Store
-        from tests.harness import SshEnv
 
-        with SshEnv(os.path.join(root, "ssh")) as env:
+        with ssh_hosts(os.path.join(root, "ssh")) as env:
             nodes = env.add_hosts(args.hosts, jump="jump")
             store = Store(os.path.join(root, "runs.db"))
             playbooks = Path(root, "playbooks")
@@ -212,20 +201,21 @@ def main() -> int:
     print("--- for bench/RESULTS.md ---")
     print(f"Date: {time.strftime('%a %b %d %H:%M %Z %Y')}. Hardware: `nproc` {os.cpu_count()}, `lscpu` model "
           f"\"{cpu_model()}\", Python {platform.python_version()}.")
-    print("| measurement | figure |")
-    print("| --- | --- |")
-    print(f"| tick, 1 host via jump | {one['tick_s'] * 1000:.0f} ms median ({one['tick_max_s'] * 1000:.0f} max) |")
-    print(f"| tick, {args.hosts} hosts via jump | {many['tick_s'] * 1000:.0f} ms median ({many['tick_max_s'] * 1000:.0f} max); "
-          f"{ratio:.2f}x (target < 2x: {'ok' if ratio < 2 else 'MISSED'}) |")
-    print(f"| CPU per tick, this process: 1 / {args.hosts} hosts | {one['cpu_s'] * 1000:.0f} ms / {many['cpu_s'] * 1000:.0f} ms |")
-    print(f"| CPU per tick, host side (sshd + probe): 1 / {args.hosts} hosts | {one['host_cpu_s'] * 1000:.0f} ms / "
-          f"{many['host_cpu_s'] * 1000:.0f} ms (floor on {os.cpu_count()} cores: {floor * 1000:.0f} ms) |")
-    print(f"| {args.hosts} hosts polled one after another (estimate: {args.hosts} x the 1-host tick) | "
-          f"{args.hosts * one['tick_s'] * 1000:.0f} ms |")
-    print(f"| crash detection latency, SIGKILL -> crash stored ({len(lat)} trials, interval {args.interval:g} s) | "
-          f"median {statistics.median(lat):.3f} s, max {max(lat):.3f} s |")
-    print(f"| restart issued -> first step of the restarted (trainer-like) process | median "
-          f"{statistics.median(det['ttfs']):.2f} s |")
+    print_markdown([
+        ("tick, 1 host via jump", f"{one['tick_s'] * 1000:.0f} ms median ({one['tick_max_s'] * 1000:.0f} max)"),
+        (f"tick, {args.hosts} hosts via jump", f"{many['tick_s'] * 1000:.0f} ms median ({many['tick_max_s'] * 1000:.0f} "
+         f"max); {ratio:.2f}x (target < 2x: {'ok' if ratio < 2 else 'MISSED'})"),
+        (f"CPU per tick, this process: 1 / {args.hosts} hosts", f"{one['cpu_s'] * 1000:.0f} ms / "
+         f"{many['cpu_s'] * 1000:.0f} ms"),
+        (f"CPU per tick, host side (sshd + probe): 1 / {args.hosts} hosts", f"{one['host_cpu_s'] * 1000:.0f} ms / "
+         f"{many['host_cpu_s'] * 1000:.0f} ms (floor on {os.cpu_count()} cores: {floor * 1000:.0f} ms)"),
+        (f"{args.hosts} hosts polled one after another (estimate: {args.hosts} x the 1-host tick)",
+         f"{args.hosts * one['tick_s'] * 1000:.0f} ms"),
+        (f"crash detection latency, SIGKILL -> crash stored ({len(lat)} trials, interval {args.interval:g} s)",
+         f"median {statistics.median(lat):.3f} s, max {max(lat):.3f} s"),
+        ("restart issued -> first step of the restarted (trainer-like) process",
+         f"median {statistics.median(det['ttfs']):.2f} s"),
+    ], "figure")
     return 0 if ratio < 2 else 1
 
 

@@ -2,8 +2,8 @@
 201x60) and a run's detail view, of the healthy scene of tests/test_tui_scenes.py
 (an 8-GPU host with its CPU and memory line, a CPU demo run, a finished run).
 
-    .venv/bin/python bench/screenshots.py                  # writes docs/screenshots/*.png
-    .venv/bin/python bench/screenshots.py --out /tmp/shots --keep-svg
+    .venv/bin/python -m bench.controller.screenshots                  # writes docs/screenshots/*.png
+    .venv/bin/python -m bench.controller.screenshots --out /tmp/shots --keep-svg
 
 Each screen is Textual's own SVG export of the real console (``App.export_screenshot``
 in a headless run), converted to PNG by ``rsvg-convert`` (Debian: ``apt-get install
@@ -22,15 +22,12 @@ import asyncio
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tests.test_tui_hostline import add_host_readings  # noqa: E402
-from tests.test_tui_scenes import NOW, PROD, build, utc  # noqa: E402
+from bench.common import REPO
+from tests.test_tui_hostline import add_host_readings
+from tests.test_tui_scenes import NOW, PROD, build, utc
 
 LAYOUTS = [(80, 24), (120, 40), (201, 60)]
 DETAIL_SIZE = (120, 40)
@@ -107,7 +104,7 @@ def to_png(svg: Path, png: Path, zoom: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(REPO / "docs" / "screenshots"), help="where the PNGs go")
+    parser.add_argument("--out", default=os.path.join(REPO, "docs", "screenshots"), help="where the PNGs go")
     parser.add_argument("--font", default=None, help="monospace font family for the SVG (default: fc-match's)")
     parser.add_argument("--max-kb", type=int, default=300, help="largest PNG; larger is drawn again smaller")
     parser.add_argument("--keep-svg", action="store_true", help="keep the SVG beside each PNG")

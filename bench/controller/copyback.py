@@ -1,7 +1,7 @@
 """The supervisor's memory during a compile-artifact copy-back from a hostile host.
 
-    .venv/bin/python bench/bench_copyback.py              # 1.5 GiB behind a 1,000-byte manifest
-    .venv/bin/python bench/bench_copyback.py --gib 4
+    .venv/bin/python -m bench.controller.copyback              # 1.5 GiB behind a 1,000-byte manifest
+    .venv/bin/python -m bench.controller.copyback --gib 4
 
 A run host (a ``transport: local`` inventory entry with its own work directory)
 holds a manifest claiming 1,000 bytes and a sparse artifact file of ``--gib`` GiB
@@ -25,13 +25,11 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from dflashctl.config import load_inventory  # noqa: E402
-from dflashctl.hosts.transport import connect  # noqa: E402
-from dflashctl.runs import compile_cache as cc  # noqa: E402
-from trainer import compile_cache as trainer_cache  # noqa: E402
-from trainer import config as trainer_config  # noqa: E402
+from bench.common import local_inventory
+from dflashctl.hosts.transport import connect
+from dflashctl.runs import compile_cache as cc
+from trainer import compile_cache as trainer_cache
+from trainer import config as trainer_config
 
 TRAINER = {"model": {"preset": "tiny"}, "data": {"buckets": [256], "batch_size": 1, "max_anchors": 16},
            "placement": {"device": "cpu", "target": [0], "drafter": [0]}}
@@ -46,10 +44,8 @@ def main() -> int:
     p.add_argument("--gib", type=float, default=1.5, help="GiB the host sends behind its 1,000-byte manifest")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-copyback-") as tmp:
-        inv = os.path.join(tmp, "inventory.yaml")
-        with open(inv, "w") as f:
-            f.write(f"hosts:\n  gpu1:\n    transport: local\n    workdir: {tmp}/gpu1\n")
-        transport = connect("gpu1", load_inventory(inv))
+        inventory = local_inventory(os.path.join(tmp, "inventory.yaml"), {"gpu1": os.path.join(tmp, "gpu1")})
+        transport = connect("gpu1", inventory)
         trainer = trainer_config.from_dict(TRAINER).to_dict()
         fields = {"torch": "2.13.0", "triton": "3.5", "cuda": "12.8", "gpu": "cpu", "python": "3.11.0",
                   "bundle": "b" * 64, "config": cc.config_digest(trainer)}

@@ -1,8 +1,8 @@
 """Speculative decoding speed: trainer.speculative's block drafting and verification
 against plain greedy decoding of the same target, on the same hardware.
 
-    python bench/bench_eval.py                                  # CPU, tiny preset
-    python bench/bench_eval.py --device cuda --preset qwen3-0.6b --block-size 16 --drafter-layers 5
+    python -m bench.trainer.eval                                  # CPU, tiny preset
+    python -m bench.trainer.eval --device cuda --preset qwen3-0.6b --block-size 16 --drafter-layers 5
 
 The target is a preset with random weights (no download). A random target's
 continuation is something no drafter has learned, so besides the ``measured`` row
@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer import speculative  # noqa: E402
-from trainer.config import ModelConfig  # noqa: E402
-from trainer.model import Drafter  # noqa: E402
-from trainer.target import build_target  # noqa: E402
+from trainer import speculative
+from trainer.config import ModelConfig
+from trainer.model import Drafter
+from trainer.target import build_target
 
 
 @contextlib.contextmanager
