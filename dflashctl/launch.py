@@ -55,23 +55,14 @@ from dflashctl.hosts import deploy
 from dflashctl.hosts.bundle import Bundle, build_bundle
 from dflashctl.hosts.facts import gpu_count_problem
 from dflashctl.hosts.tmux import Tmux, socket_name
+from dflashctl.runs.access import LaunchError, Progress, host_transport, local_host, quiet
+from dflashctl.runs.files import RUN_SCRIPT, new_rendezvous_key, part_config, run_environment, run_files, start_command
 from dflashctl.runs.recorded import thresholds_of
 from dflashctl.runs.runhost import (
-    RUN_SCRIPT,
     START_TIMEOUT,
-    LaunchError,
-    Progress,
-    host_transport,
-    local_host,
-    new_rendezvous_key,
-    part_config,
     port_check_argv,
     port_in_use_error,
-    quiet,
     rendezvous_port_problem,
-    run_environment,
-    run_files,
-    start_command,
     wait_started,
 )
 from dflashctl.store import Run, Store, new_run_id

@@ -29,7 +29,7 @@ def advise_command(
     from dflashctl.config import load_inventory
     from dflashctl.core.errors import ConfigError
     from dflashctl.core.paths import store_path
-    from dflashctl.runs.runhost import metrics_tail
+    from dflashctl.runs.logs import metrics_tail
     from dflashctl.store import Store
     from dflashctl.supervise.placement import PlacementError, advise
 

@@ -189,7 +189,7 @@ def logs_command(
 
     Control characters in it (ANSI colours, carriage returns) are shown as escapes
     (\\x1b), never sent to the terminal as they are."""
-    from dflashctl.runs.runhost import logs
+    from dflashctl.runs.logs import logs
 
     try:
         for chunk in logs(run, _store(), _inventory(), follow=follow, n=n, host=host):
@@ -223,7 +223,7 @@ def eval_command(
 
     Example: dflashctl eval demo-20261130-203528-9854 --prompts 4 --timeout 2m --threads 1"""
     from dflashctl.config import EvalSettings
-    from dflashctl.runs.runhost import eval_run
+    from dflashctl.runs.evaluate import eval_run
     from dflashctl.supervise.supervisor import policy_for_run
 
     store, inventory = _store(), _inventory()

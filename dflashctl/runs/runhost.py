@@ -1,46 +1,28 @@
-"""What happens to a run on its host: start, signal, stop, restart, reap, logs.
+"""What happens to a run on its hosts: start, signal, stop, restart, reap.
 
-A run on its host is a directory (``<workdir>/runs/<run_id>/``: config.json,
-run.sh, status.json, metrics.jsonl, trainer.log, exit_code) and a tmux session
-named after the run running ``run.sh``. This module writes the run files, starts
-the session, waits for the trainer's first status, signals the trainer, stops it,
-restarts it in place, reaps a trainer that outlived its session, and reads its
-log. ``dflashctl.launch`` (the first start) and ``dflashctl.supervise.supervisor`` (restarts)
-both use it.
+This module waits for the trainer's first status, signals the trainer, stops it,
+restarts it in place, and reaps a trainer that outlived its session.
+``dflashctl.launch`` (the first start) and ``dflashctl.supervise.supervisor``
+(restarts) both use it. A restart runs the run's same run.sh again in its run
+directory (``files``), or wakes its standby when one is ready on every host
+(``standby``).
 
-``run.sh`` is the whole process contract on the host: it exports the environment
-(PYTHONPATH = the bundle, TORCHINDUCTOR_CACHE_DIR = the persistent compile cache,
-UTF-8 locale, unbuffered output, CUDA_VISIBLE_DEVICES when the run owns GPUs, the
-host's and the playbook's env), removes the previous process's status.json and
-exit_code, runs ``python -m trainer --config config.json --run-dir DIR --resume
-auto`` with its output appended to trainer.log, and writes the exit status to
-``exit_code`` when the trainer ends, whatever way it ends. A restart runs the
-same script again in the same run directory: the trainer resumes from its last
-checkpoint and the compile cache is still warm.
-
-``standby.sh`` is run.sh for the next process, started early (``start_standby``,
-session ``<session>-standby``): its trainer imports and waits (trainer/standby.py).
-A restart that finds it ready on every host renames its session to the run's and
-wakes it, instead of starting run.sh; it clears nothing when it starts and writes
-an exit code only once its trainer has taken over.
+Its siblings hold the rest of a run's life on its hosts: ``files`` (config.json,
+run.sh), ``access`` (transport, tmux, probe), ``standby``, ``logs`` (trainer.log,
+metrics.jsonl) and ``evaluate``. Their entry points are importable from here too
+(``__all__``): one import reaches all that can happen to a run on its hosts.
 
 A multi-host run (``Run.hosts``) is a run directory and session per host
-(``Run.parts``: rank 0's session is the run id, rank q's ``<run id>-r<q>``); each
-host's run.sh exports that host's python and environment and the rendezvous
-(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Stop, restart and logs act on every
-host; a restart ends every old process before it starts any new one.
-
-When the run owns GPUs, CUDA_VISIBLE_DEVICES is set to exactly those (physical
-indices, as nvidia-smi numbers them) and the placement written to config.json is
-renumbered to match, so the trainer cannot touch (or create a stray CUDA context
-on) another run's GPU. The store records the physical indices (``config["gpus"]``).
+(``Run.parts``: rank 0's session is the run id, rank q's ``<run id>-r<q>``). Stop
+and restart act on every host; a restart ends every old process before it starts
+any new one, and rank 0's rendezvous port must be free before it starts.
 
 The trainer is only ever signalled by the pid in its status.json, and only while
 that pid's command line names this run's directory (pids are reused).
 
-This module never decides anything (whether to restart is the policy's, through
-the supervisor) and never imports ``dflashctl.launch``, ``dflashctl.supervise.supervisor``
-or ``dflashctl.supervise.console``: they import it.
+This module and its siblings never decide anything (whether to restart is the
+policy's, through the supervisor) and never import ``dflashctl.launch``,
+``dflashctl.supervise.supervisor`` or ``dflashctl.supervise.console``: they import them.
 """
 
 from __future__ import annotations
@@ -51,181 +33,123 @@ import shlex
 import sqlite3
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 from dflashctl.core import contract
-from dflashctl.core.errors import DflashError, StoreError, TransportError, first_line
+from dflashctl.core.errors import DflashError, StoreError, first_line
 from dflashctl.core.logtext import RESTART_MARKER
 from dflashctl.core.states import DONE, FAILED, FINAL_STATES, RESTARTING, RUNNING, STOPPED, TRANSITIONS
 from dflashctl.hosts import deploy
 from dflashctl.hosts.bundle import build_bundle
 from dflashctl.hosts.tmux import Tmux, TmuxError, socket_name
+from dflashctl.runs.access import (
+    POLL_SECONDS,
+    LaunchError,
+    Progress,
+    _ended,
+    _on_hosts,
+    _started,
+    host_transport,
+    local_host,
+    part_tmux,
+    probe_run,
+    quiet,
+)
+from dflashctl.runs.evaluate import eval_run, eval_session
+from dflashctl.runs.files import (
+    RUN_SCRIPT,
+    STANDBY_SCRIPT,
+    new_rendezvous_key,
+    part_config,
+    render_run_script,
+    renumber_placement,
+    run_environment,
+    run_files,
+    start_command,
+)
+from dflashctl.runs.logs import log_before, logs, metrics_tail
+from dflashctl.runs.standby import (
+    _STANDBY_GO,
+    _hold_standby,
+    _ready_standby,
+    _release_standby,
+    end_standby,
+    standby_session,
+    start_standby,
+)
 from dflashctl.store import Run, Store
 
 if TYPE_CHECKING:
-    from dflashctl.config import EvalSettings, Host, Inventory
+    from dflashctl.config import Inventory
     from dflashctl.hosts.probe import ProbeResult
     from dflashctl.hosts.transport import Transport
 
-RUN_SCRIPT = "run.sh"
-STANDBY_SCRIPT = "standby.sh"
+__all__ = [
+    # this module: start, signal and reap, stop, restart
+    "START_TIMEOUT", "STOP_TIMEOUT", "final_state_for", "port_check_argv", "rendezvous_port_problem",
+    "port_in_use_error", "wait_started", "signal_trainer_argv", "reap_trainer_argv", "stop_supervisor", "stop",
+    "RestartResult", "restart_run", "artifact_inputs", "restart",
+    # access: reaching a run's hosts
+    "LaunchError", "Progress", "quiet", "host_transport", "local_host", "probe_run", "part_tmux",
+    # files: a run's files on its host
+    "RUN_SCRIPT", "STANDBY_SCRIPT", "new_rendezvous_key", "part_config", "render_run_script",
+    "renumber_placement", "run_environment", "run_files", "start_command",
+    # standby, logs, evaluate
+    "standby_session", "start_standby", "end_standby", "log_before", "logs", "metrics_tail", "eval_run",
+    "eval_session",
+]
+
 START_TIMEOUT = 120.0  # launch and restart wait this long (at most) for the trainer's first status
 STOP_TIMEOUT = 120.0  # a graceful stop waits this long for the checkpoint before killing
-POLL_SECONDS = 1.0
-
-Progress = Callable[[str, str], None]
 
 
-def quiet(step: str, message: str) -> None:
-    """The default ``Progress``: says nothing."""
+# --------------------------------------------------------------------------- start
 
 
-class LaunchError(DflashError):
-    """The run could not be started (nothing was left running)."""
+def wait_started(store: Store, run: Run, transport: "Transport", timeout: float,
+                 clock: Callable[[], float] = time.time, progress: Progress | None = None) -> str:
+    """Wait until status.json shows the trainer started (-> ``running``), or it ended
+    (-> ``failed`` / ``done`` / ``stopped``), at most ``timeout`` seconds. Still
+    nothing: the run stays in its state and the supervisor takes over."""
+    say = progress or quiet
+    deadline = time.monotonic() + timeout
+    while True:
+        probe = probe_run(transport, run)
+        if _started(probe) and probe.exit_code is None:
+            store.transition(run.id, RUNNING, f"trainer started (pid {probe.status.pid}, phase {probe.status.phase})",
+                             clock(), detail={"pid": probe.status.pid, "phase": probe.status.phase})
+            say("wait", f"trainer running (phase {probe.status.phase}, pid {probe.status.pid})")
+            return RUNNING
+        if _ended(probe):
+            return _record_end(store, run, probe, clock, say, "the trainer ended during start-up")
+        if time.monotonic() >= deadline:
+            store.add_event(run.id, "startup", f"no trainer status after {timeout:g}s; still waiting",
+                            clock(), severity="warning")
+            say("wait", f"no status after {timeout:g}s; the supervisor will keep watching")
+            return store.get_run(run.id).state
+        time.sleep(POLL_SECONDS)
 
 
-# --------------------------------------------------------------------------- run files
+def _record_end(store: Store, run: Run, probe: "ProbeResult", clock, say, why: str) -> str:
+    code = probe.exit_code
+    state = final_state_for(code)
+    tail = (probe.log_tail or probe.pane_tail or "").strip().splitlines()[-15:]
+    reason = contract.describe_exit(code) if code is not None else "tmux session gone without an exit code"
+    store.transition(run.id, state, f"{why}: {reason}", clock(), detail={"log_tail": tail},
+                     exit_code=code, exit_reason=reason)
+    say("wait", f"{why}: {reason}" + ("\n  " + "\n  ".join(tail) if tail and state == FAILED else ""))
+    return state
 
 
-def renumber_placement(trainer: dict[str, Any], gpus: list[int]) -> dict[str, Any]:
-    """The trainer config as seen under CUDA_VISIBLE_DEVICES=gpus (indices become positions)."""
-    out = copy.deepcopy(trainer)
-    position = {g: i for i, g in enumerate(gpus)}
-    for role in ("target", "drafter"):
-        out["placement"][role] = [position[int(g)] for g in out["placement"][role]]
-    return out
+def final_state_for(exit_code: int | None) -> str:
+    if exit_code == contract.EXIT_DONE:
+        return DONE
+    if exit_code == contract.EXIT_STOPPED:
+        return STOPPED
+    return FAILED
 
 
-def _remote_path_expr(path: str) -> str:
-    """A shell word for a host path: '~/x' expands to the host's $HOME, the rest is literal."""
-    if path == "~":
-        return '"$HOME"'
-    if path.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(path[2:])
-    return shlex.quote(path)
-
-
-def run_environment(host: "Host", playbook_env: dict[str, str], bundle_dir: str,
-                    gpus: list[int]) -> dict[str, str]:
-    """The trainer's environment besides the compile cache (host env, then playbook env, win)."""
-    env = {"LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
-    env.update(host.env or {})
-    env.update(playbook_env or {})
-    extra_path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = bundle_dir + (f":{extra_path}" if extra_path else "")
-    if gpus and "CUDA_VISIBLE_DEVICES" not in (playbook_env or {}):
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-    return env
-
-
-def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str],
-                      compile_cache: str | None, session: str, socket: str, rank: int = 0,
-                      standby: str | None = None) -> str:
-    """run.sh: see the module docstring. ``standby``: standby.sh instead, the trainer
-    started with ``--standby TOKEN``, which clears nothing before it takes over and
-    whose exit code is written only once it has (trainer/standby.py)."""
-    lines = [
-        "#!/bin/sh",
-        _comment(f"dflashctl run {run_id}: runs in tmux session {session} (tmux -L {socket})."),
-        "# Rewritten on every (re)start by dflashctl; edits here are lost.",
-        f"cd {shlex.quote(run_dir)} || exit 1",
-    ]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    if compile_cache:
-        # Persistent and never cleared: a restart must find the compiled kernels.
-        lines += [f"export TORCHINDUCTOR_CACHE_DIR={_remote_path_expr(compile_cache)}",
-                  'mkdir -p "$TORCHINDUCTOR_CACHE_DIR"']
-    trainer = shlex.join([*shlex.split(python), "-m", "trainer", "--config", contract.CONFIG_FILE,
-                          "--run-dir", run_dir, "--resume", "auto", *(["--standby", standby] if standby else [])])
-    ec, tmp = contract.EXIT_CODE_FILE, contract.EXIT_CODE_FILE + ".tmp"
-    lines += [
-        # The previous process's answers must not be read as this one's (a standby's
-        # are cleared by the restart that wakes it).
-        *([] if standby else [f"rm -f {ec} {contract.status_file(rank)}"]),
-        "{",
-        # Caught here (so the exit code is still written), reset to default for the
-        # trainer, which handles SIGINT/SIGTERM itself (checkpoint, exit 4).
-        "  trap : INT TERM HUP",
-        f"  {trainer} 2>&1",
-        f"  echo $? > {tmp} && mv -f {tmp} {ec}" if not standby else
-        f"  code=$?; [ -f {shlex.quote(contract.standby_went(standby))} ] && echo $code > {tmp} && mv -f {tmp} {ec}",
-        # tee -i: a Ctrl-C for the trainer must not kill the log writer first.
-        f"}} | tee -i -a {contract.LOG_FILE}",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _comment(text: str) -> str:
-    """A shell comment line of ``text``: a control character in it (a newline would end
-    the comment and make the rest a command) is written as its escape."""
-    return "# " + "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def distributed_env(dist: dict[str, Any], rank: int) -> dict[str, str]:
-    """The variables that make a trainer one process of a multi-host run: what torchrun
-    sets for a static rendezvous with one process per host (env:// initialisation)."""
-    world = len(dist["hosts"])
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "GROUP_RANK": str(rank), "MASTER_ADDR": dist["address"], "MASTER_PORT": str(dist["port"]),
-            contract.HOST_ENV: dist["hosts"][rank]["host"]}
-
-
-def part_config(config: dict[str, Any], rank: int) -> dict[str, Any]:
-    """A run's stored config as the process of ``rank`` is started with: its host's
-    python, environment and workdir, and the rendezvous variables (a single-host run:
-    the config as it is)."""
-    dist = config.get("distributed")
-    if not dist:
-        return config
-    own = dist["hosts"][rank]
-    return {**config, "python": own["python"], "workdir": own["workdir"],
-            "env": {**own["env"], **distributed_env(dist, rank)}}
-
-
-def _artifact_generation() -> int:
-    from dflashctl.runs.compile_cache import LocalCache
-
-    return LocalCache().generation()
-
-
-def standby_session(session: str) -> str:
-    return f"{session}-standby"
-
-
-def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
-              serialized_warmup: bool | None = None, rank: int = 0, session: str | None = None,
-              standby: str | None = None, rendezvous_key: str | None = None) -> dict[str, str]:
-    """config.json and run.sh for a run (for the process of ``rank`` on its own host,
-    in tmux session ``session``), from its stored config; for a multi-host run also
-    ``rendezvous.key``, this start's secret (``rendezvous_key``, the same on every host;
-    written mode 0600, never stored, never on a command line)."""
-    config = part_config(config, rank)
-    trainer = copy.deepcopy(config["trainer"])
-    if serialized_warmup is not None:
-        trainer["compile"]["serialized_warmup"] = serialized_warmup
-    gpus = config.get("gpus") or []
-    if gpus and "CUDA_VISIBLE_DEVICES" in config.get("env", {}) and \
-            config["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, gpus)):
-        trainer = renumber_placement(trainer, gpus)
-    env = {**config.get("env", {}), contract.ARTIFACT_GENERATION_ENV: str(_artifact_generation())}
-    script = render_run_script(run_id, run_dir, config["python"], env,
-                               config.get("compile_cache"), session or run_id, socket, rank, standby)
-    if standby:
-        return {STANDBY_SCRIPT: script}
-    files = {contract.CONFIG_FILE: deploy.config_json(trainer), RUN_SCRIPT: script}
-    if config.get("distributed") and rendezvous_key:
-        files[contract.RENDEZVOUS_KEY_FILE] = rendezvous_key + "\n"
-    return files
-
-
-def new_rendezvous_key() -> str:
-    """A fresh secret for one start of a multi-host run (a process of an earlier start
-    cannot join this one)."""
-    import secrets
-
-    return secrets.token_hex(32)
-
+# --------------------------------------------------------------------------- the rendezvous port
 
 # Exit 0 when the port can be bound as torch's TCPStore binds it: SO_REUSEADDR, so
 # connections of an earlier start lingering in TIME_WAIT do not count as in use; on
@@ -271,101 +195,6 @@ def port_in_use_error(host: str, port: int, problem: str) -> "LaunchError":
             "rendezvous.port in the playbook to a free port") if "EADDRINUSE" in problem else (
         "set rendezvous.port in the playbook to a port rank 0's host can listen on")
     return LaunchError(f"{host}: rendezvous port {port} is not free ({problem})", hint=hint)
-
-
-def start_command(run_dir: str) -> str:
-    return shlex.join(["sh", posixpath_join(run_dir, RUN_SCRIPT)])
-
-
-def posixpath_join(*parts: str) -> str:
-    import posixpath
-
-    return posixpath.join(*parts)
-
-
-def final_state_for(exit_code: int | None) -> str:
-    if exit_code == contract.EXIT_DONE:
-        return DONE
-    if exit_code == contract.EXIT_STOPPED:
-        return STOPPED
-    return FAILED
-
-
-# --------------------------------------------------------------------------- host access
-
-
-def host_transport(host_name: str, inventory: "Inventory") -> "Transport":
-    """The run host's transport (jump hosts, container wrapper), connected."""
-    from dflashctl.hosts.transport import connect
-
-    return connect(host_name, inventory)
-
-
-def local_host() -> "Host":
-    """This machine, where supervisor sessions run."""
-    from dflashctl.config import Host
-
-    return Host(name="local", transport="local")
-
-
-def probe_run(transport: "Transport", run: Run, *, offset: int = 0, inode: int | None = None,
-              timeout: float | None = None) -> "ProbeResult":
-    """One probe round trip for one run (no nvidia-smi)."""
-    from dflashctl.hosts.probe import ProbeArgs, ProbeError, parse_probe_host, probe_command
-
-    args = ProbeArgs(run_dir=run.run_dir, session=run.tmux_session, socket=run.tmux_socket or socket_name(),
-                     metrics_offset=offset, metrics_inode=inode, nvidia_smi=False, pane_lines=40, rank=run.rank)
-    result = transport.run(probe_command(transport.host.python, [args]), timeout=timeout or 30)
-    host = parse_probe_host(result.stdout)
-    if isinstance(host, ProbeError):
-        raise TransportError(transport.host.name, "probe", host.message, stderr_tail=host.output_tail)
-    return host.runs[0]
-
-
-def _started(probe: "ProbeResult") -> bool:
-    return probe.status is not None and probe.status.phase in contract.PHASES
-
-
-def _ended(probe: "ProbeResult") -> bool:
-    return probe.exit_code is not None or probe.session_alive is False
-
-
-# --------------------------------------------------------------------------- start
-
-
-def wait_started(store: Store, run: Run, transport: "Transport", timeout: float,
-                 clock: Callable[[], float] = time.time, progress: Progress | None = None) -> str:
-    """Wait until status.json shows the trainer started (-> ``running``), or it ended
-    (-> ``failed`` / ``done`` / ``stopped``), at most ``timeout`` seconds. Still
-    nothing: the run stays in its state and the supervisor takes over."""
-    say = progress or quiet
-    deadline = time.monotonic() + timeout
-    while True:
-        probe = probe_run(transport, run)
-        if _started(probe) and probe.exit_code is None:
-            store.transition(run.id, RUNNING, f"trainer started (pid {probe.status.pid}, phase {probe.status.phase})",
-                             clock(), detail={"pid": probe.status.pid, "phase": probe.status.phase})
-            say("wait", f"trainer running (phase {probe.status.phase}, pid {probe.status.pid})")
-            return RUNNING
-        if _ended(probe):
-            return _record_end(store, run, probe, clock, say, "the trainer ended during start-up")
-        if time.monotonic() >= deadline:
-            store.add_event(run.id, "startup", f"no trainer status after {timeout:g}s; still waiting",
-                            clock(), severity="warning")
-            say("wait", f"no status after {timeout:g}s; the supervisor will keep watching")
-            return store.get_run(run.id).state
-        time.sleep(POLL_SECONDS)
-
-
-def _record_end(store: Store, run: Run, probe: "ProbeResult", clock, say, why: str) -> str:
-    code = probe.exit_code
-    state = final_state_for(code)
-    tail = (probe.log_tail or probe.pane_tail or "").strip().splitlines()[-15:]
-    reason = contract.describe_exit(code) if code is not None else "tmux session gone without an exit code"
-    store.transition(run.id, state, f"{why}: {reason}", clock(), detail={"log_tail": tail},
-                     exit_code=code, exit_reason=reason)
-    say("wait", f"{why}: {reason}" + ("\n  " + "\n  ".join(tail) if tail and state == FAILED else ""))
-    return state
 
 
 # --------------------------------------------------------------------------- signal and reap
@@ -621,93 +450,6 @@ def _wait_port_free(host: str, transport: "Transport", python: str, port: int, s
         time.sleep(0.5)
 
 
-# --------------------------------------------------------------------------- standby
-
-# The standby of a run directory: 'ready PID TOKEN' while the pid standby.json names
-# is really that standby (its command line names the run directory and the token:
-# standby.json is a file on the host, and pids are reused), else why not.
-_STANDBY_STATE = r"""
-d=$1; f="$d/standby.json"
-[ -f "$f" ] || { echo none; exit 0; }
-pid=$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' "$f" | head -n 1)
-tok=$(sed -n 's/.*"token": *"\([A-Za-z0-9_-]*\)".*/\1/p' "$f" | head -n 1)
-if [ -n "$pid" ] && [ -n "$tok" ] && [ -r "/proc/$pid/cmdline" ] && cmd=$(tr '\0' ' ' < "/proc/$pid/cmdline") \
-    && case "$cmd" in *"$d"*"--standby $tok"*|*"--standby $tok"*"$d"*) true;; *) false;; esac; then
-  echo "ready $pid $tok"
-else
-  echo gone
-fi
-"""
-# Wake a standby: its go file, made whole in one rename.
-_STANDBY_GO = 'cd "$1" && : > "$2.tmp" && mv -f "$2.tmp" "$2"'
-
-
-def start_standby(run_id: str, store: Store, inventory: "Inventory", *,
-                  clock: Callable[[], float] = time.time) -> str:
-    """Start the next process's standby on every host of the run, in tmux sessions
-    ``<session>-standby`` (an older one is replaced); returns its token."""
-    import secrets
-
-    run = store.get_run(run_id)
-    token, socket = secrets.token_hex(4), run.tmux_socket or socket_name()
-    for part, transport, tmux in _on_hosts(run, inventory):
-        tmux.kill(standby_session(part.tmux_session))
-        files = run_files(run.id, part.run_dir, run.config, socket, rank=part.rank, session=part.tmux_session,
-                          standby=token)
-        deploy.write_run_files(transport, part.run_dir, files)
-        tmux.start(standby_session(part.tmux_session), shlex.join(["sh", posixpath_join(part.run_dir, STANDBY_SCRIPT)]))
-    store.add_event(run.id, "standby", f"standby {token} started (the next restart's trainer, importing now)"
-                    + (f" on {', '.join(run.host_names)}" if run.hosts else ""), clock(), detail={"token": token})
-    return token
-
-
-def end_standby(run: Run, inventory: "Inventory") -> None:
-    """Kill the run's standby sessions (every host)."""
-    for part in run.parts():
-        part_tmux(part, inventory).kill(standby_session(part.tmux_session))
-
-
-def part_tmux(part: Run, inventory: "Inventory") -> Tmux:
-    """The tmux server of a run's process on its host (``Run.parts``)."""
-    return Tmux(inventory.get(part.host), inventory, part.tmux_socket or socket_name())
-
-
-def _on_hosts(run: Run, inventory: "Inventory") -> list[tuple[Run, "Transport", Tmux]]:
-    """(part, its host's transport, its tmux) for every process of the run, rank 0 first."""
-    return [(p, host_transport(p.host, inventory), part_tmux(p, inventory)) for p in run.parts()]
-
-
-def _ready_standby(run: Run, parts: list) -> str | None:
-    """The token of a standby ready on every host of the run (one token), else None."""
-    tokens = set()
-    for part, transport, tmux in parts:
-        answer = transport.run(["sh", "-c", _STANDBY_STATE, "dflashctl-standby", part.run_dir], timeout=30, check=False)
-        words = answer.stdout.split()
-        if len(words) != 3 or words[0] != "ready" or not tmux.has_session(standby_session(part.tmux_session)):
-            return None
-        tokens.add(words[2])
-    return tokens.pop() if len(tokens) == 1 else None
-
-
-def _hold_standby(run: Run, inventory: "Inventory") -> str | None:
-    """The token of the run's ready standby, held through the stop that follows
-    (``contract.standby_hold`` on every host); None when there is none."""
-    parts = _on_hosts(run, inventory)
-    token = _ready_standby(run, parts)
-    if token:
-        for part, transport, _ in parts:
-            transport.run(["sh", "-c", _STANDBY_GO, "dflashctl-hold", part.run_dir, contract.standby_hold(token)],
-                          timeout=30)
-    return token
-
-
-def _release_standby(run: Run, inventory: "Inventory", token: str) -> None:
-    """Remove the hold files (the standby is the trainer now, or the restart failed)."""
-    for part, transport, _ in _on_hosts(run, inventory):
-        transport.run(["rm", "-f", posixpath_join(part.run_dir, contract.standby_hold(token))], timeout=30,
-                      check=False)
-
-
 def _end_previous(run: Run, part: Run, transport: "Transport", tmux: Tmux, say: Progress) -> bool:
     """Kill the part's previous session and any trainer that outlived it; True if a session was killed."""
     killed = tmux.kill(part.tmux_session)
@@ -839,295 +581,3 @@ def _mark_restart(run: Run, inventory: "Inventory", now: float) -> None:
     for part, transport, _ in _on_hosts(run, inventory):
         transport.run(["sh", "-c", _APPEND_MARKER, "dflashctl-mark", part.run_dir, marker, contract.LOG_FILE],
                       timeout=30, check=False)
-
-
-# --------------------------------------------------------------------------- logs
-
-
-_READ_LOG = r"""
-f=$1; off=$2; n=$3; ec=$4
-size=$(wc -c < "$f" 2>/dev/null || echo 0); size=$(echo $size)
-ended=0; [ -f "$ec" ] && ended=1
-if [ "$off" -lt 0 ]; then
-  echo "$size $ended"; [ "$size" -gt 0 ] && tail -n "$n" "$f"; exit 0
-fi
-[ "$size" -lt "$off" ] && off=0
-echo "$size $ended"
-[ "$size" -gt "$off" ] && tail -c +"$((off + 1))" "$f" | head -c "$((size - off))"
-exit 0
-"""
-
-
-def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False, n: int = 50,
-         poll: float = POLL_SECONDS, host: str | None = None,
-         stop: Callable[[], bool] | None = None, since: int | None = None) -> Iterator[str]:
-    """The last ``n`` lines of the run's trainer.log; with ``follow``, then what is
-    appended, until the trainer has ended, the caller stops iterating, or ``stop()``
-    says so (checked at every poll: a log that grows no more never yields, so a
-    caller in a thread could not stop it otherwise). A multi-host run: every host's
-    log, each line prefixed with ``[host]``, or only ``host``'s (unprefixed).
-    ``since``: a byte offset of a one-host log (``log_before``'s ``end``): what
-    follows it, instead of the last ``n`` lines."""
-    run = store.get_run(run_id)
-    parts = run.parts()
-    if host is not None:
-        parts = [p for p in parts if p.host == host]
-        if not parts:
-            from dflashctl.core.errors import ConfigError
-
-            raise ConfigError(f"run {run.id} has no process on host '{host}'",
-                              hint=f"its hosts: {', '.join(run.host_names)}")
-    prefix = len(parts) > 1
-    readers = [(p, host_transport(p.host, inventory)) for p in parts]
-    offsets, ended = [-1 if since is None else int(since)] * len(readers), [False] * len(readers)
-    while True:
-        for i, (part, transport) in enumerate(readers):
-            if ended[i]:  # (follow only: without it there is one pass)
-                continue
-            answer = transport.run(["sh", "-c", _READ_LOG, "dflashctl-logs", posixpath_join(part.run_dir, contract.LOG_FILE),
-                                    str(offsets[i]), str(int(n)), posixpath_join(part.run_dir, contract.EXIT_CODE_FILE)])
-            head, _, text = answer.stdout.partition("\n")
-            size, done = (int(x) for x in head.split())
-            if text:
-                yield "".join(f"[{part.host}] {line}" for line in text.splitlines(keepends=True)) if prefix else text
-            # Nothing more will come once the exit code is written and the log has been read.
-            ended[i] = bool(done) and offsets[i] == size
-            offsets[i] = size
-        if not follow or all(ended) or (stop is not None and stop()):
-            return
-        time.sleep(poll)
-
-
-# The lines of $1 that end at or before byte $2 (-1: its size), from at most $3
-# bytes before it, at most $4 of them; a line cut by the $3 bound is left out (read
-# from one byte earlier: a line starting exactly there is kept). First line: the
-# size, that end, and how many bytes follow. Seeks: a huge log costs $3, not its size.
-_READ_LOG_BEFORE = r"""
-f=$1; end=$2; max=$3; n=$4
-size=$(wc -c < "$f" 2>/dev/null || echo 0); size=$(echo $size)
-if [ "$end" -lt 0 ] || [ "$end" -gt "$size" ]; then end=$size; fi
-lo=$((end - max)); [ "$lo" -lt 0 ] && lo=0
-part() {
-  if [ "$lo" -gt 0 ]; then tail -c +"$lo" "$f" | head -c "$((end - lo + 1))" | sed 1d
-  elif [ "$end" -gt 0 ]; then head -c "$end" "$f"; fi | tail -n "$n"
-}
-echo "$size $end $(part | wc -c)"
-part
-exit 0
-"""
-
-
-@dataclass(frozen=True)
-class LogSlice:
-    """Lines of a trainer.log: the bytes ``start``..``end`` of it."""
-
-    start: int
-    end: int
-    text: str
-    cut: bool = False  # a line longer than the bound stopped the read (nothing earlier is read)
-
-
-def log_before(run_id: str, store: Store, inventory: "Inventory", end: int | None = None, *,
-               max_bytes: int = 1 << 20, max_lines: int = 2000) -> LogSlice:
-    """The lines of a one-host run's trainer.log before byte ``end`` (None: its end
-    now): at most ``max_lines`` of them, from at most ``max_bytes`` back, so a huge
-    log costs one bounded read. ``start == 0``: the log's first line is in it."""
-    run = store.get_run(run_id)
-    if run.hosts:
-        from dflashctl.core.errors import ConfigError
-
-        raise ConfigError(f"run {run.id} runs on {len(run.hosts)} hosts: earlier lines are read one host at a time",
-                          hint=f"dflashctl logs {run.id} --host HOST -n N")
-    answer = host_transport(run.host, inventory).run(
-        ["sh", "-c", _READ_LOG_BEFORE, "dflashctl-log-before", posixpath_join(run.run_dir, contract.LOG_FILE),
-         str(-1 if end is None else int(end)), str(int(max_bytes)), str(int(max_lines))])
-    head, _, text = answer.stdout_bytes.partition(b"\n")
-    size, last, count = (int(x) for x in head.split())
-    start = last - count
-    return LogSlice(start, last, text.decode("utf-8", errors="replace"), cut=count == 0 and start > 0)
-
-
-# --------------------------------------------------------------------------- evaluation
-
-EVAL_FILE = "eval.json"  # the trainer's report, rewritten after every prompt (complete: false until the last)
-EVAL_LOG = "eval.log"  # its progress lines and errors
-EVAL_EXIT = "eval.exit"  # its exit status, once it has ended
-EVAL_POLL_SECONDS = 2.0
-
-
-def eval_session(run: Run) -> str:
-    return f"{run.tmux_session or run.id}-eval"
-
-
-def eval_argv(run: Run, settings: "EvalSettings", python: str) -> list[str]:
-    """argv running ``python -m trainer eval`` in the run directory on its host, with
-    the run's own environment (bundle on PYTHONPATH, its GPUs): the report goes to
-    eval.json (after every prompt), progress to eval.log, the exit status to eval.exit."""
-    env = [f"{k}={v}" for k, v in (run.config.get("env") or {}).items()]
-    trainer = [*shlex.split(python), "-m", "trainer", "eval", run.run_dir, "--json", "--out", EVAL_FILE,
-               "--prompts", str(settings.prompts), "--max-new-tokens", str(settings.max_new_tokens),
-               "--temperature", repr(float(settings.temperature)),
-               # The trainer stops itself in time, with the report of the prompts it measured.
-               "--timeout", repr(eval_budget(float(settings.timeout)))]
-    if settings.data:
-        trainer += ["--data", settings.data]
-    if settings.threads:
-        trainer += ["--threads", str(settings.threads)]
-    script = (f'cd "$1" && shift && rm -f {EVAL_FILE} {EVAL_EXIT} && '
-              f'{{ env "$@" > /dev/null 2> {EVAL_LOG}; echo $? > {EVAL_EXIT}.tmp && mv -f {EVAL_EXIT}.tmp {EVAL_EXIT}; }}')
-    return ["sh", "-c", script, "dflashctl-eval", run.run_dir, *env, *trainer]
-
-
-def eval_budget(timeout: float) -> float:
-    """The trainer's own budget inside the controller's ``timeout``: room left for its
-    last prompt (it begins none past its budget) and for loading the models."""
-    return max(1.0, 0.8 * timeout - 5.0)
-
-
-# One round trip: the exit status (or '-'), then the report so far (or nothing).
-_READ_EVAL = f'cd "$1" && {{ cat {EVAL_EXIT} 2>/dev/null || echo -; }} && cat {EVAL_FILE} 2>/dev/null; exit 0'
-
-
-def _read_eval(transport: "Transport", run: Run) -> tuple[int | None, dict[str, Any] | None]:
-    """(the eval's exit status, None while it runs; the report it wrote last, if any)."""
-    answer = transport.run(["sh", "-c", _READ_EVAL, "dflashctl-eval", run.run_dir], timeout=30, check=False)
-    head, _, text = answer.stdout.partition("\n")
-    code = int(head) if head.strip().lstrip("-").isdigit() else None
-    return code, _json_report(text)
-
-
-def _prompt_line(report: dict[str, Any], row: dict[str, Any]) -> str:
-    speed = (report.get("speed") or {}).get("speedup")
-    return (f"prompt {row.get('index', 0) + 1}/{report.get('prompts_planned')}: tau {_two(row.get('tau'))}, "
-            f"{row.get('new_tokens')} tokens in {row.get('target_forwards')} target forwards; so far tau "
-            f"{_two(report.get('tau'))}" + (f", {speed:.2f}x greedy" if isinstance(speed, (int, float)) else ""))
-
-
-def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalSettings",
-             progress: Progress | None = None, *, clock: Callable[[], float] = time.time,
-             poll: float = EVAL_POLL_SECONDS) -> dict[str, Any]:
-    """Evaluate the run's drafter (its newest checkpoint) with real speculative decoding
-    on its host, in a tmux session beside the run's: each prompt is said as it is
-    measured and the report so far stored with the run, so a timeout or Ctrl-C keeps
-    what was measured. Returns the report (``complete`` false when it ended early)."""
-    say = progress or quiet
-    run = store.get_run(run_id)
-    transport = host_transport(run.host, inventory)
-    tmux = part_tmux(run, inventory)
-    python = run.config.get("python") or transport.host.python
-    session = eval_session(run)
-    say("eval", f"speculative decoding with {run.id}'s drafter on {run.host} ({settings.prompts} prompts, "
-        f"{settings.max_new_tokens} new tokens each, budget {settings.timeout:.0f}s; tmux session {session})")
-    tmux.kill(session)
-    tmux.start(session, shlex.join(eval_argv(run, settings, python)))
-    deadline = time.monotonic() + float(settings.timeout) + 10.0
-    row: int | None = None
-    report: dict[str, Any] | None = None
-    seen, code, stopped = 0, None, None
-
-    def keep(latest: dict[str, Any] | None, tell: Progress) -> None:
-        """Store a newer report, then say its new prompts (stored first: a Ctrl-C may
-        come while they are said)."""
-        nonlocal row, report, seen
-        if not latest or not latest.get("prompts") or latest == report:
-            return
-        new = (latest.get("per_prompt") or [])[seen:]
-        report, seen = latest, int(latest.get("prompts") or 0)
-        if row is None:
-            row = store.add_eval(run.id, clock(), report=report)
-        else:
-            store.update_eval(row, clock(), report=report)
-        for measured in new:
-            tell("eval", _prompt_line(latest, measured))
-
-    try:
-        while True:
-            code, latest = _read_eval(transport, run)
-            keep(latest, say)
-            if code is not None:
-                break
-            if time.monotonic() > deadline:
-                stopped = "timeout"
-                break
-            if not tmux.has_session(session):  # ended without writing its exit status: killed
-                code, latest = _read_eval(transport, run)
-                keep(latest, say)
-                break
-            time.sleep(poll)
-    except KeyboardInterrupt:
-        stopped = "interrupted"
-    if code is None:
-        tmux.kill(session)
-        keep(_read_eval(transport, run)[1], say if stopped != "interrupted" else quiet)  # written since the last look
-    if stopped or code is None or code != 0 or not (report or {}).get("complete", False):
-        if report and report.get("prompts"):
-            report = {**report, "complete": False, "stopped": report.get("stopped") or stopped or f"exit {code}"}
-            store.update_eval(row, clock(), report=report)
-        else:
-            tail = _eval_log_tail(transport, run)
-            error = (f"the evaluation {'failed (exit ' + str(code) + ')' if code else stopped or 'ended'} before its "
-                     f"first prompt: {tail.splitlines()[-1] if tail else 'no output'}")
-            store.add_eval(run.id, clock(), error=error)
-            store.add_event(run.id, "eval", error, clock(), "warning", {"stderr_tail": tail})
-            if stopped == "interrupted":
-                raise KeyboardInterrupt
-            raise LaunchError(error, hint=f"its log: {posixpath_join(run.run_dir, EVAL_LOG)} on {run.host}; by hand: "
-                              f"cd {shlex.quote(run.run_dir)} && "
-                              f"{shlex.join([*shlex.split(python), '-m', 'trainer', 'eval', run.run_dir])}")
-    speed = report.get("speed") or {}
-    partial = "" if report.get("complete", True) else \
-        f" (partial: {report.get('prompts')} of {report.get('prompts_planned')} prompts, {report.get('stopped')})"
-    tau, tau_est = report.get("tau"), contract.tau_estimate((report.get("training") or {}).get("accept_len"))
-    summary = (f"measured tau {_two(tau)} (τ est {_two(tau_est)}, accept_len + 1) at step {report.get('step')}{partial}"
-               + (f", {speed['speedup']:.2f}x greedy decoding" if isinstance(speed.get("speedup"), (int, float))
-                  else "")
-               + (", output identical to greedy" if report.get("greedy_identical") else ""))
-    gap = contract.tau_gap(tau_est, tau if isinstance(tau, (int, float)) else None)
-    if gap:
-        summary += f"; {gap}"
-    store.add_event(run.id, "eval", summary, clock(), "info" if report.get("complete", True) else "warning",
-                    {k: report.get(k) for k in ("tau", "step", "tokens_per_target_forward", "greedy_identical",
-                                                "prompts", "prompts_planned", "stopped")})
-    say("eval", summary)
-    if stopped == "interrupted":
-        raise KeyboardInterrupt
-    return report
-
-
-def _eval_log_tail(transport: "Transport", run: Run) -> str:
-    answer = transport.run(["tail", "-n", "20", posixpath_join(run.run_dir, EVAL_LOG)], timeout=30, check=False)
-    return answer.stdout.strip()[-500:]
-
-
-def _two(value: Any) -> str:
-    return f"{value:.2f}" if isinstance(value, (int, float)) else "n/a"
-
-
-def _json_report(text: str) -> dict[str, Any] | None:
-    try:
-        value = contract.load_json_object(text, "the evaluation report")
-    except contract.ContractError:
-        return None
-    return value
-
-
-# --------------------------------------------------------------------------- metrics, read on demand
-
-def metrics_tail(run_id: str, store: Store, inventory: "Inventory", n: int = 50) -> list[contract.Metrics]:
-    """The run's last ``n`` metrics lines, read on its host now (with every field the
-    trainer wrote, which samples in the store do not keep); bad lines skipped."""
-    run = store.get_run(run_id)
-    transport = host_transport(run.host, inventory)
-    path = posixpath_join(run.run_dir, contract.METRICS_FILE)
-    # A file not (yet) there is an answer, not tail's error text: the trainer writes it from its first log interval.
-    result = transport.run(["sh", "-c", '[ -e "$2" ] || { echo absent; exit 3; }; tail -n "$1" "$2"', "dflashctl-tail",
-                            str(int(n)), path], timeout=30, check=False)
-    if result.exit_code == 3 and result.stdout.strip() == "absent":
-        raise LaunchError(f"run {run.id} has no metrics yet: {path} is not on {run.host}",
-                          hint="the trainer writes a line every train.log_every steps once it trains: "
-                               f"`dflashctl logs {run.id}` shows how far it got")
-    if result.exit_code != 0:
-        raise LaunchError(f"cannot read {path} on {run.host}: {(result.stderr or result.stdout).strip()[-200:]}")
-    from dflashctl.hosts.parsers import read_metrics_chunk
-
-    return read_metrics_chunk(result.stdout).rows

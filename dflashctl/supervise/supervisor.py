@@ -709,7 +709,7 @@ class Supervisor:
         return issued
 
     def _eval(self, run: Run, settings: Any) -> None:
-        from dflashctl.runs.runhost import eval_run
+        from dflashctl.runs.evaluate import eval_run
 
         try:
             eval_run(run.id, self.store, self.inventory, settings, clock=self.clock)
@@ -728,7 +728,7 @@ class Supervisor:
             self.emit("info", f"{run.id}: compile artifacts not copied back: {first_line(e)}")
 
     def _standby(self, run: Run, start: bool) -> None:
-        from dflashctl.runs.runhost import end_standby, start_standby
+        from dflashctl.runs.standby import end_standby, start_standby
 
         try:
             if start:
@@ -739,7 +739,7 @@ class Supervisor:
             self.emit("info", f"{run.id}: standby not {'started' if start else 'ended'}: {first_line(e)}")
 
     def _kill_session(self, run: Run) -> None:
-        from dflashctl.runs.runhost import part_tmux
+        from dflashctl.runs.access import part_tmux
 
         for part in run.parts():
             part_tmux(part, self.inventory).kill(part.tmux_session)

@@ -1,0 +1,182 @@
+"""A run's drafter evaluated on its host: speculative decoding, measured prompt by prompt.
+
+``eval_run`` starts ``python -m trainer eval`` in a tmux session beside the run's
+(``<session>-eval``), reads its report as it grows, stores it with the run after
+every prompt and says each one. A timeout or Ctrl-C keeps what was measured.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from dflashctl.core import contract
+from dflashctl.runs.access import LaunchError, Progress, host_transport, part_tmux, quiet
+from dflashctl.runs.files import posixpath_join
+from dflashctl.store import Run, Store
+
+if TYPE_CHECKING:
+    from dflashctl.config import EvalSettings, Inventory
+    from dflashctl.hosts.transport import Transport
+
+EVAL_FILE = "eval.json"  # the trainer's report, rewritten after every prompt (complete: false until the last)
+EVAL_LOG = "eval.log"  # its progress lines and errors
+EVAL_EXIT = "eval.exit"  # its exit status, once it has ended
+EVAL_POLL_SECONDS = 2.0
+
+
+def eval_session(run: Run) -> str:
+    return f"{run.tmux_session or run.id}-eval"
+
+
+def eval_argv(run: Run, settings: "EvalSettings", python: str) -> list[str]:
+    """argv running ``python -m trainer eval`` in the run directory on its host, with
+    the run's own environment (bundle on PYTHONPATH, its GPUs): the report goes to
+    eval.json (after every prompt), progress to eval.log, the exit status to eval.exit."""
+    env = [f"{k}={v}" for k, v in (run.config.get("env") or {}).items()]
+    trainer = [*shlex.split(python), "-m", "trainer", "eval", run.run_dir, "--json", "--out", EVAL_FILE,
+               "--prompts", str(settings.prompts), "--max-new-tokens", str(settings.max_new_tokens),
+               "--temperature", repr(float(settings.temperature)),
+               # The trainer stops itself in time, with the report of the prompts it measured.
+               "--timeout", repr(eval_budget(float(settings.timeout)))]
+    if settings.data:
+        trainer += ["--data", settings.data]
+    if settings.threads:
+        trainer += ["--threads", str(settings.threads)]
+    script = (f'cd "$1" && shift && rm -f {EVAL_FILE} {EVAL_EXIT} && '
+              f'{{ env "$@" > /dev/null 2> {EVAL_LOG}; echo $? > {EVAL_EXIT}.tmp && mv -f {EVAL_EXIT}.tmp {EVAL_EXIT}; }}')
+    return ["sh", "-c", script, "dflashctl-eval", run.run_dir, *env, *trainer]
+
+
+def eval_budget(timeout: float) -> float:
+    """The trainer's own budget inside the controller's ``timeout``: room left for its
+    last prompt (it begins none past its budget) and for loading the models."""
+    return max(1.0, 0.8 * timeout - 5.0)
+
+
+# One round trip: the exit status (or '-'), then the report so far (or nothing).
+_READ_EVAL = f'cd "$1" && {{ cat {EVAL_EXIT} 2>/dev/null || echo -; }} && cat {EVAL_FILE} 2>/dev/null; exit 0'
+
+
+def _read_eval(transport: "Transport", run: Run) -> tuple[int | None, dict[str, Any] | None]:
+    """(the eval's exit status, None while it runs; the report it wrote last, if any)."""
+    answer = transport.run(["sh", "-c", _READ_EVAL, "dflashctl-eval", run.run_dir], timeout=30, check=False)
+    head, _, text = answer.stdout.partition("\n")
+    code = int(head) if head.strip().lstrip("-").isdigit() else None
+    return code, _json_report(text)
+
+
+def _prompt_line(report: dict[str, Any], row: dict[str, Any]) -> str:
+    speed = (report.get("speed") or {}).get("speedup")
+    return (f"prompt {row.get('index', 0) + 1}/{report.get('prompts_planned')}: tau {_two(row.get('tau'))}, "
+            f"{row.get('new_tokens')} tokens in {row.get('target_forwards')} target forwards; so far tau "
+            f"{_two(report.get('tau'))}" + (f", {speed:.2f}x greedy" if isinstance(speed, (int, float)) else ""))
+
+
+def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalSettings",
+             progress: Progress | None = None, *, clock: Callable[[], float] = time.time,
+             poll: float = EVAL_POLL_SECONDS) -> dict[str, Any]:
+    """Evaluate the run's drafter (its newest checkpoint) with real speculative decoding
+    on its host, in a tmux session beside the run's: each prompt is said as it is
+    measured and the report so far stored with the run, so a timeout or Ctrl-C keeps
+    what was measured. Returns the report (``complete`` false when it ended early)."""
+    say = progress or quiet
+    run = store.get_run(run_id)
+    transport = host_transport(run.host, inventory)
+    tmux = part_tmux(run, inventory)
+    python = run.config.get("python") or transport.host.python
+    session = eval_session(run)
+    say("eval", f"speculative decoding with {run.id}'s drafter on {run.host} ({settings.prompts} prompts, "
+        f"{settings.max_new_tokens} new tokens each, budget {settings.timeout:.0f}s; tmux session {session})")
+    tmux.kill(session)
+    tmux.start(session, shlex.join(eval_argv(run, settings, python)))
+    deadline = time.monotonic() + float(settings.timeout) + 10.0
+    row: int | None = None
+    report: dict[str, Any] | None = None
+    seen, code, stopped = 0, None, None
+
+    def keep(latest: dict[str, Any] | None, tell: Progress) -> None:
+        """Store a newer report, then say its new prompts (stored first: a Ctrl-C may
+        come while they are said)."""
+        nonlocal row, report, seen
+        if not latest or not latest.get("prompts") or latest == report:
+            return
+        new = (latest.get("per_prompt") or [])[seen:]
+        report, seen = latest, int(latest.get("prompts") or 0)
+        if row is None:
+            row = store.add_eval(run.id, clock(), report=report)
+        else:
+            store.update_eval(row, clock(), report=report)
+        for measured in new:
+            tell("eval", _prompt_line(latest, measured))
+
+    try:
+        while True:
+            code, latest = _read_eval(transport, run)
+            keep(latest, say)
+            if code is not None:
+                break
+            if time.monotonic() > deadline:
+                stopped = "timeout"
+                break
+            if not tmux.has_session(session):  # ended without writing its exit status: killed
+                code, latest = _read_eval(transport, run)
+                keep(latest, say)
+                break
+            time.sleep(poll)
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    if code is None:
+        tmux.kill(session)
+        keep(_read_eval(transport, run)[1], say if stopped != "interrupted" else quiet)  # written since the last look
+    if stopped or code is None or code != 0 or not (report or {}).get("complete", False):
+        if report and report.get("prompts"):
+            report = {**report, "complete": False, "stopped": report.get("stopped") or stopped or f"exit {code}"}
+            store.update_eval(row, clock(), report=report)
+        else:
+            tail = _eval_log_tail(transport, run)
+            error = (f"the evaluation {'failed (exit ' + str(code) + ')' if code else stopped or 'ended'} before its "
+                     f"first prompt: {tail.splitlines()[-1] if tail else 'no output'}")
+            store.add_eval(run.id, clock(), error=error)
+            store.add_event(run.id, "eval", error, clock(), "warning", {"stderr_tail": tail})
+            if stopped == "interrupted":
+                raise KeyboardInterrupt
+            raise LaunchError(error, hint=f"its log: {posixpath_join(run.run_dir, EVAL_LOG)} on {run.host}; by hand: "
+                              f"cd {shlex.quote(run.run_dir)} && "
+                              f"{shlex.join([*shlex.split(python), '-m', 'trainer', 'eval', run.run_dir])}")
+    speed = report.get("speed") or {}
+    partial = "" if report.get("complete", True) else \
+        f" (partial: {report.get('prompts')} of {report.get('prompts_planned')} prompts, {report.get('stopped')})"
+    tau, tau_est = report.get("tau"), contract.tau_estimate((report.get("training") or {}).get("accept_len"))
+    summary = (f"measured tau {_two(tau)} (τ est {_two(tau_est)}, accept_len + 1) at step {report.get('step')}{partial}"
+               + (f", {speed['speedup']:.2f}x greedy decoding" if isinstance(speed.get("speedup"), (int, float))
+                  else "")
+               + (", output identical to greedy" if report.get("greedy_identical") else ""))
+    gap = contract.tau_gap(tau_est, tau if isinstance(tau, (int, float)) else None)
+    if gap:
+        summary += f"; {gap}"
+    store.add_event(run.id, "eval", summary, clock(), "info" if report.get("complete", True) else "warning",
+                    {k: report.get(k) for k in ("tau", "step", "tokens_per_target_forward", "greedy_identical",
+                                                "prompts", "prompts_planned", "stopped")})
+    say("eval", summary)
+    if stopped == "interrupted":
+        raise KeyboardInterrupt
+    return report
+
+
+def _eval_log_tail(transport: "Transport", run: Run) -> str:
+    answer = transport.run(["tail", "-n", "20", posixpath_join(run.run_dir, EVAL_LOG)], timeout=30, check=False)
+    return answer.stdout.strip()[-500:]
+
+
+def _two(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "n/a"
+
+
+def _json_report(text: str) -> dict[str, Any] | None:
+    try:
+        value = contract.load_json_object(text, "the evaluation report")
+    except contract.ContractError:
+        return None
+    return value
