@@ -13,6 +13,9 @@
       (replica 0), in replica order -> clip, AdamW, schedule -> copy the master's
       parameters into every other replica -> release(s)
 
+The coordinator's maths is in trainer/replicas.py, the metrics line's numbers in
+trainer/metrics.py; this module holds the threads and what passes between them.
+
 A slot is given back when the drafter's backward is launched, not when it takes the
 batch: a target thread collates and launches its next batch while that drafter waits
 for the GPU, never while it launches the start of its own step (both need the GIL;
@@ -50,10 +53,40 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+
+# Also read from here (``pl.<name>`` in trainer.train): the replicas' maths and the metrics line's numbers.
+from trainer.metrics import (
+    PEAK_FLOPS,
+    FlopModel,
+    Window,
+    flop_model,
+    gpu_memory,
+    peak_flops,
+    target_stats,
+    window_fields,
+)
+from trainer.replicas import (
+    _sync,
+    broadcast_parameters,
+    build_models,
+    optimizer_step,
+    reduce_gradients,
+    replica_checksums,
+    replicas_identical,
+    sync_all,
+    trainable,
+)
+
+__all__ = [
+    "DONE", "PEAK_FLOPS", "FlopModel", "Handoff", "Item", "Pipeline", "Report", "Stopped", "Window", "autocast_for",
+    "batch_generator", "broadcast_parameters", "build_models", "flop_model", "gpu_memory", "optimizer_step",
+    "peak_flops", "reduce_gradients", "replica_checksums", "replicas_identical", "sync_all", "target_stats",
+    "thread_name", "to_host", "trainable", "warmup_jobs", "window_fields",
+]
 
 _POLL_S = 0.1
 
@@ -139,11 +172,6 @@ def to_host(loss: torch.Tensor, stats: dict) -> tuple[float, dict]:
         plain[k] = flat[at:at + n] if stats[k].dim() else flat[at]
         at += n
     return flat[0], plain
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 class Pipeline:
@@ -388,316 +416,6 @@ class Pipeline:
     def queue_depths(self) -> list[int]:
         """Batches waiting for each drafter replica (over all its target queues)."""
         return [sum(self.queues[t][r].qsize() for t in range(self.T)) for r in range(self.D)]
-
-
-# ---------------------------------------------------------------------------- replicas
-
-
-def trainable(model) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def reduce_gradients(replicas: list) -> None:
-    """Average the replicas' gradients onto replica 0 (the master), in replica order."""
-    master = trainable(replicas[0])
-    if len(replicas) == 1:
-        return
-    for replica in replicas[1:]:
-        for pm, pr in zip(master, trainable(replica)):
-            if pr.grad is None:
-                continue
-            g = pr.grad.to(pm.device, non_blocking=True)
-            if pm.grad is None:
-                pm.grad = g.clone()
-            else:
-                pm.grad.add_(g)
-    scale = 1.0 / len(replicas)
-    for pm in master:
-        if pm.grad is not None:
-            pm.grad.mul_(scale)
-
-
-@torch.no_grad()
-def broadcast_parameters(replicas: list) -> None:
-    """Copy the master's parameters into every other replica (exact copies: bit-identical)."""
-    master = trainable(replicas[0])
-    for replica in replicas[1:]:
-        for pm, pr in zip(master, trainable(replica)):
-            pr.copy_(pm, non_blocking=True)
-    for replica in replicas:
-        replica.zero_grad(set_to_none=True)
-
-
-def optimizer_step(replicas: list, devices: list[torch.device], optimizer, scheduler, grad_clip: float,
-                   across: Optional[Callable[[list], None]] = None) -> tuple[float, float, float]:
-    """The coordinator's part of a step: all-reduce, clip, AdamW, schedule, copy to replicas.
-
-    ``across(master_params)``, when given, averages the master's gradients over the
-    processes of a torch.distributed run (trainer/distributed.py), after the
-    in-process reduction; its time counts as all-reduce time.
-    Returns (allreduce seconds, optimiser seconds, gradient norm before clipping).
-    """
-    from trainer.optim import clip_grads
-
-    t0 = time.monotonic()
-    reduce_gradients(replicas)
-    sync_all(devices)
-    if across is not None:
-        across(trainable(replicas[0]))
-    t1 = time.monotonic()
-    grad_norm = clip_grads(trainable(replicas[0]), grad_clip)
-    optimizer.step()
-    scheduler.step()
-    broadcast_parameters(replicas)
-    sync_all(devices)
-    return t1 - t0, time.monotonic() - t1, grad_norm
-
-
-def build_models(cfg, target_devices: list[torch.device], drafter_devices: list[torch.device], dtype: torch.dtype):
-    """(targets, replicas): one frozen target per device (threads on a device share it) and one
-    drafter replica per drafter thread, all equal to replica 0 (the master copy)."""
-    from trainer.model import Drafter
-    from trainer.target import build_target
-
-    by_device: dict = {}
-    for dev in target_devices:
-        if dev not in by_device:
-            by_device[dev] = build_target(cfg.model, dev, dtype)
-    targets = [by_device[d] for d in target_devices]
-    torch.manual_seed(cfg.train.seed)
-    replicas = []
-    for dev in drafter_devices:
-        shared = by_device.get(dev, targets[0])  # the frozen embed/lm_head of a target on this device, if any
-        # Built on its device: the weights' initialisation runs there (on a GPU, milliseconds
-        # instead of most of a second of CPU random numbers, then no copy).
-        with dev:
-            replicas.append(Drafter(cfg.model, targets[0].config, shared.embed_tokens, shared.lm_head).to(dev))
-    broadcast_parameters(replicas)
-    return targets, replicas
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHECKSUM_SLICE = 1 << 22  # elements per slice: bounds the int64 temporaries to ~100 MB
-
-
-@torch.no_grad()
-def replica_checksums(replicas: list) -> list[str]:
-    """Per replica, a checksum of its trainable weights' bits: a position-weighted
-    integer sum computed on the replica's own device in slices, one host sync per
-    replica. Bit-identical replicas give equal strings; any differing bit changes
-    it (all but surely)."""
-    out = []
-    for replica in replicas:
-        acc = None
-        for i, p in enumerate(trainable(replica), start=1):
-            flat = p.detach().contiguous().view(-1)
-            ints = flat.view(_INT_OF_SIZE[flat.element_size()])
-            for start in range(0, ints.numel(), _CHECKSUM_SLICE):
-                part = ints[start:start + _CHECKSUM_SLICE].to(torch.int64)
-                weights = (torch.arange(start, start + part.numel(), device=part.device) % 65521) + i
-                term = (part * weights).sum()  # int64, wraps
-                acc = term if acc is None else acc + term
-        out.append(f"{int(acc) & (2 ** 64 - 1):016x}")
-    return out
-
-
-def replicas_identical(replicas: list) -> bool:
-    master = trainable(replicas[0])
-    return all(torch.equal(pm.detach().cpu(), pr.detach().cpu())
-               for replica in replicas[1:] for pm, pr in zip(master, trainable(replica)))
-
-
-# ---------------------------------------------------------------------------- metrics
-
-# Dense bf16 matrix throughput per GPU model: (flop/s, what the figure is).
-# Dense bf16 peak per GPU: (nominal, measured matmul rate or None, name). ``mfu`` divides by the
-# nominal peak, the yardstick public trainers quote; ``mfu_measured`` by the rate a large bf16
-# matmul reaches on that GPU (bench/RESULTS.md), where one was measured.
-PEAK_FLOPS = {
-    "H200": (989e12, 790e12, "H200 bf16 dense, nominal 989 TFLOP/s (measured matmul 790)"),
-    "H100": (989e12, 790e12, "H100 bf16 dense, nominal 989 TFLOP/s (measured matmul as H200: 790)"),
-    "A100": (312e12, None, "A100 bf16 dense, nominal 312 TFLOP/s"),
-    "L40S": (362e12, None, "L40S bf16 dense, nominal 362 TFLOP/s"),
-    "A10G": (70e12, None, "A10G bf16 dense, nominal 70 TFLOP/s"),
-}
-
-
-def peak_flops(device: torch.device) -> tuple[Optional[float], Optional[float], Optional[str]]:
-    """(nominal peak, measured peak or None, its name) of ``device``'s GPU; Nones off CUDA."""
-    if device.type != "cuda":
-        return None, None, None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_FLOPS.items():
-        if key in name:
-            return value
-    return None, None, f"unknown GPU '{name}'"
-
-
-@dataclass
-class FlopModel:
-    """FLOPs of one step, as DFLASH.md counts them (plus the shared lm_head, which dominates)."""
-
-    drafter_params: int  # every trainable weight
-    target_params: int
-    hidden: int
-    vocab: int
-    drafter_layers: int
-    attn_width: int  # query heads x head dim of a drafter layer
-    block_size: int
-    fuse_params: int = 0  # of drafter_params: the fusion of the target's features (context tokens only)
-    kv_params: int = 0  # of drafter_params: the layers' k/v projections (context and block tokens)
-    target_layers: int = 0  # the target's layers a batch runs through (up to the last captured one)
-
-    def drafter(self, query_tokens: int, mean_context: float, context_tokens: int = 0) -> float:
-        """``context_tokens``: the positions of the target's features (batch x bucket)."""
-        # Every weight but the fusion once per query token (forward, input and weight
-        # gradients); k/v also once per context position; the fusion only there, with
-        # no input gradient (the target's features are constants).
-        dense = (6 * (self.drafter_params - self.fuse_params) * query_tokens
-                 + 6 * self.kv_params * context_tokens + 4 * self.fuse_params * context_tokens)
-        # Frozen lm_head: forward + gradient with respect to its input, no weight gradient,
-        # for the slots the loss predicts (a block's anchor, slot 0, is not projected).
-        lm_head = 4 * self.hidden * self.vocab * query_tokens * (self.block_size - 1) / self.block_size
-        # QK^T and PV (2 x 2 flops per key and width), forward + backward (x3).
-        attention = 12 * self.drafter_layers * self.attn_width * (mean_context + self.block_size) * query_tokens
-        return dense + lm_head + attention
-
-    def target(self, seq_tokens: int, bucket: int = 0) -> float:
-        """Forward only: the weights, and causal attention over ``bucket`` positions
-        (QK^T and PV, 2 x 2 flops per key and width; (bucket + 1) / 2 keys per position).
-        The drafter's layers have the target's heads, so ``attn_width`` is the target's too."""
-        attention = 2 * self.target_layers * self.attn_width * (bucket + 1) * seq_tokens if bucket else 0
-        return 2 * self.target_params * seq_tokens + attention
-
-
-@dataclass
-class Window:
-    """Accumulates the steps between two metrics lines."""
-
-    start: float = field(default_factory=time.monotonic)
-    end: float = 0.0  # time of the last step's release
-    steps: int = 0
-    reports: list = field(default_factory=list)
-    allreduce_s: float = 0.0
-    optim_s: float = 0.0
-    step_s: float = 0.0
-    grad_norm: float = 0.0
-
-    def add(self, reports: list[Report], allreduce_s: float, optim_s: float, step_s: float, grad_norm: float,
-            end: Optional[float] = None):
-        self.end = time.monotonic() if end is None else end
-        self.steps += 1
-        self.reports.extend(reports)
-        self.allreduce_s += allreduce_s
-        self.optim_s += optim_s
-        self.step_s += step_s
-        self.grad_norm = grad_norm
-
-
-def _mean(values) -> Optional[float]:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
-def window_fields(w: Window, n_replicas: int, flops: Optional[FlopModel], peak: Optional[float],
-                  n_drafter_gpus: int, n_target_gpus: int, n_gpus: int, measured_peak: Optional[float] = None) -> dict:
-    """Loss, acc, accept_len, tok/s and the time split of one window (keys of contract.Metrics + extras)."""
-    elapsed = max(1e-9, w.end - w.start)
-    reps = w.reports
-    query = sum(r.query_tokens for r in reps)
-    seq = sum(r.seq_tokens for r in reps)
-    per_replica = [sum(r.query_tokens for r in reps if r.replica == i) / elapsed for i in range(n_replicas)]
-    ms = lambda seconds: round(1000 * seconds / max(1, w.steps), 2)  # noqa: E731
-    slot_correct = _sum_lists(r.stats.get("slot_correct") for r in reps)
-    slot_count = _sum_lists(r.stats.get("slot_count") for r in reps)
-    blocks = sum(r.stats.get("blocks", 0.0) for r in reps)
-    accept_len = sum(r.stats.get("accept_len", 0.0) * r.stats.get("blocks", 0.0) for r in reps) / blocks if blocks else None
-    out = {
-        "loss": _mean(r.loss for r in reps),
-        "acc": sum(slot_correct) / sum(slot_count) if slot_count and sum(slot_count) else None,
-        "accept_len": accept_len,
-        "tok_s": query / elapsed,
-        "extra": {
-            "tok_s_per_drafter": [round(x, 1) for x in per_replica],
-            "seq_tok_s": round(seq / elapsed, 1),
-            # The units public trainers quote: samples (sequences) and anchor blocks per second.
-            "samples_s": round(sum(r.sequences for r in reps) / elapsed, 2),
-            "anchors_s": round(sum(r.anchors for r in reps) / elapsed, 1),
-            "step_ms": ms(w.step_s),
-            "time_ms": {
-                "wait": ms(sum(r.wait_s for r in reps) / n_replicas),
-                "fwd": ms(sum(r.fwd_s for r in reps) / n_replicas),
-                "bwd": ms(sum(r.bwd_s for r in reps) / n_replicas),
-                "allreduce": ms(w.allreduce_s),
-                "optim": ms(w.optim_s),
-            },
-            "grad_norm": w.grad_norm,
-            "acc_per_slot": [round(c / n, 4) if n else None for c, n in zip(slot_correct, slot_count)],
-            # Published acceptance lengths (tau) count the target's bonus token as well.
-            "tau": None if accept_len is None else accept_len + 1,
-        },
-    }
-    if flops is not None and peak:
-        mean_ctx = _mean(r.anchor_mean for r in reps) or 0.0
-        d_flops = flops.drafter(query, mean_ctx, seq)
-        t_flops = sum(flops.target(r.seq_tokens, r.bucket) for r in reps)
-        out["extra"]["mfu_drafter"] = round(d_flops / elapsed / (peak * n_drafter_gpus), 4)
-        out["extra"]["mfu_target"] = round(t_flops / elapsed / (peak * n_target_gpus), 4)
-        out["extra"]["mfu"] = round((d_flops + t_flops) / elapsed / (peak * n_gpus), 4)
-        out["extra"]["tflops"] = round((d_flops + t_flops) / elapsed / 1e12, 1)
-        if measured_peak:
-            out["extra"]["mfu_measured"] = round((d_flops + t_flops) / elapsed / (measured_peak * n_gpus), 4)
-    return out
-
-
-def _sum_lists(lists) -> list[float]:
-    total: list[float] = []
-    for values in lists:
-        if values is None:
-            continue
-        total = [a + b for a, b in zip(total, values)] if total else list(values)
-    return total
-
-
-def gpu_memory(devices: list[torch.device]) -> dict:
-    out = {}
-    for dev in sorted({d for d in devices if d.type == "cuda"}, key=str):
-        out[str(dev)] = {
-            "alloc_gib": round(torch.cuda.memory_allocated(dev) / 2**30, 2),
-            "peak_gib": round(torch.cuda.max_memory_allocated(dev) / 2**30, 2),
-            "reserved_gib": round(torch.cuda.memory_reserved(dev) / 2**30, 2),
-            "total_gib": round(torch.cuda.get_device_properties(dev).total_memory / 2**30, 2),
-        }
-    return out
-
-
-def target_stats(pipe: Pipeline, elapsed: float) -> dict:
-    """Per target thread since training started: sequence tokens/s, and the busy fraction
-    (near 1: the targets are the bottleneck; the drafters' ``wait`` time says the same)."""
-    elapsed = max(1e-9, elapsed)
-    return {"target_tok_s": [round(n / elapsed, 1) for n in pipe.target_tokens],
-            "target_busy": [round(b / elapsed, 3) for b in pipe.target_busy_s]}
-
-
-def sync_all(devices: list[torch.device]) -> None:
-    for dev in set(devices):
-        _sync(dev)
-
-
-def flop_model(cfg, target, drafter) -> FlopModel:
-    tc = target.config
-    heads = tc.num_attention_heads
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
-    layers_run = max(target.layer_ids) + 1  # the target stops after its last captured layer
-    return FlopModel(
-        drafter_params=sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-        # The layers the features run through; the embedding is a lookup, not a matmul.
-        target_params=sum(p.numel() for p in target.model.base_model.layers[:layers_run].parameters()),
-        hidden=tc.hidden_size, vocab=target.vocab_size, drafter_layers=len(drafter.layers),
-        attn_width=heads * head_dim, block_size=cfg.model.block_size, target_layers=layers_run,
-        fuse_params=drafter.fuse.weight.numel(),
-        kv_params=sum(layer.attn.k_proj.weight.numel() + layer.attn.v_proj.weight.numel() for layer in drafter.layers),
-    )
 
 
 def warmup_jobs(pipe: Pipeline) -> list[tuple[str, int, Callable[[], None]]]:
