@@ -12,7 +12,8 @@ import os
 import sys
 from typing import Optional
 
-from trainer.data import DataError, convert
+from trainer.data.converter import convert
+from trainer.data.records import DataError
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -39,16 +39,11 @@ from dataclasses import asdict
 from typing import Callable, Optional
 
 from dflashctl.core.contract import REGENERATE_BEAT_S
-from trainer.data import (
-    MANIFEST,
-    PAD_ID,
-    DataError,
-    ErrorBudget,
-    ShardDataset,
-    chat_head,
-    chat_records,
-    shard_paths,
-)
+from trainer.data.converter import chat_head, chat_records
+from trainer.data.manifest import MANIFEST
+from trainer.data.order import PAD_ID
+from trainer.data.records import DataError, ErrorBudget
+from trainer.data.shards import ShardDataset, shard_paths
 
 FORMAT = "jsonl input_ids+loss_mask v1"
 PROGRESS_EVERY_S = 10.0
@@ -58,7 +53,7 @@ PROGRESS_EVERY_S = 10.0
 
 
 def synthetic_prompts(cfg, vocab_size: int, mask_token_id: Optional[int], count: Optional[int]) -> list[list[int]]:
-    from trainer.data import synthetic_dataset
+    from trainer.data.synthetic import synthetic_dataset
 
     dataset = synthetic_dataset(cfg, vocab_size, mask_token_id)
     prompts = [ids[: mask.index(1)] for ids, mask in dataset.samples]
@@ -340,7 +335,7 @@ def ensure_regenerated(cfg, device: str, log: Callable[[str], None], on_progress
     """``data.regenerate`` before training: the shards in the run directory, written
     now unless a complete regeneration with these settings is already there; None
     when ``should_stop`` ended it first."""
-    from trainer.data import regenerated_dir
+    from trainer.data.manifest import regenerated_dir
 
     out = regenerated_dir(cfg)
     try:
