@@ -1,0 +1,226 @@
+"""Findings -> a decision: what to write, whether to restart, stop or wait; and the restarts.
+
+``_act`` asks ``policy.decide`` what the findings call for; a restart waits for its
+backoff (``Pending``), is issued (``_issue_restart``) and followed (``_restarted``).
+
+A restart's cost, in its restarts row:
+
+    detect_delay_s        detection - failure. The failure time is the trainer's own
+                          when it reported one (status.json ``failed``), else its
+                          latest sign of life: the last poll that saw it healthy (an
+                          upper bound) or, for a supervisor that re-attached and has
+                          seen no such poll, its newest metrics line; for a stall its
+                          last step, or the end of a stopped episode when later.
+    downtime_s            failure -> first step of the restarted process
+    time_to_first_step_s  restart issued -> first step of the restarted process
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from dflashctl.core import contract, signatures
+from dflashctl.core.states import DONE, FAILED, RESTARTING, RUNNING, STALLED, STOPPED, more_severe
+from dflashctl.core.units import fmt_duration
+from dflashctl.hosts.probe import ProbeResult
+from dflashctl.supervise import detectors, policy
+from dflashctl.supervise.detectors import Finding
+from dflashctl.supervise.supervisor_core.limits import REPEAT_FINDING_S, RESTART_MARKER, RESTART_TRIES, SETTLE_S
+from dflashctl.supervise.supervisor_core.machine import _transition
+from dflashctl.supervise.supervisor_core.observations import JobDone
+from dflashctl.supervise.supervisor_core.run_policy import Policy
+from dflashctl.supervise.supervisor_core.state import KILL, RESTART, Latest, Open, Pending, RunState
+from dflashctl.supervise.supervisor_core.wording import _shape, _stop_why, attempt_output
+from dflashctl.supervise.supervisor_core.writes import (
+    IssueRestart,
+    KillSession,
+    RestartRow,
+    RestartUpdate,
+    RunEval,
+    _Out,
+)
+
+
+def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, skew: float, pol: Policy,
+         out: _Out) -> None:
+    finished = next((f for f in findings if f.kind == detectors.FINISHED), None)
+    if finished is not None:
+        _finished(s, pr, finished, pol, out)
+        return
+    crash = next((f for f in findings if f.kind == detectors.CRASH), None)
+    classification = None
+    if crash is not None:
+        s.crash_seen = s.crash_seen or local
+        proc = pr.process
+        if pr.exit_code is None and pr.session_alive and proc is not None and not proc.alive \
+                and local - s.crash_seen < SETTLE_S:
+            return  # run.sh is writing the exit code: classify with it at the next poll
+        record = crash.detail.get("record")  # a hung peer: the surviving rank's failure names it
+        classification = signatures.classify(
+            record if record else attempt_output(pr), None if record else (pr.status.error if pr.status else None),
+            None if record else pr.exit_code, pol.run.signatures
+        )
+        crash = replace(crash, detail={**crash.detail, "signature": classification.name,
+                                       "matched_line": classification.matched_line})
+        findings = [crash if f.kind == detectors.CRASH else f for f in findings]
+    actions = policy.decide(findings, classification, pol.run.restart, s.history, local, pol.rng,
+                            healthy_since=s.healthy_since)
+    decision, alerts = actions[0], actions[1:]
+    trigger = crash or next((f for f in findings if f.kind == detectors.STALL), None)
+    fresh = _note_findings(s, findings, local, out)
+    for f in findings:
+        if f.kind in fresh:
+            out.event(f.kind, f.severity, f.message, f.detail)
+    if trigger is not None:
+        _decided(s, pr, trigger, decision, local, skew, pol, out)
+    elif s.run.state == STALLED and pol.act:
+        _transition(s, out, RUNNING, "making progress again" + (f": step {s.step_max}" if s.step_max else ""))
+    for a in alerts:
+        one_shot = trigger is not None and a.finding == trigger.kind and decision.kind != policy.NONE
+        if one_shot or a.finding in fresh:
+            out.alert(a.finding or "finding", a.severity, a.reason, a.detail)
+
+
+def _note_findings(s: RunState, findings: list[Finding], local: float, out: _Out) -> set[str]:
+    """Kinds to write now: new, worse or worded otherwise than when last written, or
+    lasting long enough to say again. Kinds that went away are written as cleared."""
+    fresh = set()
+    for f in findings:
+        o = s.findings.get(f.kind)
+        worse = o is not None and more_severe(f.severity, o.severity)
+        if o is None or worse or o.shape != _shape(f.message) or local - o.written >= REPEAT_FINDING_S:
+            fresh.add(f.kind)
+            s.findings[f.kind] = Open(f.severity, o.since if o else local, local, _shape(f.message))
+    for kind in set(s.findings) - {f.kind for f in findings}:
+        o = s.findings.pop(kind)
+        if kind != detectors.CRASH:
+            out.event(kind, "info", f"{kind} cleared after {fmt_duration(local - o.since)}")
+    return fresh
+
+
+def _decided(s: RunState, pr: ProbeResult, trigger: Finding, decision: policy.Action, local: float, skew: float,
+             pol: Policy, out: _Out) -> None:
+    detail = {"decision": decision.kind, "signature": decision.signature, "finding": trigger.kind,
+              "delay_s": round(decision.delay, 3), **trigger.detail}
+    if not pol.act:
+        if decision.kind != policy.NONE:
+            out.event("decision", "info",
+                      f"would {decision.kind.replace('_', ' ')} (observing only): {decision.reason}", detail)
+        return
+    if decision.kind == policy.NONE:  # e.g. a process someone stopped on purpose
+        if s.run.state != STALLED:
+            _transition(s, out, STALLED, decision.reason, detail, severity=decision.severity)
+        return
+    s.findings.pop(trigger.kind, None)  # acted on: the next one is news again
+    if decision.kind == signatures.STOP:
+        if pr.session_alive or (pr.process is not None and pr.process.alive):
+            s.job = KILL
+            out.actions.append(KillSession())
+        _transition(s, out, FAILED, decision.reason, detail, severity=decision.severity,
+                    exit_code=pr.exit_code, exit_reason=_stop_why(trigger, decision))
+        return
+    s.pending = Pending(
+        due=local + decision.delay, action=decision.kind, reason=decision.reason, signature=decision.signature,
+        detected_at=s.crash_seen or local, failed_at=_failure_time(s, pr, trigger, skew),
+        step_before=s.step_max, hung=trigger.detail.get("hung_rank") is not None,
+    )
+    s.crash_seen = None
+    if not _transition(s, out, RESTARTING, decision.reason, detail, severity=decision.severity):
+        # A restarted process that failed before it was seen running: still one decision, one event.
+        out.event("restart", decision.severity, decision.reason, detail)
+    if decision.delay <= 0:
+        _issue_restart(s, local, out)
+
+
+def _failure_time(s: RunState, pr: ProbeResult, trigger: Finding, skew: float) -> float | None:
+    """Local time the failure happened (see the module docstring)."""
+    status = pr.status
+    seen = _last_alive(s, skew)
+    if trigger.kind == detectors.CRASH:
+        if status is not None and status.phase == contract.PHASE_FAILED and status.updated:
+            return status.updated - skew
+        return seen
+    if detectors.holds_back([trigger]):
+        return seen
+    progress = detectors.last_progress(list(s.samples), status)
+    marks = [t for t in (progress[1] if progress else None, s.held_until) if t is not None]
+    return max(marks) - skew if marks else seen
+
+
+def _last_alive(s: RunState, skew: float) -> float | None:
+    """Local time of the latest sign that the current process was alive: the last
+    poll that saw it healthy, its newest metrics line, or its start. A supervisor that
+    re-attached has seen no healthy poll yet: its newest line, not the previous
+    restart, is when it was last known alive."""
+    line = s.last_line[0] - skew if s.last_line is not None else None
+    marks = [t for t in (s.last_ok, s.attempt_started, line) if t is not None]
+    return max(marks) if marks else None
+
+
+def _finished(s: RunState, pr: ProbeResult, finding: Finding, pol: Policy, out: _Out) -> None:
+    code = pr.exit_code
+    if not pol.act:
+        out.event(detectors.FINISHED, "info", finding.message, finding.detail)
+        return
+    state = DONE if finding.detail.get("outcome") == "done" else STOPPED
+    reason = contract.describe_exit(code) if code is not None else finding.detail.get("outcome")
+    if _transition(s, out, state, finding.message, finding.detail, exit_code=code, exit_reason=reason) \
+            and state == DONE and pol.run.eval is not None and pol.run.eval.after_done:
+        out.actions.append(RunEval())
+    out.alert(detectors.FINISHED, "info", finding.message, finding.detail)
+
+
+# --------------------------------------------------------------------------- restarts
+
+
+def _issue_restart(s: RunState, now: float, out: _Out) -> None:
+    p = s.pending
+    if p.tries == 0:
+        delay = p.detected_at - p.failed_at if p.failed_at is not None else None
+        out.writes.append(RestartRow(now, p.reason, p.signature, p.action, p.step_before,
+                                     round(max(0.0, delay), 3) if delay is not None else None))
+    serialized = p.action == signatures.RESTART_SERIALIZED
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))
+    marker = (f"{RESTART_MARKER} restart {len(s.history) + 1} at {stamp} "
+              f"({p.signature or 'unknown'}{', serialized warm-up' if serialized else ''}) ---")
+    s.job = RESTART
+    out.actions.append(IssueRestart(serialized, marker, hung=p.hung or p.signature == policy.STALL_SIGNATURE))
+
+
+def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -> None:
+    p = s.pending
+    if p is None:
+        return
+    if done.cancelled:
+        s.pending = None
+        out.event("restart", "info", done.error or "restart not issued: the run ended meanwhile")
+        out.writes.append(RestartUpdate({"outcome": f"cancelled: {done.error or 'the run ended meanwhile'}"}))
+        return
+    if done.error is not None:
+        tries = p.tries + 1
+        if tries >= RESTART_TRIES or not done.retry:  # e.g. a bug: no retry
+            s.pending = None
+            message = f"restart failed ({tries} tries): {done.error}"
+            out.writes.append(RestartUpdate({"outcome": f"not issued: {done.error}"[:300]}))
+            _transition(s, out, FAILED, message, severity="critical", exit_reason="restart failed")
+            out.alert("restart_failed", "critical", message, {"signature": p.signature})
+        else:
+            s.pending = replace(p, tries=tries, due=now + max(pol.run.restart.backoff_initial, pol.interval))
+            out.event("restart", "error", f"restart not issued (try {tries}/{RESTART_TRIES}; again in "
+                      f"{fmt_duration(s.pending.due - now)}): {done.error}")
+        return
+    s.pending = None
+    issued = done.issued if done.issued is not None else now
+    out.writes.append(RestartUpdate({"outcome": "issued", "time": issued}))
+    s.history = s.history + (policy.Restart(issued, p.step_before, None),)
+    s.latest = Latest(issued, p.failed_at)
+    # A new process: it resumes from a checkpoint, so the old one's steps are not its progress.
+    s.restart_issued, s.attempt_started = True, issued
+    s.samples = ()
+    s.findings = {}
+    s.step_max = s.healthy_since = s.last_ok = None
+    s.phase, s.phase_since = None, issued + done.skew
+    s.compile_cache, s.cache_fetch = None, False
+    s.holding, s.held_until = False, None
+    s.rank_gone_at, s.rank_steps = {}, {}
