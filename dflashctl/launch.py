@@ -192,7 +192,31 @@ class LaunchResult:
     blocked: int = 0  # a dry run: the errors a launch would stop at (the preflight's and the inputs')
 
 
+@dataclass
+class Site:
+    """One host of the run, and what the launch learns of it step by step (rank 0
+    first; a run on one host has one site)."""
+
+    rank: int
+    host: "Host"
+    transport: "Transport | None" = None  # None in a dry run: nothing reaches the host
+    gpu_readings: list = field(default_factory=list)  # nvidia-smi's answer (the compile cache's GPU name)
+    deployed: Any = None  # deploy.DeployResult
+    workdir: str = ""
+    run_dir: str = ""
+    session: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+    def part(self) -> dict[str, Any]:
+        """This process as the run config lists it (``distributed.hosts``)."""
+        return {"rank": self.rank, "host": self.host.name, "python": self.host.python, "workdir": self.workdir,
+                "env": self.env}
+
+
 class _Launcher:
+    """One launch flow for a run on N hosts (N = 1 the usual case). A dry run goes
+    through the same steps and says what each would do on its host."""
+
     def __init__(self, playbook, inventory, store, force, dry_run, progress, clock, start_timeout, bundle):
         self.bundle = bundle
         self.playbook = playbook
@@ -202,18 +226,92 @@ class _Launcher:
         self.dry_run = dry_run
         self.say = progress or quiet
         self.clock = clock
-        self.host = inventory.get(playbook.host_names(inventory)[0])
         self.socket = socket_name()
         self.start_timeout = start_timeout
-        self.transport: Transport | None = None
-        self.gpu_readings: list = []  # nvidia-smi's answer, for the compile cache's GPU name
         self.blocked = 0  # a dry run: errors a launch would stop at
 
-    def show_remote(self, step: str, argv: list[str], input: bytes | None = None) -> None:
+    def show_remote(self, step: str, site: Site, argv: list[str], input: bytes | None = None) -> None:
         """In a dry run: say exactly what would run on the host."""
-        self.say(step, f"would run on {self.host.name}: {_show(argv, len(input) if input else None)}")
+        self.say(step, f"would run on {site.host.name}: {_show(argv, len(input) if input else None)}")
 
-    def _preflight_verdict(self, findings: list) -> None:
+    def run(self) -> LaunchResult:
+        pb = self.playbook
+        sites = [Site(rank, self.inventory.get(name)) for rank, name in enumerate(pb.host_names(self.inventory))]
+        several = len(sites) > 1
+        if not self.dry_run:
+            self._refuse_second_run()
+        findings: list[Any] = []
+        for site in sites:  # every host is audited: one bad environment fails the whole run
+            findings += self._preflight(site, pb.model_copy(update={"host": site.host.name, "hosts": []})
+                                        if several else pb)
+        trainer = pb.trainer.to_dict()
+        for site in sites:  # the data and the model are read on every host
+            self._check_inputs(site.host, trainer)
+
+        bundle = self.bundle or build_bundle()
+        self.say("bundle", f"trainer bundle {bundle.short} ({bundle.size} bytes, {len(bundle.files)} files)")
+        for site in sites:
+            site.transport = None if self.dry_run else host_transport(site.host.name, self.inventory)
+            self.say("connect", f"{site.host.name} via {_route(site.host.name, self.inventory)}")
+            self._prove_host(site)
+        wanted, gpus = wanted_gpus(trainer), []
+        for site in sites if wanted else sites[:1]:
+            gpus = self._check_gpus(site, wanted)  # the same indices on every host
+
+        run_id = new_run_id(pb.name, self.clock())
+        for site in sites:
+            self._deploy(site, bundle, several)
+            site.run_dir, site.session = deploy.run_dir(site.workdir, run_id), run_session(run_id, site.rank)
+            site.env = run_environment(site.host, pb.env, deploy.bundle_dir(site.workdir, bundle.hash), gpus)
+        config = self._run_config(sites[0], trainer, gpus)
+        key = self._rendezvous(sites, config) if several else None
+        names = ", ".join(s.host.name for s in sites)
+
+        if self.dry_run:
+            if not several:
+                self.say("record", f"would record run {run_id} (state launching, GPUs {gpus or 'none'})")
+            for site in sites:
+                files = self._configure(site, run_id, config, key)
+                self._provide_compile_cache(site, run_id, files, config, bundle.hash, gpus)
+            for site in sites:
+                self._start(site, run_id)
+            return LaunchResult(run_id, "dry-run", sites[0].host.name, sites[0].run_dir, run_id, dry_run=True,
+                                findings=findings, blocked=self.blocked)
+
+        run = self._record(sites, run_id, config, bundle, gpus, names)
+        started: list[Site] = []
+        try:
+            for site in sites:
+                files = self._configure(site, run_id, config, key)
+                self._provide_compile_cache(site, run_id, files, config, bundle.hash, gpus)
+            for site in sites:  # all started before any is waited for: they meet at the rendezvous
+                self._start(site, run_id)
+                started.append(site)
+        except BaseException as e:
+            if several:
+                self._end_started(started)
+            self.store.transition(run_id, FAILED, f"launch failed: {first_line(e)}", self.clock(),
+                                  exit_reason="launch failed")
+            raise
+        state = self._wait_started(sites[0], run_id, run.parts()[0], names)
+        deployed = sites[-1].deployed
+        return LaunchResult(run_id, state, sites[0].host.name, sites[0].run_dir, run_id,
+                            deploy=deployed.to_dict() if deployed else None, findings=findings)
+
+    # ----------------------------------------------------------------- the steps
+
+    def _preflight(self, site: Site, pb: "Playbook") -> list[Any]:
+        if self.dry_run:  # the audit only reads the host: it runs, shows the drift, and never blocks
+            from dflashctl.envaudit import preflight as audit_preflight
+
+            self.say("preflight", f"env-audit of {site.host.name} (read-only; nothing recorded in a dry run)")
+            findings = audit_preflight(pb, self.inventory, self.store, dry_run=True)
+        else:
+            findings = preflight(pb, self.inventory, self.store)
+        self._preflight_verdict(site.host, findings)
+        return findings
+
+    def _preflight_verdict(self, host: "Host", findings: list) -> None:
         blocking = blocking_findings(findings)
         for f in findings:
             self.say("preflight", f"{_field(f, 'severity')}: {_field(f, 'message', f)}")
@@ -226,7 +324,7 @@ class _Launcher:
             self.say("preflight", f"a launch would stop here: {len(blocking)} error(s) (--force goes past them)")
         elif blocking and not self.force:
             raise LaunchError(
-                f"env-audit found {len(blocking)} error(s) on {self.host.name}; not launching",
+                f"env-audit found {len(blocking)} error(s) on {host.name}; not launching",
                 hint=f"see `dflashctl env-audit {shlex.quote(self.playbook.name)}`; fix them, or pass --force "
                      "to launch anyway",
             )
@@ -279,90 +377,70 @@ class _Launcher:
                 hint=f"`dflashctl status {other.id}` shows it, `dflashctl stop {other.id}` stops it; "
                      "--force launches another run anyway")
 
-    def run(self) -> LaunchResult:
-        names = self.playbook.host_names(self.inventory)
-        if len(names) > 1:
-            return self._run_on_hosts([self.inventory.get(n) for n in names])
-        pb, host = self.playbook, self.host
-        if not self.dry_run:
-            self._refuse_second_run()
-        if self.dry_run:  # the audit only reads the host: it runs, shows the drift, and never blocks
-            from dflashctl.envaudit import preflight as audit_preflight
-
-            self.say("preflight", f"env-audit of {host.name} (read-only; nothing recorded in a dry run)")
-            findings = audit_preflight(pb, self.inventory, self.store, dry_run=True)
-            self._preflight_verdict(findings)
-        else:
-            findings = preflight(pb, self.inventory, self.store)
-            self._preflight_verdict(findings)
-        self._check_inputs(host, pb.trainer.to_dict())
-
-        bundle = self.bundle or build_bundle()
-        self.say("bundle", f"trainer bundle {bundle.short} ({bundle.size} bytes, {len(bundle.files)} files)")
-
-        if not self.dry_run:
-            self.transport = host_transport(host.name, self.inventory)
-        self.say("connect", f"{host.name} via {_route(host.name, self.inventory)}")
-        self._prove_host(host, self.transport)
-
-        trainer = pb.trainer.to_dict()
-        gpus = self._check_gpus(wanted_gpus(trainer))
-
-        now = self.clock()
-        run_id = new_run_id(pb.name, now)
+    def _deploy(self, site: Site, bundle: Bundle, several: bool) -> None:
+        """The bundle into the host's workdir (first, so a cut connection leaves no run
+        behind; the check also resolves the workdir)."""
         if self.dry_run:
-            workdir = host.workdir  # '~' is expanded on the host
-            self.show_remote("deploy", deploy.check_argv(workdir, bundle.hash))
-            self.show_remote("deploy", deploy.receive_argv(workdir, bundle), bundle.data)
+            site.workdir = site.host.workdir  # '~' is expanded on the host
+            self.show_remote("deploy", site, deploy.check_argv(site.workdir, bundle.hash))
+            self.show_remote("deploy", site, deploy.receive_argv(site.workdir, bundle), bundle.data)
             self.say("deploy", "(the upload is skipped when the bundle is already complete on the host)")
-        else:
-            # First, so a cut connection leaves no run behind; the check also resolves the workdir.
-            result = deploy.deploy_bundle(self.transport, bundle, host.workdir)
-            workdir = result.workdir
-            self.say("deploy", f"bundle {bundle.short} {result.status} ({result.bytes_sent} bytes sent)"
-                     + (f"; removed {result.cleaned_temp_dirs} stale upload(s)" if result.cleaned_temp_dirs else ""))
-        run_dir = deploy.run_dir(workdir, run_id)
-        env = run_environment(host, pb.env, deploy.bundle_dir(workdir, bundle.hash), gpus)
-        config = self._run_config(trainer, gpus, run_dir, workdir, env)
+            return
+        result = site.deployed = deploy.deploy_bundle(site.transport, bundle, site.host.workdir)
+        site.workdir = result.workdir
+        where = f"{site.host.name}: " if several else ""
+        self.say("deploy", f"{where}bundle {bundle.short} {result.status} ({result.bytes_sent} bytes sent)"
+                 + (f"; removed {result.cleaned_temp_dirs} stale upload(s)" if result.cleaned_temp_dirs else ""))
 
-        if self.dry_run:
-            self.say("record", f"would record run {run_id} (state launching, GPUs {gpus or 'none'})")
-            files = self._configure(run_id, run_dir, config)
-            self._provide_compile_cache(run_id, run_dir, files, config, bundle.hash, gpus)
-            self._start(run_id, run_dir)
-            return LaunchResult(run_id, "dry-run", host.name, run_dir, run_id, dry_run=True, findings=findings,
-                                blocked=self.blocked)
+    def _rendezvous(self, sites: list[Site], config: dict[str, Any]) -> str:
+        """Several hosts: rank 0's host listens on the rendezvous port; every process
+        gets the others' places and this start's secret (returned)."""
+        pb, first = self.playbook, sites[0]
+        address = pb.rendezvous.address or ("127.0.0.1" if first.host.is_local else first.host.address)
+        self._check_port(first, pb.rendezvous.port)
+        config["distributed"] = {"address": address, "port": pb.rendezvous.port, "hosts": [s.part() for s in sites]}
+        self.say("record", f"rendezvous at {address}:{pb.rendezvous.port} (rank 0 on {first.host.name}); "
+                 f"{len(sites)} processes, one per host")
+        return new_rendezvous_key()
 
+    def _record(self, sites: list[Site], run_id: str, config: dict[str, Any], bundle: Bundle, gpus: list[int],
+                names: str) -> Run:
+        pb, first, several = self.playbook, sites[0], len(sites) > 1
         with self.store.batch():  # checked again with the record: a launch racing this one cannot also pass
             self._refuse_second_run()
             run = self.store.create_run(
-                pb.name, host.name, config, now, run_id=run_id, bundle_hash=bundle.hash, run_dir=run_dir,
-                tmux_session=run_id, tmux_socket=self.socket, claim_gpus=not self.force,
-                message=f"launch of playbook {pb.name} on {host.name}" + (" (forced)" if self.force else ""),
-            )
-        self.store.add_event(run_id, "deploy", f"bundle {bundle.short} {result.status}", self.clock(),
-                             detail=result.to_dict())
-        self.say("record", f"run {run.id} (GPUs {', '.join(map(str, gpus)) or 'none'})")
+                pb.name, first.host.name, config, self.clock(), run_id=run_id, bundle_hash=bundle.hash,
+                run_dir=first.run_dir, tmux_session=run_id, tmux_socket=self.socket, claim_gpus=not self.force,
+                message=f"launch of playbook {pb.name} on {names}" + (" (forced)" if self.force else ""),
+                **({"hosts": [{"rank": s.rank, "host": s.host.name, "run_dir": s.run_dir, "tmux_session": s.session}
+                              for s in sites]} if several else {}))
+        for site in sites:
+            where = f" on {site.host.name}" if several else ""
+            self.store.add_event(run_id, "deploy", f"bundle {bundle.short} {site.deployed.status}{where}", self.clock(),
+                                 detail=site.deployed.to_dict())
+        on_each = " on each" if several else ""
+        self.say("record", f"run {run_id}{' on ' + names if several else ''} "
+                           f"(GPUs {', '.join(map(str, gpus)) or 'none'}{on_each})")
         drift = environment_drift(self.store, run, pb.restart.healthy_after)
         if drift is not None:
             self.store.add_event(run.id, drift.kind, drift.message, self.clock(), severity=drift.severity,
                                  detail=drift.detail)
             self.say("preflight", f"warning: {drift.message}")
-        try:
-            files = self._configure(run_id, run_dir, config)
-            self._provide_compile_cache(run_id, run_dir, files, config, bundle.hash, gpus)
-            self._start(run_id, run_dir)
-        except BaseException as e:
-            self.store.transition(run_id, FAILED, f"launch failed: {first_line(e)}", self.clock(),
-                                  exit_reason="launch failed")
-            raise
-        state = self._wait_started(run_id, self.store.get_run(run_id), host.name)
-        return LaunchResult(run_id, state, host.name, run_dir, run_id, deploy=result.to_dict(), findings=findings)
+        return run
 
-    def _wait_started(self, run_id: str, run: Run, where: str) -> str:
-        """Wait for rank 0's trainer to start (``self.transport`` reaches its host)."""
+    def _end_started(self, started: list[Site]) -> None:
+        """A launch failed halfway: no process is left waiting at the rendezvous."""
+        for site in started:
+            try:
+                Tmux(site.host, self.inventory, self.socket).kill(site.session)
+            except DflashError as again:
+                self.say("start", f"warning: could not end tmux session {site.session} on {site.host.name}: "
+                                  f"{first_line(again)}")
+
+    def _wait_started(self, site: Site, run_id: str, run: Run, where: str) -> str:
+        """Wait for rank 0's trainer to start."""
         try:
-            return wait_started(self.store, run, self.transport, self.start_timeout, self.clock, self.say)
+            return wait_started(self.store, run, site.transport, self.start_timeout, self.clock, self.say)
         except KeyboardInterrupt:
             self.store.add_event(run_id, "startup", "launch interrupted while waiting for the trainer to start",
                                  self.clock(), severity="warning")
@@ -378,111 +456,13 @@ class _Launcher:
             self.say("wait", f"warning: could not confirm the start ({first_line(e)})")
             return LAUNCHING
 
-    # ----------------------------------------------------------------- several hosts
-
-    def _at(self, host: "Host", transport: "Transport | None") -> None:
-        """The host the per-host steps (_check_gpus, _configure, _start, ...) act on."""
-        self.host, self.transport = host, transport
-
-    def _run_on_hosts(self, hosts: list["Host"]) -> LaunchResult:
-        """One run on several hosts: a torch.distributed process on each (rank 0 on
-        the first), all started before any is waited for (they meet at rendezvous)."""
-        pb = self.playbook
-        if not self.dry_run:
-            self._refuse_second_run()
-        findings: list[Any] = []
-        for host in hosts:  # every host is audited: one bad environment fails the whole run
-            self._at(host, None)
-            one = pb.model_copy(update={"host": host.name, "hosts": []})
-            if self.dry_run:
-                from dflashctl.envaudit import preflight as audit_preflight
-
-                self.say("preflight", f"env-audit of {host.name} (read-only; nothing recorded in a dry run)")
-                found = audit_preflight(one, self.inventory, self.store, dry_run=True)
-            else:
-                found = preflight(one, self.inventory, self.store)
-            self._preflight_verdict(found)
-            findings += found
-        for host in hosts:  # the data and the model are read on every host
-            self._check_inputs(host, pb.trainer.to_dict())
-        bundle = self.bundle or build_bundle()
-        self.say("bundle", f"trainer bundle {bundle.short} ({bundle.size} bytes, {len(bundle.files)} files)")
-        transports = [None if self.dry_run else host_transport(h.name, self.inventory) for h in hosts]
-        for host, transport in zip(hosts, transports):
-            self.say("connect", f"{host.name} via {_route(host.name, self.inventory)}")
-            self._prove_host(host, transport)
-        trainer = pb.trainer.to_dict()
-        wanted = wanted_gpus(trainer)
-        gpus = []
-        for host, transport in zip(hosts, transports) if wanted else zip(hosts[:1], transports[:1]):
-            self._at(host, transport)
-            gpus = self._check_gpus(wanted)  # the same indices on every host
-        run_id = new_run_id(pb.name, self.clock())
-        parts, result = [], None
-        for rank, (host, transport) in enumerate(zip(hosts, transports)):
-            if self.dry_run:
-                workdir = host.workdir
-                self.say("deploy", f"would deploy bundle {bundle.short} to {host.name}:{workdir} (if not there)")
-            else:
-                result = deploy.deploy_bundle(transport, bundle, host.workdir)
-                workdir = result.workdir
-                self.say("deploy", f"{host.name}: bundle {bundle.short} {result.status} ({result.bytes_sent} bytes sent)")
-            parts.append({"rank": rank, "host": host.name, "python": host.python, "workdir": workdir,
-                          "run_dir": deploy.run_dir(workdir, run_id), "tmux_session": run_session(run_id, rank),
-                          "env": run_environment(host, pb.env, deploy.bundle_dir(workdir, bundle.hash), gpus)})
-        address = pb.rendezvous.address or ("127.0.0.1" if hosts[0].is_local else hosts[0].address)
-        self._check_port(hosts[0], transports[0], pb.rendezvous.port)
-        config = self._run_config(trainer, gpus, parts[0]["run_dir"], parts[0]["workdir"], parts[0]["env"])
-        config["distributed"] = {"address": address, "port": pb.rendezvous.port,
-                                 "hosts": [{k: p[k] for k in ("rank", "host", "python", "workdir", "env")} for p in parts]}
-        names, key = ", ".join(h.name for h in hosts), new_rendezvous_key()
-        self.say("record", f"rendezvous at {address}:{pb.rendezvous.port} (rank 0 on {hosts[0].name}); "
-                 f"{len(hosts)} processes, one per host")
-        if self.dry_run:
-            for rank, (host, part) in enumerate(zip(hosts, parts)):
-                self._at(host, None)
-                self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"], key)
-                self._start(run_id, part["run_dir"], part["tmux_session"])
-            return LaunchResult(run_id, "dry-run", hosts[0].name, parts[0]["run_dir"], run_id, dry_run=True,
-                                findings=findings, blocked=self.blocked)
-        with self.store.batch():
-            self._refuse_second_run()
-            self.store.create_run(
-                pb.name, hosts[0].name, config, self.clock(), run_id=run_id, bundle_hash=bundle.hash,
-                run_dir=parts[0]["run_dir"], tmux_session=run_id, tmux_socket=self.socket, claim_gpus=not self.force,
-                message=f"launch of playbook {pb.name} on {names}" + (" (forced)" if self.force else ""),
-                hosts=[{k: p[k] for k in ("rank", "host", "run_dir", "tmux_session")} for p in parts])
-        self.say("record", f"run {run_id} on {names} (GPUs {', '.join(map(str, gpus)) or 'none'} on each)")
-        started: list[tuple["Host", str]] = []
-        try:
-            for rank, (host, transport, part) in enumerate(zip(hosts, transports, parts)):
-                self._at(host, transport)
-                files = self._configure(run_id, part["run_dir"], config, rank, part["tmux_session"], key)
-                self._provide_compile_cache(run_id, part["run_dir"], files, config, bundle.hash, gpus, rank)
-            for host, transport, part in zip(hosts, transports, parts):
-                self._at(host, transport)
-                self._start(run_id, part["run_dir"], part["tmux_session"])
-                started.append((host, part["tmux_session"]))
-        except BaseException as e:
-            for host, session in started:  # no process is left waiting at the rendezvous
-                try:
-                    Tmux(host, self.inventory, self.socket).kill(session)
-                except DflashError as again:
-                    self.say("start", f"warning: could not end tmux session {session} on {host.name}: {first_line(again)}")
-            self.store.transition(run_id, FAILED, f"launch failed: {first_line(e)}", self.clock(),
-                                  exit_reason="launch failed")
-            raise
-        self._at(hosts[0], transports[0])
-        state = self._wait_started(run_id, self.store.get_run(run_id).parts()[0], names)
-        return LaunchResult(run_id, state, hosts[0].name, parts[0]["run_dir"], run_id,
-                            deploy=result.to_dict() if result else None, findings=findings)
-
-    def _prove_host(self, host: "Host", transport: "Transport | None") -> None:
+    def _prove_host(self, site: Site) -> None:
         """What `check` proves before anything is deployed or recorded: a detached
         process and a tmux session started through the host's route outlive the call
         (a wrapper that enters a fresh pid namespace per call kills the trainer when
         the launch returns), the workdir is writable. Not for the local host (no
         route, no wrapper: the controller's own machine)."""
+        host = site.host
         if host.is_local:
             return
         if self.dry_run:
@@ -491,7 +471,7 @@ class _Launcher:
             return
         from dflashctl.hosts.facts import LAUNCH_BLOCKERS, prove_launchable
 
-        _, problems = prove_launchable(transport)
+        _, problems = prove_launchable(site.transport)
         blocking = [p for p in problems if p.code in LAUNCH_BLOCKERS]
         if blocking:
             first = blocking[0]
@@ -502,58 +482,60 @@ class _Launcher:
         self.say("connect", f"{host.name}: a detached process and a tmux session outlive the call through "
                  f"{'the wrapper' if host.wrapper else 'ssh'}")
 
-    def _check_port(self, host: "Host", transport: "Transport | None", port: int) -> None:
+    def _check_port(self, site: Site, port: int) -> None:
         """Rank 0's host must be able to listen on the rendezvous port before anything starts."""
+        host = site.host
         if self.dry_run:
             self.say("gpus", f"would check that port {port} is free on {host.name}: "
                      f"{_show(port_check_argv(host.python, port)[:3])} <port check> {port}")
             return
-        problem = rendezvous_port_problem(transport, host.python, port)
+        problem = rendezvous_port_problem(site.transport, host.python, port)
         if problem:
             raise port_in_use_error(host.name, port, problem)
         self.say("gpus", f"rendezvous port {port} free on {host.name}")
 
-    def _check_gpus(self, wanted: list[int]) -> list[int]:
-        device = self.playbook.trainer.placement.device
+    def _check_gpus(self, site: Site, wanted: list[int]) -> list[int]:
+        device, host = self.playbook.trainer.placement.device, site.host
         if not wanted:
             self.say("gpus", "none needed (CPU run)")
             return []
         if self.dry_run:
-            argv = gpu_probe_argv(self.host.python)
+            argv = gpu_probe_argv(host.python)
             self.say("gpus", f"would check GPUs {wanted} with nvidia-smi through the probe: "
                      f"{_show(argv[:3])} <probe script> {argv[-1]}")
             return wanted
-        probe = probe_gpus(self.transport)
-        self.gpu_readings = list(probe.gpus or [])
+        probe = probe_gpus(site.transport)
+        site.gpu_readings = list(probe.gpus or [])
         if probe.gpus is None:
             smi_error = next((e for e in probe.errors if "nvidia-smi" in e), "nvidia-smi gave no answer")
-            if device == "auto" and not self.host.gpus and "not found" in smi_error:
+            if device == "auto" and not host.gpus and "not found" in smi_error:
                 self.say("gpus", "no nvidia-smi on the host: the trainer will run on CPU")
                 return []
             if not self.force:
-                raise LaunchError(f"{self.host.name}: cannot check GPUs {wanted}: {smi_error}",
+                raise LaunchError(f"{host.name}: cannot check GPUs {wanted}: {smi_error}",
                                   hint="fix nvidia-smi on the host, or pass --force to launch without the check")
             self.say("gpus", f"warning: cannot check GPUs ({smi_error}); forced")
             return wanted
         busy = busy_gpus(probe, wanted)
-        count = gpu_count_problem(self.host, len(probe.gpus))  # the inventory's gpus: against nvidia-smi
+        count = gpu_count_problem(host, len(probe.gpus))  # the inventory's gpus: against nvidia-smi
         if count is not None:
             self.say("gpus", f"warning: {count.message}")
         absent = [g for g, why in busy.items() if why.startswith("not present")]
         if busy and not self.force:
             listed = "; ".join(f"GPU {g}: {why}" for g, why in sorted(busy.items()))
-            raise LaunchError(f"{self.host.name}: GPUs {'not present' if len(absent) == len(busy) else 'busy'}: {listed}",
+            raise LaunchError(f"{host.name}: GPUs {'not present' if len(absent) == len(busy) else 'busy'}: {listed}",
                               hint=("change trainer.placement to GPUs that nvidia-smi shows, or pass --force" if absent
                                     else "wait for them, change trainer.placement, or pass --force"))
         self.say("gpus", f"GPUs {wanted} free" if not busy else f"GPUs {sorted(busy)} busy; forced")
         return wanted
 
-    def _run_config(self, trainer, gpus, run_dir, workdir, env) -> dict[str, Any]:
+    def _run_config(self, first: Site, trainer: dict[str, Any], gpus: list[int]) -> dict[str, Any]:
+        """The run's config as recorded: rank 0's places (every rank's differ only there)."""
         pb = self.playbook
         trainer = copy.deepcopy(trainer)
-        trainer["run_dir"] = run_dir
+        trainer["run_dir"] = first.run_dir
         cache = pb.compile_cache
-        if self.host.is_local and "compile_cache" not in pb.model_fields_set:
+        if first.host.is_local and "compile_cache" not in pb.model_fields_set:
             from dflashctl.core.paths import local_compile_cache
 
             cache = local_compile_cache() or cache  # DFLASHCTL_HOME holds a local run's cache too
@@ -562,10 +544,10 @@ class _Launcher:
         return {
             "trainer": trainer,  # as in the playbook (physical GPU indices)
             "gpus": gpus,
-            "env": env,
+            "env": first.env,
             "compile_cache": cache,
-            "python": self.host.python,
-            "workdir": workdir,
+            "python": first.host.python,
+            "workdir": first.workdir,
             "playbook_source": pb.source,
             "forced": self.force,
             # What the run is held to, as launched: the console shows it without
@@ -573,27 +555,28 @@ class _Launcher:
             "thresholds": thresholds_of(pb),
         }
 
-    def _configure(self, run_id: str, run_dir: str, config: dict[str, Any], rank: int = 0,
-                   session: str | None = None, rendezvous_key: str | None = None) -> dict[str, str]:
+    def _configure(self, site: Site, run_id: str, config: dict[str, Any], rendezvous_key: str | None) -> dict[str, str]:
         """Write (or, in a dry run, show) the run files; returns them."""
-        files = run_files(run_id, run_dir, config, self.socket, rank=rank, session=session,
+        run_dir = site.run_dir
+        files = run_files(run_id, run_dir, config, self.socket, rank=site.rank, session=site.session,
                           rendezvous_key=rendezvous_key)
         if self.dry_run:
-            self.show_remote("configure", deploy.run_files_argv(run_dir), deploy.tar_of(files))
+            self.show_remote("configure", site, deploy.run_files_argv(run_dir), deploy.tar_of(files))
             self.say("configure", f"{RUN_SCRIPT}:\n" + files[RUN_SCRIPT])
             if contract.RENDEZVOUS_KEY_FILE in files:
                 self.say("configure", f"{contract.RENDEZVOUS_KEY_FILE}: this start's secret, mode 0600 (not shown)")
             return files
-        deploy.write_run_files(self.transport, run_dir, files)
+        deploy.write_run_files(site.transport, run_dir, files)
         self.say("configure", f"{run_dir}: {', '.join(sorted(files))}")
         return files
 
-    def _provide_compile_cache(self, run_id: str, run_dir: str, files: dict[str, str], config: dict[str, Any],
-                               bundle_hash: str, gpus: list[int], rank: int = 0) -> None:
+    def _provide_compile_cache(self, site: Site, run_id: str, files: dict[str, str], config: dict[str, Any],
+                               bundle_hash: str, gpus: list[int]) -> None:
         """Before the start: a held compile artifact that fits the run goes into its
         run directory (dflashctl.runs.compile_cache), said and recorded."""
         from dflashctl.runs import compile_cache
 
+        run_dir = site.run_dir
         if self.dry_run:
             held = len(compile_cache.LocalCache().entries())
             if held:
@@ -602,20 +585,21 @@ class _Launcher:
             return
         trainer = json.loads(files[contract.CONFIG_FILE])  # the config.json the trainer reads
         compile_cache.provide_for_run(
-            self.transport, run_dir, trainer, compile_cache.bundle_of(part_config(config, rank).get("env"), bundle_hash),
-            compile_cache.gpu_name(self.gpu_readings, gpus),
+            site.transport, run_dir, trainer,
+            compile_cache.bundle_of(part_config(config, site.rank).get("env"), bundle_hash),
+            compile_cache.gpu_name(site.gpu_readings, gpus),
             lambda message: self.say("configure", message),
             lambda o: self.store.add_event(run_id, compile_cache.EVENT_KIND, o.message, self.clock(), o.severity,
                                            o.event_detail()))
 
-    def _start(self, run_id: str, run_dir: str, session: str | None = None) -> None:
-        command, session = start_command(run_dir), session or run_id
-        where = f" on {self.host.name}" if session != run_id else ""
+    def _start(self, site: Site, run_id: str) -> None:
+        command, session = start_command(site.run_dir), site.session
+        where = f" on {site.host.name}" if session != run_id else ""
         if self.dry_run:
-            self.say("start", f"would start tmux session {session} on {self.host.name} (tmux -L {self.socket}) "
+            self.say("start", f"would start tmux session {session} on {site.host.name} (tmux -L {self.socket}) "
                      f"running: {command}")
             return
-        Tmux(self.host, self.inventory, self.socket).start(session, command)
+        Tmux(site.host, self.inventory, self.socket).start(session, command)
         self.say("start", f"tmux session {session}{where} (tmux -L {self.socket})")
 
 

@@ -90,7 +90,7 @@ def launch_command(
 
     The supervisor runs in a local tmux session; --foreground stays attached instead.
     A playbook with `hosts: [a, b]` starts one torch.distributed process on each host
-    (rank 0 on the first) and records them as one run (README: Past one host)."""
+    (rank 0 on the first) and records them as one run (docs/multi-host.md)."""
     from dflashctl.config import load_playbook
     from dflashctl.core.states import FAILED, FINAL_STATES
     from dflashctl.launch import HandOverSignals, launch_run, start_supervisor, supervise_here
