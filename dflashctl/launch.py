@@ -1,6 +1,7 @@
-"""The launch flow: a playbook becomes a run started on its host, recorded, supervised.
+"""The launch flow: a playbook becomes a run started on its hosts, recorded, supervised.
 
-``launch`` does, in order (each step reported through ``progress``):
+``launch`` does, in order, on every host of the run (rank 0 first; most runs have
+one), each step reported through ``progress``:
 
     preflight   env-audit findings; errors block unless force
     inputs      the data shards, model directory and free disk on the run host, in
@@ -24,14 +25,17 @@ foreground (``supervise_here``) is never left unsupervised by the process's end:
 Ctrl-C, SIGTERM and SIGHUP (the terminal or the ssh connection closed) hand it to
 a background supervisor (``HandOverSignals``).
 
-``dry_run`` prints every step and remote command instead of doing it (it builds
-the bundle locally to show its hash, and touches neither the host nor the store).
+``dry_run`` walks the same steps and prints every remote command instead of running
+it: it builds the bundle locally to show its hash, only reads the hosts (the env-audit
+and the inputs, read-only) and writes neither the hosts nor the store.
 
 Placement GPU indices in a playbook are physical (as nvidia-smi numbers them);
-the run files (config.json, run.sh), the start itself and everything that later
-happens to the run on its host (stop, restart, logs) are ``dflashctl.runs.runhost``'s.
+the run files (config.json, run.sh) are ``dflashctl.runs.files``', the wait for the
+trainer's first status ``dflashctl.runs.runhost``'s. What later happens to the run on
+its hosts is the other run modules': stop and restart ``dflashctl.runs.runhost``, logs
+``dflashctl.runs.logs``, eval ``dflashctl.runs.evaluate``.
 
-This module never restarts, stops or signals a run (``dflashctl.runs.runhost``), and
+This module never restarts, stops or signals a run (``dflashctl.runs.runhost`` does), and
 the supervisor never imports it: it only starts the supervisor.
 """
 

@@ -42,7 +42,7 @@ EAGER_FALLBACK_MESSAGE = "flex_attention called without torch.compile"
 _flex_compiled = torch.compile(flex_attention, dynamic=False)
 
 # flex_attention's backward tiles measured fastest on the DFlash mask at head dim 128 in
-# bf16 on an H200 (bench/bench_flex.py: -10 % backward against torch's defaults;
+# bf16 on an H200 (bench.trainer.flex: -10 % backward against torch's defaults;
 # bench/RESULTS.md). Tied to Hopper's shared memory: used there only, for 16-bit inputs
 # of head dim <= 128 (``compile.flex_kernel``).
 HOPPER_BWD_TILES = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
@@ -84,7 +84,7 @@ def select_attention_path(
 
     auto: cuda -> flex_compiled, cpu -> sdpa. on: flex_compiled (GPU only: no
     flex backward on CPU). off: sdpa on CPU; on a GPU the dense flex path, which
-    is refused unless ``allow_eager`` (TORCH_THREADS.md rule 5). ``flex_kernel``
+    is refused unless ``allow_eager`` (trainer/compile.py, rule 5). ``flex_kernel``
     (``compile.flex_kernel``): auto uses HOPPER_BWD_TILES on a compute capability 9 GPU.
     """
     device_type = torch.device(device).type

@@ -1,4 +1,4 @@
-"""The compile discipline of the threaded trainer (docs: TORCH_THREADS.md, "The discipline").
+"""The compile discipline of the threaded trainer (docs/trainer.md, "Compile discipline").
 
 torch.compile is not thread safe: concurrent first compiles of flex_attention
 forward and backward in several threads deadlock with no error. So:

@@ -80,7 +80,7 @@ def chunk_cross_entropy(logits_CV: torch.Tensor, labels_C: torch.Tensor, weight_
                         block: int = BLOCK_V, num_warps: int = NUM_WARPS):
     """Same contract as ``trainer.loss.chunk_cross_entropy``: (sum of weight x CE,
     top-1 == label, d(sum)/d logits in the logits' dtype or None). ``block`` and
-    ``num_warps``: the launch (bench/bench_loss.py ``--kernel-configs`` compares them)."""
+    ``num_warps``: the launch (``python -m bench.trainer.loss --kernel-configs`` compares them)."""
     if triton is None:
         raise RuntimeError("the triton loss kernel needs the triton package (train.loss_kernel: inductor)")
     rows, vocab = logits_CV.shape

@@ -1,5 +1,5 @@
-"""PNG screenshots of `dflashctl status` for the README: each layout (80x24, 120x40,
-201x60) and a run's detail view, of the healthy scene of tests/test_tui_scenes.py
+"""PNG screenshots of `dflashctl status` for docs/status.md: each layout (80x24, 120x40,
+201x60) and a run's detail view, of the healthy scene of the console's tests
 (an 8-GPU host with its CPU and memory line, a CPU demo run, a finished run).
 
     .venv/bin/python -m bench.controller.screenshots                  # writes docs/screenshots/*.png

@@ -1,8 +1,9 @@
-"""Commands: `launch`, `stop`, `restart`, `logs`, `runs`, `events` (runs and their history).
+"""Commands: `launch`, `stop`, `restart`, `logs`, `eval`, `runs`, `events` (runs and their history).
 
-The work is done by ``dflashctl.launch`` (the launch flow) and
-``dflashctl.runs.runhost`` (stop, restart, logs on the run host); this module parses
-options and prints. It never imports ``dflashctl.cli`` (it registers on
+The work is done by ``dflashctl.launch`` (the launch flow), ``dflashctl.runs.runhost``
+(stop, restart), ``dflashctl.runs.logs`` (logs) and ``dflashctl.runs.evaluate`` (eval) on
+the run's hosts, and ``dflashctl.runs.recorded`` (what ``restart --reload`` may take);
+this module parses options and prints. It never imports ``dflashctl.cli`` (it registers on
 ``dflashctl.commands._app``).
 """
 

@@ -24,7 +24,7 @@ Polling never comes here: the probe reads session liveness and the pane tail
 itself, in its one round trip per host.
 
 Output and exit status are not tmux's business: the session runs the run
-directory's ``run.sh`` (written by ``runhost.py``), which tees the trainer's
+directory's ``run.sh`` (written by ``dflashctl.runs.files``), which tees the trainer's
 output into ``trainer.log`` and writes its exit status to ``exit_code``. A
 ``pipe-pane`` log would miss whatever the trainer prints before the pipe is
 attached, and tmux forgets a pane's exit status once the session closes.

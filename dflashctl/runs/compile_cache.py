@@ -498,7 +498,7 @@ def gpu_name(readings: Iterable[Any], gpus: Iterable[int]) -> Optional[str]:
 
 def config_digest(trainer: dict, model_config_sha256: Optional[str] = None) -> str:
     """The key's ``config`` field the run's trainer will compute from ``trainer``, the
-    configuration as its config.json holds it (``runhost.run_files``: GPU indices
+    configuration as its config.json holds it (``files.run_files``: GPU indices
     renumbered under CUDA_VISIBLE_DEVICES). A model given by path is identified by its
     config.json on the run host: ``model_config_sha256`` is that file's sha256 there
     ('' or None: not readable there)."""

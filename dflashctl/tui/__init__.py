@@ -1,2 +1,3 @@
-"""The status screen. ``model`` holds the view models (pure, read from the store,
-never imports UI code); ``widgets`` and ``app`` draw them with Textual."""
+"""The status screen: ``app``, ``widgets``, ``screens``, ``text``, ``charts`` and
+``actions`` draw the view models of ``dflashctl.status.model`` (pure, read from the
+store, never importing UI code) with Textual."""

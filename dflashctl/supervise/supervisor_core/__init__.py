@@ -14,7 +14,7 @@ evaluate, copy compile artifacts back; executed by the caller after the writes).
 This package never does I/O, never reads a clock and draws no random number of
 its own (the backoff's jitter comes from ``Policy.rng``): the same state and
 observation give the same answer, so the supervisor's behaviour is tested as
-tables of observations in, writes and actions out (tests/test_supervisor_core.py).
+tables of observations in, writes and actions out (the core's tests in tests/unit).
 The shell around it (``dflashctl.supervise.supervisor``) probes, stores and acts.
 
 Clocks: events, restart rows and the restart policy use the local clock; samples,
