@@ -274,10 +274,10 @@ def _run_columns():
 def _run_summary(r, outcome: dict, evaluation: dict | None, now: float) -> dict:
     """What ``runs --json`` adds to a run's record: what it achieved."""
     from dflashctl.core.contract import tau_estimate
-    from dflashctl.status.reader import _total_steps
+    from dflashctl.status.reader import total_steps
 
     start = r.started or r.created
-    return {"step": outcome["step"], "total_steps": _total_steps(r), "loss": outcome["loss"],
+    return {"step": outcome["step"], "total_steps": total_steps(r), "loss": outcome["loss"],
             "accept_len": outcome["accept_len"], "tau_est": tau_estimate(outcome["accept_len"]),
             "tau": (evaluation or {}).get("tau"),
             "restarts": outcome["restarts"], "duration_s": max(0.0, (r.ended or now) - start) if start else None}

@@ -33,7 +33,7 @@ SERIES_POINTS = 240  # buckets of a run's whole history in its charts
 BASELINE_TTL_S = 60.0  # a learned baseline is read again after this long
 
 
-def _total_steps(run: Run) -> int | None:
+def total_steps(run: Run) -> int | None:
     try:
         return int(run.config["trainer"]["train"]["steps"])
     except (KeyError, TypeError, ValueError):
@@ -131,7 +131,7 @@ class StatusReader:
             [t for t in (fresh.data_time, fresh.host_last_answer, fresh.last_tick) if t] or [run.updated or run.created])
         phase = derive_phase(run, samples, state_events, restarts, lambda: self.thresholds(run), as_of)
         smoothed = smooth(samples)
-        total = _total_steps(run)
+        total = total_steps(run)
         view = RunView(
             id=run.id, playbook=run.playbook, host=run.host, state=run.state, created=run.created,
             freshness=fresh, phase=phase, total_steps=total,
