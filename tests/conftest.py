@@ -1,4 +1,22 @@
-"""Shared fixtures. ``ssh_env``: real OpenSSH servers on loopback (tests/harness).
+"""The suite in lanes, each a folder whose tests are marked with its name (so
+``-m unit`` works as well as ``pytest tests/unit``):
+
+- ``tests/unit``: pure, in this process: no torch, no child process, no server, no
+  SQLite file (under a minute on 2 cores);
+- ``tests/integration``: the controller against real parts: loopback sshd hosts,
+  tmux, SQLite stores, the fake trainer (tests/harness/fake_trainer.py), the
+  host-side scripts run by a real Python, the console driven headless;
+- ``tests/e2e``: the real trainer under the controller, and the command line as a
+  process (exit statuses, signals, a terminal, start-up imports);
+- ``tests/trainer``: the trainer itself (torch).
+
+Shared code is in tests/harness (no test file imports another). torch is imported
+only in tests/trainer modules and inside the tests and fixtures that need it:
+collecting the unit lane imports no torch (tests/unit/test_lanes.py checks it).
+Known slow tests (more than about 15 s alone on an idle 2-core machine) are also
+marked ``slow``.
+
+Shared fixtures. ``ssh_env``: real OpenSSH servers on loopback (tests/harness).
 
     ssh_env.inventory_path      inventory YAML (pass to --inventory / load_inventory)
     ssh_env.inventory           the loaded Inventory
@@ -34,10 +52,66 @@ A test that stops a host or cuts connections must leave it up again (try/finally
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.harness import SshEnv
+
+TESTS = Path(__file__).resolve().parent
+LANES = ("unit", "integration", "trainer", "e2e")  # also the order files are handed to workers in: fastest last
+
+# Whether torch was imported while the unit lane was collected, before any module of
+# another lane: None (not known yet), False, or the first unit module it was seen after.
+torch_after_unit_module: str | bool | None = None
+_other_lane_collected = False
+collected: list = []  # this process's tests, as collected (before -m or -k deselects any)
+
+
+def pytest_configure(config) -> None:
+    # The size of the terminal pytest runs in, or the 80x24 an xdist worker starts
+    # with, is no test's business: the commands' output depends on COLUMNS, so a
+    # test that wants a width sets it (tests/harness/cli.py: ``columns=``).
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
+
+
+def lane_of(path) -> str | None:
+    try:
+        parts = Path(path).resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in LANES else None
+
+
+def pytest_collectreport(report) -> None:
+    """Note whether collecting the unit lane imported torch (tests/unit/test_lanes.py)."""
+    global torch_after_unit_module, _other_lane_collected
+    if not report.nodeid.endswith(".py"):
+        return
+    lane = lane_of(TESTS.parent / report.nodeid)
+    if lane != "unit":
+        _other_lane_collected = _other_lane_collected or lane is not None
+        return
+    if _other_lane_collected or torch_after_unit_module:
+        return
+    torch_after_unit_module = report.nodeid if "torch" in sys.modules else False
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark each test with its lane; hand the slower lanes, and in each the files with
+    slow tests, to the workers first (a stable sort by file: each file's tests stay
+    together and in their order, for its module fixtures)."""
+    collected[:] = items
+    for item in items:
+        lane = lane_of(item.path)
+        if lane is None:
+            raise pytest.UsageError(f"{item.nodeid}: every test lives in a lane folder: {', '.join(LANES)}")
+        item.add_marker(getattr(pytest.mark, lane))
+    order = {lane: i for i, lane in enumerate(reversed(LANES))}
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: (order[lane_of(item.path)], item.path not in slow_files))
 
 
 @pytest.fixture(scope="session", autouse=True)

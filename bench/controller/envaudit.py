@@ -34,7 +34,7 @@ from pathlib import Path
 from bench.common import print_markdown
 from dflashctl import envaudit as ea
 from dflashctl.hosts.transport import connect
-from tests.test_envaudit_envs import CUDNN12, Venv, cudnn_files, torch_files, write_dist
+from tests.harness.envs import CUDNN12, Venv, cudnn_files, torch_files, write_dist
 
 TARGET_S = 1.0
 

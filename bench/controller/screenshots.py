@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 
 from bench.common import REPO
-from tests.test_tui_hostline import add_host_readings
-from tests.test_tui_scenes import NOW, PROD, build, utc
+from tests.harness.scenes import add_host_readings
+from tests.harness.scenes import NOW, PROD, build, utc
 
 LAYOUTS = [(80, 24), (120, 40), (201, 60)]
 DETAIL_SIZE = (120, 40)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from bench.common import proc_cpu_s
 from dflashctl.store import Store
-from tests.test_tui_scenes import gpus, playbook, run_config
+from tests.harness.scenes import gpus, playbook, run_config
 
 NOW = time.time()
 HOSTS, GPUS, RUNS, SAMPLES = 8, 8, 50, 2000

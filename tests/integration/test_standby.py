@@ -1,0 +1,57 @@
+"""A standby counts as ready only while the pid its standby.json names is that
+standby (a live process of another kind, a reused pid, or none is not). No trainer
+runs here: a sleeping process stands in, in a real tmux session. (The standby as a
+process: tests/trainer/test_standby.py; woken by the supervisor:
+tests/e2e/test_standby.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from dflashctl.core import contract
+from dflashctl.hosts.tmux import SOCKET_ENV
+from dflashctl.runs.runhost import standby_session
+from tests.harness import environ
+from tests.harness.local import SOCKET, LocalEnv, kill_tmux_servers
+
+
+@pytest.fixture
+def local_env(tmp_path):
+    with environ(**{SOCKET_ENV: SOCKET}):
+        env = LocalEnv(tmp_path)
+        yield env
+        kill_tmux_servers([(env.host, env.inventory, SOCKET)])
+
+
+def test_a_standby_is_ready_only_when_the_pid_it_names_is_that_standby(local_env, tmp_path):
+    import subprocess
+    import sys
+
+    from dflashctl.runs.runhost import _on_hosts, _ready_standby
+    from dflashctl.store import Run
+
+    env, run_dir = local_env, str(tmp_path / "runs" / "r")
+    os.makedirs(run_dir)
+    run = Run(id="r", playbook="pb", host="local", state="running", created=0.0, run_dir=run_dir,
+              tmux_session="r", tmux_socket=SOCKET)
+    env.tmux.start(standby_session("r"), "sleep 60")
+    standby = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--run-dir", run_dir,
+                                "--standby", "ab12"])
+    try:
+        def claims(pid: int) -> str | None:
+            Path(run_dir, contract.STANDBY_FILE).write_text(json.dumps({"pid": pid, "token": "ab12"}))
+            return _ready_standby(run, _on_hosts(run, env.inventory))
+
+        assert claims(standby.pid) == "ab12"
+        assert claims(os.getpid()) is None  # a live process, but not this run's standby (a reused pid, a lie)
+        standby.kill()
+        standby.wait()
+        assert claims(standby.pid) is None  # gone
+    finally:
+        if standby.poll() is None:
+            standby.kill()
+        env.tmux.kill(standby_session("r"))

@@ -1,0 +1,100 @@
+"""What `check` concludes from a host's facts, as tables: the GPU answers, the
+trainer's requirements (pyproject's trainer extra), the launch problems.
+(`check` against real sshd hosts: tests/integration/test_check.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflashctl.hosts.facts import parse_facts
+from tests import harness
+
+CAPTURES = str(harness.FIXTURES / "nvidia-smi")
+
+
+LINUX = {"platform_system": "Linux", "sys_platform": "linux", "platform_machine": "x86_64", "python_version": "3.11",
+         "python_full_version": "3.11.7", "os_name": "posix", "implementation_name": "cpython",
+         "platform_python_implementation": "CPython", "platform_release": "6", "platform_version": "1",
+         "implementation_version": "3.11.7"}
+
+
+GOOD = {"torch": "2.8.0", "triton": "3.4.0", "transformers": "4.56.0", "safetensors": "0.6.2"}
+
+
+TRITON_PIN = ["triton==3.4.0; platform_system == \"Linux\" and platform_machine == \"x86_64\""]
+
+
+@pytest.mark.parametrize(
+    "query, expected",
+    [
+        ({"exit_code": 0, "stdout": "0, NVIDIA H200, 143771, 0\n1, NVIDIA H200, 143771, [N/A]\n", "stderr": ""}, None),
+        ({"exit_code": 9, "stdout": "", "stderr": "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n"}, "nvidia-smi exit 9: NVIDIA-SMI has failed"),
+    ],
+)
+def test_parse_facts_gpu_answers(query, expected):
+    raw = {"hostname": "h", "os": "Debian", "kernel": "6", "python": "3.12.3", "python_path": "/usr/bin/python3",
+           "workdir": "/w", "tmux": None, "nvidia_smi": "/usr/bin/nvidia-smi", "gpu_query": query, "disk_free": 1}
+    facts = parse_facts("some banner line\n" + json.dumps(raw) + "\n")
+    if expected is None:
+        assert [(g.index, g.memory_used_mib) for g in facts.gpus] == [(0, 0.0), (1, None)]
+        assert facts.gpu_error is None
+    else:
+        assert facts.gpus == [] and facts.gpu_error.startswith(expected)
+
+
+def test_the_trainer_requirements_are_pyprojects_trainer_extra():
+    tomllib = pytest.importorskip("tomllib")
+    from dflashctl.hosts.facts import TRAINER_REQUIREMENTS
+
+    with open(harness.REPO / "pyproject.toml", "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["trainer"]
+    assert [r.replace('"', "'") for r in extra] == list(TRAINER_REQUIREMENTS)
+
+
+@pytest.mark.parametrize(
+    "launch, look, codes",
+    [
+        ({}, {}, []),
+        ({"pidns": "pid:[1]"}, {"pidns": "pid:[2]", "detached_alive": False, "tmux_alive": False}, ["pid-namespace"]),
+        ({"pid1_start": 10}, {"pid1_start": 99, "detached_alive": False, "tmux_alive": False},  # inode reused
+         ["pid-namespace"]),
+        ({}, {"detached_alive": False}, ["detached-killed"]),
+        ({}, {"tmux_alive": False}, ["tmux-lost"]),
+        ({"tmux_exit_code": 1, "tmux_error": "no server"}, {"tmux_alive": False}, ["tmux-failed"]),
+        ({"workdir_error": "Read-only file system"}, {}, ["workdir"]),
+        ({"versions": {**GOOD, "torch": None}}, {}, ["torch-missing"]),
+        ({"versions": {**GOOD, "transformers": "4.40.0"}}, {}, ["transformers-version"]),
+        ({"versions": {**GOOD, "triton": "3.3.1"}}, {}, ["triton-version"]),
+        ({"versions": {**GOOD, "triton": None}}, {}, ["triton-version"]),
+        ({"versions": {**GOOD, "triton": None}, "torch_requires_triton": []}, {}, []),  # a CPU build
+        ({"versions": {**GOOD, "triton": None}, "markers": {**LINUX, "platform_machine": "aarch64"}}, {}, []),
+    ],
+)
+def test_launch_problems(launch, look, codes):
+    from dflashctl.config import Host
+    from dflashctl.hosts.facts import HostFacts, LaunchFacts, LookAgain, launch_problems
+
+    host = Host(name="h", address="h", wrapper="pct exec 1 --")
+    facts = HostFacts("h", "Debian", "6", "3.11.7", "/usr/bin/python3", "/w", tmux="tmux 3.3a")
+    facts.launch = LaunchFacts(**{"versions": GOOD, "torch_requires_triton": TRITON_PIN, "markers": LINUX,
+                                  "pidns": "pid:[1]", "detached_pid": 5, "detached_start": 9, "tmux_exit_code": 0,
+                                  **launch})
+    seen = LookAgain(**{"pidns": "pid:[1]", "detached_alive": True, "tmux_alive": True, **look})
+    problems = launch_problems(host, facts, seen, user="ops")
+    assert [p.code for p in problems] == codes
+    for p in problems:
+        assert p.severity == "error" and p.message and p.fix
+    if "detached-killed" in codes:
+        assert "`loginctl enable-linger ops`" in problems[0].fix
+
+
+def test_launch_problems_without_tmux():
+    from dflashctl.config import Host
+    from dflashctl.hosts.facts import HostFacts, LaunchFacts, LookAgain, launch_problems
+
+    facts = HostFacts("h", "Debian", "6", "3.11.7", "/usr/bin/python3", "/w", tmux=None)
+    facts.launch = LaunchFacts(versions=GOOD, pidns="pid:[1]", detached_pid=5, detached_start=9)
+    (problem,) = launch_problems(Host(name="h", address="h"), facts, LookAgain(pidns="pid:[1]", detached_alive=True))
+    assert problem.code == "tmux-missing" and "apt-get install -y tmux" in problem.fix
