@@ -25,10 +25,10 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import flex_attention as _flex_module
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from trainer.config import ConfigError
+from trainer.torch_api import forget_flex_fallback_warning
 from trainer.masks import CAUSAL_IN_BLOCK, build_block_mask, dense_mask
 
 FLEX_COMPILED = "flex_compiled"
@@ -130,13 +130,7 @@ def refuse_eager_fallback() -> None:
     raise, on the next fallback too.
     """
     warnings.filterwarnings("error", message=EAGER_FALLBACK_MESSAGE)
-    _forget_fallback_warning()
-
-
-def _forget_fallback_warning() -> None:
-    shown = getattr(_flex_module, "_WARNINGS_SHOWN", None)
-    if isinstance(shown, set):
-        shown.discard("flex_attention_performance")
+    forget_flex_fallback_warning()
 
 
 @dataclass
@@ -201,7 +195,7 @@ def attend(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=EAGER_FALLBACK_MESSAGE)
             out_BHQD = flex_attention(q_BHQD, k_BHKD, v_BHKD, block_mask=mask, enable_gqa=True)
-        _forget_fallback_warning()
+        forget_flex_fallback_warning()
     else:
         raise ValueError(f"unknown attention path {path.name!r}")
     return out_BHQD

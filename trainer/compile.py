@@ -40,10 +40,11 @@ import threading
 import time
 import types
 import warnings
-from contextvars import ContextVar
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+
+from trainer.torch_api import dynamo_config, dynamo_counters, set_everywhere  # noqa: F401 - re-exported
 
 EAGER_FLEX_WARNING = "flex_attention called without torch.compile"
 # Each compiled function sees at most 3 variants per bucket and device: a drafter
@@ -147,20 +148,6 @@ class PerLane:
 # ---------------------------------------------------------------------------- settings in every thread
 
 
-def set_everywhere(module, name: str, value: Any) -> None:
-    """Set a torch config value for this thread and every other one.
-
-    Up to torch 2.11 a config assignment is process-wide; from 2.12 it is a per-thread
-    override (a ContextVar), invisible to worker threads and to autograd's backward
-    threads, which then read the default. So the default is changed too."""
-    setattr(module, name, value)
-    entry = getattr(module, "_config", {}).get(name)
-    if entry is not None and isinstance(getattr(entry, "user_override", None), ContextVar):
-        entry.default = value
-        if hasattr(entry, "env_value_default"):  # an environment default outranks the default
-            entry.env_value_default = value
-
-
 def seen_in_new_thread(read: Callable[[], Any]) -> Any:
     """What ``read()`` returns in a thread that set nothing itself."""
     out: list[Any] = []
@@ -202,7 +189,7 @@ class Discipline:
         """Apply the settings for every thread, this one and those torch starts itself
         (autograd's backward threads); call in main before any thread starts. Calling it
         again in a thread is harmless."""
-        cfg = torch._dynamo.config
+        cfg = dynamo_config()
         for name, value in self.settings().items():
             set_everywhere(cfg, name, value)
         if self.guard_eager_flex:
@@ -211,7 +198,7 @@ class Discipline:
     def check_in_force(self) -> dict[str, Any]:
         """The settings as a thread that set nothing itself sees them; raises if any is
         not the discipline's (a worker would silently run with torch's defaults)."""
-        cfg = torch._dynamo.config
+        cfg = dynamo_config()
         wanted = self.settings()
         seen = seen_in_new_thread(lambda: {name: getattr(cfg, name) for name in wanted}) or {}
         wrong = {k: seen.get(k) for k, v in wanted.items() if seen.get(k) != v}
@@ -321,19 +308,6 @@ class _StepGuard:
 
 
 # ---------------------------------------------------------------------------- counters
-
-
-def dynamo_counters() -> dict:
-    """Dynamo and inductor counters: the evidence that compiled kernels are in use."""
-    from torch._dynamo.utils import counters
-
-    return {
-        "frames_ok": int(counters["frames"]["ok"]),
-        "frames_total": int(counters["frames"]["total"]),
-        "unique_graphs": int(counters["stats"]["unique_graphs"]),
-        "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
-        "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
-    }
 
 
 def counters_report(discipline: Optional[Discipline]) -> dict:

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from dflashctl.core import contract
+from trainer.torch_api import cache_artifact_manager, inductor_cache_dir
 
 CACHE_DIR = "compile_cache"
 MANIFEST_FILE = "compile_cache.json"
@@ -238,19 +239,10 @@ def read_manifest(run_dir: str) -> Optional[dict]:
     return manifest
 
 
-def _inductor_cache_dir() -> Optional[str]:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        return cache_dir()
-    except Exception:  # noqa: BLE001 - torch absent or older: the environment's, if any
-        return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-
-
 def _local_marker(sha256: str) -> Optional[str]:
     """Path of this host's marker for an artifact, in the inductor cache in use (no
     marker: the artifact is simply loaded again)."""
-    base = _inductor_cache_dir()
+    base = inductor_cache_dir()
     return os.path.join(base, _LOCAL_MARKERS, sha256) if base else None
 
 
@@ -363,10 +355,7 @@ def load_checked(data: bytes):
     one entry whose key would write outside this host's caches refuses the whole
     artifact (ValueError). Inductor entries stay pickles: only an artifact from the
     operator's trust domain reaches this (the controller's copy-back and upload)."""
-    try:
-        from torch.compiler._cache import CacheArtifactManager
-    except ImportError as e:  # another torch: its entries cannot be inspected, so none is loaded
-        raise ValueError(f"cannot inspect the artifact's entries with this torch: {e}") from None
+    CacheArtifactManager = cache_artifact_manager()  # another torch: ValueError, none is loaded
     artifacts = CacheArtifactManager.deserialize(data)
     if artifacts is None:
         raise ValueError("not a torch compile artifact (it does not parse)")
@@ -537,7 +526,7 @@ def save_in_background(run_dir: str, fields: dict[str, str], cfg, outcome: Outco
         return None
     data, counts = result
     sources = bytecode.imported_sources() if bytecode_prefix else []
-    generated = [_inductor_cache_dir()]
+    generated = [inductor_cache_dir()]
 
     def work():
         try:

@@ -261,6 +261,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
 
     from trainer import checkpoint, distributed
     from trainer import compile as compile_mod
+    from trainer import torch_api
     from trainer import pipeline as pl
     from trainer.anchors import sample_anchors
     from trainer.attention import FLEX_COMPILED, paths_ran, select_attention_path
@@ -386,6 +387,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                         keep=cfg.train.keep_checkpoints)
 
     # ---------------------------------------------------------------- compile: artifacts, then warm-up before threads run free
+    log(torch_api.describe(torch_api.check()))  # a private use that moved is named before the warm-up
     discipline.enter_thread()  # for every thread: the pipeline's, and torch's own backward threads
     if discipline.enabled:
         log(f"compile: a new thread sees {discipline.check_in_force()}")  # raises if it does not see the limits

@@ -1,0 +1,100 @@
+"""What the trainer relies on in torch's private API (trainer/torch_api.py), tested on the
+torch installed: a release that moves one of them fails here, by name, not in a run."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from trainer import torch_api
+
+
+def test_the_start_up_probe_finds_every_private_use_on_this_torch():
+    report = torch_api.check()
+    assert report["torch"] == torch.__version__
+    assert report["moved"] == {}, report
+    assert torch_api.describe(report).startswith(f"torch api: {torch.__version__}: all {len(torch_api.PROBES)}")
+
+
+def test_a_moved_use_is_named_in_the_start_up_line():
+    line = torch_api.describe({"torch": "2.99.0", "checked": False,
+                               "moved": {"counters": "ImportError: no module torch._dynamo.utils"}})
+    assert "1 private use(s) moved" in line and "counters: ImportError" in line
+    assert "not one of 2.11, 2.13" in line
+
+
+@pytest.mark.parametrize("version, expected", [("2.11.0+cu130", (2, 11)), ("2.13.0", (2, 13)),
+                                               ("2.15.0a0+git", (2, 15)), ("", (0, 0)), ("nightly", (0, 0))])
+def test_version_tuple(version, expected):
+    assert torch_api.version_tuple(version) == expected
+
+
+def test_checked_on_compares_the_minor_release():
+    assert torch_api.checked_on("2.11.0+cu130") and torch_api.checked_on("2.13.0+cpu")
+    assert not torch_api.checked_on("2.14.1") and not torch_api.checked_on("garbage")
+
+
+def test_set_everywhere_reaches_a_thread_that_set_nothing():
+    cfg = torch_api.dynamo_config()
+    before = cfg.recompile_limit
+    try:
+        torch_api.set_everywhere(cfg, "recompile_limit", before + 17)
+        seen: list[int] = []
+        t = threading.Thread(target=lambda: seen.append(cfg.recompile_limit))
+        t.start()
+        t.join(10)
+        assert seen == [before + 17]
+    finally:
+        torch_api.set_everywhere(cfg, "recompile_limit", before)
+    entry = cfg._config["recompile_limit"]
+    if torch_api.version_tuple(torch.__version__) >= (2, 12):
+        # what set_everywhere relies on: an assignment is a per-thread override, the default shared
+        from contextvars import ContextVar
+        assert isinstance(entry.user_override, ContextVar)
+        assert entry.default == before
+
+
+def test_dynamo_counters_count_a_compiled_frame():
+    before = torch_api.dynamo_counters()
+    assert set(before) == {"frames_ok", "frames_total", "unique_graphs", "fxgraph_cache_hit", "fxgraph_cache_miss"}
+
+    def double(x):
+        return x * 2 + 1
+
+    out = torch.compile(double, backend="eager")(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 3.0))
+    after = torch_api.dynamo_counters()
+    assert after["frames_ok"] > before["frames_ok"] and after["frames_total"] > before["frames_total"]
+    assert after["unique_graphs"] > before["unique_graphs"]
+
+
+def test_the_inductor_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
+    assert torch_api.inductor_cache_dir() == str(tmp_path / "ind")
+
+
+def test_the_artifact_reader_parses_without_writing_and_returns_none_for_garbage(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
+    manager = torch_api.cache_artifact_manager()
+    assert manager.deserialize(b"not a compile artifact") is None
+    assert not (tmp_path / "ind").exists()
+
+
+def test_the_eager_fallback_warning_is_shown_once_until_forgotten():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.randn(1, 1, 16, 8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch_api.forget_flex_fallback_warning()
+        flex_attention(q, q, q)
+        flex_attention(q, q, q)
+        shown = [w for w in seen if "without torch.compile" in str(w.message)]
+        assert len(shown) == 1  # torch shows it once per process: the record the trainer clears
+        assert torch_api.forget_flex_fallback_warning() is True
+        flex_attention(q, q, q)
+        shown = [w for w in seen if "without torch.compile" in str(w.message)]
+        assert len(shown) == 2

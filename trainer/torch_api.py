@@ -1,0 +1,191 @@
+"""Every private torch API the trainer touches, in one place.
+
+torch changes its private modules between releases without notice; a trainer that
+reaches into them must know which ones, on which versions they were checked, and
+fail before the warm-up (minutes of compile) rather than in the middle of it. Each
+use below names what it relies on; ``tests/trainer/test_torch_api.py`` tests that
+reliance on the torch installed (CPU in CI), and ``check()`` probes every use once
+at start-up (trainer.log: ``torch api: ...``), naming any that moved.
+
+| name              | private API                                        | relied on                                   |
+|-------------------|----------------------------------------------------|---------------------------------------------|
+| config_everywhere | ``torch._dynamo.config._config[name]``             | from 2.12 an assignment is a per-thread     |
+|                   | ``.user_override`` (a ContextVar), ``.default``,   | override; the default is what a thread that |
+|                   | ``.env_value_default``                             | set nothing (autograd's) reads              |
+| counters          | ``torch._dynamo.utils.counters``                   | frames ok/total, unique_graphs, inductor    |
+|                   |                                                    | fxgraph cache hit/miss counted per process  |
+| inductor_cache    | ``torch._inductor.runtime.cache_dir_utils``        | ``cache_dir()`` is where this process's     |
+|                   | ``.cache_dir``                                     | inductor cache lies                         |
+| cache_artifacts   | ``torch.compiler._cache.CacheArtifactManager``     | ``deserialize`` parses a Mega-Cache without |
+|                   | ``.deserialize``, ``.populate_caches``             | writing; entries carry ``.key``             |
+| flex_warnings     | ``torch.nn.attention.flex_attention``              | the eager-fallback warning is shown once    |
+|                   | ``._WARNINGS_SHOWN`` (a set)                       | per process, recorded in that set           |
+
+Not private but relied on the same way (and tested beside them): Dynamo keeps its
+cache entries per code object, unlocked (``trainer.compile``: one code object per
+thread), and ``torch.compiler.set_stance("fail_on_recompile")``.
+
+``CHECKED`` lists the releases each was run on and where (docs/trainer.md, "torch
+versions"): a torch outside it is not refused, it is said.
+
+This module imports torch only inside its functions: ``trainer.compile_cache`` (which
+the controller imports for the key's digest) imports it.
+"""
+
+from __future__ import annotations
+
+import re
+from contextvars import ContextVar
+from typing import Any, Callable, Optional
+
+# Releases the private uses were run on: (version, where).
+CHECKED = (
+    ("2.11", "GPU: H200, torch 2.11.0+cu130 (bench/gpu_session.sh, tests/trainer)"),
+    ("2.13", "CPU: CI, torch 2.13.0+cpu (tests/trainer)"),
+)
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """'2.11.0+cu130' -> (2, 11); anything unreadable -> (0, 0)."""
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def checked_on(version: str) -> bool:
+    """Whether torch ``version``'s minor release is one the private uses were run on."""
+    return any(version_tuple(version) == version_tuple(v) for v, _ in CHECKED)
+
+
+# ---------------------------------------------------------------------------- the uses
+
+
+def dynamo_config():
+    import torch._dynamo  # noqa: F401 - the config module hangs off it
+
+    return torch._dynamo.config
+
+
+def set_everywhere(module, name: str, value: Any) -> None:
+    """Set a torch config value for this thread and every other one.
+
+    Up to torch 2.11 a config assignment is process-wide; from 2.12 it is a per-thread
+    override (a ContextVar), invisible to worker threads and to autograd's backward
+    threads, which then read the default. So the default is changed too."""
+    setattr(module, name, value)
+    entry = getattr(module, "_config", {}).get(name)
+    if entry is not None and isinstance(getattr(entry, "user_override", None), ContextVar):
+        entry.default = value
+        if hasattr(entry, "env_value_default"):  # an environment default outranks the default
+            entry.env_value_default = value
+
+
+def dynamo_counters() -> dict:
+    """Dynamo and inductor counters: the evidence that compiled kernels are in use."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "frames_ok": int(counters["frames"]["ok"]),
+        "frames_total": int(counters["frames"]["total"]),
+        "unique_graphs": int(counters["stats"]["unique_graphs"]),
+        "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
+        "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+    }
+
+
+def inductor_cache_dir(environ: Optional[dict] = None) -> Optional[str]:
+    """Where this process's inductor cache lies (the environment's, if torch cannot say)."""
+    import os
+
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except Exception:  # noqa: BLE001 - torch absent or moved: the environment's, if any
+        return (environ if environ is not None else os.environ).get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def cache_artifact_manager():
+    """torch's Mega-Cache reader; ValueError when this torch has none to inspect with."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+    except ImportError as e:
+        raise ValueError(f"cannot inspect the artifact's entries with this torch: {e}") from None
+    return CacheArtifactManager
+
+
+def forget_flex_fallback_warning() -> bool:
+    """Clear flex_attention's shown-once record of its eager-fallback warning, so the next
+    fallback warns (and, under the discipline's filter, raises) again. False when the
+    record is not where this torch kept it."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    shown = getattr(flex_module, "_WARNINGS_SHOWN", None)
+    if isinstance(shown, set):
+        shown.discard("flex_attention_performance")
+        return True
+    return False
+
+
+# ---------------------------------------------------------------------------- the start-up probe
+
+
+def _probe_config() -> None:
+    cfg = dynamo_config()
+    for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
+        if not hasattr(cfg, name):
+            raise AttributeError(f"torch._dynamo.config has no {name}")
+
+
+def _probe_counters() -> None:
+    dynamo_counters()
+
+
+def _probe_cache_dir() -> None:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # noqa: F401
+
+
+def _probe_artifacts() -> None:
+    manager = cache_artifact_manager()
+    for name in ("deserialize", "populate_caches"):
+        if not callable(getattr(manager, name, None)):
+            raise AttributeError(f"CacheArtifactManager has no {name}")
+
+
+def _probe_flex_warnings() -> None:
+    from torch.nn.attention import flex_attention as flex_module
+
+    if not isinstance(getattr(flex_module, "_WARNINGS_SHOWN", None), set):
+        raise AttributeError("torch.nn.attention.flex_attention has no _WARNINGS_SHOWN set")
+
+
+PROBES: dict[str, Callable[[], None]] = {
+    "config_everywhere": _probe_config,
+    "counters": _probe_counters,
+    "inductor_cache": _probe_cache_dir,
+    "cache_artifacts": _probe_artifacts,
+    "flex_warnings": _probe_flex_warnings,
+}
+
+
+def check() -> dict:
+    """Probe every private use on the torch installed: ``{torch, checked, moved}`` where
+    ``moved`` maps a use's name to what is missing (empty: all present)."""
+    import torch
+
+    moved = {}
+    for name, probe in PROBES.items():
+        try:
+            probe()
+        except Exception as e:  # noqa: BLE001 - any failure means the use moved
+            moved[name] = f"{type(e).__name__}: {e}"[:200]
+    return {"torch": torch.__version__, "checked": checked_on(torch.__version__), "moved": moved}
+
+
+def describe(report: dict) -> str:
+    """One line for trainer.log."""
+    versions = ", ".join(v for v, _ in CHECKED)
+    where = "a release they were checked on" if report["checked"] else f"not one of {versions}: watch the first run"
+    if not report["moved"]:
+        return f"torch api: {report['torch']}: all {len(PROBES)} private uses present ({where})"
+    missing = "; ".join(f"{k}: {v}" for k, v in report["moved"].items())
+    return f"torch api: {report['torch']}: {len(report['moved'])} private use(s) moved ({where}): {missing}"
