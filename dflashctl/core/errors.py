@@ -72,3 +72,7 @@ class CommandTimeout(TransportError):
 class StoreError(DflashError):
     """The run store cannot be used as it is: written by a newer dflashctl, corrupted,
     or out of space. The message names the file; the hint says what to do."""
+
+
+class StoreBusy(StoreError):
+    """Another process held the store's write lock for longer than a writer waits."""

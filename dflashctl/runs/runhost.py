@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from dflashctl.core import contract
-from dflashctl.core.errors import DflashError, StoreError, first_line
+from dflashctl.core.errors import DflashError, StoreBusy, StoreError, first_line
 from dflashctl.core.logtext import RESTART_MARKER
 from dflashctl.core.states import DONE, FAILED, FINAL_STATES, RESTARTING, RUNNING, STOPPED, TRANSITIONS
 from dflashctl.hosts import deploy
@@ -101,6 +101,7 @@ __all__ = [
 
 START_TIMEOUT = 120.0  # launch and restart wait this long (at most) for the trainer's first status
 STOP_TIMEOUT = 120.0  # a graceful stop waits this long for the checkpoint before killing
+STOP_STORE_WAIT_S = 5.0  # a stop waits this long for the store's write lock before it does anything
 
 
 # --------------------------------------------------------------------------- start
@@ -263,10 +264,17 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     say = progress or quiet
     run = store.get_run(run_id)
     parts = _on_hosts(run, inventory)  # a multi-host run: every host's process, rank 0 first
-    stop_supervisor(run, inventory)
     if run.state not in FINAL_STATES:
-        store.add_event(run.id, "stop_requested", "stop requested by the operator"
-                        + (f" (hosts {', '.join(run.host_names)})" if run.hosts else ""), clock())
+        # Recorded before anything is done: a stop the store cannot record is not made
+        # (its supervisor is left watching, its trainer is sent nothing).
+        try:
+            with store.batch(wait=STOP_STORE_WAIT_S):
+                store.add_event(run.id, "stop_requested", "stop requested by the operator"
+                                + (f" (hosts {', '.join(run.host_names)})" if run.hosts else ""), clock())
+        except StoreBusy as e:
+            raise StoreBusy(f"run {run.id} not stopped, nothing was sent: {e}",
+                            hint=f"its trainer runs on and its supervisor still watches it; {e.hint}") from None
+    stop_supervisor(run, inventory)
     probes = [probe_run(transport, part) for part, transport, _ in parts]
     ended_before = _ended(probes[0])  # rank 0's process says how the run ended
     if all(_ended(p) for p in probes):
@@ -306,10 +314,14 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     if state not in TRANSITIONS[run.state]:
         state = STOPPED
     why = "had already ended" if ended_before else "stopped by the operator"
-    step = _record_last_steps(store, run, transport, probe, clock)
-    at = f" at step {step:,}" if step is not None else ""
-    store.transition(run.id, state, f"{why}{at}: {reason}", clock(), {"step": step}, exit_code=code,
-                     exit_reason=reason)
+    try:
+        step = _record_last_steps(store, run, transport, probe, clock)
+        at = f" at step {step:,}" if step is not None else ""
+        store.transition(run.id, state, f"{why}{at}: {reason}", clock(), {"step": step}, exit_code=code,
+                         exit_reason=reason)
+    except StoreBusy as e:
+        raise StoreBusy(f"run {run.id}: the trainer was stopped ({reason}) but the store could not record it: {e}",
+                        hint=f"`dflashctl stop {run.id}` again records it; {e.hint}") from None
     say("stop", f"run {run.id} {state}{at} ({reason})")
     return store.get_run(run.id)
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 if TYPE_CHECKING:
     from sqlite_utils import Database
 
-from dflashctl.core.errors import StoreError
+from dflashctl.core.errors import StoreBusy, StoreError
 from dflashctl.store.schema import SCHEMA_VERSION, migrations
 
 
@@ -165,19 +165,20 @@ class StoreConnection:
             conn.close()
         self._local.conn = self._local.db = None
 
-    def batch(self) -> AbstractContextManager[Database]:
+    def batch(self, wait: float | None = None) -> AbstractContextManager[Database]:
         """One write transaction around several writes: every write method called
-        inside it joins it (all stored, or none)."""
-        return self._write()
+        inside it joins it (all stored, or none). ``wait``: how long to wait for the
+        write lock (default: the store's timeout); past it, ``StoreBusy``."""
+        return self._write(wait)
 
     @contextmanager
-    def _write(self) -> Iterator[Database]:
+    def _write(self, wait: float | None = None) -> Iterator[Database]:
         """One write transaction; nested calls join the outer one."""
         db = self.db
         if db.conn.in_transaction:
             yield db
             return
-        db.conn.execute("BEGIN IMMEDIATE")
+        self._begin(db.conn, self.timeout if wait is None else wait)
         self.write_transactions += 1
         try:
             yield db
@@ -186,6 +187,23 @@ class StoreConnection:
                 db.conn.execute("ROLLBACK")
             raise
         db.conn.execute("COMMIT")
+
+    def _begin(self, conn: sqlite3.Connection, wait: float) -> None:
+        """``BEGIN IMMEDIATE``, waiting up to ``wait`` seconds for the write lock."""
+        if wait != self.timeout:
+            conn.execute(f"PRAGMA busy_timeout = {max(0, int(wait * 1000))}")
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e):
+                raise
+            raise StoreBusy(
+                f"run store {self.path} is busy: another process held its write lock for over {wait:g} s",
+                hint="`dflashctl status` names a supervisor blocked by it; a long `dflashctl store vacuum` or an "
+                "open sqlite3 shell holds it too; try again once it is free") from None
+        finally:
+            if wait != self.timeout:
+                conn.execute(f"PRAGMA busy_timeout = {int(self.timeout * 1000)}")
 
     def _query(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         cursor = self.conn.execute(sql, list(params))

@@ -73,6 +73,10 @@ def plan(command: str, run) -> Plan:
     state = run.state
     if command == "watch":
         return _watch_plan(run)
+    if getattr(getattr(run, "freshness", None), "store_busy", False) and state not in FINAL_STATES:
+        return Plan(command, run.id, refused=f"run {run.id}: the run store is busy (another process holds its write "
+                    f"lock, its supervisor waits on it): a {command} now could not be recorded, so nothing is sent; "
+                    "the trainer runs on, supervised; try again once the store is free")
     if command == "stop":
         if state in FINAL_STATES:
             return Plan(command, run.id, refused=f"run {run.id} is {state}: there is no trainer to stop")

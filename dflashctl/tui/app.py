@@ -613,7 +613,9 @@ class StatusApp(App):
         self.call_from_thread(self.notify, f"{' '.join(args)}: running…", timeout=3)
         code, output = self.control(args)
         self.actions_done.append((args, code, output))
-        last = output.splitlines()[-1] if output else ""
+        lines = output.splitlines()
+        # A failure says why (its error line) and what to do (its hint); a success its last word.
+        last = " ".join(lines[-2:] if code and len(lines) > 1 and lines[-1].startswith("hint:") else lines[-1:])
         self.call_from_thread(self.notify, f"{' '.join(args)}: {'done' if code == 0 else f'exit {code}'}"
                               + (f": {last}" if last else ""), severity="information" if code == 0 else "error",
                               timeout=8)
