@@ -225,13 +225,17 @@ def report_failure(e: BaseException, status: StatusFile, stop: StopRequest, trac
             stop.group.record_failure(f"{type(e).__name__}: {e}")
     expected = isinstance(e, (DataError, ConfigError))  # the user's input: a message, no traceback
     code = (contract.EXIT_DATA_ERROR if isinstance(e, DataError)
-            else contract.EXIT_CONFIG_ERROR if isinstance(e, ConfigError) else contract.EXIT_CRASH)
+            else contract.EXIT_CONFIG_ERROR if isinstance(e, ConfigError)
+            else contract.EXIT_DISK_FULL if contract.disk_full_error(e) else contract.EXIT_CRASH)
     if not expected and trace:  # the traceback goes to trainer.log, where crash signatures are matched
         print(getattr(e, "_dflash_traceback", None) or trace, file=sys.stderr)
     where = f" in thread {thread}" if thread else ""
     print(f"error{where}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-    status.set(contract.PHASE_FAILED, error=sig, detail={**status.status.detail, "exit_code": code, **failed,
-                                                         "message": str(e)[:500], **({"thread": thread} if thread else {})})
+    try:
+        status.set(contract.PHASE_FAILED, error=sig, detail={**status.status.detail, "exit_code": code, **failed,
+                                                             "message": str(e)[:500], **({"thread": thread} if thread else {})})
+    except OSError as written:  # a full disk takes status.json too: the exit code still says why
+        print(f"error: status.json not written: {written}", file=sys.stderr, flush=True)
     return code
 
 

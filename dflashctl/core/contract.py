@@ -124,6 +124,7 @@ EXIT_CONFIG_ERROR = 2
 EXIT_DATA_ERROR = 3
 EXIT_STOPPED = 4  # stopped by SIGINT/SIGTERM after writing a checkpoint
 EXIT_RUN_DIR_BUSY = 5  # another live trainer owns the run directory: this one never started
+EXIT_DISK_FULL = 6  # a write failed for want of space (ENOSPC, EDQUOT): the log may be cut, the exit code says it
 
 EXIT_MEANINGS = {
     EXIT_DONE: "done",
@@ -132,7 +133,22 @@ EXIT_MEANINGS = {
     EXIT_DATA_ERROR: "data error",
     EXIT_STOPPED: "stopped on request",
     EXIT_RUN_DIR_BUSY: "run directory owned by another trainer",
+    EXIT_DISK_FULL: "disk full",
 }
+
+DISK_FULL_ERRNOS = frozenset({28, 122})  # ENOSPC, EDQUOT (Linux): a write refused for want of space
+
+
+def disk_full_error(e: BaseException | None) -> bool:
+    """Whether ``e`` or an exception it was raised from is a write refused for want
+    of space (the trainer then ends with ``EXIT_DISK_FULL``)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def describe_exit(code: int | None) -> str:

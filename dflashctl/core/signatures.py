@@ -8,6 +8,14 @@ When the output holds a traceback, only the last error report (its whole chain
 of exceptions) and what follows it are searched: an earlier warning that
 mentions an ImportError must not decide how a later crash is handled.
 
+The output can be cut off: a full disk ends trainer.log mid-word ("No sp"), a
+killed tmux server takes the pane with it. So ``classify`` also weighs what the
+host says besides the output (``Evidence``): the free disk of the run directory
+and the trainer's disk-full exit code (``disk_full`` however the log was cut),
+the kernel's count of OOM kills since the process was last seen healthy (a
+SIGKILL is ``host_oom`` on the kernel's word), and a tmux server gone with the
+session (``tmux_server_gone``).
+
 A playbook's own signatures are checked before the built-in table; a playbook's
 ``restart.actions`` overrides an action by signature name (applied in
 ``policy.decide``). A playbook's signature as written in YAML is a
@@ -29,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dflashctl.core import contract
 from dflashctl.core.logtext import last_error_start
+from dflashctl.core.units import fmt_bytes
 
 RESTART = "restart"
 RESTART_SERIALIZED = "restart_serialized"
@@ -105,6 +114,42 @@ def _re(pattern: str) -> re.Pattern:
 
 def _by_signal(code: int) -> bool:
     return code < 0 or code > 128
+
+
+def _sigkill(code: int | None) -> bool:
+    return code in (-9, 137)
+
+
+DISK_FULL_BYTES = 64 << 20  # free space under which a run directory's disk counts as full
+DISK_FULL_FRACTION = 0.01  # ... or under this share of it, on a disk smaller than 6.4 GiB
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the host says of a crash besides the process's output (which a full disk
+    or a killed tmux server cuts off). None: not known."""
+
+    run_dir: str | None = None
+    disk_free: int | None = None  # bytes free to the trainer on the run directory's filesystem
+    disk_total: int | None = None
+    oom_kills: int | None = None  # the kernel's OOM kills since the process was last seen healthy
+    tmux_server_gone: bool | None = None  # the session went, and its tmux server with it
+
+    def disk_full(self) -> bool:
+        if self.disk_free is None:
+            return False
+        limit = DISK_FULL_BYTES
+        if self.disk_total:
+            limit = min(limit, int(self.disk_total * DISK_FULL_FRACTION))
+        return self.disk_free <= limit
+
+    def disk_words(self) -> str | None:
+        """'/w/runs/r1 has 0 B free of 1 MiB' (None: the free disk is not known)."""
+        if self.disk_free is None:
+            return None
+        where = self.run_dir or "the run directory"
+        of = f" of {fmt_bytes(self.disk_total)}" if self.disk_total else ""
+        return f"{where} has {fmt_bytes(self.disk_free)} free{of}"
 
 
 BUILTIN_SIGNATURES: tuple[Signature, ...] = (
@@ -260,10 +305,13 @@ BUILTIN_SIGNATURES: tuple[Signature, ...] = (
     ),
     Signature(
         "disk_full",
-        _re(r"No space left on device|ENOSPC"),
+        _re(r"No space left on device|ENOSPC|Disk quota exceeded|EDQUOT"),
         STOP,
         "critical",
-        "the run host's disk is full (checkpoints, compile cache, logs); free space, then `dflashctl restart`",
+        "the run host's disk is full (checkpoints, compile cache, logs); a restart would fail the "
+        "same way. Free space there (old run directories under the workdir, fewer train.keep_checkpoints, the "
+        "compile cache), then `dflashctl restart RUN`",
+        exit_code=lambda c: c == contract.EXIT_DISK_FULL,
     ),
     Signature(
         "segfault",
@@ -309,6 +357,28 @@ BUILTIN_SIGNATURES: tuple[Signature, ...] = (
     ),
 )
 
+HOST_OOM = Signature(
+    "host_oom",
+    None,
+    RESTART,
+    "error",
+    "the kernel's OOM killer ended the trainer (the host, or its container's memory limit, ran out of RAM); "
+    "restarting from the last checkpoint. If it repeats: `dmesg | grep -i oom` on the host names the biggest "
+    "users; lower data.batch_size or the data workers, or stop what else runs there",
+)
+
+TMUX_SERVER_GONE = Signature(
+    "tmux_server_gone",
+    None,
+    RESTART,
+    "error",
+    "the run's tmux server is gone with the trainer (`tmux kill-server`, the OOM killer, or a session clean-up "
+    "such as systemd-logind's KillUserProcesses=yes); restarting from the last checkpoint. If it repeats, "
+    "check `loginctl show-user` and `dmesg` on the host",
+)
+
+EVIDENCE_SIGNATURES = (HOST_OOM, TMUX_SERVER_GONE)  # matched on the host's word, not on the output
+
 UNKNOWN = Classification(
     name="unknown",
     action=RESTART,
@@ -328,24 +398,61 @@ def classify(
     status_error: str | None = None,
     exit_code: int | None = None,
     extra_signatures: Iterable["PlaybookSignature | Signature"] = (),
+    evidence: Evidence | None = None,
 ) -> Classification:
-    """Name a crash from its output, the status error line and the exit code.
+    """Name a crash from its output, the status error line, the exit code and what
+    the host says besides (``evidence``, see the module docstring).
 
-    ``extra_signatures`` (a playbook's) are tried before the built-in table.
-    Anything unmatched is ``unknown`` (restart).
+    ``extra_signatures`` (a playbook's) are tried first. Then a full disk: whatever
+    the output says, a restart would fail the same way. Then the built-in table; a
+    SIGKILL or an unknown crash the kernel's OOM killer or a tmux server's end
+    explains is named so. Anything else unmatched is ``unknown`` (restart).
     """
+    evidence = evidence or Evidence()
     start = last_error_start(text)
     if start is not None:
         text = text[start:]
     combined = "\n".join(t for t in (text, status_error) if t)
     table = [s if isinstance(s, Signature) else from_config(s) for s in extra_signatures]
-    for sig in [*table, *BUILTIN_SIGNATURES]:
+    for sig in table:
         line = sig.match(combined, exit_code)
         if line is not None:
             return Classification(sig.name, sig.action, sig.severity, sig.hint, line)
+    found = next(((sig, line) for sig in BUILTIN_SIGNATURES
+                  if (line := sig.match(combined, exit_code)) is not None), None)
+    if evidence.disk_full() or (found is not None and found[0].name == "disk_full"):
+        return _disk_full(evidence, found[1] if found is not None and found[0].name == "disk_full" else None)
+    if found is None or found[0].name == "killed_by_signal":
+        if evidence.oom_kills and (found is not None or _sigkill(exit_code) or exit_code is None):
+            return _named(HOST_OOM, f"the kernel counted {evidence.oom_kills} OOM kill(s) since the trainer was "
+                                    f"last seen healthy" + (f"; {found[1]}" if found is not None else ""))
+        if found is None and exit_code is None and evidence.tmux_server_gone:
+            return _named(TMUX_SERVER_GONE, "the tmux session and its server are gone; no exit code was written")
+    if found is not None:
+        sig, line = found
+        return Classification(sig.name, sig.action, sig.severity, sig.hint, line)
     return UNKNOWN
+
+
+def _named(sig: Signature, line: str) -> Classification:
+    return Classification(sig.name, sig.action, sig.severity, sig.hint, line)
+
+
+def _disk_full(evidence: Evidence, line: str | None) -> Classification:
+    """``disk_full`` with the path and the free space, where the host said them."""
+    sig = next(s for s in BUILTIN_SIGNATURES if s.name == "disk_full")
+    words = evidence.disk_words()
+    rest = sig.hint.split("; ", 1)[1]
+    if words is None:
+        hint = sig.hint
+    elif evidence.disk_full():
+        hint = f"the run host's disk is full: {words}; {rest}"
+    else:  # space came back since (a partial checkpoint removed): it may fill again
+        hint = f"a write on the run host ran out of space; {words} now; {rest}"
+    return Classification(sig.name, sig.action, sig.severity, hint, line or (f"free disk: {words}" if words else None))
 
 
 def signature_names(extra_signatures: Iterable["PlaybookSignature | Signature"] = ()) -> list[str]:
     """Every name ``classify`` can return (for validating ``restart.actions`` keys)."""
-    return [s.name for s in extra_signatures] + [s.name for s in BUILTIN_SIGNATURES] + [UNKNOWN.name]
+    return ([s.name for s in extra_signatures] + [s.name for s in BUILTIN_SIGNATURES]
+            + [s.name for s in EVIDENCE_SIGNATURES] + [UNKNOWN.name])

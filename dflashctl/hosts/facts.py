@@ -36,6 +36,7 @@ from packaging.version import InvalidVersion, Version
 
 from dflashctl.core import contract
 from dflashctl.core.errors import DflashError
+from dflashctl.core.units import fmt_bytes
 from dflashctl.hosts import parsers, remote
 from dflashctl.hosts.transport import Transport, describe_route, fanout
 
@@ -626,8 +627,10 @@ def input_problems(found: InputsCheck, trainer: dict[str, Any], host: str, sourc
         if found.disk_free < need:
             what = f"{keep} + 1 checkpoints of ~{one / 2**30:.1f} GiB" if one else "checkpoints and logs"
             problems.append(Problem("disk-full", "error",
-                                    f"the workdir on {host} has {found.disk_free / 2**30:.1f} GiB free; the run "
-                                    f"needs {need / 2**30:.1f} GiB for {what}",
-                                    "free space there (old runs: `dflashctl runs`, their run directories under the "
-                                    f"workdir), or lower `trainer.train.keep_checkpoints` {again}"))
+                                    f"the workdir on {host} has {fmt_bytes(found.disk_free)} free; the run "
+                                    f"needs {fmt_bytes(need)} for {what}",
+                                    f"free space in the workdir on {host} (each run's directory is "
+                                    "<workdir>/runs/<run id>; `dflashctl runs` names those that ended), then launch "
+                                    "again; or lower `trainer.train.keep_checkpoints` in "
+                                    f"{source} and launch again"))
     return problems

@@ -106,6 +106,10 @@ class ProbeResult:
     errors: list[str] = field(default_factory=list)
     standby_pid: int | None = None  # the pid in standby.json: the next restart's trainer, waiting
     host: HostReading | None = None  # the host's CPU and memory (None: not read, an older probe)
+    disk_free: int | None = None  # bytes free to the trainer on the run directory's filesystem (None: unread)
+    disk_total: int | None = None
+    tmux_server_gone: bool | None = None  # the session is gone and so is its tmux server (killed?)
+    oom_kills: "OomKills | None" = None  # the kernel's OOM-kill counts at this answer
 
     def next_args(self, previous: ProbeArgs) -> ProbeArgs:
         """The arguments for the next poll of this run: the metrics offset moves on
@@ -113,6 +117,22 @@ class ProbeResult:
         if self.metrics_offset is None:
             return previous
         return replace(previous, metrics_offset=self.metrics_offset, metrics_inode=self.metrics_inode)
+
+
+@dataclass(frozen=True)
+class OomKills:
+    """The kernel's counts of OOM kills: the host's and the run's cgroup's (None: unreadable)."""
+
+    host: int | None
+    cgroup: int | None
+
+    def since(self, before: "OomKills | None") -> int | None:
+        """Kills counted since ``before`` (the larger of the two counters' rises); None: no comparable reading."""
+        if before is None:
+            return None
+        rises = [now - then for now, then in ((self.host, before.host), (self.cgroup, before.cgroup))
+                 if now is not None and then is not None and now >= then]
+        return max(rises) if rises else None
 
 
 @dataclass
@@ -224,6 +244,7 @@ def _parse_host(stdout: str) -> HostProbe | ProbeError:
     elapsed = check.number("elapsed", -MAX_CLOCK, MAX_CLOCK)  # below 0 when the host's clock was stepped back
     gpus, apps = _smi(raw.get("smi"), errors)
     host = _host_stats(raw.get("host"), errors)
+    oom = _oom(raw.get("host"), errors)
     runs = []
     for i, run in enumerate(raw["runs"]):
         run_dir = run.get("run_dir") if isinstance(run, dict) else None
@@ -233,7 +254,7 @@ def _parse_host(stdout: str) -> HostProbe | ProbeError:
             # Results pair with the runs asked for by position: one without its
             # run_dir cannot be paired, so the whole answer is unusable.
             return ProbeError(f"malformed probe output: {e.reason}", tail)
-        runs.append(replace(_run_result(run, host_time, hostname, gpus, apps, errors), host=host))
+        runs.append(replace(_run_result(run, host_time, hostname, gpus, apps, errors), host=host, oom_kills=oom))
     return HostProbe(
         host_time=host_time,
         hostname=hostname,
@@ -268,6 +289,7 @@ def _run_result(raw: dict, host_time: float, hostname, gpus, apps, host_errors: 
     status_text = check.text("status_text", contract.MAX_LINE_CHARS)
     status = _status(status_text, errors) if status_text else None
     chunk, offset, inode, reset, more = _metrics(check.object("metrics"), errors) or ("", None, None, False, False)
+    disk = _Checked(check.object("disk"), errors, "disk.")
     return ProbeResult(
         run_dir=raw["run_dir"],
         session=check.text("session"),
@@ -290,6 +312,9 @@ def _run_result(raw: dict, host_time: float, hostname, gpus, apps, host_errors: 
         compute_apps=apps,
         errors=errors + host_errors,
         standby_pid=check.int("standby_pid", 1, 2**31 - 1),
+        disk_free=disk.int("free", 0, contract.INT64_MAX),
+        disk_total=disk.int("total", 0, contract.INT64_MAX),
+        tmux_server_gone=check.flag("tmux_server_gone"),
     )
 
 
@@ -367,6 +392,15 @@ def _host_stats(raw: Any, errors: list[str]) -> HostReading | None:
                                         raw.get("cgroup_memory"), raw.get("cgroup_cpu"))
     errors.extend(f"host stats: {p}" for p in problems)
     return reading
+
+
+def _oom(raw: Any, errors: list[str]) -> OomKills | None:
+    """The host's and the cgroup's OOM-kill counters (None: an older probe, or neither readable)."""
+    if not isinstance(raw, dict):
+        return None  # _host_stats said what is wrong with it
+    oom = _Checked(_Checked(raw, errors, "host.").object("oom"), errors, "host.oom.")
+    kills = OomKills(oom.int("host", 0, contract.INT64_MAX), oom.int("cgroup", 0, contract.INT64_MAX))
+    return kills if kills.host is not None or kills.cgroup is not None else None
 
 
 class _Checked:

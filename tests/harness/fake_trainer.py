@@ -11,7 +11,8 @@ real trainer's standby does); ``start_fake_run`` sets a run up that way (and the
 launcher's restart then restarts it for real). From config.json it reads ``train.steps``,
 ``train.log_every``, ``train.checkpoint_every`` and ``fault`` (kind exit | hang |
 slow, after_steps, message, exit_code, factor, once) with the real trainer's
-meaning. The environment sets its pace: FAKE_TRAINER_STEP_S (seconds per step,
+meaning; a write that finds the disk full ends it with the real trainer's exit
+code for that (``contract.EXIT_DISK_FULL``). The environment sets its pace: FAKE_TRAINER_STEP_S (seconds per step,
 default 0.05) and FAKE_TRAINER_TOKENS (tokens per step, default 256).
 FAKE_TRAINER_COMPILE_CACHE (hit | miss | mismatch:<field>) is the compile_cache
 outcome its metrics lines report; unless it is ``hit`` it saves a fake compile
@@ -188,5 +189,17 @@ def start_fake_run(store, inventory, host: str, trainer: dict, *, playbook: str 
     return run_id
 
 
+def run(argv: list[str]) -> int:
+    """``main``, ending as the real trainer does when a write finds the disk full
+    (``contract.EXIT_DISK_FULL``, its message on stderr, status.json if it can)."""
+    try:
+        return main(argv)
+    except OSError as e:
+        if not contract.disk_full_error(e):
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return contract.EXIT_DISK_FULL
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run(sys.argv[1:]))

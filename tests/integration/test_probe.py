@@ -227,9 +227,22 @@ def test_dead_run_exit_code_and_exact_session_names(tmp_path, tmux_socket) -> No
     assert r.process.alive is False and r.process.state is None
     assert r.status.phase == contract.PHASE_FAILED and r.gpus is None
     assert r.errors == []
+    assert r.tmux_server_gone is False  # the session is gone, its server lives on
 
     no_server = probe_one(ProbeArgs(run_dir=str(run_dir), session="x", socket=f"{tmux_socket}-none", nvidia_smi=False))
-    assert no_server.session_alive is False
+    assert no_server.session_alive is False and no_server.tmux_server_gone is True
+
+
+def test_the_free_disk_and_the_kernels_oom_kills_come_with_every_answer(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    write_run(run_dir, pid=None)
+    r = probe_one(ProbeArgs(run_dir=str(run_dir), nvidia_smi=False))
+    usage = shutil.disk_usage(run_dir)
+    assert 0 < r.disk_total == usage.total and abs(r.disk_free - usage.free) < 1 << 30
+    with open("/proc/vmstat") as f:  # Linux 4.13+: the host's count, readable by anyone
+        counted = next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), None)
+    assert r.oom_kills is not None and r.oom_kills.host == counted
+    assert r.oom_kills.since(r.oom_kills) == 0
 
 
 def test_stopped_and_zombie_processes(tmp_path, procs) -> None:

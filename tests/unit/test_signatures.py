@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dflashctl.core import contract
-from dflashctl.core.signatures import BUILTIN_SIGNATURES, PlaybookSignature, classify, signature_names
+from dflashctl.core.signatures import BUILTIN_SIGNATURES, Evidence, PlaybookSignature, classify, signature_names
 from tests.harness import FIXTURES, REPO
 
 FX_RACE = """\
@@ -188,3 +188,43 @@ def test_the_readme_lists_every_shipped_signature() -> None:
     table = (REPO / "docs" / "playbooks.md").read_text()
     missing = [name for name in signature_names() if f"`{name}`" not in table]
     assert not missing, f"docs/playbooks.md's signature table lacks {missing}"
+
+
+# --------------------------------------------------------------------------- the host's word besides the output
+
+FULL = Evidence(run_dir="/w/runs/r1", disk_free=0, disk_total=1 << 20)
+
+
+@pytest.mark.parametrize("text,exit_code,evidence,expected", [
+    ("step 3\nOSError: [Errno 28] No sp", None, FULL, "disk_full"),  # the log cut by the full disk
+    ("", None, FULL, "disk_full"),  # nothing in the log at all
+    (CUDA_OOM, 1, FULL, "disk_full"),  # a restart would fail the same way, whatever the output says
+    ("step 3\n", contract.EXIT_DISK_FULL, None, "disk_full"),  # the trainer's exit code says it
+    ("step 3\n", None, Evidence(disk_free=200 << 20, disk_total=100 << 30), "unknown"),  # room left
+    ("step 3\n", None, Evidence(disk_free=10 << 20, disk_total=100 << 30), "disk_full"),  # under 64 MiB
+    ("step 3\n", None, Evidence(disk_free=20 << 20, disk_total=1 << 30), "unknown"),  # above 1% of a small disk
+    ("", 137, Evidence(oom_kills=1), "host_oom"),
+    ("step 3\nKilled\n", None, Evidence(oom_kills=2), "host_oom"),
+    ("", 137, Evidence(oom_kills=0), "killed_by_signal"),  # SIGKILL, but not the kernel's
+    ("", 137, Evidence(oom_kills=None), "killed_by_signal"),  # the kernel's count unreadable
+    (CUDA_OOM, 1, Evidence(oom_kills=1), "cuda_oom"),  # the output names another cause
+    ("step 3\n", None, Evidence(tmux_server_gone=True), "tmux_server_gone"),
+    ("step 3\n", 1, Evidence(tmux_server_gone=True), "unknown"),  # it wrote an exit code: not the server's end
+    ("step 3\n", None, Evidence(tmux_server_gone=False), "unknown"),
+])
+def test_the_hosts_word_names_what_the_output_cannot(text, exit_code, evidence, expected) -> None:
+    assert classify(text, None, exit_code, evidence=evidence).name == expected
+
+
+def test_a_full_disk_names_the_directory_its_free_space_and_the_fix() -> None:
+    c = classify("step 3\nNo sp", None, None, evidence=FULL)
+    assert (c.action, c.severity) == ("stop", "critical")
+    assert "/w/runs/r1 has 0 B free of 1 MiB" in c.hint and "then `dflashctl restart RUN`" in c.hint
+    assert c.matched_line == "free disk: /w/runs/r1 has 0 B free of 1 MiB"
+    later = classify(DISK, None, 1, evidence=Evidence(run_dir="/w", disk_free=5 << 30, disk_total=100 << 30))
+    assert later.name == "disk_full" and "ran out of space; /w has 5 GiB free of 100 GiB now" in later.hint
+
+
+def test_a_playbook_signature_still_comes_before_the_hosts_word() -> None:
+    extra = [PlaybookSignature(name="ours", pattern=r"No sp", action="restart")]
+    assert classify("No sp", None, None, extra, evidence=FULL).name == "ours"

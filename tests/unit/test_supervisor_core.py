@@ -15,7 +15,7 @@ import pytest
 
 from dflashctl.config import Expect
 from dflashctl.core import contract
-from dflashctl.hosts.probe import ProbeResult, ProcessState
+from dflashctl.hosts.probe import OomKills, ProbeResult, ProcessState
 from dflashctl.supervise import detectors
 from dflashctl.supervise import supervisor_core as core
 from tests.harness.observations import PID, T0, healthy, make_policy, make_state, metrics, probe
@@ -91,6 +91,19 @@ def test_a_crash_is_classified_and_restarted_and_the_restart_row_follows_its_suc
     update = next(w for w in writes if isinstance(w, core.RestartUpdate))
     # issued at T0+11, first step at T0+15; down since the last healthy poll at T0
     assert update.changes == {"step_after": 11, "time_to_first_step_s": 4.0, "downtime_s": 15.0}
+
+
+def test_a_sigkill_after_the_kernel_counted_an_oom_kill_is_host_oom():
+    """The kernel's OOM-kill count rose since the last healthy poll: its word names
+    the SIGKILL; a count that did not rise leaves it a plain kill."""
+    def rows(after: int):
+        seen = replace(healthy(T0, 10).result, oom_kills=OomKills(host=3, cgroup=None))
+        killed = replace(probe(T0 + 5, session=False, alive=False, exit_code=137), oom_kills=OomKills(after, None))
+        return [(T0, core.Probed(seen, lines=(metrics(T0, 10),))), (T0 + 5, core.Probed(killed))]
+
+    for after, name in ((4, "host_oom"), (3, "killed_by_signal")):
+        state, seen = run_table(rows(after))
+        assert seen[1][1] == ["crash"] and state.pending.signature == name
 
 
 def test_a_pid_gone_while_its_pane_lives_is_not_a_crash_until_the_pane_agrees():

@@ -15,10 +15,13 @@ The answer is exactly one JSON line:
 ``{"probe": 1, "hostname", "python", "host_time", "elapsed", "errors", "smi", "host", "runs"}``
 with, per run: tmux session liveness and the pane tail, status.json's text, the
 metrics.jsonl bytes appended since the offset, the tail of trainer.log, the
-trainer's process state and its exit_code file, and the run's own ``errors``.
+trainer's process state and its exit_code file, the free and total bytes of the
+run directory's filesystem (``disk``), and the run's own ``errors``.
 ``smi`` (nvidia-smi's GPU and compute-process rows, as CSV) is read once per host,
 and so is ``host`` (its CPU and memory: /proc/loadavg, /proc/stat's cpu line,
-/proc/meminfo as text, and the CPUs this process may use).
+/proc/meminfo as text, and the CPUs this process may use), and ``oom``: the
+kernel's count of OOM kills, the host's (/proc/vmstat) and this cgroup's
+(memory.events), so a SIGKILL is named the OOM killer's on the kernel's word.
 
 Everything read here is untrusted: a run directory on a dead NFS mount, a
 status.json of gigabytes or nested ten thousand deep, a binary exit_code. So every
@@ -136,11 +139,15 @@ def last_lines(text, lines):
 # --------------------------------------------------------------------------- tmux
 
 
-def tmux_alive(sock, session, timeout):
+def tmux_alive(sock, session, timeout, gone=None):
+    """Whether the session lives; when it does not, ``gone["server"]`` says whether
+    its tmux server is gone too (killed: the run's exit code may never be written)."""
     rc, out, err = run(["tmux", "-L", sock, "has-session", "-t", "=" + session], timeout)
     if rc == 0:
         return True
     if rc == 1:  # no such session, or no server on the socket at all
+        if gone is not None:
+            gone["server"] = not ("find session" in err or "session not found" in err)
         return False
     raise RuntimeError("exit %d: %s" % (rc, first_line(err)))
 
@@ -281,6 +288,16 @@ def read_standby_pid(path):
     if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= MAX_PID:
         raise ValueError("no pid in standby.json: %r" % (pid,))
     return pid
+
+
+def disk_space(path):
+    """Free bytes (for an unprivileged writer, as the trainer is) and total bytes of
+    the filesystem holding ``path`` (None: no such directory, as no status.json is none)."""
+    try:
+        st = os.statvfs(path)
+    except FileNotFoundError:
+        return None
+    return {"free": st.f_bavail * st.f_frsize, "total": st.f_blocks * st.f_frsize}
 
 
 def process_state(pid):
@@ -437,12 +454,27 @@ def cgroup_cpu():
     return None
 
 
+def oom_kills():
+    """The kernel's counts of OOM kills: the host's (/proc/vmstat ``oom_kill``, Linux
+    4.13+) and this process's cgroup's (v2 memory.events, v1 memory.oom_control:
+    a container's own); None where unreadable."""
+    host = stat_field("/proc/vmstat", "oom_kill")
+    group = None
+    for controllers, folder, events in (("", "", "memory.events"), ("memory", "memory", "memory.oom_control")):
+        here = cgroup_folders(controllers, folder)
+        group = stat_field(os.path.join(here[0], events), "oom_kill") if here else None
+        if group is not None:
+            break
+    return {"host": int(host) if host and host.isdigit() else None,
+            "cgroup": int(group) if group and group.isdigit() else None}
+
+
 def host_stats():
     """The host's load, CPU time and memory as the kernel prints them (the
     controller parses them: dflashctl.hosts.parsers.read_host_stats); a file that cannot
     be read is None. ``cgroup_memory`` and ``cgroup_cpu``: a container's memory limit and
     use, its CPU quota and the CPU time it used, where such a limit is set."""
-    out = {"cpus": usable_cpus(), "cgroup_memory": cgroup_memory(), "cgroup_cpu": cgroup_cpu()}
+    out = {"cpus": usable_cpus(), "cgroup_memory": cgroup_memory(), "cgroup_cpu": cgroup_cpu(), "oom": oom_kills()}
     for key, path, read in (("loadavg", "/proc/loadavg", read_first_line), ("stat", "/proc/stat", read_first_line),
                             ("meminfo", "/proc/meminfo", None)):
         try:
@@ -482,7 +514,10 @@ def probe_run(spec, default_timeout):
     session = spec.get("session")
     if session:
         sock = spec.get("socket") or TMUX_SOCKET
-        out["session_alive"] = step(errors, "tmux has-session", timeout, tmux_alive, sock, session, timeout)
+        gone = {}
+        out["session_alive"] = step(errors, "tmux has-session", timeout, tmux_alive, sock, session, timeout, gone)
+        if "server" in gone:
+            out["tmux_server_gone"] = gone["server"]
         if out["session_alive"]:
             out["pane"] = step(errors, "tmux capture-pane", timeout, tmux_pane, sock, session, lines, timeout)
     rank = spec_number(spec, "rank", 0, 0, 1 << 20, errors)
@@ -496,6 +531,7 @@ def probe_run(spec, default_timeout):
                           spec_number(spec, "metrics_max_bytes", METRICS_DEFAULT_BYTES, 1, METRICS_MAX_BYTES, errors))
     out["log_tail"] = step(errors, LOG_FILE, timeout, read_tail, os.path.join(run_dir, LOG_FILE), lines)
     out["exit_code"] = step(errors, EXIT_CODE_FILE, timeout, read_exit_code, os.path.join(run_dir, EXIT_CODE_FILE))
+    out["disk"] = step(errors, "free disk", timeout, disk_space, run_dir)
     if spec.get("nvidia_smi", True):  # names the standby's GPU process in the GPU pane
         out["standby_pid"] = step(errors, STANDBY_FILE, timeout, read_standby_pid, os.path.join(run_dir, STANDBY_FILE))
     pid = (status or {}).get("pid") or spec_number(spec, "pid_hint", 0, 0, MAX_PID, errors)

@@ -64,6 +64,7 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
     s.holding = detectors.holds_back(findings)
     if not {f.kind for f in findings} & {detectors.CRASH, detectors.STALL, detectors.FINISHED}:
         s.last_ok, s.crash_seen = local, None
+        s.oom_seen = pr.oom_kills or s.oom_seen
     if not any(f.kind == detectors.CONFLICT for f in findings):
         s.conflict_seen = None
     else:

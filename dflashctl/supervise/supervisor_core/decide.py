@@ -59,7 +59,7 @@ def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, sk
         record = crash.detail.get("record")  # a hung peer: the surviving rank's failure names it
         classification = signatures.classify(
             record if record else attempt_output(pr), None if record else (pr.status.error if pr.status else None),
-            None if record else pr.exit_code, pol.run.signatures
+            None if record else pr.exit_code, pol.run.signatures, _evidence(s, pr)
         )
         crash = replace(crash, detail={**crash.detail, "signature": classification.name,
                                        "matched_line": classification.matched_line})
@@ -80,6 +80,14 @@ def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, sk
         one_shot = trigger is not None and a.finding == trigger.kind and decision.kind != policy.NONE
         if one_shot or a.finding in fresh:
             out.alert(a.finding or "finding", a.severity, a.reason, a.detail)
+
+
+def _evidence(s: RunState, pr: ProbeResult) -> signatures.Evidence:
+    """What the host said of the crash besides the output: its free disk, the OOM
+    kills since the last healthy poll, whether the tmux server went too."""
+    oom = pr.oom_kills.since(s.oom_seen) if pr.oom_kills is not None else None
+    return signatures.Evidence(run_dir=pr.run_dir, disk_free=pr.disk_free, disk_total=pr.disk_total,
+                               oom_kills=oom, tmux_server_gone=pr.tmux_server_gone)
 
 
 def _note_findings(s: RunState, findings: list[Finding], local: float, out: _Out) -> set[str]:

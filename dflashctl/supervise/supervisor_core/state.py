@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from dflashctl.hosts.probe import ProbeArgs
+from dflashctl.hosts.probe import OomKills, ProbeArgs
 from dflashctl.supervise import policy
 from dflashctl.supervise.detectors import Sample
 
@@ -70,6 +70,7 @@ class RunState:
     step_max: int | None = None  # highest step of the current process
     attempt_started: float | None = None  # local: when the current process was started by a restart
     last_ok: float | None = None  # local: the last poll that saw the trainer healthy
+    oom_seen: OomKills | None = None  # the kernel's OOM-kill counts at that poll
     healthy_since: float | None = None  # local: first step of the current process
     pending: Pending | None = None
     job: str | None = None  # restart | kill in flight: the run is not probed until it is done
