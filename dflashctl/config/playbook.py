@@ -36,7 +36,16 @@ class Expect(BaseModel):
     regression_fraction: float = Field(0.6, gt=0, le=1)
     """Below this fraction of the baseline a window counts as slow."""
     regression_windows: int = Field(3, ge=1)
-    """Slow windows in a row before a regression is reported."""
+    """Slow windows in a row before a regression is found."""
+    regression_hold: Duration = Field(120.0, ge=0)
+    """A regression is reported once it has lasted this long (short slow spells of a
+    busy host are not news)."""
+    regression_clear: Duration = Field(120.0, ge=0)
+    """A reported regression is cleared once it has been gone this long (a pace that
+    flaps around the threshold stays one finding)."""
+    learn_after_steps: int = Field(100, ge=0)
+    """Warm-up steps; after them a loss that stays flat with accuracy 0 is a run that
+    learns nothing (a warning)."""
     max_eta: Optional[Duration] = Field(None, gt=0)
     stall_window: Duration = Field(300.0, gt=0)
     """No new step for this long while training is a stall."""

@@ -383,7 +383,7 @@ UNKNOWN = Classification(
     name="unknown",
     action=RESTART,
     severity="error",
-    hint="no known signature matched; restarting from the last checkpoint (see the log tail)",
+    hint="no known signature matched: the log tail (`dflashctl logs RUN`) says what failed",
     matched_line=None,
 )
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 from dflashctl.core.units import fmt_clock
 from dflashctl.store import Event
+from dflashctl.supervise.detectors import said_error
 
 
 @dataclass
@@ -39,11 +40,7 @@ class EventView:
                       finding.get("exception")):
             if isinstance(value, str) and value.strip():
                 return value.strip()
-        signature, message = d.get("status_error"), d.get("status_message")
-        if isinstance(message, str) and message.strip():  # status.json's: "Type: N" -> "Type: " + its real words
-            kind = signature.split(":", 1)[0] if isinstance(signature, str) and ":" in signature else None
-            return f"{kind}: {message.strip()}" if kind else message.strip()
-        return signature if isinstance(signature, str) and signature.strip() else None
+        return said_error(d.get("status_error"), d.get("status_message"))
 
     def cells(self) -> tuple[str, ...]:
         return (fmt_clock(self.time), self.severity, self.classification or self.kind, self.message)

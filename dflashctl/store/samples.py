@@ -23,6 +23,11 @@ from dflashctl.store.rows import (
 )
 
 
+BASELINE_MIN_RUNS = 3
+"""Earlier healthy runs a learned throughput baseline needs: one run (a busy
+machine's, a shorter one's) is an anecdote, and regressions judged by it flap."""
+
+
 class SamplesMixin(StoreConnection):
     """The store's samples and evaluations: written as the supervisor reads them,
     read back as histories, chart series, throughput baselines and outcomes."""
@@ -170,10 +175,13 @@ class SamplesMixin(StoreConnection):
                 break
         return history
 
-    def baseline_tok_s(self, playbook: str, exclude_run: str | None = None) -> float | None:
-        """The learned baseline: the median over ``healthy_tok_s_history``; None without history."""
+    def baseline_tok_s(self, playbook: str, exclude_run: str | None = None,
+                       min_runs: int = BASELINE_MIN_RUNS) -> float | None:
+        """The learned baseline: the median over ``healthy_tok_s_history``; None with
+        fewer than ``min_runs`` healthy runs (a regression is then judged only against
+        the playbook's ``expect.baseline_tok_s``)."""
         history = self.healthy_tok_s_history(playbook, exclude_run=exclude_run)
-        return float(statistics.median(history)) if history else None
+        return float(statistics.median(history)) if history and len(history) >= min_runs else None
 
     # ----------------------------------------------------------------- evaluations
 

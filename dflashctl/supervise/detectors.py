@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from dflashctl.core import contract
 from dflashctl.core.logtext import last_traceback, this_attempt
 from dflashctl.core.states import ALIVE_STATES
+from dflashctl.core.terminal import one_line
 from dflashctl.core.units import fmt_clock, fmt_duration, fmt_tok_s
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ STALL = "stall"
 REGRESSION = "regression"
 UNREACHABLE = "unreachable"
 DRIFT = "drift"
+LEARNING = "learning"  # training runs but the drafter learns nothing (loss flat, accuracy 0)
 FINISHED = "finished"  # done or stopped on request: not a failure, the loop closes the run
 # The evidence disagrees (an end claimed while the process lives, a pid the probe
 # cannot see while its pane runs, GPUs at 0 MiB under a live trainer): reported,
@@ -62,20 +64,24 @@ class Sample:
     phase: str = contract.PHASE_TRAINING
     eta_s: float | None = None
     total_steps: int | None = None
+    loss: float | None = None
+    acc: float | None = None
 
     @classmethod
     def from_metrics(cls, m: contract.Metrics) -> "Sample":
-        return cls(time=m.time, step=m.step, tok_s=m.tok_s, phase=m.phase, eta_s=m.eta_s, total_steps=m.total_steps)
+        return cls(time=m.time, step=m.step, tok_s=m.tok_s, phase=m.phase, eta_s=m.eta_s, total_steps=m.total_steps,
+                   loss=m.loss, acc=m.acc)
 
 
 # --------------------------------------------------------------------------- baseline
 
 
-def baseline_from_history(tok_s_medians: Iterable[float | None]) -> float | None:
+def baseline_from_history(tok_s_medians: Iterable[float | None], min_runs: int = 1) -> float | None:
     """The baseline learnt from earlier healthy runs: the median of their median
-    tok/s. None when there is no usable history."""
+    tok/s. None when fewer than ``min_runs`` are usable (``store.BASELINE_MIN_RUNS``
+    is the supervisor's: one earlier run is an anecdote)."""
     values = [v for v in tok_s_medians if v is not None and math.isfinite(v) and v > 0]
-    return statistics.median(values) if values else None
+    return statistics.median(values) if len(values) >= max(1, min_runs) else None
 
 
 # --------------------------------------------------------------------------- all detectors
@@ -123,6 +129,9 @@ def detect(
     regression = detect_regression(samples, expect, baseline)
     if regression is not None:
         findings.append(regression)
+    learning = detect_not_learning(samples, expect)
+    if learning is not None and state in ALIVE_STATES:
+        findings.append(learning)
     return findings
 
 
@@ -171,7 +180,8 @@ def detect_crash(probe: "ProbeResult", assigned_gpus: Sequence[int] | None = Non
     proc = probe.process
     gone = trainer_gone(probe)
     if gone and status is not None and status.phase == contract.PHASE_FAILED:
-        evidence.append(f"the trainer reported failure: {status.error}" if status.error else "the trainer reported failure")
+        said = failure_text(status)
+        evidence.append(f"the trainer reported failure: {said}" if said else "the trainer reported failure")
     if gone and probe.exit_code is not None:
         evidence.append(f"the trainer exited with code {probe.exit_code} ({contract.describe_exit(probe.exit_code)})")
     if gone and proc is not None and not proc.alive:
@@ -210,6 +220,31 @@ def detect_crash(probe: "ProbeResult", assigned_gpus: Sequence[int] | None = Non
         "step": status.step if status else None,
     }
     return Finding(CRASH, "error", message, detail)
+
+
+ERROR_SHOWN_CHARS = 500
+"""The most of a trainer's error shown in one event, status line or runs row."""
+
+
+def failure_text(status: contract.Status | None, limit: int = ERROR_SHOWN_CHARS) -> str | None:
+    """The trainer's failure as it said it in status.json, numbers kept (``said_error``),
+    on one line, control characters escaped, at most ``limit`` characters."""
+    if status is None:
+        return None
+    text = said_error(status.error, (status.detail or {}).get("message"))
+    return one_line(text, limit) if text else None
+
+
+def said_error(signature: object, message: object) -> str | None:
+    """``Type: message``: the trainer's own words (status.json's ``detail.message``),
+    its type taken from the signature (``error``, numbers blanked). The signature
+    alone only when no message was written: it is a grouping key, never the text
+    shown when the words are there."""
+    signature = signature.strip() if isinstance(signature, str) and signature.strip() else None
+    if isinstance(message, str) and message.strip():
+        kind = signature.split(":", 1)[0].strip() if signature and ":" in signature else None
+        return f"{kind}: {message.strip()}" if kind and not message.strip().startswith(kind) else message.strip()
+    return signature
 
 
 def detect_conflict(probe: "ProbeResult", assigned_gpus: Sequence[int] | None = None) -> Finding | None:
@@ -396,6 +431,84 @@ def detect_regression(samples: Sequence[Sample], expect: "Expect", baseline_tok_
     if not parts:
         return None
     return Finding(REGRESSION, "warning", "; ".join(parts), detail)
+
+
+# --------------------------------------------------------------------------- learning
+
+
+LOSS_FLAT_FRACTION = 0.002
+"""Loss that moved less than this fraction of itself over the window is flat."""
+
+
+def detect_not_learning(samples: Sequence[Sample], expect: "Expect") -> Finding | None:
+    """A run that trains and learns nothing: after ``expect.learn_after_steps`` steps
+    of warm-up, at least ``expect.regression_windows`` + 1 training lines past the
+    warm-up whose loss stays flat (its range under ``LOSS_FLAT_FRACTION`` of its
+    median, or not finite) and whose accuracy is 0 on every line. A learning rate
+    1e6 times too large reads that way (loss 6.2383, accuracy 0.000, for ever)."""
+    warm = [s for s in samples if s.phase == contract.PHASE_TRAINING and s.step >= expect.learn_after_steps
+            and s.loss is not None]
+    if len(warm) < expect.regression_windows + 1 or warm[-1].step <= warm[0].step:
+        return None
+    if any(s.acc is None or s.acc > 0 for s in warm):
+        return None
+    losses = [s.loss for s in warm]
+    finite = [v for v in losses if math.isfinite(v)]
+    if len(finite) == len(losses):
+        middle = statistics.median(finite)
+        if max(finite) - min(finite) > LOSS_FLAT_FRACTION * max(abs(middle), 1e-9):
+            return None
+        said = f"loss flat at {middle:.4g}"
+    else:
+        said = "loss not finite"
+    return Finding(
+        LEARNING,
+        "warning",
+        f"{said} and accuracy 0 from step {warm[0].step} to {warm[-1].step} (after a warm-up of "
+        f"{expect.learn_after_steps} steps): the drafter learns nothing; check train.lr and the data",
+        {"loss": losses[-1] if math.isfinite(losses[-1]) else None, "from_step": warm[0].step,
+         "to_step": warm[-1].step, "learn_after_steps": expect.learn_after_steps},
+    )
+
+
+# --------------------------------------------------------------------------- hysteresis
+
+
+@dataclass(frozen=True)
+class Held:
+    """A finding kept back or kept open by ``hold``: since when its condition was
+    seen (gaps shorter than the clear time included), whether it was raised, the
+    finding last seen, and since when the condition has been away (None: present)."""
+
+    since: float
+    finding: Finding
+    raised: bool = False
+    away_since: float | None = None
+
+
+def hold(finding: Finding | None, held: Held | None, now: float, raise_after: float,
+         clear_after: float) -> tuple[Held | None, Finding | None]:
+    """Hysteresis for a finding that may flap (a throughput regression on a busy
+    host): -> (what to keep for the next call, the finding to report now or None).
+
+    It is raised once its condition has held for ``raise_after`` seconds, counting
+    through absences shorter than ``clear_after``; once raised it is cleared only
+    after ``clear_after`` seconds without it, and reported (as last seen) meanwhile.
+    A throughput that is slow 20 s, fine 5 s, slow 20 s ... is one finding, raised
+    once. Pure: ``now`` is the caller's clock (the same one on every call)."""
+    if finding is not None:
+        if held is None:
+            held = Held(now, finding)
+        held = replace(held, finding=finding, away_since=None)
+        if not held.raised and now - held.since >= raise_after:
+            held = replace(held, raised=True)
+        return held, finding if held.raised else None
+    if held is None:
+        return None, None
+    away = held.away_since if held.away_since is not None else now
+    if now - away >= clear_after:
+        return None, None
+    return replace(held, away_since=away), held.finding if held.raised else None
 
 
 def _eta(recent: Sequence[Sample], training: Sequence[Sample]) -> float | None:

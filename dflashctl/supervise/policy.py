@@ -8,7 +8,7 @@ Never here: I/O, a clock read, or an action taken (the supervisor acts).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from dflashctl.core.signatures import RESTART, STOP, UNKNOWN, Classification
@@ -105,15 +105,29 @@ def decide(
     if trigger is None:
         reason = "healthy" if not findings else "nothing a restart would fix: " + "; ".join(f.message for f in findings)
         return [Action(NONE, reason), *alerts]
-    decision = _decide_trigger(trigger, classification, policy, history, now, rng, healthy_since)
+    decision = with_advice(_decide_trigger(trigger, classification, policy, history, now, rng, healthy_since))
     alert = Action(
         ALERT,
         decision.reason,
         severity=most_severe((trigger.severity, decision.severity)),
         finding=trigger.kind,
-        detail={**trigger.detail, "decision": decision.kind, "signature": decision.signature},
+        detail={**trigger.detail, "decision": decision.kind, "signature": decision.signature,
+                "advice": decision.detail.get("advice")},
     )
     return [decision, alert, *alerts]
+
+
+def with_advice(decision: Action) -> Action:
+    """The signature's advice (its hint) said with every decision, whatever its action:
+    in the reason (the event, the console, the alert's message) unless already there,
+    and as ``detail["advice"]`` (the alert's payload). A restarted crash needs it as
+    much as a stopped one: an illegal memory access restarted five times still wants
+    its one run with CUDA_LAUNCH_BLOCKING=1."""
+    hint = decision.detail.get("hint")
+    if not hint:
+        return decision
+    reason = decision.reason if hint in decision.reason else f"{decision.reason}; advice: {hint}"
+    return replace(decision, reason=reason, detail={**decision.detail, "advice": hint})
 
 
 def _decide_trigger(

@@ -276,7 +276,8 @@ class Supervisor:
         state.last_line = (last[0].time, last[0].step) if last else None
         samples = []
         for s in self.store.samples(run.id, since=state.attempt_started, limit=WINDOW):
-            samples.append(Sample(s.time, s.step, s.tok_s, s.phase or contract.PHASE_TRAINING, s.eta_s))
+            samples.append(Sample(s.time, s.step, s.tok_s, s.phase or contract.PHASE_TRAINING, s.eta_s,
+                                  loss=s.loss, acc=s.acc))
             state.step_max = max(state.step_max or 0, s.step)
             if state.healthy_since is None and s.phase == contract.PHASE_TRAINING:
                 state.healthy_since = s.time  # host clock: the skew is not known yet, and small

@@ -183,7 +183,9 @@ def test_a_trainer_exit_is_read_from_its_exit_code_file(tmp_path):
                                  playbooks_dir=str(tmp_path / "playbooks"))
     run = store.get_run(result.run_id)
     assert (final, run.state, run.exit_code) == ("failed", "failed", 3)
-    assert run.exit_reason.startswith("data_error: not restarting")  # classified, and not restarted
+    # Classified, the trainer's own words (numbers kept), and not restarted.
+    assert run.exit_reason.startswith("data_error: ") and "shard 7 is corrupt" in run.exit_reason
+    assert "; not restarting: " in run.exit_reason
     assert (Path(run.run_dir) / contract.EXIT_CODE_FILE).read_text().strip() == "3"
     assert "shard 7 is corrupt" in "".join(logs(run.id, store, inventory, n=20))
     # Every metrics line the trainer wrote before it failed was stored, whenever the follow began.

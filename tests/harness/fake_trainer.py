@@ -97,8 +97,12 @@ def main(argv: list[str]) -> int:
             contract.atomic_write_text(os.path.join(run_dir, FAULT_MARKER), json.dumps({"step": step}))
             kind = fault["kind"]
             if kind == "exit":
-                print(fault.get("message", "injected fault"), file=sys.stderr, flush=True)
-                status.phase, status.error = contract.PHASE_FAILED, "InjectedFault: " + fault.get("message", "")
+                message = fault.get("message", "injected fault")
+                print(message, file=sys.stderr, flush=True)
+                # As the real trainer reports a failure (trainer/train.py report_failure): the
+                # signature (numbers blanked) for grouping, its whole words in detail.message.
+                status.phase, status.error = contract.PHASE_FAILED, contract.error_signature("InjectedFault", message)
+                status.detail = {**status.detail, "message": message[:500], "exit_code": int(fault.get("exit_code", 1))}
                 contract.write_status(run_dir, status)
                 os._exit(int(fault.get("exit_code", 1)))
             if kind == "hang":

@@ -27,10 +27,10 @@ def make_state(state: str = "running", gpus=(), restart_issued: bool = False) ->
     return core.RunState(run=run, args=ProbeArgs(run_dir="/runs/r1", session="r1"), restart_issued=restart_issued)
 
 
-def make_policy(act: bool = True, **restart) -> core.Policy:
+def make_policy(act: bool = True, expect: dict | None = None, **restart) -> core.Policy:
     restart = {"backoff_initial": 0.0, "jitter": 0.0, "standby": False, **restart}  # standby: its own tests
-    run = core.RunPolicy("pb", Expect(stall_window=60.0, compile_budget=600.0, startup_budget=120.0),
-                         RestartPolicy(**restart), Alerts())
+    expect = {"stall_window": 60.0, "compile_budget": 600.0, "startup_budget": 120.0, **(expect or {})}
+    run = core.RunPolicy("pb", Expect(**expect), RestartPolicy(**restart), Alerts())
     return core.Policy(run, act=act, interval=1.0, rng=random.Random(0))
 
 
@@ -47,12 +47,14 @@ def probe(t: float, phase: str | None = "training", *, step: int = 0, alive: boo
     )
 
 
-def metrics(t: float, step: int, tok_s: float = 1000.0) -> contract.Metrics:
-    return contract.Metrics(time=t, step=step, total_steps=1000, tok_s=tok_s, phase="training")
+def metrics(t: float, step: int, tok_s: float = 1000.0, loss: float | None = None,
+            acc: float | None = None) -> contract.Metrics:
+    return contract.Metrics(time=t, step=step, total_steps=1000, tok_s=tok_s, phase="training", loss=loss, acc=acc)
 
 
-def healthy(t: float, step: int, tok_s: float = 1000.0) -> core.Probed:
-    return core.Probed(probe(t, step=step), lines=(metrics(t, step, tok_s),))
+def healthy(t: float, step: int, tok_s: float = 1000.0, loss: float | None = None,
+            acc: float | None = None) -> core.Probed:
+    return core.Probed(probe(t, step=step), lines=(metrics(t, step, tok_s, loss, acc),))
 
 
 # --------------------------------------------------------------------------- the detectors' tables

@@ -272,7 +272,9 @@ def test_healthy_history_is_the_median_of_earlier_healthy_runs(store):
     finished([4300, 4300, 4300], now=T0 + 3000, regression=True)  # flagged slow
     current = finished([9000], now=T0 + 4000)
     assert store.healthy_tok_s_history("demo", exclude_run=current.id) == [11500.0, 12800.0]
-    assert store.baseline_tok_s("demo", exclude_run=current.id) == 12150.0
+    assert store.baseline_tok_s("demo", exclude_run=current.id) is None  # two runs: an anecdote, not a baseline
+    assert store.baseline_tok_s("demo", exclude_run=current.id, min_runs=2) == 12150.0
+    assert store.baseline_tok_s("demo") == 11500.0  # three healthy runs: 9000, 11500, 12800
     assert store.healthy_tok_s_history("demo", limit=1) == [9000.0]
     assert store.healthy_tok_s_history("prod") == []
 

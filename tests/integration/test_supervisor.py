@@ -203,7 +203,9 @@ def test_a_crash_loop_stops_after_k_restarts_with_an_alert(local_env, webhook):
     stop.set()
     run = store.get_run(run_id)
     assert run.state == "failed"
-    assert run.exit_reason.startswith("unknown: crash loop: 2 restarts in a row without step progress")
+    # The signature, the trainer's words, why no restart.
+    assert run.exit_reason.startswith("unknown: the trainer reported failure: InjectedFault: boom; crash loop: "
+                                      "2 restarts in a row without step progress")
     assert len(store.restarts(run_id)) == 2
     assert [s for s in states(store, run_id) if s != "running"] == ["launching", "restarting", "failed"]
     assert "restart 2/5" in kinds(store, run_id, "restart")[0].message  # the second decision, while restarting

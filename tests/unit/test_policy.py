@@ -258,7 +258,15 @@ def test_decide(case) -> None:
     _, findings, classification, policy, history, healthy_since, expected = case
     actions = decide(findings, classification, policy, history, NOW, random.Random(0), healthy_since=healthy_since)
     decision = actions[0]
-    assert [(decision.kind, decision.reason, decision.delay)] == expected
+    # Every crash decision says its signature's advice, whatever its action (a restart's too).
+    reason, _, advice = decision.reason.partition("; advice: ")
+    assert [(decision.kind, reason, decision.delay)] == expected
+    if any(f.kind == "crash" for f in findings):
+        hint = (classification or UNKNOWN).hint
+        assert decision.detail["advice"] == hint and (advice == hint or hint in reason)
+        assert actions[1].detail["advice"] == hint  # and in the alert's payload
+    else:
+        assert not advice and "advice" not in decision.detail
     alerts = actions[1:]
     assert all(a.kind == "alert" for a in alerts)
     # One alert per finding (none for a finished run): the trigger's says what was decided.

@@ -315,20 +315,81 @@ def test_after_a_re_attach_downtime_counts_from_the_last_sign_of_life_not_the_pr
 def test_a_regression_alerts_in_the_operators_terms_and_never_restarts():
     state = make_state()
     state.baseline = 10_000.0
-    pol = make_policy()
+    pol = make_policy(expect={"regression_hold": 30.0})
     seen = []
-    for i in range(5):
+    for i in range(8):
         t = T0 + 10 * i
         state, writes, actions = core.step(state, healthy(t, i + 1, tok_s=3_000.0), t, pol)
         seen.append(([w.kind for w in writes if isinstance(w, core.Event)], actions))
     first = next(i for i, (events, _) in enumerate(seen) if "regression" in events)
     events = [w for w in core.step(make_state(), healthy(T0, 1), T0, pol)[1]]  # a healthy run: no finding
     assert not any(isinstance(e, core.Event) and e.kind == "regression" for e in events)
-    assert first == pol.run.expect.regression_windows - 1
+    # Found once regression_windows windows are slow, reported once that has lasted regression_hold.
+    assert first == pol.run.expect.regression_windows - 1 + 3
     assert any(isinstance(a, core.Alert) and a.kind == "regression" and "30% of baseline" in a.message
                for a in seen[first][1])
     assert not any(isinstance(a, core.IssueRestart) for _, actions in seen for a in actions)
     assert state.run.state == "running"
+
+
+def _flapping(pol, minutes: float = 10.0):
+    """A busy host's pace: slow for 20 s, fine for 5 s, over and over (a poll every
+    5 s), against a baseline of 10 Ktok/s. -> the regression events and alerts."""
+    state = make_state()
+    state.baseline = 10_000.0
+    events, alerts = [], []
+    for i in range(int(minutes * 60 / 5)):
+        t = T0 + 5 * i
+        tok_s = 10_000.0 if i % 5 == 4 else 3_000.0
+        state, writes, actions = core.step(state, healthy(t, i + 1, tok_s=tok_s), t, pol)
+        events += [w for w in writes if isinstance(w, core.Event) and w.kind == "regression"]
+        alerts += [a for a in actions if isinstance(a, core.Alert) and a.kind == "regression"]
+    return events, alerts
+
+
+def test_a_flapping_throughput_raises_one_warning_not_one_per_dip():
+    events, alerts = _flapping(make_policy(expect={"regression_windows": 1}))  # the playbook defaults otherwise
+    raised = [e for e in events if "cleared" not in e.message]
+    assert len(raised) == 1 and len(alerts) == 1 and raised[0].severity == "warning"
+    assert not [e for e in events if "cleared" in e.message]  # never 5 s of good pace taken as the end of it
+    # Without the hold and the clear time, the same pace is a warning per dip: what the hysteresis prevents.
+    events, alerts = _flapping(make_policy(expect={"regression_windows": 1, "regression_hold": 0,
+                                                   "regression_clear": 0}))
+    assert len([e for e in events if "cleared" not in e.message]) >= 20 and len(alerts) >= 20
+
+
+def test_a_short_slow_spell_is_never_reported_and_a_lasting_one_clears_after_the_clear_time():
+    pol = make_policy(expect={"regression_windows": 1, "regression_hold": 60.0, "regression_clear": 60.0})
+    state = make_state()
+    state.baseline = 10_000.0
+    pace = [3_000.0] * 6 + [10_000.0] * 20 + [3_000.0] * 20 + [10_000.0] * 20  # a poll every 5 s
+    kinds = []
+    for i, tok_s in enumerate(pace):
+        t = T0 + 5 * i
+        state, writes, _ = core.step(state, healthy(t, i + 1, tok_s=tok_s), t, pol)
+        kinds += [(i, w.message.split(" ")[1] if "cleared" in w.message else "raised") for w in writes
+                  if isinstance(w, core.Event) and w.kind == "regression"]
+    # 30 s slow: nothing. From i=26, slow: raised at i=38 (60 s on); fine from i=46: cleared at i=58 (60 s on).
+    assert kinds == [(38, "raised"), (58, "cleared")]
+
+
+def test_a_run_that_learns_nothing_is_a_warning_after_its_warm_up():
+    pol = make_policy(expect={"learn_after_steps": 100})
+    state = make_state()
+    found = []
+    for i in range(1, 31):
+        t = T0 + 2 * i
+        state, writes, actions = core.step(state, healthy(t, 10 * i, loss=6.2383, acc=0.0), t, pol)
+        found += [(10 * i, w) for w in writes if isinstance(w, core.Event) and w.kind == "learning"]
+    [(step, event)] = found
+    assert step == 130  # four lines past the warm-up (steps 100-130), all flat at 0 accuracy
+    assert event.severity == "warning" and "loss flat at 6.238" in event.message and "accuracy 0" in event.message
+    assert state.run.state == "running"  # said, never acted on
+    learning = make_state()
+    for i in range(1, 31):  # the same run learning: loss falls, accuracy rises
+        t = T0 + 2 * i
+        learning, writes, _ = core.step(learning, healthy(t, 10 * i, loss=6.0 - 0.1 * i, acc=0.01 * i), t, pol)
+        assert not [w for w in writes if isinstance(w, core.Event) and w.kind == "learning"]
 
 
 # --------------------------------------------------------------------------- unreachable

@@ -61,6 +61,7 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
         baseline_tok_s=s.baseline, assigned_gpus=s.run.gpus or None, phase_since=s.phase_since,
         held_until=s.held_until,
     )
+    findings = _hysteresis(s, findings, local, pol)
     s.holding = detectors.holds_back(findings)
     if not {f.kind for f in findings} & {detectors.CRASH, detectors.STALL, detectors.FINISHED}:
         s.last_ok, s.crash_seen = local, None
@@ -81,6 +82,21 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
     _act(s, pr, findings, local, skew, pol, out)
     _fetch_compile_cache(s, local, pol, out)
     _standby(s, status, pol, out)
+
+
+def _hysteresis(s: RunState, findings: list[detectors.Finding], local: float, pol: Policy) -> list[detectors.Finding]:
+    """A regression is reported once it has lasted ``expect.regression_hold`` and
+    cleared once gone for ``expect.regression_clear`` (``detectors.hold``)."""
+    expect = pol.run.expect
+    found = next((f for f in findings if f.kind == detectors.REGRESSION), None)
+    held, shown = detectors.hold(found, s.held.get(detectors.REGRESSION), local, expect.regression_hold,
+                                 expect.regression_clear)
+    if held is None:
+        s.held.pop(detectors.REGRESSION, None)
+    else:
+        s.held[detectors.REGRESSION] = held
+    rest = [f for f in findings if f.kind != detectors.REGRESSION]
+    return rest + [shown] if shown is not None else rest
 
 
 def _standby(s: RunState, status: contract.Status | None, pol: Policy, out: _Out) -> None:

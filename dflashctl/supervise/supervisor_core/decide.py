@@ -111,6 +111,8 @@ def _decided(s: RunState, pr: ProbeResult, trigger: Finding, decision: policy.Ac
              pol: Policy, out: _Out) -> None:
     detail = {"decision": decision.kind, "signature": decision.signature, "finding": trigger.kind,
               "delay_s": round(decision.delay, 3), **trigger.detail}
+    if decision.detail.get("advice"):
+        detail["advice"] = decision.detail["advice"]
     if not pol.act:
         if decision.kind != policy.NONE:
             out.event("decision", "info",
@@ -226,7 +228,7 @@ def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -
     # A new process: it resumes from a checkpoint, so the old one's steps are not its progress.
     s.restart_issued, s.attempt_started = True, issued
     s.samples = ()
-    s.findings = {}
+    s.findings, s.held = {}, {}
     s.step_max = s.healthy_since = s.last_ok = None
     s.phase, s.phase_since = None, issued + done.skew
     s.compile_cache, s.cache_fetch = None, False

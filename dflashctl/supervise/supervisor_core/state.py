@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from dflashctl.hosts.probe import OomKills, ProbeArgs
 from dflashctl.supervise import policy
-from dflashctl.supervise.detectors import Sample
+from dflashctl.supervise.detectors import Held, Sample
 
 if TYPE_CHECKING:
     from dflashctl.store import Run
@@ -84,6 +84,7 @@ class RunState:
     bad_times: int = 0  # metrics lines ignored for a timestamp that cannot be true
     bad_times_written: float | None = None  # local: when that was last written as an event
     findings: dict[str, Open] = field(default_factory=dict)
+    held: dict[str, Held] = field(default_factory=dict)  # findings under hysteresis (``detectors.hold``), local clock
     state_before_lost: str | None = None
     compile_cache: str | None = None  # the current process's compile_cache outcome, from its metrics lines
     cache_fetch: bool = False  # the current process's compile artifacts were asked for (FetchCompileCache)
@@ -104,4 +105,4 @@ class RunState:
         return self.run.id
 
     def copy(self) -> "RunState":
-        return replace(self, findings=dict(self.findings))
+        return replace(self, findings=dict(self.findings), held=dict(self.held))

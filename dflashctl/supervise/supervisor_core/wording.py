@@ -28,10 +28,16 @@ def _shape(message: str) -> str:
 
 
 def _stop_why(trigger: Finding, decision: policy.Action) -> str:
-    """The short reason a run was not restarted, for the runs table."""
+    """The reason a run was not restarted, for the runs table: its signature, what
+    failed in the trainer's own words (numbers kept), and why no restart."""
     what = f"{trigger.kind} ({decision.signature}): {trigger.message}; "
     why = decision.reason[len(what) :] if decision.reason.startswith(what) else decision.reason
-    return f"{decision.signature or trigger.kind}: {why}"[:300]
+    return f"{decision.signature or trigger.kind}: {trigger.message}; {why}"[:STOP_WHY_CHARS]
+
+
+STOP_WHY_CHARS = 1200
+"""The most of a stop's reason kept as the run's exit reason (the trainer's words, at
+most ``detectors.ERROR_SHOWN_CHARS``, then the advice)."""
 
 
 def _seconds(value: float) -> str:
