@@ -155,7 +155,7 @@ def test_a_3x_slowdown_is_a_regression_with_tok_s_percent_of_baseline_and_eta(lo
         baseline = sorted(m.tok_s for m in healthy)[len(healthy) // 2]
         eta = sorted(m.eta_s for m in healthy)[len(healthy) // 2]
         write_playbook(env.playbooks, "slow", "local", trainer, poll_interval=INTERVAL,
-                       expect={"baseline_tok_s": baseline, "max_eta": 1.8 * eta})
+                       expect={"baseline_tok_s": baseline, "max_eta": 1.8 * eta, "regression_hold": 2})
         sup = env.supervisor(interval=INTERVAL)
         sup.attach(run_id)
         bg = Background(sup)

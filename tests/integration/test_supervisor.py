@@ -301,7 +301,7 @@ def test_a_run_left_restarting_or_lost_by_a_dead_supervisor_is_watched_again(loc
 def test_a_slowdown_is_a_regression_in_the_operators_terms(local_env):
     pb = local_env.playbook(
         "slow", {"fault": {"kind": "slow", "after_steps": 6, "factor": 3}, "train": {"steps": 3000000, "log_every": 2}},
-        expect={"baseline_tok_s": 5000, "regression_windows": 2, "max_eta": "3d"},
+        expect={"baseline_tok_s": 5000, "regression_windows": 2, "max_eta": "3d", "regression_hold": 1},
     )
     run_id = local_env.start(pb, step_s=0.05, tokens=256)  # ~5 Ktok/s, then ~1.7 Ktok/s
     store = local_env.store
