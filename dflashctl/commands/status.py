@@ -1,6 +1,7 @@
 """Command: `status` (every run, from the store: a live screen, a table, or JSON).
 
-It reads the store only and never waits on a host; it never imports
+It reads the store; only a run no supervisor watches is probed on its host
+(``--once``, bounded, as the live screen does). It never imports
 ``dflashctl.cli`` (it registers on ``dflashctl.commands._app``). Textual is
 imported only for the live screen, so ``--once`` and ``--json`` start fast.
 """
@@ -44,7 +45,8 @@ def status_command(
     keys: Enter detail, `l` log, `e` events, `x` stop, `r` restart (both ask first; none with
     `--readonly` or DFLASHCTL_READONLY=1), `/` filter, `s` sort.
 
-    Read from the store only (the supervisors write it), so it never waits on a host."""
+    Read from the store (the supervisors write it); a run nobody supervises is probed
+    on its host (bounded: 10 s), so its row says what its host answers."""
     from dflashctl.core.paths import store_path
 
     if json_schema:
@@ -70,6 +72,7 @@ def status_command(
         _check(view, check)
         return
     if once or not sys.stdout.isatty() or check:
+        probe_unwatched(view, store)
         print_status(view, out.width)
         _check(view, check)
         return
@@ -107,6 +110,28 @@ def _check(view, check: bool) -> None:
         print(f"check: {len(bad)} run(s) need attention: "
               + ", ".join(f"{r.id} {r.display_state}" for r in bad), file=sys.stderr)
         raise typer.Exit(1)
+
+
+ONCE_PROBE_TIMEOUT_S = 10.0
+
+
+def probe_unwatched(view, store) -> None:
+    """Each active run no supervisor watches, probed on its host now, in parallel and
+    bounded by ``ONCE_PROBE_TIMEOUT_S`` (nothing stored), as the live console does:
+    its row shows the phase and step its host answers, never the store's last guess."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflashctl.config import load_inventory
+    from dflashctl.status.runs import DirectProbe
+
+    runs = [r for r in view.runs if r.active and not r.freshness.supervised]
+    if not runs:
+        return
+    with ThreadPoolExecutor(max_workers=min(8, len(runs))) as pool:
+        found = pool.map(lambda r: DirectProbe.of(r.id, store, lambda: load_inventory(G.inventory),
+                                                  _now, ONCE_PROBE_TIMEOUT_S), runs)
+        for r, probe in zip(runs, found):
+            r.probe = probe
 
 
 def _now() -> float:

@@ -10,12 +10,13 @@ import os
 import threading
 from typing import Any
 
+from dflashctl.core.states import RUNNING
 from dflashctl.status.charts import ChartView, chart_window, marks_of
 from dflashctl.status.events import EventView
 from dflashctl.status.freshness import freshness
 from dflashctl.status.gpus import AppView, GpuView, HostLoad, HostView, _float, gpu_readings
 from dflashctl.status.heartbeats import heartbeats_now
-from dflashctl.status.phase import PROGRESSING, derive_phase
+from dflashctl.status.phase import derive_phase
 from dflashctl.status.runs import RunHostView, RunView, attention_of, notices_of, sort_runs
 from dflashctl.status.samples import _sample_clock, current_process, smooth
 from dflashctl.status.thresholds import Thresholds, _thresholds_of
@@ -156,7 +157,8 @@ class StatusReader:
             view.baseline_tok_s = self.baseline(run, now)
             if view.baseline_tok_s:
                 view.baseline_pct = 100.0 * view.tok_s / view.baseline_tok_s
-        if run.active and fresh.live and newest is not None and run.state in PROGRESSING \
+        # A stalled run makes no steps: no step rate says when it ends (no ETA).
+        if run.active and fresh.live and newest is not None and run.state == RUNNING \
                 and phase.name in ("training", "checkpointing"):
             if smoothed.steps_per_s and total:
                 view.eta_s = max(0.0, total - newest.step) / smoothed.steps_per_s

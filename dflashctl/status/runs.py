@@ -8,10 +8,11 @@ what of it the operator must act on.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from dflashctl.core.contract import describe_exit, tau_estimate, tau_gap
-from dflashctl.core.states import ACTIVE_STATES, RESTARTING
+from dflashctl.core.errors import first_line
+from dflashctl.core.states import ACTIVE_STATES, RESTARTING, STALLED
 from dflashctl.core.units import NA, fmt_clock, fmt_duration, fmt_tok_s, short_duration, short_rate
 from dflashctl.status.columns import Col, choose
 from dflashctl.status.events import EventView, matching
@@ -82,6 +83,20 @@ class DirectProbe:
         status, process = result.status, result.process
         return cls(time, result.session_alive, process.alive if process else None, process.state if process else None,
                    status.phase if status else None, status.step if status else None, result.exit_code)
+
+    @classmethod
+    def of(cls, run_id: str, store: Any, inventory: Callable[[], Any], clock: Callable[[], float],
+           timeout: float) -> "DirectProbe":
+        """Probe run ``run_id`` on its host now (one round trip; ``inventory()`` loads
+        the inventory); an inventory or a host that cannot be read is an ``error``,
+        never an exception."""
+        from dflashctl.runs.access import host_transport, probe_run
+
+        try:
+            run = store.get_run(run_id)
+            return cls.from_probe(clock(), probe_run(host_transport(run.host, inventory()), run, timeout=timeout))
+        except Exception as e:  # noqa: BLE001  (shown as "no answer (...)", never a crash of the caller)
+            return cls(clock(), error=first_line(e))
 
     def text(self, now: float) -> str:
         head = f"probed by status {fmt_duration(max(0.0, now - self.time))} ago: "
@@ -203,6 +218,8 @@ class RunView:
     def eta_text(self, compact: bool = False) -> str:
         if not self.active:
             return "-"
+        if self.state == STALLED or self.attention == "stalled":
+            return "-" if compact else "none (stalled: no step rate says when it ends)"
         if not self.freshness.live and self.state != RESTARTING:
             return "stale" if self.step is not None else NA
         return NA if self.eta_s is None else (short_duration if compact else fmt_duration)(self.eta_s)
@@ -236,6 +253,10 @@ class RunView:
         if key == "phase":
             if probed is not None and (probed.phase or probed.exit_code is not None):
                 return f"{probed.phase or f'exit {probed.exit_code}'} (probed)"
+            if self.active and not self.freshness.supervised:
+                # Nobody records it: the phase last recorded, its time in it not known (never
+                # "starting 0s/10m"); the age column says how old that is.
+                return f"{self.phase.name}?" if self.phase.name else NA
             return self.phase.text(compact=True) if self.active else "-"
         if key == "progress":
             return self.progress_text()

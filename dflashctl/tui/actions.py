@@ -23,10 +23,11 @@ from __future__ import annotations
 import getpass
 import math
 import os
+import re
 import shlex
 from dataclasses import dataclass
 
-from dflashctl.core.states import DONE, FINAL_STATES
+from dflashctl.core.states import DONE, FAILED, FINAL_STATES
 
 READONLY_ENV = "DFLASHCTL_READONLY"
 COMMANDS = ("stop", "restart", "watch")
@@ -89,12 +90,49 @@ def plan(command: str, run) -> Plan:
         return Plan(command, run.id, refused=f"run {run.id} is done: it finished all its steps and is not restarted")
     if state in FINAL_STATES:
         first = f"The run is {state}: no trainer of it is running."
+        same = same_failure(run)
+        if same:
+            return Plan(command, run.id, f"Restart run {run.id}? It failed on {same[0]}: a restart would fail the "
+                        "same way.", f"{same[1]} {first} Restart only once that is fixed (`dflashctl restart "
+                        f"{run.id} --reload` takes an edited playbook). (dflashctl restart)")
     else:
         first = (f"{_trainer(run).capitalize()} is stopped first: SIGTERM, it writes a checkpoint and exits "
                  "(killed if it has not within 2 m: steps since its last checkpoint are then lost).")
     return Plan(command, run.id, f"Restart run {run.id}?",
                 first + " Then a new trainer starts in the same run directory from the last checkpoint, compile "
                 "cache kept, and a supervisor watches it. (dflashctl restart)")
+
+
+_FAILED_ON = re.compile(r"^\w+ \(([\w.-]+)\)")  # "crash (cuda_oom): ..." as the supervisor words a stop
+
+
+def same_failure(run) -> tuple[str, str] | None:
+    """``(signature, what to fix)`` when the run failed on a crash that a restart does
+    not cure (its signature's action is stop: out of memory, a diverged loss, a
+    deterministic kernel assert); None otherwise."""
+    from dflashctl.core.signatures import BUILTIN_SIGNATURES, STOP
+
+    event = getattr(run, "last_event", None)
+    if run.state != FAILED or event is None:
+        return None
+    detail = event.detail if isinstance(event.detail, dict) else {}
+    found = _FAILED_ON.match(event.message or "")
+    name = detail.get("signature") or (found.group(1) if found else None)
+    known = next((s for s in BUILTIN_SIGNATURES if s.name == name), None)
+    stopped = "not restarting" in (event.message or "")
+    if name is None or not (stopped or (known is not None and known.action == STOP)):
+        return None
+    hint = detail.get("hint") if isinstance(detail.get("hint"), str) else (known.hint if known else None)
+    return name, (hint[0].upper() + hint[1:] + "." if hint else f"The supervisor did not restart it ({name}).")
+
+
+def attach_refusal(run) -> str | None:
+    """Why ``a`` cannot attach to ``run`` (a ``RunView``), or None: a finished run's
+    tmux session ended with its trainer."""
+    if run.state in FINAL_STATES:
+        return (f"run {run.id} is {run.state}: its tmux session ended with its trainer; "
+                f"`dflashctl logs {run.id}` shows its output")
+    return None
 
 
 def _watch_plan(run) -> Plan:
@@ -163,6 +201,15 @@ def attach_argv(route: list, session: str, socket: str) -> list[str]:
     if host.is_local:
         return ["env", "-u", "TMUX", *tmux]
     return ["ssh", "-t", *_ssh_options(route), _destination(host), shlex.join([*host.wrapper, *tmux])]
+
+
+def split_detach_key(outer_prefix: str | None, inner_prefix: str = "C-b") -> str:
+    """The keys that detach the run's session attached in a split of the operator's
+    own tmux: that tmux reads its prefix first, so where both use the same prefix it
+    is pressed twice (tmux's ``send-prefix``) before ``d``; a lone ``C-b d`` would
+    detach the operator's outer client instead."""
+    outer = (outer_prefix or "C-b").strip() or "C-b"
+    return f"{inner_prefix} {inner_prefix} d" if outer == inner_prefix else f"{inner_prefix} d"
 
 
 def in_tmux_argv(argv: list[str], title: str, popup: bool = True) -> list[str]:

@@ -41,7 +41,7 @@ from dflashctl.status.reader import StatusReader
 from dflashctl.status.runs import SORTS, DirectProbe, filter_runs, sort_runs
 from dflashctl.status.views import StatusView
 from dflashctl.store import Store
-from dflashctl.tui.actions import plan, readonly_default
+from dflashctl.tui.actions import attach_refusal, plan, readonly_default
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen, RankScreen
 from dflashctl.tui.text import banner_text, gpu_text, notice_text, run_pane_layout, run_text
 from dflashctl.tui.widgets import FilterBox, Pane, RunsTable
@@ -130,6 +130,7 @@ class StatusApp(App):
         self.control = control or self._run_command
         self.attacher = attach  # runs an attach command outside tmux (default: the app suspended)
         self.attached: list[list[str]] = []  # the attach commands run (tests read them)
+        self.attach_note = ""  # what the newest attach in a split said about detaching
         self.selected: str | None = None
         self._mode: str | None = None  # set from each resize's own size
         self.view: StatusView | None = None
@@ -267,14 +268,8 @@ class StatusApp(App):
 
     @work(thread=True, group="probe")
     def probe(self, run_id: str) -> None:
-        from dflashctl.runs.access import host_transport, probe_run
-
         try:
-            run = self.reader.store.get_run(run_id)
-            result = DirectProbe.from_probe(self.clock(), probe_run(host_transport(run.host, self.inventory()), run,
-                                                                    timeout=PROBE_TIMEOUT_S))
-        except Exception as e:  # noqa: BLE001  (a host that cannot be reached is shown, never a crash of the screen)
-            result = DirectProbe(self.clock(), error=first_line(e))
+            result = DirectProbe.of(run_id, self.reader.store, self.inventory, self.clock, PROBE_TIMEOUT_S)
         finally:
             self.reader.store.close()
         self.call_from_thread(self._probed, run_id, result)
@@ -476,6 +471,10 @@ class StatusApp(App):
         if run_id is None:
             return
         run = self._view_run(run_id)
+        refused = attach_refusal(run) if run is not None else None
+        if refused:
+            self.notify(refused, severity="warning", timeout=8)
+            return
         if run is not None and len(run.hosts) > 1:
             self.push_screen(RankScreen(run_id, [(h.rank, h.host) for h in run.hosts]),
                              lambda rank: rank is not None and self.attach_to(run_id, rank))
@@ -502,25 +501,34 @@ class StatusApp(App):
         finally:
             self.reader.store.close()
         self.attached.append(argv)
-        title = f" {run_id}{f' rank {rank}' if len(parts) > 1 else ''} on {run.host}: C-b d detaches "
+        what = f"{run_id}{f' rank {rank}' if len(parts) > 1 else ''} on {run.host}"
         if os.environ.get("TMUX"):
-            self._attach_in_tmux(argv, title)
+            self._attach_in_tmux(argv, what)
         else:
             self.call_from_thread(self._attach_here, argv)
 
-    def _attach_in_tmux(self, argv: list[str], title: str) -> None:
-        """In a popup over this pane; where tmux cannot show one (no client attached to
-        this session, an old tmux), in a split below it."""
-        from dflashctl.tui.actions import in_tmux_argv
+    def _attach_in_tmux(self, argv: list[str], what: str) -> None:
+        """In a popup over this pane (its keys all go to the session: C-b d detaches);
+        where tmux cannot show one (no client attached to this session, an old tmux),
+        in a split below it, where the operator's tmux reads its prefix first: the
+        notification says the keys that detach the run's session, not theirs."""
+        from dflashctl.tui.actions import in_tmux_argv, split_detach_key
 
-        popup = subprocess.run(in_tmux_argv(argv, title), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        popup = subprocess.run(in_tmux_argv(argv, f" {what}: C-b d detaches "), capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL)
         if popup.returncode == 0:
             return
-        split = subprocess.run(in_tmux_argv(argv, title, popup=False), capture_output=True, text=True,
+        prefix = subprocess.run(["tmux", "show-options", "-gv", "prefix"], capture_output=True, text=True,
+                                stdin=subprocess.DEVNULL)
+        key = split_detach_key(prefix.stdout if prefix.returncode == 0 else None)
+        self.attach_note = f"{what} attached in a split below: {key} detaches it (C-b d alone detaches your own tmux)"
+        split = subprocess.run(in_tmux_argv(argv, what, popup=False), capture_output=True, text=True,
                                stdin=subprocess.DEVNULL)
         if split.returncode:
             self.call_from_thread(self.notify, f"tmux could not open a popup or a split: "
                                   f"{(split.stderr or popup.stderr).strip()}", severity="error", timeout=8)
+        else:
+            self.call_from_thread(self.notify, self.attach_note, timeout=30)
 
     def _attach_here(self, argv: list[str]) -> None:
         if self.attacher is not None:

@@ -223,7 +223,7 @@ def run_text(run: RunView | None, events: list[EventView], width: int, now: floa
                 out.append("  or press w", style="bold")
         if probe is not None and not f.supervised:
             out.append(f"\n{probe.text(now)}", style="cyan")
-    elif run.exit_reason:
+    elif run.exit_reason and run.exit_reason != run.display_state:  # "done · done" says nothing twice
         out.append(f" · {run.exit_reason}")
     out.append("\n")
     if run.active:

@@ -53,6 +53,10 @@ class FilterBox(Input):
         self.disabled = True
 
 
+# vi's keys beside the arrows, in every list and in the log: j / k a row down / up.
+VI_KEYS = [Binding("j", "cursor_down", show=False), Binding("k", "cursor_up", show=False)]
+
+
 def _current_key(table: DataTable) -> str | None:
     if not table.row_count:
         return None
@@ -66,8 +70,9 @@ class RunsTable(DataTable):
 
     BINDINGS = [
         Binding("enter", "open", "Detail"),
-        Binding("home", "first", "First run", show=False),
-        Binding("end", "last", "Last run", show=False),
+        Binding("home,g", "first", "First run", show=False),
+        Binding("end,G", "last", "Last run", show=False),
+        *VI_KEYS,
     ]
 
     class Open(Message):
@@ -137,6 +142,8 @@ class RunsTable(DataTable):
 class EventsTable(DataTable):
     """A run's events, newest at the bottom, each with its class; Enter opens one
     in full (``screens.EventScreen``)."""
+
+    BINDINGS = [*VI_KEYS, Binding("g", "scroll_top", show=False), Binding("G", "scroll_bottom", show=False)]
 
     def __init__(self, **kw) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, **kw)

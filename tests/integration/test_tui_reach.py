@@ -211,6 +211,10 @@ def test_a_inside_tmux_opens_a_split_attached_to_a_local_run(tmp_path, monkeypat
                 await until(pilot, lambda: app.attached, "the attach")
                 await until(pilot, lambda: not [w for w in app.workers if w.group == "attach" and w.is_running],
                             "the split opened")
+                await pilot.pause()
+                # The operator's own tmux reads C-b first: a lone C-b d would detach their client.
+                said = [n.message for n in app._notifications if "split below" in n.message]
+                assert said and "C-b C-b d detaches it" in said[0], said
 
         run(scenario())
 
