@@ -73,7 +73,26 @@ def stand_by(args) -> int | None:
         cache_dir = config_mod.load(args.config or os.path.join(run_dir, contract.CONFIG_FILE)).compile.cache_dir
     except (config_mod.ConfigError, OSError, ValueError):
         cache_dir = None  # read again, and reported, when it trains
+    if (code := refuse_shared_dirs(run_dir, cache_dir)) is not None:
+        return code
     return None if standby.wait(run_dir, args.standby, cache_dir) else contract.EXIT_DONE
+
+
+def refuse_shared_dirs(run_dir: str, cache_dir: str | None) -> int | None:
+    """None once the run directory and the compile caches are this user's alone
+    (``contract.private_dir``: created 0700, or refused when another user owns them
+    or may write them: what such a user put there would run here); else
+    EXIT_CONFIG_ERROR, having said which path, its owner and the fix."""
+    try:
+        contract.private_dir(run_dir, "run directory")
+        for what, path in (("compile cache (compile.cache_dir)", cache_dir),
+                           ("compile cache (TORCHINDUCTOR_CACHE_DIR)", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))):
+            if path:
+                contract.private_dir(path, what)
+    except contract.UnsafeDirectory as e:
+        print(f"error: UnsafeDirectory: {e}", file=sys.stderr, flush=True)
+        return contract.EXIT_CONFIG_ERROR
+    return None
 
 
 # ---------------------------------------------------------------------------- checkpoint commands
@@ -252,7 +271,8 @@ def main(argv=None) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
         return contract.EXIT_DONE
-    os.makedirs(run_dir, exist_ok=True)
+    if (code := refuse_shared_dirs(run_dir, cfg.compile.cache_dir)) is not None:
+        return code
     if (code := own_run_dir(run_dir, args.standby)) is not None:
         return code
     if not os.path.exists(os.path.join(run_dir, contract.CONFIG_FILE)):

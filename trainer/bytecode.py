@@ -42,6 +42,8 @@ import tarfile
 import zlib
 from typing import Iterable, Optional
 
+from dflashctl.core import contract
+
 PREFIX_DIR = "pycache"
 FLAGS_CHECKED_HASH = 0b11  # hash-based, check the source (PEP 552)
 MAX_FILE_BYTES = 64 << 20
@@ -78,8 +80,8 @@ def keep(cache_dir: Optional[str], package: str = "torch") -> Optional[str]:
     if not sys.dont_write_bytecode and os.access(pycache if os.path.isdir(pycache) else os.path.dirname(pycache), os.W_OK):
         return None
     path = os.path.join(host_cache(cache_dir), PREFIX_DIR)
-    try:
-        os.makedirs(path, exist_ok=True)
+    try:  # another user's directory is refused (UnsafeDirectory): its bytecode would run here
+        contract.private_dir(path, "bytecode cache")
     except OSError:
         return None
     sys.pycache_prefix = path

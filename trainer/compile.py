@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from dflashctl.core import contract
 from trainer.torch_api import dynamo_config, dynamo_counters, set_everywhere  # noqa: F401 - re-exported
 
 EAGER_FLEX_WARNING = "flex_attention called without torch.compile"
@@ -74,8 +75,8 @@ def setup_cache(cache_dir: Optional[str], device: torch.device) -> Optional[str]
     """Point inductor and triton at the persistent cache; returns the keyed directory."""
     if not cache_dir:
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    path = os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), cache_key(device))
-    os.makedirs(path, exist_ok=True)
+    path = contract.private_dir(os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), cache_key(device)),
+                                "compile cache")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
     return path

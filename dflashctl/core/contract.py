@@ -501,6 +501,67 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         raise
 
 
+class UnsafeDirectory(ValueError):
+    """A directory another user could write into, refused before anything in it is
+    used. The message names the path, its owner and the fix."""
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def private_dir(path: str, what: str = "directory") -> str:
+    """``path`` (``~`` expanded) as a directory only this user can write: created
+    mode 0700 (its missing parents too) when absent; when present, used only if it is
+    owned by this user and not group- or world-writable, and every directory above it
+    is owned by root or this user and writable by no one else (a sticky one, /tmp,
+    excepted). Else ``UnsafeDirectory``: another user who made it first could plant
+    code (bytecode, a wheel) or pin what is in it. Returns the absolute path."""
+    path = os.path.abspath(os.path.expanduser(path))
+    missing = []
+    probe = path
+    while not os.path.lexists(probe) and probe != os.path.dirname(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:  # a concurrent start made it: checked below like any other
+            pass
+    me = os.geteuid()
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise UnsafeDirectory(f"{what} {path}: {e.strerror}") from None
+    if not os.path.isdir(real):
+        raise UnsafeDirectory(f"{what} {path} is not a directory")
+    fix = f"use a directory of your own, or remove {real} (what another user left in it stays otherwise) " \
+          "and let it be created again, mode 0700"
+    if st.st_uid != me:
+        raise UnsafeDirectory(f"{what} {path} is owned by {_owner(st.st_uid)}, not by {_owner(me)} who runs "
+                              f"this: another user could have put code in it; {fix}")
+    if st.st_mode & 0o022:
+        raise UnsafeDirectory(f"{what} {path} is writable by its group or others (mode {st.st_mode & 0o7777:o}): "
+                              f"another user could put code in it; {fix}")
+    above = os.path.dirname(real)
+    while True:
+        up = os.stat(above)
+        if up.st_uid not in (0, me) or (up.st_mode & 0o022 and not up.st_mode & 0o1000):
+            how = (f"owned by {_owner(up.st_uid)}" if up.st_uid not in (0, me)
+                   else f"writable by others (mode {up.st_mode & 0o7777:o})")
+            raise UnsafeDirectory(f"{what} {path}: the directory above it, {above}, is {how}: another user could "
+                                  f"replace {path}; use a directory under one that only you and root can write")
+        if above == os.path.dirname(above):
+            return path
+        above = os.path.dirname(above)
+
+
 def append_line(path: str, line: str) -> None:
     """Append one line to a run file, never through a symbolic link: a run directory
     is shared with whoever can write into it, and the trainer may run as root."""

@@ -16,9 +16,7 @@ removed, so a host without an index stops at its first step with nothing changed
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -97,14 +95,21 @@ def apply_plan(target: str, inventory: "Inventory", playbooks_dir: str | None = 
     before = current = audit()
     transport = connect(host_name, inventory)
     host = transport.host
-    backup_root = f"/tmp/dflashctl-env-apply-{int(time.time())}-{os.getpid()}"
     done = Applied(before, before)
-    for i, (argv, line) in enumerate(current.plan()):
+    # Its own directory on the host (mkdtemp, 0700): backups and wheels never go under a
+    # name another user of the host could make first and fill.
+    made = _envsave(transport, host, env, {"action": "workdir"})
+    if made is None or made.get("errors") or not isinstance(made.get("dir"), str):
+        done.stopped, done.why = "mkdtemp", f"could not make a private directory on {host_name}: {made}"
+        progress("failed", done.why)
+        return done
+    workdir = made["dir"]
+    for i, (argv, line) in enumerate(current.plan(wheels=f"{workdir}/wheels")):
         progress("step", line)
         saved = None
         infos = removed_by(argv, current)
         if infos:
-            saved = f"{backup_root}/step-{i}"
+            saved = f"{workdir}/step-{i}"
             answer = _envsave(transport, host, env, {"action": "save", "dir": saved, "dist_infos": infos})
             if answer is None or answer.get("errors"):
                 done.stopped, done.why = line, f"could not save what it removes first: {answer}"

@@ -24,8 +24,10 @@ findings' commands are proven against the plan too but never join it.
 
 ``plan`` renders the kept commands in the order they must run, each once: pip
 where it is missing, what makes pip itself fail, then every wheel the plan will
-install fetched into a run-local directory (``pip download --no-deps``; nothing
-has changed yet when one cannot be fetched), then the uninstalls, the installs
+install fetched (``pip download --no-deps``; nothing has changed yet when one
+cannot be fetched) into a directory the plan makes itself (``mkdir -m 700``: a
+name no one can guess; one another user made first stops the plan before a wheel
+lands in it), then the uninstalls, the installs
 and the reinstalls, those from that directory only (``--no-index``), then the
 dist-infos removed (a stray detached once the files it shares hold the
 protected wheel's bytes again, a stale second dist-info). The plan stops at the
@@ -36,7 +38,6 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterable
 
@@ -52,7 +53,16 @@ if TYPE_CHECKING:
 
 # The order operations run in; ``fetch`` is rendered from the installs, never given.
 STAGES = ("ensurepip", "unblock", "fetch", "uninstall", "install", "reinstall", "rm-dist-info")
-WHEELS_DIR = "/tmp/dflashctl-env-fix-{digest}"  # the run-local directory the plan's wheels are fetched into
+# Where a printed plan fetches its wheels: a name no one can guess before it is printed
+# (``new_wheels_dir``), made by the plan's own ``mkdir -m 700``. ``--apply`` fetches into a
+# directory it made on the host with mkdtemp instead.
+WHEELS_DIR = "/tmp/dflashctl-env-fix-{token}"
+
+
+def new_wheels_dir() -> str:
+    import secrets
+
+    return WHEELS_DIR.format(token=secrets.token_hex(8))
 
 
 @dataclass(frozen=True)
@@ -421,20 +431,23 @@ def prove(findings: list["Finding"], snapshot: Snapshot, protected: set[str]) ->
     return Proof(kept, start, best, refused)
 
 
-def plan(findings: list["Finding"], snapshot: Snapshot, protected: set[str]) -> list[tuple[list[str], str]]:
+def plan(findings: list["Finding"], snapshot: Snapshot, protected: set[str],
+         wheels: str | None = None) -> list[tuple[list[str], str]]:
     """The commands of every finding that is not information, in the order they
-    must run, fetch first (see the module docstring): (argv, shell line)."""
+    must run, fetch first (see the module docstring), the wheels fetched into
+    ``wheels`` (a new ``new_wheels_dir`` when None), which the plan makes: (argv,
+    shell line)."""
     fixer = Fixer(snapshot, protected)
     ops = _ordered(op for f in findings if f.severity != "info" for a in f.argv
                    if (op := parse_op(a, snapshot)) is not None)
     if fixer.without_pip and ops and not any(op.kind == "ensurepip" for op in ops):
         ops.insert(0, Op("ensurepip", (fixer.python,)))
     fetched = [op for op in ops if op.kind in ("install", "reinstall")]
-    digest = hashlib.sha256(repr([(op.specs, op.index) for op in fetched]).encode()).hexdigest()[:12]
-    wheels = WHEELS_DIR.format(digest=digest)
+    wheels = wheels or new_wheels_dir()
     argv: list[list[str]] = []
     for op in ops:
         if fetched and STAGES.index(op.kind) > STAGES.index("fetch"):
+            argv.append(["mkdir", "-m", "700", "--", wheels])  # fails, stopping the plan, if it exists
             argv += [[*f.prefix, "-m", "pip", "download", "--no-deps", "--dest", wheels, *f.index, *f.specs]
                      for f in fetched]
             fetched = []

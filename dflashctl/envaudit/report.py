@@ -8,7 +8,7 @@ Data only: no I/O, no drawing (the command draws the text form).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflashctl.envaudit import program
@@ -19,11 +19,12 @@ from dflashctl.envaudit.stack import TorchBuild, protected
 SCHEMA = 2  # the "schema" of the JSON document
 
 
-def plan(findings: list[Finding], snapshot: Snapshot) -> list[tuple[list[str], str]]:
+def plan(findings: list[Finding], snapshot: Snapshot, wheels: str | None = None) -> list[tuple[list[str], str]]:
     """Every command of the findings that are not information, each once, in the
-    order they must run, the wheels they install fetched first (``program.plan``:
-    the findings' commands were proven safe together by ``audit``). (argv, shell line)."""
-    return program.plan(findings, snapshot, protected(snapshot))
+    order they must run, the wheels they install fetched first into ``wheels``
+    (``program.plan``: the findings' commands were proven safe together by
+    ``audit``). (argv, shell line)."""
+    return program.plan(findings, snapshot, protected(snapshot), wheels)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class AuditReport:
     torch: TorchBuild | None
     seconds: float = 0.0
     drift: Any = None  # a detectors.Finding: packages changed since the playbook's last good run
+    wheels: str = field(default_factory=program.new_wheels_dir)  # where the printed plan fetches its wheels
 
     @property
     def exit_code(self) -> int:
@@ -44,8 +46,9 @@ class AuditReport:
     def counts(self) -> dict[str, int]:
         return {s: sum(f.severity == s for f in self.findings) for s in ("error", "warning", "info")}
 
-    def plan(self) -> list[tuple[list[str], str]]:
-        return plan(self.findings, self.snapshot)
+    def plan(self, wheels: str | None = None) -> list[tuple[list[str], str]]:
+        """The plan, its wheels fetched into ``wheels`` (else this report's own directory)."""
+        return plan(self.findings, self.snapshot, wheels or self.wheels)
 
     def to_dict(self) -> dict[str, Any]:
         s = self.snapshot

@@ -51,11 +51,30 @@ COMPLETE_MARKER = ".complete"
 # Resolve the work directory ('~' expands on the run host), create it, clean stale
 # temporary upload directories, and say whether the bundle is already complete.
 # Arguments: workdir, bundle hash ('' to skip the bundle check), stale minutes.
-_CHECK = r"""
+# A shell function: make DIR (and its missing parents) mode 0700, or refuse one that
+# exists and is another user's or writable by others (exit 76, a message naming the
+# path, its owner and the fix): whoever made it first could put code or data in it.
+# Arguments: DIR, what it is (for the message). The trainer checks the same in Python
+# (contract.private_dir).
+PRIVATE_DIR = r"""
+private_dir() {
+  (umask 077 && mkdir -p -- "$1") || { echo "dflashctl: cannot create the $2 $1" >&2; exit 70; }
+  if [ -z "$(find -H "$1" -prune -type d -user "$(id -u)" ! -perm -g=w ! -perm -o=w 2>/dev/null)" ]; then
+    echo "dflashctl: the $2 $1 is not private: $(ls -ldn "$1" | awk '{print "mode " $1 ", owner uid " $3}'),"\
+      "this user is uid $(id -u); another user could put code or data in it: use a directory of your own, or" \
+      "remove it (what another user left in it stays otherwise) and let it be created again, mode 0700" >&2
+    exit 76
+  fi
+}
+"""
+
+_CHECK = PRIVATE_DIR + r"""
 set -e
 wd=$1; h=$2; stale=$3
 case "$wd" in "~") wd=$HOME ;; "~/"*) wd=$HOME/${wd#"~/"} ;; esac
-mkdir -p "$wd/bundles" "$wd/runs"
+private_dir "$wd" "work directory"
+private_dir "$wd/bundles" "bundle directory"
+private_dir "$wd/runs" "run directory root"
 wd=$(cd "$wd" && pwd -P)
 cleaned=0
 for t in "$wd"/bundles/.tmp-*; do
@@ -110,10 +129,11 @@ echo "uploaded"
 
 # Create a run directory, remove stale files named after it (relative to it), and
 # unpack the run's small files (a tar on stdin) into it.
-_RUN_FILES = r"""
+_RUN_FILES = PRIVATE_DIR + r"""
 set -e
 d=$1; shift
-mkdir -p "$d"
+private_dir "$d" "run directory"
+chmod 700 "$d"
 for f in "$@"; do rm -f "$d/$f"; done
 tar -xf - -C "$d" --no-same-owner
 """
@@ -201,18 +221,17 @@ def _why(error: TransportError) -> str:
     return ""  # the receiver's stderr (in the error) says what went wrong
 
 
-# Run files only the run's user may read (a secret): written with mode 0600.
-PRIVATE_FILES = frozenset({contract.RENDEZVOUS_KEY_FILE})
-
-
 def tar_of(files: dict[str, bytes | str]) -> bytes:
+    """The run's files as a tar: only the run's user may read them (run.sh and
+    config.json may hold what the playbook's environment says, the rendezvous key is a
+    secret): scripts mode 0700, the rest 0600."""
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:
         for name, content in sorted(files.items()):
             data = content.encode("utf-8") if isinstance(content, str) else content
             info = tarfile.TarInfo(name)
             info.size = len(data)
-            info.mode = 0o600 if name in PRIVATE_FILES else 0o755 if name.endswith(".sh") else 0o644
+            info.mode = 0o700 if name.endswith(".sh") else 0o600
             tar.addfile(info, io.BytesIO(data))
     return raw.getvalue()
 

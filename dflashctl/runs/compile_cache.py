@@ -55,6 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
+from dflashctl.core import contract
 from dflashctl.core.errors import DflashError, first_line
 from dflashctl.hosts.deploy import RECEIVE_CHECKED
 from trainer import compile_cache as trainer_cache
@@ -190,6 +191,14 @@ class LocalCache:
     def __init__(self, root: Optional[str] = None):
         self.root = root or store_dir()
 
+    def _own_root(self) -> None:
+        """Create the store's directory mode 0700, or refuse one another user owns or
+        may write: what they put there would be uploaded into this operator's runs."""
+        try:
+            contract.private_dir(self.root, "compile-cache store")
+        except contract.UnsafeDirectory as e:
+            raise CacheError(str(e), hint="or point $DFLASHCTL_HOME at a directory of your own") from None
+
     def _dir(self, key: str) -> str:
         if not _KEY.fullmatch(key or ""):
             raise CacheError(f"{key!r} is not a compile cache key (16 hex digits)",
@@ -256,7 +265,7 @@ class LocalCache:
         if size > quota:
             raise CacheError(f"an artifact of {_mib(size)} is over the compile cache's quota of {_mib(quota)}",
                              hint=f"raise ${QUOTA_ENV}, or `dflashctl cache rm --older-than 30d`")
-        os.makedirs(self.root, exist_ok=True)
+        self._own_root()
         free = shutil.disk_usage(self.root).free
         if free - size < MIN_FREE_BYTES:
             raise CacheError(f"an artifact of {_mib(size)} would leave {_mib(max(0, free - size))} free on the disk "
@@ -317,7 +326,7 @@ class LocalCache:
             return 0
 
     def bump_generation(self) -> None:
-        os.makedirs(self.root, exist_ok=True)
+        self._own_root()
         path = os.path.join(self.root, GENERATION_FILE)
         with open(path + ".tmp", "w") as f:
             f.write(f"{self.generation() + 1}\n")

@@ -433,9 +433,10 @@ def test_polluted_host_fixes_are_simulated_commands():
 
     # The plan: every command once; the wheel fetched, then the uninstalls, then the reinstall from what was fetched.
     steps = [argv for argv, _ in ea.plan(findings, s)]
-    fetch, *removals, reinstall = steps
+    make, fetch, *removals, reinstall = steps
     assert fetch[:6] == [python, "-m", "pip", "download", "--no-deps", "--dest"]
     wheels = fetch[6]
+    assert make == ["mkdir", "-m", "700", "--", wheels]  # its own directory: the plan stops if it exists
     assert fetch[7:] == ["nvidia-cudnn-cu13==9.19.0.56"]
     assert reinstall == [python, "-m", "pip", "install", "--no-index", "--find-links", wheels, "--no-deps",
                          "--force-reinstall", "nvidia-cudnn-cu13==9.19.0.56"]

@@ -99,7 +99,7 @@ def assert_trainer_imports(env: Venv, after: str) -> None:
         assert done.returncode == 0, (after, module, done.stderr[-600:])
 
 
-def apply_plan(report: ea.AuditReport, inventory, environment: dict, env: Venv) -> tuple[list[str], str | None]:
+def apply_plan_by_hand(report: ea.AuditReport, inventory, environment: dict, env: Venv) -> tuple[list[str], str | None]:
     """The printed plan run as it says: in order, through the host's transport,
     stopping at the first command that fails; the trainer's imports checked after
     every step. (lines run, the line that failed or None)."""
@@ -136,7 +136,7 @@ def test_a_cu13_stack_then_cu12_torch_the_plan_never_puts_the_strays_back(tmp_pa
     lines = [line for _, line in report.plan()]
     assert not [line for line in lines if (CUDNN13[0] in line or NCCL13[0] in line) and "uninstall" not in line], lines
     assert len(lines) == len(set(lines))
-    ran, failed = apply_plan(report, inventory, offline, env)
+    ran, failed = apply_plan_by_hand(report, inventory, offline, env)
     assert failed is None and ran
     cudnn = env.site / "nvidia/cudnn/lib/libcudnn.so.9"
     assert cudnn.read_bytes().startswith(b"cu12") and (env.site / "nvidia/nccl/lib/libnccl.so.2").read_bytes()[:4] == b"cu12"
@@ -151,8 +151,8 @@ def test_a_host_with_no_index_stops_before_anything_is_removed(tmp_path, fresh_v
     report = ea.audit_host("box", inventory)
     before = report.snapshot.packages()
     air_gapped = {**OFFLINE, "PIP_NO_INDEX": "1"}  # no index, no local wheels: nothing can be fetched
-    ran, failed = apply_plan(report, inventory, air_gapped, env)
-    assert failed is not None and " download " in failed and ran == []
+    ran, failed = apply_plan_by_hand(report, inventory, air_gapped, env)
+    assert failed is not None and " download " in failed and [r.split()[0] for r in ran] == ["mkdir"]
     assert ea.audit_host("box", inventory).snapshot.packages() == before  # nothing changed
 
 
@@ -166,7 +166,7 @@ def test_a_metadata_pip_cannot_read_is_removed_before_pip_is_needed(tmp_path, fr
     assert blocking.severity == "error" and "every pip command (any fix) fails" in blocking.message
     steps = [argv for argv, _ in report.plan()]
     assert steps[0] == ["rm", "-r", "--", str(info)]
-    ran, failed = apply_plan(report, inventory, offline, env)
+    ran, failed = apply_plan_by_hand(report, inventory, offline, env)
     assert failed is None
     assert ea.audit_host("box", inventory).counts()["error"] == 0
 
@@ -187,7 +187,7 @@ def test_a_stale_second_dist_info_is_removed_as_that_directory(tmp_path, fresh_v
     (found,) = [f for f in report.findings if f.code == "stale-dist-info"]
     assert found.argv == [["rm", "-r", "--", str(env.site / stale.name)]]
     assert not [a for _, a in report.plan() if "transformers==4.55.0" in a]
-    ran, failed = apply_plan(report, inventory, offline, env)
+    ran, failed = apply_plan_by_hand(report, inventory, offline, env)
     assert failed is None and not (env.site / stale.name).exists() and live.is_dir()
     assert (env.site / "transformers/__init__.py").read_text().startswith("__version__ = '4.56.2'")
     after = ea.audit_host("box", inventory)
@@ -225,7 +225,7 @@ def test_an_older_transformers_that_shadows_the_environments_steers_no_install(t
         assert [f for f in report.findings if f.code == "pythonpath" and f.paths == [str(shadow)]]
     for f in report.findings:
         assert str(env.site / dist_info_name("transformers", "4.56.2")) not in " ".join(f.commands), f
-    ran, failed = apply_plan(report, inventory, {**offline, **environment}, env)
+    ran, failed = apply_plan_by_hand(report, inventory, {**offline, **environment}, env)
     assert failed is None
     # Nothing the shadowing copy asks for was installed into the environment: its own copies stay.
     assert (env.site / dist_info_name("huggingface_hub", "0.34.4")).is_dir()
@@ -251,7 +251,10 @@ def test_apply_runs_the_plan_and_the_audit_after_it_is_clean(tmp_path, fresh_ven
                       env={"DFLASHCTL_STORE": str(tmp_path / "runs.db")})
     payload = json.loads(done.stdout)
     assert payload["stopped"] is None, payload["why"]
-    assert payload["applied"] == [line for _, line in before.plan()]
+    # The printed plan, its wheels fetched into the apply's own directory (mkdtemp on the host).
+    wheels = payload["applied"][0].split(" -- ")[-1]
+    assert wheels.startswith("/tmp/dflashctl-env-apply-") and wheels.endswith("/wheels")
+    assert payload["applied"] == [line for _, line in before.plan(wheels)]
     assert payload["after"]["counts"]["error"] == 0 and done.returncode == payload["after"]["exit_code"] < 2
     assert payload["after"]["packages"]["transformers"] == "4.56.2"
     assert_trainer_imports(env, "--apply")
@@ -267,7 +270,7 @@ def test_apply_on_a_host_with_no_index_stops_at_the_fetch_with_nothing_changed(t
                                                                    {**OFFLINE, "PIP_NO_INDEX": "1"})
     before = ea.audit_host("box", inventory).snapshot.packages()
     done = apply_plan("box", inventory)
-    assert not done.ok and " download " in done.stopped and done.ran == []
+    assert not done.ok and " download " in done.stopped and [r.split()[0] for r in done.ran] == ["mkdir"]
     assert "the wheel could not be fetched: nothing has been changed" in done.why
     assert done.after.snapshot.packages() == before
     assert_trainer_imports(env, "a failed fetch")
@@ -294,3 +297,54 @@ def test_apply_stops_and_undoes_the_step_pip_crashes_in(tmp_path, fresh_venv, wh
     assert_trainer_imports(env, "the undone step")
     assert (env.site / dist_info_name("transformers", "4.46.3")).is_dir()
     assert (env.site / "transformers/__init__.py").read_text().startswith("__version__ = '4.46.3'")
+
+
+# --------------------------------------------------------------------------- a second user of the host
+
+
+def _evil_transformers(marker: Path) -> bytes:
+    """transformers 4.56.2 as the stranger builds it: the real files, and a .pth that
+    runs their code in every Python that starts on the host (as root, after the apply)."""
+    import tempfile
+
+    files = {**TRAINER_STACK[0][2], "zz_planted.pth": f"import os; open({str(marker)!r}, 'w').write(str(os.getuid()))\n"}
+    with tempfile.TemporaryDirectory() as d:
+        return write_wheel(Path(d), "transformers", "4.56.2", files, ["safetensors>=0.4.3"]).read_bytes()
+
+
+def test_a_wheel_another_user_planted_where_the_plan_fetches_is_never_installed(tmp_path, fresh_venv, wheels):
+    """The stranger computes the plan the operator will apply (the same audit) and
+    makes its wheel directory first, with their own transformers wheel in it. The
+    apply fetches into a directory of its own (mkdtemp on the host), so the
+    stranger's wheel is never installed; the printed plan makes its directory
+    itself (mkdir -m 700), so run by hand it stops there, before any wheel is fetched."""
+    from dflashctl.envaudit.apply import apply_plan
+    from tests.harness.users import plant
+
+    env, offline, inventory = old_transformers_after_a_cu13_stack(tmp_path, fresh_venv, wheels)
+    marker = Path("/tmp") / f"dflashctl-planted-{tmp_path.name}"
+    guessed = ea.audit_host("box", inventory)
+    fetch = next(argv for argv, _ in guessed.plan() if "download" in argv)
+    dest = fetch[fetch.index("--dest") + 1]
+    shutil.rmtree(dest, ignore_errors=True)  # left by an earlier run: the stranger is first here
+    plant(dest, {"transformers-4.56.2-py3-none-any.whl": _evil_transformers(marker)}, mode=0o777)
+    try:
+        done = apply_plan("box", inventory)
+        assert done.ok, done.why
+        assert not (env.site / "zz_planted.pth").exists(), "the stranger's wheel was installed"
+        assert_trainer_imports(env, "--apply")
+        assert not marker.exists(), "the stranger's code ran"
+
+        # The printed plan run by hand, the stranger having made the directory it names.
+        env2, offline2, inventory2 = old_transformers_after_a_cu13_stack(tmp_path / "by-hand", fresh_venv, wheels)
+        report = ea.audit_host("box", inventory2)
+        fetch = next(argv for argv, _ in report.plan() if "download" in argv)
+        plant(fetch[fetch.index("--dest") + 1], {"transformers-4.56.2-py3-none-any.whl": _evil_transformers(marker)},
+              mode=0o777)
+        ran, failed = apply_plan_by_hand(report, inventory2, offline2, env2)
+        assert ran == [] and failed is not None and failed.startswith("mkdir -m 700 -- "), (ran, failed)
+        assert not (env2.site / "zz_planted.pth").exists() and not marker.exists()
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.rmtree(fetch[fetch.index("--dest") + 1], ignore_errors=True)
+        marker.unlink(missing_ok=True)

@@ -10,8 +10,13 @@ before the step.
 Stdlib only, Python 3.8+, nothing from dflashctl. One JSON argument, one JSON
 line answered: ``{"saved"|"restored": N, "errors": [...]}``.
 
+``workdir`` makes the apply's own directory (``tempfile.mkdtemp``: a fresh name,
+mode 0700, answered as ``{"dir": PATH}``): the backups and the fetched wheels go
+under it, never under a name in /tmp another user could make first.
+
 Argument::
 
+    {"action": "workdir"}
     {"action": "save", "dir": BACKUP, "dist_infos": ["/site/x-1.0.dist-info", ...]}
     {"action": "restore", "dir": BACKUP}
 """
@@ -22,8 +27,9 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 
-USAGE = 'usage: envsave.py \'{"action": "save"|"restore", "dir": BACKUP, "dist_infos": [...]}\'\n'
+USAGE = 'usage: envsave.py \'{"action": "workdir"|"save"|"restore", "dir": BACKUP, "dist_infos": [...]}\'\n'
 MANIFEST = "manifest.json"
 
 
@@ -99,15 +105,18 @@ def _listdir(directory):
 def main(argv):
     try:
         args = json.loads(argv[1])
-        action, directory = args["action"], args["dir"]
+        action = args["action"]
+        directory = args["dir"] if action != "workdir" else None
         dist_infos = list(args.get("dist_infos") or [])
     except (IndexError, KeyError, TypeError, ValueError):
         sys.stderr.write(USAGE)
         return 2
     errors = []
     try:
-        if action == "save":
-            os.makedirs(directory, exist_ok=True)
+        if action == "workdir":
+            answer = {"dir": tempfile.mkdtemp(prefix="dflashctl-env-apply-")}
+        elif action == "save":
+            os.mkdir(directory, 0o700)  # new, under the workdir: never one that was there
             answer = {"saved": save(directory, dist_infos, errors)}
         elif action == "restore":
             answer = {"restored": restore(directory, errors)}
