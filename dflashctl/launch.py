@@ -172,8 +172,9 @@ def gpu_probe_argv(python: str) -> list[str]:
 
 def probe_gpus(transport: "Transport") -> "HostProbe":
     from dflashctl.hosts.probe import ProbeError, parse_probe_host
+    from dflashctl.hosts.transport import limits
 
-    result = transport.run(gpu_probe_argv(transport.host.python), timeout=60)
+    result = transport.run(gpu_probe_argv(transport.host.python), timeout=60, limit=limits.probe([]))
     host = parse_probe_host(result.stdout)
     if isinstance(host, ProbeError):
         raise TransportError(transport.host.name, "nvidia-smi probe", host.message, stderr_tail=host.output_tail)

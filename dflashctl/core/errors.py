@@ -6,6 +6,8 @@ hint that says what to do). Never here: printing, or anything but plain data.
 
 from __future__ import annotations
 
+from dflashctl.core.units import fmt_bytes
+
 
 def first_line(error: BaseException) -> str:
     """The first line of an error's message (its type when the message is empty):
@@ -67,6 +69,19 @@ class UnreachableError(TransportError):
 
 class CommandTimeout(TransportError):
     """The remote command outlived its timeout and was killed on the host."""
+
+
+class AnswerTooLarge(TransportError):
+    """A host sent more than is read of one kind of answer: the command was ended
+    there, and nothing of the answer is used. ``what``: the answer's kind in
+    messages ("the probe"); ``stream``: stdout or stderr; ``limit``: bytes read."""
+
+    def __init__(self, host: str, command: str, what: str, stream: str, limit: int, hint: str | None = None):
+        self.what, self.stream, self.limit = what, stream, limit
+        said = "answered" if stream == "stdout" else "wrote to stderr"
+        super().__init__(host, command, f"{said} more than {fmt_bytes(limit)} to {what}; at most {fmt_bytes(limit)} "
+                         "is read, so the command was ended there and its answer is not used", hint=hint)
+        self.args = (f"host {host} {str(self.args[0]).removeprefix(host + ': ')}",)
 
 
 class StoreError(DflashError):

@@ -99,6 +99,14 @@ def _trim(value: float) -> str:
     return text[:-2] if text.endswith(".0") else text
 
 
+def fmt_bytes(size: int) -> str:
+    """512 -> '512 B', 65536 -> '64 KiB', 10485760 -> '10 MiB', 1.5e9 -> '1.4 GiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{_trim(size / scale)} {unit}"
+    return f"{size} B"
+
+
 def fmt_clock(timestamp: float) -> str:
     """A unix time as local HH:MM:SS."""
     return time.strftime("%H:%M:%S", time.localtime(timestamp))

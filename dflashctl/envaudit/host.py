@@ -28,6 +28,7 @@ from dflashctl.envaudit.drift import drift_since_good_run, open_existing_store
 from dflashctl.envaudit.findings import Finding, Policy
 from dflashctl.envaudit.report import AuditReport
 from dflashctl.envaudit.rules import audit
+from dflashctl.hosts.transport.limits import AUDIT
 from dflashctl.envaudit.snapshot import ASKED_MODULES, LIB_PREFIXES, Snapshot, parse_snapshot
 from dflashctl.envaudit.stack import torch_build
 from dflashctl.hosts import remote
@@ -61,7 +62,7 @@ def collect(transport: "Transport", env: dict[str, str] | None = None, timeout: 
             deep: bool = False) -> Snapshot:
     """The one round trip: run the collector on the host, parse its answer."""
     argv = audit_command(transport.host, deep)
-    result = transport.run(argv, env=env, timeout=timeout + (DEEP_TIMEOUT if deep else 0), check=False)
+    result = transport.run(argv, env=env, timeout=timeout + (DEEP_TIMEOUT if deep else 0), check=False, limit=AUDIT)
     try:
         snapshot = parse_snapshot(result.stdout, transport.host.name)
     except (ValueError, KeyError, TypeError):

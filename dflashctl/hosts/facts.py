@@ -39,6 +39,7 @@ from dflashctl.core.errors import DflashError
 from dflashctl.core.units import fmt_bytes
 from dflashctl.hosts import parsers, remote
 from dflashctl.hosts.transport import Transport, describe_route, fanout
+from dflashctl.hosts.transport.limits import FACTS
 
 if TYPE_CHECKING:
     from dflashctl.config import Host, Inventory
@@ -250,7 +251,7 @@ def gather_facts(transport: Transport, timeout: float | None = None, launch_toke
     args: dict[str, Any] = {"workdir": transport.host.workdir, "gpu_fields": list(GPU_FIELDS)}
     if launch_token is not None:
         args["launch"] = {"token": launch_token, "packages": list(LAUNCH_PACKAGES)}
-    result = transport.run_script(FACTS_SCRIPT, [json.dumps(args)], timeout=timeout or DEFAULT_TIMEOUT)
+    result = transport.run_script(FACTS_SCRIPT, [json.dumps(args)], timeout=timeout or DEFAULT_TIMEOUT, limit=FACTS)
     try:
         return parse_facts(result.stdout)
     except ValueError as e:
@@ -261,7 +262,7 @@ def look_again(transport: Transport, launch: LaunchFacts, token: str, timeout: f
     """The second round trip: are the detached process and the tmux session that the
     first one started still there? Stops them either way."""
     args = {"look": {"pid": launch.detached_pid, "start": launch.detached_start, "token": token}}
-    result = transport.run_script(FACTS_SCRIPT, [json.dumps(args)], timeout=timeout or DEFAULT_TIMEOUT)
+    result = transport.run_script(FACTS_SCRIPT, [json.dumps(args)], timeout=timeout or DEFAULT_TIMEOUT, limit=FACTS)
     try:
         return parse_look(result.stdout)
     except ValueError as e:
@@ -563,7 +564,7 @@ def check_inputs(transport: Transport, trainer: dict[str, Any], workdir: str,
     """One round trip: the run's data shards, model directory and free disk, as the
     host sees them. Reads only (nothing is created or deployed)."""
     result = transport.run_script(FACTS_SCRIPT, [json.dumps(inputs_argument(trainer, workdir))],
-                                  timeout=timeout or DEFAULT_TIMEOUT)
+                                  timeout=timeout or DEFAULT_TIMEOUT, limit=FACTS)
     try:
         return parse_inputs(result.stdout)
     except ValueError as e:

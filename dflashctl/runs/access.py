@@ -51,10 +51,12 @@ def probe_run(transport: "Transport", run: Run, *, offset: int = 0, inode: int |
               timeout: float | None = None) -> "ProbeResult":
     """One probe round trip for one run (no nvidia-smi)."""
     from dflashctl.hosts.probe import ProbeArgs, ProbeError, parse_probe_host, probe_command
+    from dflashctl.hosts.transport import limits
 
     args = ProbeArgs(run_dir=run.run_dir, session=run.tmux_session, socket=run.tmux_socket or socket_name(),
                      metrics_offset=offset, metrics_inode=inode, nvidia_smi=False, pane_lines=40, rank=run.rank)
-    result = transport.run(probe_command(transport.host.python, [args]), timeout=timeout or 30)
+    result = transport.run(probe_command(transport.host.python, [args]), timeout=timeout or 30,
+                           limit=limits.probe([args]))
     host = parse_probe_host(result.stdout)
     if isinstance(host, ProbeError):
         raise TransportError(transport.host.name, "probe", host.message, stderr_tail=host.output_tail)

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 from dflashctl.core import contract
 from dflashctl.core.errors import DflashError, first_line
 from dflashctl.hosts.deploy import RECEIVE_CHECKED
+from dflashctl.hosts.transport.limits import CACHE_LOOK, COPY_BACK
 from trainer import compile_cache as trainer_cache
 
 if TYPE_CHECKING:
@@ -598,7 +599,7 @@ class HostView:
 def look(transport: "Transport", run_dir: str, model_path: Optional[str] = None,
          timeout: Optional[float] = 60.0) -> HostView:
     """One round trip: the run directory's manifest (checked) and the model's digest."""
-    answer = transport.run(look_argv(run_dir, model_path or ""), timeout=timeout).stdout
+    answer = transport.run(look_argv(run_dir, model_path or ""), timeout=timeout, limit=CACHE_LOOK).stdout
     head, marker, text = answer.partition("manifest:\n")
     view = HostView()
     for line in head.splitlines():
@@ -736,7 +737,8 @@ def fetch(transport: "Transport", run_dir: str, trainer: dict, bundle: str, gpu:
         return Outcome("failed", f"compile artifact {key} not copied back: {first_line(e)}", key, severity="warning",
                        detail=detail)
     try:
-        transport.run(fetch_argv(run_dir, manifest["file"]), timeout=TRANSFER_TIMEOUT, stdout_sink=receiver.write)
+        transport.run(fetch_argv(run_dir, manifest["file"]), timeout=TRANSFER_TIMEOUT, stdout_sink=receiver.write,
+                      limit=COPY_BACK)
         entry = receiver.commit()
     except (DflashError, OSError) as e:
         receiver.abort()

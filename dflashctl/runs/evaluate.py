@@ -12,6 +12,8 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from dflashctl.core import contract
+from dflashctl.core.units import fmt_bytes
+from dflashctl.hosts.transport.limits import EVAL_LOG, EVAL_REPORT
 from dflashctl.runs.access import LaunchError, Progress, host_transport, part_tmux, quiet
 from dflashctl.runs.files import posixpath_join
 from dflashctl.store import Run, Store
@@ -55,15 +57,27 @@ def eval_budget(timeout: float) -> float:
     return max(1.0, 0.8 * timeout - 5.0)
 
 
-# One round trip: the exit status (or '-'), then the report so far (or nothing).
-_READ_EVAL = f'cd "$1" && {{ cat {EVAL_EXIT} 2>/dev/null || echo -; }} && cat {EVAL_FILE} 2>/dev/null; exit 0'
+EVAL_REPORT_BYTES = 4 << 20  # a report of a few hundred prompts is some KiB; larger is not read
+
+# One round trip: the exit status (or '-'), then the report's size, then the report
+# so far (or nothing; nothing either when it is larger than $2 bytes).
+_READ_EVAL = (f'cd "$1" && {{ c=$(head -c 32 {EVAL_EXIT} 2>/dev/null | tr -dc 0-9-); echo "${{c:--}}"; '
+              f's=$(wc -c < {EVAL_FILE} 2>/dev/null || echo 0); s=$(echo $s); echo "$s"; '
+              f'[ "$s" -gt "$2" ] || cat {EVAL_FILE} 2>/dev/null; }}; exit 0')
 
 
 def _read_eval(transport: "Transport", run: Run) -> tuple[int | None, dict[str, Any] | None]:
-    """(the eval's exit status, None while it runs; the report it wrote last, if any)."""
-    answer = transport.run(["sh", "-c", _READ_EVAL, "dflashctl-eval", run.run_dir], timeout=30, check=False)
-    head, _, text = answer.stdout.partition("\n")
+    """(the eval's exit status, None while it runs; the report it wrote last, if any).
+    LaunchError when the report is larger than EVAL_REPORT_BYTES."""
+    answer = transport.run(["sh", "-c", _READ_EVAL, "dflashctl-eval", run.run_dir, str(EVAL_REPORT_BYTES)],
+                           timeout=30, check=False, limit=EVAL_REPORT)
+    head, size, text = (answer.stdout.split("\n", 2) + ["", ""])[:3]
     code = int(head) if head.strip().lstrip("-").isdigit() else None
+    if size.strip().isdigit() and int(size) > EVAL_REPORT_BYTES:
+        raise LaunchError(f"{EVAL_FILE} on {run.host} is {fmt_bytes(int(size))}; at most "
+                          f"{fmt_bytes(EVAL_REPORT_BYTES)} of an evaluation report is read",
+                          hint=f"look at {posixpath_join(run.run_dir, EVAL_FILE)} on {run.host}: the trainer's "
+                          "report is a few KiB")
     return code, _json_report(text)
 
 
@@ -166,7 +180,8 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
 
 
 def _eval_log_tail(transport: "Transport", run: Run) -> str:
-    answer = transport.run(["tail", "-n", "20", posixpath_join(run.run_dir, EVAL_LOG)], timeout=30, check=False)
+    answer = transport.run(["sh", "-c", 'tail -c 65536 "$1" | tail -n 20', "dflashctl-eval-log",
+                            posixpath_join(run.run_dir, EVAL_LOG)], timeout=30, check=False, limit=EVAL_LOG)
     return answer.stdout.strip()[-500:]
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from dflashctl.core import contract
+from dflashctl.core.units import fmt_bytes
+from dflashctl.hosts.transport.limits import LOG, METRICS_TAIL
 from dflashctl.runs.access import POLL_SECONDS, LaunchError, host_transport
 from dflashctl.runs.files import posixpath_join
 from dflashctl.store import Store
@@ -22,18 +24,24 @@ if TYPE_CHECKING:
 
 # --------------------------------------------------------------------------- trainer.log
 
+# The last $3 lines of $1 from its last $5 bytes (offset $2 < 0), or what follows
+# offset $2, at most $5 bytes of it; $4: the exit code file. First line: the size,
+# whether the trainer has ended, and the offset the text ends at. Seeks from the end:
+# a huge log, or a huge last line, costs $5 bytes, not its size.
 _READ_LOG = r"""
-f=$1; off=$2; n=$3; ec=$4
+f=$1; off=$2; n=$3; ec=$4; max=$5
 size=$(wc -c < "$f" 2>/dev/null || echo 0); size=$(echo $size)
 ended=0; [ -f "$ec" ] && ended=1
 if [ "$off" -lt 0 ]; then
-  echo "$size $ended"; [ "$size" -gt 0 ] && tail -n "$n" "$f"; exit 0
+  echo "$size $ended $size"; [ "$size" -gt 0 ] && tail -c "$max" "$f" | tail -n "$n"; exit 0
 fi
 [ "$size" -lt "$off" ] && off=0
-echo "$size $ended"
-[ "$size" -gt "$off" ] && tail -c +"$((off + 1))" "$f" | head -c "$((size - off))"
+end=$size; [ $((size - off)) -gt "$max" ] && end=$((off + max))
+echo "$size $ended $end"
+[ "$end" -gt "$off" ] && tail -c +"$((off + 1))" "$f" | head -c "$((end - off))"
 exit 0
 """
+LOG_WINDOW_BYTES = 4 << 20  # read from a log per look: its end for -n, what follows the offset when following
 
 
 def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False, n: int = 50,
@@ -63,14 +71,17 @@ def logs(run_id: str, store: Store, inventory: "Inventory", follow: bool = False
             if ended[i]:  # (follow only: without it there is one pass)
                 continue
             answer = transport.run(["sh", "-c", _READ_LOG, "dflashctl-logs", posixpath_join(part.run_dir, contract.LOG_FILE),
-                                    str(offsets[i]), str(int(n)), posixpath_join(part.run_dir, contract.EXIT_CODE_FILE)])
-            head, _, text = answer.stdout.partition("\n")
-            size, done = (int(x) for x in head.split())
+                                    str(offsets[i]), str(int(n)), posixpath_join(part.run_dir, contract.EXIT_CODE_FILE),
+                                    str(LOG_WINDOW_BYTES)], limit=LOG)
+            size, done, end, data = _read_header(answer.stdout_bytes, 3, part.host)
+            text = data.decode("utf-8", errors="replace")
+            if offsets[i] < 0 and size > len(data) >= LOG_WINDOW_BYTES:  # the first line began before the window
+                text = f"[cut: a line longer than {fmt_bytes(LOG_WINDOW_BYTES)}, its end] " + text
             if text:
                 yield "".join(f"[{part.host}] {line}" for line in text.splitlines(keepends=True)) if prefix else text
             # Nothing more will come once the exit code is written and the log has been read.
             ended[i] = bool(done) and offsets[i] == size
-            offsets[i] = size
+            offsets[i] = end
         if not follow or all(ended) or (stop is not None and stop()):
             return
         time.sleep(poll)
@@ -118,11 +129,21 @@ def log_before(run_id: str, store: Store, inventory: "Inventory", end: int | Non
                           hint=f"dflashctl logs {run.id} --host HOST -n N")
     answer = host_transport(run.host, inventory).run(
         ["sh", "-c", _READ_LOG_BEFORE, "dflashctl-log-before", posixpath_join(run.run_dir, contract.LOG_FILE),
-         str(-1 if end is None else int(end)), str(int(max_bytes)), str(int(max_lines))])
-    head, _, text = answer.stdout_bytes.partition(b"\n")
-    size, last, count = (int(x) for x in head.split())
+         str(-1 if end is None else int(end)), str(int(max_bytes)), str(int(max_lines))], limit=LOG)
+    size, last, count, text = _read_header(answer.stdout_bytes, 3, run.host)
     start = last - count
     return LogSlice(start, last, text.decode("utf-8", errors="replace"), cut=count == 0 and start > 0)
+
+
+def _read_header(data: bytes, fields: int, host: str) -> tuple:
+    """(the first line's ``fields`` integers..., the bytes after it) of a read script's
+    answer; LaunchError when the first line is not that (not the script's answer)."""
+    head, _, rest = data.partition(b"\n")
+    words = head.split()
+    if len(words) != fields or not all(w.isdigit() for w in words):
+        raise LaunchError(f"host {host} answered a log read with {head[:80]!r}, not its size line",
+                          hint=f"check that `sh`, `wc`, `tail` and `head` work on {host}")
+    return (*(int(w) for w in words), rest)
 
 
 # --------------------------------------------------------------------------- metrics.jsonl
@@ -135,8 +156,10 @@ def metrics_tail(run_id: str, store: Store, inventory: "Inventory", n: int = 50)
     transport = host_transport(run.host, inventory)
     path = posixpath_join(run.run_dir, contract.METRICS_FILE)
     # A file not (yet) there is an answer, not tail's error text: the trainer writes it from its first log interval.
-    result = transport.run(["sh", "-c", '[ -e "$2" ] || { echo absent; exit 3; }; tail -n "$1" "$2"', "dflashctl-tail",
-                            str(int(n)), path], timeout=30, check=False)
+    # From the file's last bytes only: a huge last line costs LOG_WINDOW_BYTES, not its size.
+    result = transport.run(["sh", "-c", '[ -e "$2" ] || { echo absent; exit 3; }; tail -c "$3" "$2" | tail -n "$1"',
+                            "dflashctl-tail", str(int(n)), path, str(LOG_WINDOW_BYTES)], timeout=30, check=False,
+                           limit=METRICS_TAIL)
     if result.exit_code == 3 and result.stdout.strip() == "absent":
         raise LaunchError(f"run {run.id} has no metrics yet: {path} is not on {run.host}",
                           hint="the trainer writes a line every train.log_every steps once it trains: "

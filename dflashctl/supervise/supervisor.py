@@ -52,6 +52,7 @@ from dflashctl.hosts.probe import (
     parse_probe_host,
     probe_command,
 )
+from dflashctl.hosts.transport import limits
 from dflashctl.runs.recorded import playbook_now
 from dflashctl.store import InvalidTransition, Run, Store
 from dflashctl.supervise import alerts as alerts_mod
@@ -494,9 +495,10 @@ class Supervisor:
 
     def _probe(self, transport, watched: list[tuple[Watched, int]]):
         limit = self.probe_timeout or min(float(transport.host.command_timeout), max(10.0, 3 * self.interval))
-        argv = probe_command(transport.host.python, [w.args_of(rank) for w, rank in watched])
+        args = [w.args_of(rank) for w, rank in watched]
         sent = self.clock()
-        result = transport.run(argv, timeout=limit, check=False)
+        result = transport.run(probe_command(transport.host.python, args), timeout=limit, check=False,
+                               limit=limits.probe(args))
         return result, sent, self.clock()
 
     def _members(self, host: str, entries: list[tuple[Watched, int]], answer: Any, parsed: Any,

@@ -13,6 +13,7 @@ The rooms:
     ssh        ``SSHTransport``: pooled connections, jumps, wedged connections
                replaced; ``Pool`` and ``default_pool``
     pooled     ``connect``, ``host_key`` and ``fanout`` over the default pool
+    limits     how much of each kind of answer is read (``Limit``), and ``Capture``
 
 This package never decides anything about runs; it runs commands and says what
 happened.
@@ -27,13 +28,14 @@ from dflashctl.hosts.transport.command import (
     not_found_hint,
 )
 from dflashctl.hosts.transport.hostkeys import HostKey, UnknownHostKey, append_known_host, key_name, trust_command
+from dflashctl.hosts.transport.limits import COMMAND, Limit
 from dflashctl.hosts.transport.local import LocalTransport
 from dflashctl.hosts.transport.pooled import connect, fanout, host_key
 from dflashctl.hosts.transport.results import SHOWN_ARG_CHARS, STDERR_TAIL_CHARS, Result, shown_argv, stderr_tail
 from dflashctl.hosts.transport.ssh import MAX_SESSIONS, Pool, SSHTransport, default_pool
 
 __all__ = [
-    "CLIENT_SLACK", "KILL_AFTER", "MAX_COMMAND_BYTES", "MAX_SESSIONS", "NOT_FOUND_EXIT_CODES", "SHOWN_ARG_CHARS",
+    "CLIENT_SLACK", "COMMAND", "KILL_AFTER", "Limit", "MAX_COMMAND_BYTES", "MAX_SESSIONS", "NOT_FOUND_EXIT_CODES", "SHOWN_ARG_CHARS",
     "STDERR_TAIL_CHARS", "TIMEOUT_EXIT_CODES", "HostKey", "LocalTransport", "Pool", "Result", "SSHTransport",
     "Transport", "UnknownHostKey", "append_known_host", "command_line", "connect", "default_pool", "describe_route",
     "fanout", "host_key", "key_name", "not_found_hint", "shown_argv", "stderr_tail", "trust_command",

@@ -11,8 +11,9 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from dflashctl.core.errors import CommandTimeout, TransportError
+from dflashctl.core.errors import AnswerTooLarge, CommandTimeout, TransportError
 from dflashctl.hosts.transport.command import KILL_AFTER, command_line, describe_route, not_found_hint
+from dflashctl.hosts.transport.limits import COMMAND, Capture, Limit
 from dflashctl.hosts.transport.results import Result, _Outcome, shown_argv, stderr_tail
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class Transport(ABC):
         check: bool = True,
         cwd: str | None = None,
         stdout_sink: Callable[[bytes], bool] | None = None,
+        limit: Limit = COMMAND,
     ) -> Result:
         """Run ``argv`` on the host (inside its wrapper). ``env`` adds to the host's
         ``env`` from the inventory. ``input`` is sent as stdin, then EOF; without it
@@ -61,8 +63,10 @@ class Transport(ABC):
         TransportError on a non-zero exit. ``stdout_sink``: stdout is handed to it
         piece by piece as it arrives (never held: ``Result.stdout_bytes`` is empty); a
         sink that returns False ends the command at once (it was sent more than it
-        takes; the sink knows, the exit code is then the kill's)."""
-        limit = float(timeout if timeout is not None else self.host.command_timeout)
+        takes; the sink knows, the exit code is then the kill's). ``limit``: the most
+        of this kind of answer that is read (``limits``); past it on stdout or stderr
+        the command is ended and AnswerTooLarge raised, whatever ``check`` says."""
+        bound, limit = limit, float(timeout if timeout is not None else self.host.command_timeout)
         merged_env = {**(self.host.env or {}), **(env or {})}
         shown = shown_argv(argv)
         try:
@@ -71,10 +75,14 @@ class Transport(ABC):
             raise TransportError(self.name, shown, str(e)) from None
         started = time.monotonic()
         deadline = limit + KILL_AFTER + CLIENT_SLACK
-        outcome = self._execute(command, input, deadline, shown, stdout_sink)
+        out, err = Capture(bound.stdout), Capture(bound.stderr)
+        outcome = self._execute(command, input, deadline, shown, stdout_sink or out.take, err.take)
         duration = time.monotonic() - started
+        for stream, capture in (("stdout", out), ("stderr", err)):
+            if capture.over:
+                raise AnswerTooLarge(self.name, shown, bound.what, stream, capture.limit)
         code = outcome.exit_code
-        result = Result(self.name, list(argv), command, code, outcome.stdout, outcome.stderr, duration, outcome.notes)
+        result = Result(self.name, list(argv), command, code, out.value(), err.value(), duration, outcome.notes)
         if not outcome.finished:
             raise CommandTimeout(
                 self.name,
@@ -105,8 +113,10 @@ class Transport(ABC):
 
     @abstractmethod
     def _execute(self, command: str, input: bytes | None, deadline: float, shown: str,
-                 stdout_sink: Callable[[bytes], bool] | None = None) -> _Outcome:
-        """Run one command line; give up after ``deadline`` seconds."""
+                 out: Callable[[bytes], bool], err: Callable[[bytes], bool]) -> _Outcome:
+        """Run one command line; give up after ``deadline`` seconds. Its stdout and
+        stderr are handed to ``out`` and ``err`` piece by piece as they arrive; one
+        that returns False ends the command at once (nothing more is read)."""
 
     def close(self) -> None:
         pass

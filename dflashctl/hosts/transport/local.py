@@ -1,7 +1,7 @@
 """The local host: the same command line, run by /bin/sh as sshd would run it.
 
 A subprocess in its own process group, with the environment a login over SSH
-would give it; stdout whole, or handed to a sink as it arrives.
+would give it; stdout and stderr handed to their readers as they arrive.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _CONTROLLER_ONLY_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFE
 class LocalTransport(Transport):
     """This machine: the same command line, run by /bin/sh as sshd would."""
 
-    def _execute(self, command, input, deadline, shown, stdout_sink=None):
+    def _execute(self, command, input, deadline, shown, out, err):
         proc = subprocess.Popen(
             ["/bin/sh", "-c", command],
             env={k: v for k, v in os.environ.items() if k not in _CONTROLLER_ONLY_ENV},
@@ -33,25 +33,24 @@ class LocalTransport(Transport):
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group, so a give-up kills it all
         )
-        if stdout_sink is not None:
-            return _stream_local(proc, input, deadline, stdout_sink)
-        try:
-            out, err = proc.communicate(input, timeout=deadline)
-            return _Outcome(True, proc.returncode, out, err)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            out, err = proc.communicate()
-            return _Outcome(False, proc.returncode, out, err)
+        return _stream_local(proc, input, deadline, out, err)
 
 
 def _stream_local(proc: subprocess.Popen, input: bytes | None, deadline: float,
-                  sink: Callable[[bytes], bool]) -> _Outcome:
-    """``LocalTransport._execute`` with stdout handed to ``sink`` as it arrives."""
-    err: list[bytes] = []
-    readers = [threading.Thread(target=lambda: err.append(proc.stderr.read()), name="local-stderr", daemon=True)]
+                  out: Callable[[bytes], bool], err: Callable[[bytes], bool]) -> _Outcome:
+    """Feed stdin, hand stdout and stderr to their readers as they arrive; a reader
+    that takes no more, or the deadline, kills the command's process group."""
+    def drain(pipe, take: Callable[[bytes], bool]) -> None:
+        while True:
+            chunk = pipe.read1(65536)
+            if not chunk:
+                return
+            if not take(chunk):
+                _kill_group(proc)
+                pipe.close()  # the writer (under `timeout`, in a group of its own) gets SIGPIPE
+                return
+
+    threads = [threading.Thread(target=drain, args=(proc.stderr, err), name="local-stderr", daemon=True)]
     if input is not None:
         def feed() -> None:
             try:
@@ -59,29 +58,28 @@ def _stream_local(proc: subprocess.Popen, input: bytes | None, deadline: float,
                 proc.stdin.close()
             except OSError:
                 pass
-        readers.append(threading.Thread(target=feed, name="local-stdin", daemon=True))
-    for t in readers:
+        threads.append(threading.Thread(target=feed, name="local-stdin", daemon=True))
+    for t in threads:
         t.start()
-    end, finished = time.monotonic() + deadline, True
+    end = time.monotonic() + deadline
     timer = threading.Timer(deadline, lambda: _kill_group(proc))
     timer.daemon = True
     timer.start()
     try:
-        while True:
-            chunk = proc.stdout.read1(65536)
-            if not chunk:
-                break
-            if not sink(chunk):
-                _kill_group(proc)
-                break
+        drain(proc.stdout, out)
+        threads[0].join(max(0.0, end - time.monotonic()))
+        code = proc.wait(max(0.0, end - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        code = proc.wait()
     finally:
         timer.cancel()
     finished = time.monotonic() < end
     proc.stdout.close()
-    code = proc.wait()
-    for t in readers:
+    for t in threads:
         t.join(1.0)
-    return _Outcome(finished, code, b"", b"".join(err))
+    proc.stderr.close()
+    return _Outcome(finished, code)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

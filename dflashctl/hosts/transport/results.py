@@ -45,12 +45,11 @@ class Result:
 
 @dataclass
 class _Outcome:
-    """One command line's run: ``finished`` is False when the client gave up."""
+    """One command line's run: ``finished`` is False when the client gave up. Its
+    output went to the readers ``_execute`` was given."""
 
     finished: bool
     exit_code: int
-    stdout: bytes
-    stderr: bytes
     notes: list[str] = field(default_factory=list)
 
 

@@ -426,14 +426,14 @@ class SSHTransport(Transport):
                 else:
                     reopened = True  # connection() reconnects on the next turn
 
-    def _execute(self, command, input, deadline, shown, stdout_sink=None):
+    def _execute(self, command, input, deadline, shown, out, err):
         if not self._sessions.acquire(timeout=deadline):
-            return _Outcome(False, -1, b"", b"waited in vain for a free session on the connection")
+            return _Outcome(False, -1, ["waited in vain for a free session on the connection"])
         try:
             chan, notes = self._open_session(deadline)
             try:
                 chan.exec_command(command)
-                finished, code, out, err = _pump(chan, input, deadline, stdout_sink)
+                finished, code = _pump(chan, input, deadline, out, err)
             except (paramiko.SSHException, OSError, EOFError) as e:
                 raise TransportError(self.name, shown, f"connection lost: {e or type(e).__name__}") from None
             finally:
@@ -447,7 +447,7 @@ class SSHTransport(Transport):
                     self.drop(connection)
                     notes.append(f"no answer on the open connection for {deadline:g}s: dropped it, "
                                  "the next command reconnects")
-            return _Outcome(finished, code, out, err, notes)
+            return _Outcome(finished, code, notes)
         finally:
             self._sessions.release()
 
@@ -467,9 +467,11 @@ def _cause(e: BaseException) -> str:
 
 
 def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float,
-          stdout_sink: Callable[[bytes], bool] | None = None) -> tuple[bool, int, bytes, bytes]:
-    """Feed stdin (then EOF) and drain stdout/stderr of one exec channel until
-    the remote side closes them, or ``deadline`` seconds pass.
+          out: Callable[[bytes], bool], err: Callable[[bytes], bool]) -> tuple[bool, int]:
+    """Feed stdin (then EOF) and hand stdout/stderr of one exec channel to their
+    readers until the remote side closes them, or ``deadline`` seconds pass; a
+    reader that takes no more closes the channel (sshd then ends the command).
+    (finished, exit code).
 
     The nudge: sshd sends a command's output, its EOF and its exit status in
     separate writes and does not disable Nagle's algorithm, so each later write
@@ -478,11 +480,9 @@ def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float,
     SSH_MSG_IGNORE towards the host after each piece of output and after the EOF
     carries the ACK along at once: a command with output through a jump drops
     from ~50 ms to ~6 ms on loopback."""
-    out: list[bytes] = []
-    err: list[bytes] = []
-    refused: list[bool] = []  # the stdout sink took no more
+    refused: list[bool] = []  # a reader took no more
 
-    def drain(recv: Callable[[int], bytes], sink: list[bytes], take: Callable[[bytes], bool] | None = None) -> None:
+    def drain(recv: Callable[[int], bytes], take: Callable[[bytes], bool]) -> None:
         while True:
             data = recv(65536)
             try:
@@ -491,9 +491,7 @@ def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float,
                 pass  # a dead connection shows up on the channel itself
             if not data:
                 return
-            if take is None:
-                sink.append(data)
-            elif not take(data):
+            if not take(data):
                 refused.append(True)
                 chan.close()  # the command is sent SIGHUP by sshd; nothing more is read
                 return
@@ -509,7 +507,7 @@ def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float,
             pass  # the command exited without reading all of it; its exit code says so
 
     threads = [
-        threading.Thread(target=drain, args=(chan.recv, out, stdout_sink), name="ssh-stdout", daemon=True),
+        threading.Thread(target=drain, args=(chan.recv, out), name="ssh-stdout", daemon=True),
         threading.Thread(target=drain, args=(chan.recv_stderr, err), name="ssh-stderr", daemon=True),
         threading.Thread(target=feed, name="ssh-stdin", daemon=True),
     ]
@@ -520,14 +518,16 @@ def _pump(chan: paramiko.Channel, input: bytes | None, deadline: float,
         t.join(max(0.0, end - time.monotonic()))
         if refused:
             chan.close()
-            return True, -1, b"", b"".join(err)
+            for other in threads[:2]:
+                other.join(1.0)
+            return True, -1
     finished = not any(t.is_alive() for t in threads[:2]) and chan.status_event.wait(max(0.0, end - time.monotonic()))
     if not finished:
         chan.close()  # unblocks the threads
         for t in threads:
             t.join(1.0)
-        return False, -1, b"".join(out), b"".join(err)
-    return True, chan.recv_exit_status(), b"".join(out), b"".join(err)
+        return False, -1
+    return True, chan.recv_exit_status()
 
 
 # --------------------------------------------------------------------------- the pool
