@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from trainer.config import ConfigError
+from trainer.config import ConfigError, compile_problems
 from trainer.torch_api import forget_flex_fallback_warning
 from trainer.masks import CAUSAL_IN_BLOCK, build_block_mask, dense_mask
 
@@ -92,20 +92,12 @@ def select_attention_path(
         raise ConfigError([f"compile.enabled: {enabled!r} is not one of 'auto', 'on', 'off'"])
     if flex_kernel not in FLEX_KERNELS:
         raise ConfigError([f"compile.flex_kernel: {flex_kernel!r} is not one of {', '.join(FLEX_KERNELS)}"])
+    refused = compile_problems(enabled, device_type, allow_eager)
+    if refused:
+        raise ConfigError(refused)
     if device_type == "cpu":
-        if enabled == "on":
-            raise ConfigError([
-                "compile.enabled: 'on' needs a GPU: flex_attention has no backward on CPU; "
-                "use 'auto' (dense SDPA on CPU)"
-            ])
         return AttentionPath(SDPA, device_type)
     if enabled == "off":
-        if not allow_eager:
-            raise ConfigError([
-                f"compile.enabled: 'off' on {device_type} would run flex_attention uncompiled, which "
-                "materialises the full score matrix (about 3x slower and O(S^2) memory); use 'auto', "
-                "or set compile.allow_eager: true to debug"
-            ])
         return AttentionPath(FLEX_EAGER, device_type, mask_builder)
     refuse_eager_fallback()
     if flex_kernel == "flash":

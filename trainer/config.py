@@ -250,6 +250,9 @@ class TrainerConfig:
                 if t not in ("full", "sliding"):
                     problems.append(f"model.layer_types[{i}]: '{t}' is not 'full' or 'sliding'{did_you_mean(t, ['full', 'sliding'])}")
         problems += model_bounds(m)
+        problems += target_problems(m)
+        if self.placement.device != "auto":
+            problems += compile_problems(self.compile.enabled, self.placement.device, self.compile.allow_eager)
         if not d.buckets:
             problems.append("data.buckets: at least one length bucket is needed")
         for i, b in enumerate(d.buckets):
@@ -281,6 +284,102 @@ class TrainerConfig:
             problems.append("placement: needs at least one target and one drafter device")
         if problems:
             raise ConfigError(problems)
+
+
+# --------------------------------------------------------------------------- the target's presets
+#
+# Built-in targets (Qwen3 shapes, random seeded weights: trainer/target.py builds them).
+# Their shapes live here, torch-free, so that a playbook's ``model`` section is checked
+# with them where the playbook is loaded (the controller, before any deploy).
+
+_QWEN3_COMMON = dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936)
+
+PRESETS: dict[str, dict] = {
+    # 8 layers so that the default K=5 gets 5 distinct layers (1..5).
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                 rope_theta=10_000.0, max_position_embeddings=4096, tie_word_embeddings=False),
+    "tiny-cycle": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                       rope_theta=10_000.0, max_position_embeddings=4096, tie_word_embeddings=False),
+    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=12,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-6,
+                  rope_theta=10_000.0, max_position_embeddings=8192, tie_word_embeddings=False),
+    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def target_layer_ids(num_layers: int, k: int) -> list[int]:
+    """K decoder layers (0-based) spread evenly from layer 1 to layer L-3.
+
+    id_i = round(1 + i * (L - 4) / (K - 1)), i = 0..K-1 (Python round, half to even);
+    K = 1 takes the middle layer L // 2. 36 layers, K=5: 1, 9, 17, 25, 33 (the
+    published Qwen3-8B drafter); 28 layers, K=5: 1, 7, 13, 19, 25. The first layer
+    and the last three are skipped: too close to the embeddings / the logits.
+    """
+    if k < 1:
+        raise ConfigError([f"model.num_target_layers: must be at least 1, got {k}"])
+    if k == 1:
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    if end - start < k - 1:
+        raise ConfigError([
+            f"model.num_target_layers: {k} distinct layers do not fit a {num_layers}-layer target "
+            f"(layers 1..{end} are used); at most {max(1, end - start + 1)}"
+        ])
+    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+
+
+def preset_problem(name: object) -> str | None:
+    """Why ``model.preset`` names no preset (with the closest name), or None."""
+    if name in PRESETS:
+        return None
+    return f"model.preset: unknown preset '{name}'{did_you_mean(name, PRESETS)}; one of {', '.join(PRESETS)}"
+
+
+def target_problems(m: "ModelConfig") -> list[str]:
+    """What a model section asks of its target that the target cannot give, known
+    without loading it: a preset that does not exist, more distinct target layers
+    than the preset has, a MASK token outside its vocabulary. A ``path`` target is
+    only known once read on its host."""
+    if m.path:
+        return []
+    if not m.preset:
+        return ["model: set either 'path' (a local model directory) or 'preset'"]
+    unknown = preset_problem(m.preset)
+    if unknown:
+        return [unknown]
+    shape, problems = PRESETS[m.preset], []
+    if isinstance(m.num_target_layers, int) and m.num_target_layers >= 1:
+        try:
+            target_layer_ids(shape["num_hidden_layers"], m.num_target_layers)
+        except ConfigError as e:
+            problems += [f"{p} (preset '{m.preset}')" for p in e.problems]
+    mask = m.mask_token_id
+    if isinstance(mask, int) and not isinstance(mask, bool) and mask >= shape["vocab_size"]:
+        problems.append(f"model.mask_token_id: {mask} is outside the target vocabulary [0, {shape['vocab_size']}) "
+                        f"of preset '{m.preset}'")
+    return problems
+
+
+def compile_problems(enabled: str, device_type: str, allow_eager: bool) -> list[str]:
+    """A ``compile.enabled`` the device cannot run (trainer/attention.py asks with the
+    device it resolved; ``TrainerConfig.check`` with an explicit ``placement.device``)."""
+    if device_type == "cpu" and enabled == "on":
+        return ["compile.enabled: 'on' needs a GPU: flex_attention has no backward on CPU; "
+                "use 'auto' (dense SDPA on CPU)"]
+    if device_type != "cpu" and enabled == "off" and not allow_eager:
+        return [f"compile.enabled: 'off' on {device_type} would run flex_attention uncompiled, which "
+                "materialises the full score matrix (about 3x slower and O(S^2) memory); use 'auto', "
+                "or set compile.allow_eager: true to debug"]
+    return []
 
 
 # Bounds of the drafter's shape: past them a value is a typo or damage, never a drafter

@@ -23,54 +23,15 @@ from typing import Union
 import torch
 import torch.nn as nn
 
-from dflashctl.core.contract import did_you_mean
+from trainer import config
 from trainer.config import ConfigError, ModelConfig
 
 PRESET_SEED = 0
 
-_QWEN3_COMMON = dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936)
-
-PRESETS: dict[str, dict] = {
-    # 8 layers so that the default K=5 gets 5 distinct layers (1..5).
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                 rope_theta=10_000.0, max_position_embeddings=4096, tie_word_embeddings=False),
-    "tiny-cycle": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                       rope_theta=10_000.0, max_position_embeddings=4096, tie_word_embeddings=False),
-    "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=12,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=32, rms_norm_eps=1e-6,
-                  rope_theta=10_000.0, max_position_embeddings=8192, tie_word_embeddings=False),
-    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-}
-
-
-def target_layer_ids(num_layers: int, k: int) -> list[int]:
-    """K decoder layers (0-based) spread evenly from layer 1 to layer L-3.
-
-    id_i = round(1 + i * (L - 4) / (K - 1)), i = 0..K-1 (Python round, half to even);
-    K = 1 takes the middle layer L // 2. 36 layers, K=5: 1, 9, 17, 25, 33 (the
-    published Qwen3-8B drafter); 28 layers, K=5: 1, 7, 13, 19, 25. The first layer
-    and the last three are skipped: too close to the embeddings / the logits.
-    """
-    if k < 1:
-        raise ConfigError([f"model.num_target_layers: must be at least 1, got {k}"])
-    if k == 1:
-        return [num_layers // 2]
-    start, end = 1, num_layers - 3
-    if end - start < k - 1:
-        raise ConfigError([
-            f"model.num_target_layers: {k} distinct layers do not fit a {num_layers}-layer target "
-            f"(layers 1..{end} are used); at most {max(1, end - start + 1)}"
-        ])
-    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+# The presets' shapes and the layer formula live in trainer/config.py (torch-free), where
+# the controller validates a playbook's model section with them before any deploy.
+PRESETS = config.PRESETS
+target_layer_ids = config.target_layer_ids
 
 
 CYCLE_PRESETS = {"tiny-cycle": 8}  # preset -> length of the cycle its weights write
@@ -112,8 +73,8 @@ def _dtype_kwarg() -> str:
 def preset_config(name: str):
     from transformers import Qwen3Config
 
-    if name not in PRESETS:
-        raise ConfigError([f"model.preset: unknown preset '{name}'{did_you_mean(name, PRESETS)}; one of {', '.join(PRESETS)}"])
+    if config.preset_problem(name):
+        raise ConfigError([config.preset_problem(name)])
     return Qwen3Config(**PRESETS[name])
 
 

@@ -116,3 +116,26 @@ def test_shards_model_and_disk_are_read_where_the_trainer_reads_them(env):
     assert codes[:2] == ["shards-empty", "model-missing"]
 
 
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("model", {"preset": "tiny-cycel"}, "model.preset: unknown preset 'tiny-cycel' (did you mean 'tiny-cycle'?)"),
+    ("model", {"preset": "tiny", "num_target_layers": 7}, "model.num_target_layers: 7 distinct layers do not fit"),
+    ("compile", {"enabled": "on"}, "compile.enabled: 'on' needs a GPU"),
+])
+def test_a_value_typo_in_the_trainer_section_is_refused_before_deploy(env, field, value, said):
+    """Defect: `model.preset: tiny-cycel` was deployed, recorded and started; the
+    trainer failed 35 s later (on a GPU host, after its import and maybe a model
+    load). The trainer's own schema, values included, now checks the playbook where
+    it is loaded: the launch exits 2 (bad input) naming the key and its fix, with
+    nothing recorded and nothing on the host."""
+    tmp_path, workdir, inventory_path = env
+    path = _playbook(tmp_path, inventory_path)
+    raw = yaml.safe_load(path.read_text())
+    raw["trainer"][field] = value
+    path.write_text(yaml.safe_dump(raw))
+    out = _cli(["launch", str(path)], tmp_path, inventory_path)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert said in " ".join(out.stderr.split()) and str(path) in out.stderr
+    assert not workdir.exists()  # nothing on the host: no bundle, no run directory
+    assert Store(str(tmp_path / "runs.db")).list_runs() == []  # nothing recorded
