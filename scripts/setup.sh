@@ -30,6 +30,10 @@ if [ "$(cat $stamp 2>/dev/null)" != "$want" ]; then
   # Pin the CPU build of torch: an unpinned torch pulls a multi-GB CUDA build.
   .venv/bin/python -m pip install -q "torch==2.13.0" "transformers>=4.51"
   .venv/bin/python -m pip install -q -e ".[test]"
+  # The engines' own loaders the export tests run on CPU (tests/trainer/test_engine_loaders.py):
+  # z-lab's dflash and vLLM speculators, without their dependencies (those pin transformers
+  # and pull a CUDA torch, datasets and an OpenAI client; the model code needs none of them).
+  .venv/bin/python -m pip install -q --no-deps "dflash==0.1.0" "speculators==0.9.0"
   echo "$want" > $stamp
 fi
 echo "==> ready: $(.venv/bin/dflashctl --help >/dev/null && echo dflashctl ok)"

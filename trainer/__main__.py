@@ -120,8 +120,12 @@ def subcommand_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="tensor dtype; auto: the training compute dtype (bfloat16 on GPU runs, float32 on CPU runs)")
     ex.add_argument("--verifier", metavar="NAME_OR_PATH",
-                    help="speculators: the verifier the config names (a hub name, or a path, written relative to OUT); "
-                         "default: the target directory relative to OUT")
+                    help="speculators: the verifier the config names, which speculators resolves from the directory "
+                         "it runs in: a hub id (Qwen/Qwen3-8B) or a path (written absolute); required for a target "
+                         "loaded from a directory")
+    ex.add_argument("--eval", metavar="REPORT", dest="eval_report",
+                    help="the eval report (python -m trainer eval --json --out FILE) whose tau the model card shows; "
+                         "default: the run directory's eval.json when it measured this checkpoint")
     ex.add_argument("--target", metavar="PATH", help="the target model directory on this machine, when it moved since "
                                                       "training (speculators copies its embeddings and lm_head)")
     ex.add_argument("--force", action="store_true", help="replace a non-empty output directory")
@@ -171,7 +175,8 @@ def run_subcommand(argv: list[str]) -> int:
             from trainer import export
 
             result = export.export(args.checkpoint, args.out, args.format, args.dtype, args.target, args.force,
-                                   engine=args.engine, verifier=args.verifier)
+                                   engine=args.engine, verifier=args.verifier,
+                                   eval_report=args.eval_report)
             if args.json:
                 print(json.dumps(result, indent=2, sort_keys=True))
             else:

@@ -27,19 +27,21 @@ public formats' own definitions:
   (speculators numbers hidden states, not layers), ``mask_token_id``,
   ``block_size``, ``sliding_window_non_causal``, ``sample_from_anchor: false``
   (slot 0 holds the anchor; B - 1 tokens are drafted) and a ``speculators_config``
-  (algorithm dflash, greedy proposals of B - 1 tokens, the verifier: a name or a
-  path relative to the export, ``portable_verifier``).
+  (algorithm dflash, greedy proposals of B - 1 tokens, the verifier: a hub id or an
+  absolute path, ``verifier_name``: speculators resolves it from its working directory).
 
-Engines differ in how they run sliding layers (ENGINE_RULES says what each does and
-where it was read); the checkpoint records how they were trained
+Engines differ in how they run sliding layers (trainer/engines.py: ENGINE_RULES says
+what each does and the file and function it was read from); the checkpoint records how they were trained
 (``model.sliding_semantics``). ``engine_problems`` refuses an engine that would run
 them otherwise, naming the setting that fits; ``engine_keys`` writes the causality
 keys the engine reads (``is_causal``, ``dflash_config.causal``,
 ``sliding_window_non_causal``). Without ``--engine`` the layout is checked for the
 engines that read it (FORMAT_ENGINES).
 
-Beside them, ``dflashctl_export.json`` keeps the checkpoint's full serving metadata
-(trainer/serving.py) and the engines checked. Every file is written 0644 and the
+Beside them, ``README.md`` is the model card (trainer/model_card.py) and
+``dflashctl_export.json`` keeps the checkpoint's full serving metadata
+(trainer/serving.py), the engines checked and the measured tau, with no path of this
+machine (``scrub_paths``). No ``auto_map``: the modeling code is the engine's own. Every file is written 0644 and the
 directory 0755, so an engine running as another user reads them.
 
 ``import_dflash`` reads a ``dflash`` directory back into a Drafter (the round trip
@@ -55,11 +57,26 @@ import shutil
 from typing import Optional
 
 from trainer.config import ConfigError
+from trainer.engines import (  # the rules per engine; importable from here as before
+    ENGINE_FORMAT,
+    ENGINE_RULES,
+    ENGINES,
+    FORMAT_ENGINES,
+    engine_keys,
+    engine_problems,
+    engine_warnings,
+    exported_layer_types,
+    window_never_binds,
+)
 
 FORMATS = ("dflash", "speculators")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SPECULATORS_LAYOUT_VERSION = "0.7.0"  # the speculators release whose config layout is written
 EXPORT_META = "dflashctl_export.json"
+CARD = "README.md"
+EVAL_REPORT = "eval.json"  # where dflashctl eval keeps a run's report (dflashctl/runs/evaluate.py, EVAL_FILE)
+__all__ = ["ENGINES", "ENGINE_FORMAT", "ENGINE_RULES", "FORMAT_ENGINES", "engine_keys", "engine_problems",
+           "window_never_binds", "export", "import_dflash"]
 
 _TOP_NAMES = {"fuse.weight": "fc.weight", "fuse_norm.weight": "hidden_norm.weight", "norm.weight": "norm.weight"}
 _LAYER_NAMES = {"input_norm.weight": "input_layernorm.weight", "post_norm.weight": "post_attention_layernorm.weight"}
@@ -90,86 +107,6 @@ def trainer_name(name: str) -> str:
     return f"layers.{m.group(1)}.{rest}"
 
 
-# ---------------------------------------------------------------------------- engines
-
-ENGINES = ("vllm", "sglang", "zlab", "speculators")
-ENGINE_FORMAT = {"vllm": "dflash", "sglang": "dflash", "zlab": "dflash", "speculators": "speculators"}
-FORMAT_ENGINES = {"dflash": ("vllm", "sglang"), "speculators": ("speculators",)}  # checked when no --engine is named
-
-# What each engine does with a sliding layer, and where it was read (public code, not copied):
-ENGINE_RULES = {
-    "vllm": "vLLM (vllm/model_executor/models/qwen3_dflash.py, _dflash_layer_causal) runs a sliding_attention layer "
-            "causal over keys p-W+1..p and full layers bidirectionally; is_causal or dflash_config.causal overrides "
-            "every layer at once, and a non-causal layer is windowed by the attention backend's own rule",
-    "sglang": "SGLang (python/sglang/srt/models/dflash.py) runs a sliding_attention layer as causal decoder attention "
-              "with window_left = W-1 (keys p-W+1..p) and full layers bidirectionally",
-    "zlab": "z-lab's reference code (dflash/model.py: Qwen3DFlashAttention.__init__ sets is_causal = False for every "
-            "layer; dflash_generate passes is_causal=False and no mask) runs every layer bidirectionally: flash-attention "
-            "turns sliding_window into a symmetric window, eager/sdpa ignore it",
-    "speculators": "speculators (src/speculators/models/dflash/, the anchor block mask) anchors a sliding layer's window "
-                   "at the block's anchor a: every slot sees context keys a-W..a-1 and its block causally without a "
-                   "window (sliding_window_non_causal: false) or the whole block (true)",
-}
-
-
-def _sliding(serving: dict) -> list[int]:
-    return [i for i, t in enumerate((serving.get("drafter") or {}).get("layer_types") or []) if t == "sliding"]
-
-
-def window_never_binds(serving: dict) -> bool:
-    """True when W covers every position the target reaches (max_position_embeddings):
-    then a sliding layer sees what the rule without a window gives, in every engine."""
-    window, max_pos = serving.get("sliding_window"), (serving.get("rope") or {}).get("max_position_embeddings")
-    return isinstance(window, int) and isinstance(max_pos, int) and window >= max_pos
-
-
-def engine_problems(serving: dict, engine: str) -> list[str]:
-    """Why ``engine`` would run this drafter's sliding layers otherwise than trained,
-    with the setting that would fit; empty when it runs them as trained."""
-    sliding = _sliding(serving)
-    if not sliding:
-        return []
-    semantics, window = serving.get("sliding_semantics"), serving.get("sliding_window")
-    max_pos = (serving.get("rope") or {}).get("max_position_embeddings")
-    unbounded = window_never_binds(serving)
-    trained = (f"layers {sliding} were trained with model.sliding_semantics: {semantics} "
-               f"(window {window}: a slot saw " + ("only the slots before it)" if semantics == "causal_in_block"
-                                                  else "the slots after it too)"))
-    rule = ENGINE_RULES[engine]
-    if engine == "zlab" and semantics == "causal_in_block":
-        return [f"--engine zlab: {trained}; {rule}, so every slot would also see the slots after it, inputs it never "
-                "saw in training, and acceptance would drop without any error. Fits: model.sliding_semantics: "
-                "bidirectional (train again), or --engine vllm / --engine sglang, which run this drafter as trained"]
-    if engine == "sglang" and semantics == "bidirectional":
-        return [f"--engine sglang: {trained}; {rule}, so no slot would see the slots after it. Fits: --engine zlab, "
-                "or model.sliding_semantics: causal_in_block (train again)"]
-    if engine == "vllm" and semantics == "bidirectional" and not unbounded:
-        return [f"--engine vllm: {trained}; {rule}, which is not the symmetric window of {window} the drafter was "
-                f"trained with. Fits: --engine zlab, model.sliding_semantics: causal_in_block (train again), or "
-                f"model.sliding_window: {max_pos} or more (the window never binds; then dflash_config.causal: false "
-                "is written)"]
-    if engine == "speculators" and not unbounded:
-        return [f"--engine speculators: {trained}; {rule}; this drafter's slot o saw context keys a+o-W+1..a-1, so "
-                "the two agree only where the window never binds. Fits: model.sliding_window: "
-                f"{max_pos} (the target's max_position_embeddings) or more, full layers only, or "
-                + ("--engine vllm (vLLM serves the speculators layout by layer_types)" if semantics == "causal_in_block"
-                   else "--engine zlab")]
-    return []
-
-
-def engine_keys(serving: dict, engine: str) -> dict:
-    """The causality keys ``engine`` reads, set so it runs the drafter as trained
-    (none when its default does: sliding layers causal, full layers bidirectional)."""
-    bidirectional = bool(_sliding(serving)) and serving.get("sliding_semantics") == "bidirectional"
-    if engine == "speculators":
-        return {"sliding_window_non_causal": bidirectional}
-    if engine == "zlab":
-        return {"is_causal": False}  # read by z-lab's later revisions; its reference code is non-causal anyway
-    if engine == "vllm" and bidirectional:
-        return {"is_causal": False, "dflash_config.causal": False}
-    return {}
-
-
 # ---------------------------------------------------------------------------- checks
 
 
@@ -198,20 +135,7 @@ def export_problems(serving: dict, fmt: str, engines: tuple = ()) -> list[str]:
 
 
 def export_warnings(serving: dict, engines: tuple = ()) -> list[str]:
-    out = []
-    drafter = serving.get("drafter") or {}
-    types = drafter.get("layer_types") or []
-    if "sliding" in types:
-        semantics = serving.get("sliding_semantics")
-        out.append(f"sliding layers (window {serving.get('sliding_window')}, {semantics}): "
-                   + "; ".join(ENGINE_RULES[e] for e in engines)
-                   + "; an engine not named here may run them otherwise (check with --engine)")
-        if "zlab" in engines and not window_never_binds(serving):
-            out.append("--engine zlab: z-lab's eager and sdpa attention ignore sliding_window (the layer then sees "
-                       "the whole context); load the drafter with attn_implementation='flash_attention_2' for the "
-                       "symmetric window it was trained with")
-        if "full" in types and "vllm" in engines:
-            out.append("mixed full and sliding layers: vLLM needs its V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)")
+    out = engine_warnings(serving, engines)
     if serving.get("derived"):
         out.append("this checkpoint predates the serving metadata; it was rebuilt from the run's configuration")
     if serving.get("mask_token_source") == "vocab_size-1" and (serving.get("target") or {}).get("path"):
@@ -236,7 +160,7 @@ def _dtype_name(serving: dict, dtype: str) -> str:
 def drafter_qwen3_config(serving: dict, dtype: str) -> dict:
     """The drafter's own Qwen3 config (what both formats describe the network with)."""
     d, t, rope = serving["drafter"], serving["target"], dict(serving.get("rope") or {})
-    types = ["sliding_attention" if x == "sliding" else "full_attention" for x in d["layer_types"]]
+    types = ["sliding_attention" if x == "sliding" else "full_attention" for x in exported_layer_types(serving)]
     max_pos = rope.pop("max_position_embeddings", None)
     theta = rope.get("rope_theta")
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -280,8 +204,7 @@ def dflash_config(serving: dict, dtype: str) -> dict:
     cfg = drafter_qwen3_config(serving, dtype)
     block = serving["block_size"]
     return {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "architectures": ["DFlashDraftModel"],  # no auto_map: the modeling file is the engine's own (README.md)
         **cfg,
         "block_size": block,
         "num_target_layers": serving["target"]["num_hidden_layers"],
@@ -330,17 +253,56 @@ def _torch_dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def portable_verifier(verifier: Optional[str], serving: dict, out_dir: str, target_path: Optional[str]) -> str:
-    """The verifier reference speculators loads at every ``from_pretrained``: the name or
-    path the user gives (a path that exists here written relative to ``out_dir``), else
-    the target directory on this machine relative to ``out_dir``; never an absolute
-    path of the training machine. A preset target is named ``dflashctl-preset:NAME``."""
-    given = verifier or target_path or (serving.get("target") or {}).get("path")
-    if given is None:
-        return f"dflashctl-preset:{(serving.get('target') or {}).get('preset')}"
-    if verifier is not None and not os.path.exists(os.path.expanduser(verifier)):
-        return verifier  # a hub name, or a path of the serving machine: written as given
-    return os.path.relpath(os.path.abspath(os.path.expanduser(given)), out_dir)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def verifier_name(verifier: Optional[str], serving: dict) -> str:
+    """``speculators_config.verifier.name_or_path``: speculators loads it at every
+    ``from_pretrained`` (speculators/model.py: ``_load_verifier_weights``, through
+    ``load_model_layers``) and resolves it from the working directory it runs in, not
+    from the export. So: a hub id, or an absolute path; a path the user gives that
+    exists here is written absolute. A preset target has no name an engine resolves:
+    ``dflashctl-preset:NAME``, for the trainer's own tools."""
+    target = serving.get("target") or {}
+    if verifier is None:
+        if target.get("path") is None:
+            return f"dflashctl-preset:{target.get('preset')}"
+        raise ConfigError([
+            f"--verifier: speculators loads the verifier by the name in the config, from the working directory it "
+            f"runs in; give a hub id (--verifier Qwen/Qwen3-8B) or an absolute path of the target's weights on the "
+            f"serving machine (here: --verifier {os.path.abspath(target['path'])})"])
+    here = os.path.expanduser(verifier)
+    if os.path.isdir(here):
+        return os.path.abspath(here)
+    if os.path.isabs(here) or _HUB_ID.match(verifier):
+        return verifier  # a path of the serving machine, or a hub id: written as given
+    raise ConfigError([f"--verifier {verifier}: not a directory here, an absolute path or a hub id (ORG/NAME); "
+                       "a relative path would be resolved from whatever directory the engine runs in"])
+
+
+def read_eval_report(given: Optional[str], ckpt: str, step) -> tuple[Optional[dict], list[str]]:
+    """(the eval report of this checkpoint, warnings): ``--eval FILE``, else the run
+    directory's eval.json when it measured this step. A report of another step given
+    by name is refused: the card would show a figure this drafter never had."""
+    run_dir = os.path.dirname(os.path.dirname(ckpt))
+    path = given or os.path.join(run_dir, EVAL_REPORT)
+    if not os.path.isfile(path):
+        if given:
+            raise ConfigError([f"--eval {given}: no such file"])
+        return None, []
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        assert isinstance(report, dict)
+    except (OSError, ValueError, AssertionError):
+        if given:
+            raise ConfigError([f"--eval {given}: not an eval report (python -m trainer eval --json --out FILE)"]) from None
+        return None, [f"{path}: not an eval report; the card says no tau was measured"]
+    if report.get("step") != step:
+        if given:
+            raise ConfigError([f"--eval {given}: measured step {report.get('step')}, this checkpoint is step {step}"])
+        return None, [f"{path} measured step {report.get('step')}, not step {step}: not in the card"]
+    return report, []
 
 
 def resolve_engines(engine: Optional[str], fmt: Optional[str]) -> tuple[str, tuple]:
@@ -362,9 +324,14 @@ EXPORT_MODE = 0o644  # config, weights, metadata: readable by an engine running 
 
 
 def export(path: str, out_dir: str, fmt: Optional[str] = None, dtype: str = "auto", target_path: Optional[str] = None,
-           force: bool = False, engine: Optional[str] = None, verifier: Optional[str] = None) -> dict:
+           force: bool = False, engine: Optional[str] = None, verifier: Optional[str] = None,
+           eval_report: Optional[str] = None) -> dict:
     """Write checkpoint (or run directory) ``path`` to ``out_dir`` for ``engine`` (its
     layout), or in layout ``fmt`` checked for the engines reading it (FORMAT_ENGINES).
+
+    Beside config.json and model.safetensors: README.md (the model card,
+    trainer/model_card.py, with the measured tau of ``eval_report`` or the run's
+    eval.json) and dflashctl_export.json, neither naming a path of this machine.
 
     Returns {"out", "format", "engines", "dtype", "files", "tensors", "warnings"}.
     ConfigError (one line per problem) when an engine would not run the drafter as
@@ -375,6 +342,7 @@ def export(path: str, out_dir: str, fmt: Optional[str] = None, dtype: str = "aut
     from dflashctl.core.contract import atomic_write_text
     from trainer import checkpoint, restore
     from trainer import serving as serving_mod
+    from trainer.model_card import model_card, scrub_paths
 
     fmt, engines = resolve_engines(engine, fmt)
     ckpt = checkpoint.resolve_checkpoint(path)
@@ -388,6 +356,8 @@ def export(path: str, out_dir: str, fmt: Optional[str] = None, dtype: str = "aut
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir) and not force:
         raise ConfigError([f"{out_dir}: exists and is not empty (--force replaces it)"])
+    report, warnings = read_eval_report(eval_report, ckpt, meta.get("step"))
+    verifier_ref = verifier_name(verifier, serving) if fmt == "speculators" else None
 
     name = _dtype_name(serving, dtype)
     state = torch.load(os.path.join(ckpt, "model.pt"), map_location="cpu", weights_only=True)
@@ -398,7 +368,7 @@ def export(path: str, out_dir: str, fmt: Optional[str] = None, dtype: str = "aut
         loaded = restore.load(ckpt, "cpu", dtype=_torch_dtype(name), target_path=target_path)
         tensors["embed_tokens.weight"] = loaded.target.embed_tokens.weight.detach().to(_torch_dtype(name)).contiguous()
         tensors["lm_head.weight"] = loaded.target.lm_head.weight.detach().to(_torch_dtype(name)).contiguous().clone()
-        config = speculators_config(serving, name, portable_verifier(verifier, serving, out_dir, target_path))
+        config = speculators_config(serving, name, verifier_ref)
     for e in engines:
         for key, value in engine_keys(serving, e).items():
             section, _, leaf = key.rpartition(".")
@@ -409,9 +379,13 @@ def export(path: str, out_dir: str, fmt: Optional[str] = None, dtype: str = "aut
     os.makedirs(tmp)
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     atomic_write_text(os.path.join(tmp, "config.json"), json.dumps(config, indent=2, sort_keys=True) + "\n")
-    provenance = {"checkpoint": ckpt, "step": meta.get("step"), "format": fmt, "engines": list(engines),
-                  "dtype": name, "serving": serving}
-    atomic_write_text(os.path.join(tmp, EXPORT_META), json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+    provenance = {"checkpoint": os.path.basename(ckpt), "step": meta.get("step"), "format": fmt,
+                  "engines": list(engines), "dtype": name, "serving": serving,
+                  "measured": {k: report.get(k) for k in ("tau", "prompts", "new_tokens", "data", "temperature",
+                                                          "greedy_identical")} if report else None}
+    atomic_write_text(os.path.join(tmp, EXPORT_META), json.dumps(scrub_paths(provenance), indent=2, sort_keys=True) + "\n")
+    layer_types = config.get("layer_types") or config["transformer_layer_config"]["layer_types"]
+    atomic_write_text(os.path.join(tmp, CARD), model_card(serving, meta, fmt, engines, config, layer_types, report))
     for entry in os.listdir(tmp):  # mkstemp (and safetensors) create 0600 files
         os.chmod(os.path.join(tmp, entry), EXPORT_MODE)
     os.chmod(tmp, 0o755)
@@ -420,7 +394,7 @@ def export(path: str, out_dir: str, fmt: Optional[str] = None, dtype: str = "aut
     os.rename(tmp, out_dir)
     return {"out": out_dir, "format": fmt, "engines": list(engines), "dtype": name, "checkpoint": ckpt,
             "files": sorted(os.listdir(out_dir)), "tensors": len(tensors),
-            "warnings": export_warnings(serving, engines)}
+            "warnings": export_warnings(serving, engines) + warnings}
 
 
 # ---------------------------------------------------------------------------- import

@@ -35,6 +35,11 @@ target_layer_ids = config.target_layer_ids
 
 
 CYCLE_PRESETS = {"tiny-cycle": 8}  # preset -> length of the cycle its weights write
+# What each layer of a cycle preset keeps of its seeded attention and MLP output: enough
+# that every layer's hidden state differs from the next (a drafter fed the wrong layers
+# gets other logits, so an export check on the demo sees a wrong layer numbering), little
+# enough that the greedy continuation stays in the cycle (at 1.0 it leaves it now and then).
+CYCLE_LAYER_SCALE = 0.25
 
 
 def preset_cycle(name: str) -> list[int]:
@@ -48,15 +53,16 @@ def preset_cycle(name: str) -> list[int]:
 
 def arrange_cycle(model: nn.Module, cycle: list[int]) -> None:
     """Make a causal LM's greedy continuation of a ``cycle`` token its successor in the
-    cycle: every layer adds nothing to the residual stream (o_proj and down_proj zero),
-    so the last hidden state is the token's normalised embedding, and the lm_head row
-    of each successor is its predecessor's normalised embedding. Any other token's
-    largest logit is then almost always one of those rows: the target falls into the
-    cycle at once and stays there."""
+    cycle: every layer adds a little to the residual stream (o_proj and down_proj scaled
+    by CYCLE_LAYER_SCALE), so the last hidden state stays close to the token's
+    normalised embedding while each layer's differs, and the lm_head row of each
+    successor is its predecessor's normalised embedding. Any other token's largest
+    logit is then almost always one of those rows: the target falls into the cycle at
+    once and stays there."""
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+            layer.self_attn.o_proj.weight.mul_(CYCLE_LAYER_SCALE)
+            layer.mlp.down_proj.weight.mul_(CYCLE_LAYER_SCALE)
         emb = model.model.embed_tokens.weight
         normed = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
         for i, token in enumerate(cycle):

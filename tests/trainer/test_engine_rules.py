@@ -1,22 +1,6 @@
-"""What each engine runs, written from its documented rule (not its code), against the
-trainer's masks for both sliding semantics; and the export's decisions against them.
-
-The rules, per layer, for the query at position qp (block slot o of the block anchored
-at a, so qp = a + o) and a key at position kp (context 0..a-1, then the block
-a..a+B-1), with window W:
-
-- vLLM (vllm/model_executor/models/qwen3_dflash.py, ``_dflash_layer_causal``) and
-  SGLang (python/sglang/srt/models/dflash.py): a ``sliding_attention`` layer is causal
-  over keys qp-W+1..qp; a ``full_attention`` layer sees every key it is given. An
-  explicit ``dflash_config.causal: false`` / ``is_causal: false`` makes vLLM's layers
-  non-causal, windowed by its attention backend's own rule (not stated here: the
-  export writes it only where the window never binds).
-- z-lab's reference code (dflash/model.py: ``is_causal = False`` for every layer,
-  ``dflash_generate`` passes no mask): non-causal; flash-attention turns the sliding
-  window into a symmetric one, |qp - kp| < W; eager and sdpa drop it.
-- speculators (src/speculators/models/dflash/, the anchor block mask): a sliding
-  layer sees context keys a-W..a-1 and its block causally (o' <= o) when
-  ``sliding_window_non_causal`` is false, the whole block when true.
+"""Each engine's attention, built from its code (tests/harness/engines.py) and the keys the
+export writes, against the trainer's masks: an export is allowed exactly where the
+engine builds the mask the drafter trained with, at every anchor.
 """
 
 from __future__ import annotations
@@ -25,16 +9,16 @@ import pytest
 import torch
 
 from tests.harness.engines import engine_visible
-from trainer.export import ENGINES, engine_keys, engine_problems
+from trainer.engines import (
+    ENGINE_RULES,
+    ENGINES,
+    engine_keys,
+    engine_problems,
+    exported_layer_types,
+)
 from trainer.masks import SLIDING_SEMANTICS, dense_mask, one_block_mask
 
 BLOCK = 8
-
-
-def engine_mask(engine, layer_type, anchor, window, keys):
-    qp = torch.arange(anchor, anchor + BLOCK)[:, None]
-    kp = torch.arange(anchor + BLOCK)[None, :]
-    return engine_visible(engine, layer_type, qp, kp, anchor, window, keys)
 
 
 def trainer_mask(layer_type, anchor, window, semantics):
@@ -43,53 +27,101 @@ def trainer_mask(layer_type, anchor, window, semantics):
     return one_block_mask(anchor, BLOCK, window, semantics)
 
 
-def stub(semantics: str, window: int, max_positions: int) -> dict:
+def stub(semantics: str, window: int, max_positions: int, types=("sliding", "full")) -> dict:
     """The part of a serving section the engine checks read."""
-    return {"drafter": {"layer_types": ["sliding", "full"]}, "sliding_semantics": semantics,
+    return {"drafter": {"layer_types": list(types)}, "sliding_semantics": semantics,
             "sliding_window": window, "rope": {"max_position_embeddings": max_positions}}
+
+
+def exported(serving: dict, engine: str) -> dict:
+    """The config keys an engine reads, as trainer/export.py writes them."""
+    types = ["sliding_attention" if t == "sliding" else "full_attention" for t in exported_layer_types(serving)]
+    window = serving["sliding_window"] if "sliding_attention" in types else None
+    keys = engine_keys(serving, engine)
+    if engine == "speculators":
+        return {"transformer_layer_config": {"layer_types": types, "sliding_window": window}, **keys}
+    config = {"layer_types": types, "sliding_window": window, "dflash_config": {}}
+    for key, value in keys.items():
+        section, _, leaf = key.rpartition(".")
+        (config[section] if section else config)[leaf] = value
+    return config
+
+
+def test_every_rule_names_the_file_and_the_function_it_was_read_from():
+    for engine in ENGINES:
+        rule = ENGINE_RULES[engine]
+        assert ".py: " in rule.code and "_" in rule.code.split(".py: ")[1], rule.code  # a file, then a function
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_every_engine_runs_full_layers_as_trained(engine):
+    config = exported(stub("causal_in_block", 4, 4096, types=("full", "full")), engine)
     for anchor in (0, 1, 9, 30):
-        assert torch.equal(engine_mask(engine, "full", anchor, 4, {"sliding_window_non_causal": False}),
-                           trainer_mask("full", anchor, None, "causal_in_block"))
+        assert torch.equal(engine_visible(engine, config, 0, anchor, BLOCK), trainer_mask("full", anchor, None, None))
 
 
-def test_vllm_and_sglang_run_causal_in_block_as_trained_and_zlab_runs_bidirectional():
-    for anchor in (0, 3, 17, 40):
-        for window in (1, 3, 5, 12, 100):
-            causal = trainer_mask("sliding", anchor, window, "causal_in_block")
-            both = trainer_mask("sliding", anchor, window, "bidirectional")
-            assert torch.equal(engine_mask("vllm", "sliding", anchor, window, {}), causal)
-            assert torch.equal(engine_mask("sglang", "sliding", anchor, window, {}), causal)
-            assert torch.equal(engine_mask("zlab", "sliding", anchor, window, {}), both)
-            if window > 1:  # the two semantics differ in every block of a window of 2 or more
-                assert not torch.equal(causal, both)
+def test_vllm_sglang_and_zlab_run_causal_in_block_sliding_layers_as_trained_by_default():
+    for window in (1, 3, 5, 12, 100):
+        serving = stub("causal_in_block", window, 4096)
+        for engine in ("vllm", "sglang", "zlab"):
+            config = exported(serving, engine)
+            assert "is_causal" not in config and config["dflash_config"] == {}
+            for anchor in (0, 3, 17, 40):
+                causal = trainer_mask("sliding", anchor, window, "causal_in_block")
+                assert torch.equal(engine_visible(engine, config, 0, anchor, BLOCK), causal), (engine, window)
+                if window > 1:  # the two semantics differ in every block of a window of 2 or more
+                    assert not torch.equal(causal, trainer_mask("sliding", anchor, window, "bidirectional"))
+
+
+def test_vllm_with_is_causal_false_runs_no_single_window_and_is_causal_true_would_make_full_layers_causal():
+    """Why the vLLM export never writes is_causal: it sets every layer at once."""
+    both = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5, "dflash_config": {}}
+    assert engine_visible("vllm", {**both, "is_causal": False}, 0, 9, BLOCK) is None
+    assert engine_visible("vllm", {**both, "dflash_config": {"causal": False}}, 0, 9, BLOCK) is None
+    causal_full = engine_visible("vllm", {**both, "is_causal": True}, 1, 9, BLOCK)
+    assert not torch.equal(causal_full, trainer_mask("full", 9, None, None))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("semantics", SLIDING_SEMANTICS)
 @pytest.mark.parametrize("window,max_positions", [(3, 4096), (5, 4096), (12, 4096), (48, 48), (4096, 4096)])
 def test_the_export_refuses_exactly_where_the_engine_runs_another_mask(engine, semantics, window, max_positions):
-    """An export is allowed iff the engine, with the keys the export writes, builds the
-    trainer's mask at every anchor the target's positions allow."""
+    """Allowed iff the engine, with the config as exported, builds the trainer's mask of
+    every layer at every anchor the target's positions allow."""
     serving = stub(semantics, window, max_positions)
-    keys = engine_keys(serving, engine)
-    anchors = range(0, min(max_positions - BLOCK, 64) + 1)
+    config = exported(serving, engine)
     same = True
-    for anchor in anchors:
-        theirs = engine_mask(engine, "sliding", anchor, window, keys)
-        same &= theirs is not None and torch.equal(theirs, trainer_mask("sliding", anchor, window, semantics))
+    for layer, trained in enumerate(serving["drafter"]["layer_types"]):
+        for anchor in [a for a in (*range(0, 14), 20, 31, 40, 64) if a <= max_positions - BLOCK]:
+            theirs = engine_visible(engine, config, layer, anchor, BLOCK)
+            same &= theirs is not None and torch.equal(theirs, trainer_mask(trained, anchor, window, semantics))
     problems = engine_problems(serving, engine)
     assert (problems == []) == same, (problems, same)
     if problems:  # the reason names the engine's rule and a setting that fits
         assert f"--engine {engine}" in problems[0] and "Fits:" in problems[0]
+        assert ENGINE_RULES[engine].code in problems[0]
 
 
-def test_a_drafter_without_sliding_layers_exports_for_every_engine():
-    serving = {"drafter": {"layer_types": ["full", "full"]}, "sliding_semantics": "causal_in_block",
-               "sliding_window": 3, "rope": {"max_position_embeddings": 4096}}
-    assert all(engine_problems(serving, e) == [] for e in ENGINES)
-    assert engine_keys(serving, "speculators") == {"sliding_window_non_causal": False}
-    assert engine_keys(serving, "vllm") == {} and engine_keys(serving, "zlab") == {"is_causal": False}
+def test_a_bidirectional_window_that_never_binds_is_exported_as_full_attention_and_a_causal_one_is_not():
+    assert exported_layer_types(stub("bidirectional", 4096, 4096)) == ["full", "full"]
+    assert exported_layer_types(stub("bidirectional", 48, 48)) == ["full", "full"]
+    assert exported_layer_types(stub("bidirectional", 47, 48)) == ["sliding", "full"]
+    assert exported_layer_types(stub("causal_in_block", 4096, 4096)) == ["sliding", "full"]  # causal in the block
+    for engine in ENGINES:  # no causality key left to write
+        assert engine_keys(stub("bidirectional", 4096, 4096), engine) in ({}, {"sliding_window_non_causal": False})
+        assert engine_problems(stub("bidirectional", 4096, 4096), engine) == []
+
+
+def test_the_fix_for_vllm_no_is_causal_false_for_a_bidirectional_drafter():
+    """A bidirectional drafter was once exported for vLLM with is_causal: false, which
+    vLLM's flash-attention path ran with the window (W-1, 0)."""
+    for window, max_positions in ((5, 4096), (4096, 4096)):
+        keys = engine_keys(stub("bidirectional", window, max_positions), "vllm")
+        assert keys == {}
+    assert engine_problems(stub("bidirectional", 5, 4096), "vllm")
+
+
+def test_zlab_reads_is_causal_false_for_a_bidirectional_sliding_drafter():
+    serving = stub("bidirectional", 5, 4096)
+    assert engine_keys(serving, "zlab") == {"is_causal": False} and engine_problems(serving, "zlab") == []
+    assert engine_keys(stub("causal_in_block", 5, 4096), "zlab") == {}

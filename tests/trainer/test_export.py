@@ -22,6 +22,7 @@ import torch.nn as nn
 from dflashctl.core import contract
 from tests import harness
 from tests.harness.tiny import cli, latest, run_config, train, write_model_dir
+from trainer.export import EXPORT_META
 
 REPO = str(harness.REPO)
 
@@ -205,7 +206,7 @@ def test_export_then_import_gives_identical_logits(trained, loaded, tmp_path, dt
     out = tmp_path / "out"
     done = cli("export", trained, str(out), "--dtype", dtype)
     assert done.returncode == 0, done.stderr
-    assert sorted(os.listdir(out)) == ["config.json", "dflashctl_export.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "dflashctl_export.json", "model.safetensors"]
     fresh = import_dflash(str(out), loaded.target)
     original = copy.deepcopy(loaded.drafter).to(getattr(torch, dtype))
     ids = sequence(loaded.target)
@@ -244,11 +245,9 @@ class PublicLayer(nn.Module):
         from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
         super().__init__()
-        self.rule = rule  # (layer type, query positions, key positions, anchor, window) -> visible
+        self.rule, self.index = rule, index  # (layer, anchor, block) -> visible [B, anchor + B]
         h, heads, kv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.heads, self.kv, self.d = heads, kv, d
-        self.sliding = config.layer_types[index] == "sliding_attention"
-        self.window = config.sliding_window
         self.input_layernorm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.self_attn = nn.Module()
@@ -269,8 +268,7 @@ class PublicLayer(nn.Module):
         k = k * cos[:, None] + rotate_half(k) * sin[:, None]
         k, v = (t.repeat_interleave(self.heads // self.kv, dim=1) for t in (k, v))
         scores = q @ k.transpose(-1, -2) / self.d ** 0.5
-        qp, kp = positions[-n_blk:, None], positions[None, :]
-        visible = self.rule("sliding" if self.sliding else "full", qp, kp, n_ctx, self.window)
+        visible = self.rule(self.index, n_ctx, n_blk)
         scores = scores.masked_fill(~visible, float("-inf"))
         out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, n_blk, self.heads * self.d)
         x = x + a.o_proj(out)
@@ -281,7 +279,7 @@ class PublicDFlash(nn.Module):
     """z-lab's DFlash drafter rebuilt from its config.json: ``fc`` and ``hidden_norm``
     fuse the target features, Qwen3 layers, final ``norm``; no embedding or lm_head."""
 
-    def __init__(self, config, num_features: int, engine: str = "vllm", keys: dict | None = None):
+    def __init__(self, config, num_features: int, engine: str, raw: dict):
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
         from tests.harness.engines import engine_visible
@@ -291,8 +289,8 @@ class PublicDFlash(nn.Module):
         self.fc = nn.Linear(num_features * h, h, bias=False)
         self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
 
-        def rule(layer_type, qp, kp, anchor, window):  # the engine's documented rule (test_engine_rules)
-            return engine_visible(engine, layer_type, qp, kp, anchor, window, keys or {})
+        def rule(layer, anchor, block):  # the engine's mask, from its code (test_engine_rules)
+            return engine_visible(engine, raw, layer, anchor, block)
 
         self.layers = nn.ModuleList(PublicLayer(config, i, rule) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
@@ -328,8 +326,7 @@ def public_dflash(out, engine: str):
     from transformers import Qwen3Config
 
     raw = json.loads((out / "config.json").read_text())
-    keys = {"is_causal": raw.get("is_causal", True), "dflash_config.causal": raw["dflash_config"].get("causal", True)}
-    model = PublicDFlash(Qwen3Config.from_pretrained(out), len(raw["dflash_config"]["target_layer_ids"]), engine, keys)
+    model = PublicDFlash(Qwen3Config.from_pretrained(out), len(raw["dflash_config"]["target_layer_ids"]), engine, raw)
     model.load_state_dict(load_file(out / "model.safetensors"), strict=True)  # every name and shape, nothing extra
     return raw, model
 
@@ -356,23 +353,25 @@ def test_causal_in_block_drafter_runs_as_trained_under_vllms_and_sglangs_rule(tr
     assert raw["layer_types"] == ["sliding_attention", "full_attention"] and raw["sliding_window"] == 5
     assert "is_causal" not in raw and "causal" not in raw["dflash_config"]  # per layer type: sliding causal, full not
     assert_public_logits_match(model, raw, loaded, [4, 17, 30], atol=1e-5)
-    # The same weights under z-lab's rule (every layer bidirectional) give other logits.
+    # The same weights with every layer bidirectional (z-lab's code with is_causal: false) give other logits.
     from transformers import Qwen3Config
 
-    zlab = PublicDFlash(Qwen3Config.from_pretrained(out), 5, "zlab")
+    zlab = PublicDFlash(Qwen3Config.from_pretrained(out), 5, "zlab", {**raw, "is_causal": False})
     zlab.load_state_dict(model.state_dict())
     ids = sequence(loaded.target)
     ours = block_logits(loaded.drafter, loaded.target, ids, [17])[0, 1:]
     assert (public_logits(zlab, loaded.target.model, [2, 3, 4, 5, 6], 511, 8, ids, 17) - ours).abs().max() > 1e-2
 
 
-def test_export_for_zlab_of_a_causal_in_block_sliding_drafter_is_refused_with_the_reason(trained, tmp_path):
+def test_export_for_vllm_of_a_bidirectional_sliding_drafter_is_refused_with_the_reason(bidirectional, tmp_path):
+    """vLLM runs a non-causal sliding layer with flash-attention's (W-1, 0) window in
+    releases before _maybe_symmetrize_window: the export once wrote is_causal: false."""
     out = tmp_path / "out"
-    done = cli("export", trained, str(out), "--engine", "zlab")
+    done = cli("export", bidirectional.path, str(out), "--engine", "vllm")
     assert done.returncode == contract.EXIT_CONFIG_ERROR
-    assert "layers [0] were trained with model.sliding_semantics: causal_in_block" in done.stderr
-    assert "dflash/model.py" in done.stderr and "is_causal = False" in done.stderr
-    assert "Fits: model.sliding_semantics: bidirectional" in done.stderr and "acceptance would drop" in done.stderr
+    assert "layers [0, 1] were trained with model.sliding_semantics: bidirectional" in done.stderr
+    assert "qwen3_dflash.py: _dflash_layer_causal" in done.stderr and "FlashAttentionImpl.__init__" in done.stderr
+    assert "Fits: --engine zlab" in done.stderr
     assert not out.exists()
 
 
@@ -392,7 +391,7 @@ def test_bidirectional_drafter_runs_as_trained_under_zlabs_rule(bidirectional, t
     out = tmp_path / "zlab"
     done = cli("export", bidirectional.path, str(out), "--engine", "zlab")
     assert done.returncode == 0, done.stderr
-    assert "flash_attention_2" in done.stderr  # eager/sdpa in z-lab's code drop the window: said
+    assert "dflash package 0.1.0 or later" in done.stderr  # earlier revisions ran every layer non-causal: said
     raw, model = public_dflash(out, "zlab")
     assert raw["is_causal"] is False and raw["layer_types"] == ["sliding_attention"] * 2 and raw["sliding_window"] == 3
     assert_public_logits_match(model, raw, bidirectional, [4, 17, 30], atol=1e-5)
@@ -441,8 +440,7 @@ def test_public_speculators_loader_reads_the_export(unbounded, tmp_path):
     assert torch.equal(tensors["lm_head.weight"], unbounded.target.lm_head.weight)
 
     config = Qwen3Config(**raw["transformer_layer_config"])
-    model = PublicDFlash(config, len(raw["aux_hidden_state_layer_ids"]), "speculators",
-                         {"sliding_window_non_causal": raw["sliding_window_non_causal"]})
+    model = PublicDFlash(config, len(raw["aux_hidden_state_layer_ids"]), "speculators", raw)
     body = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
     model.load_state_dict(body, strict=True)
     embed = nn.Embedding.from_pretrained(tensors["embed_tokens.weight"])
@@ -525,7 +523,8 @@ def test_one_target_under_two_transformers_versions_is_the_same_target(tmp_path)
     full = tmp_path / "full-run"
     assert train(full, run_config(model={"path": old, "preset": None, "layer_types": None},
                                   train={"steps": 1})) == contract.EXIT_DONE
-    assert cli("export", latest(full), str(tmp_path / "spec"), "--engine", "speculators", "--target", new).returncode == 0
+    assert cli("export", latest(full), str(tmp_path / "spec"), "--engine", "speculators", "--target", new,
+               "--verifier", new).returncode == 0
 
 
 def test_a_different_target_is_refused_naming_the_field(tmp_path):
@@ -552,19 +551,60 @@ def test_exported_files_are_readable_by_another_user_and_name_no_training_path(t
     model_dir = write_model_dir(tmp_path / "models" / "target")
     run_dir = tmp_path / "run"
     assert train(run_dir, run_config(model={"path": model_dir, "preset": None, "layer_types": None},
-                                     train={"steps": 1})) == contract.EXIT_DONE
+                                     data={"shards": None, "synthetic_samples": 16}, train={"steps": 1})) \
+        == contract.EXIT_DONE
     out = tmp_path / "exports" / "spec"
-    assert cli("export", latest(run_dir), str(out), "--engine", "speculators").returncode == 0
+    done = cli("export", latest(run_dir), str(out), "--engine", "speculators")  # which verifier? said, with the fix
+    assert done.returncode == contract.EXIT_CONFIG_ERROR and f"--verifier {model_dir}" in done.stderr
+    assert cli("export", latest(run_dir), str(out), "--engine", "speculators", "--verifier", model_dir).returncode == 0
     for name in os.listdir(out):
         assert os.stat(out / name).st_mode & 0o777 == 0o644, name
     assert os.stat(out).st_mode & 0o777 == 0o755
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "dflashctl_export.json", "model.safetensors"]
     verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
-    assert verifier == os.path.join("..", "..", "models", "target")  # relative to the export
-    assert os.path.samefile(os.path.join(out, verifier), model_dir)
+    assert verifier == model_dir  # given by the user, absolute: resolved from any working directory
+    provenance = (out / EXPORT_META).read_text()
+    assert str(tmp_path) not in provenance and '"/' not in provenance, provenance
+    assert json.loads(provenance)["serving"]["target"]["path"] == "target"
     assert cli("export", latest(run_dir), str(out), "--engine", "speculators", "--force",
                "--verifier", "Qwen/Qwen3-0.6B").returncode == 0
     assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] \
         == "Qwen/Qwen3-0.6B"
+    assert str(tmp_path) not in (out / "README.md").read_text()
+
+
+def test_the_dflash_config_names_only_files_it_ships(trained, tmp_path):
+    out = tmp_path / "out"
+    assert cli("export", trained, str(out), "--engine", "vllm").returncode == 0
+    raw = json.loads((out / "config.json").read_text())
+    assert "auto_map" not in raw  # it named a dflash.py the export never had
+    for entry in raw.get("auto_map", {}).values():
+        assert (out / (entry.split(".")[0] + ".py")).exists()
+
+
+def test_the_model_card_says_what_serving_needs_and_the_measured_tau(trained, loaded, tmp_path):
+    report = tmp_path / "eval.json"
+    done = cli("eval", trained, "--prompts", "2", "--max-new-tokens", "8", "--device", "cpu", "--json",
+               "--out", str(report))
+    assert done.returncode == 0, done.stderr
+    measured = json.loads(report.read_text())
+    out = tmp_path / "out"
+    assert cli("export", trained, str(out), "--engine", "vllm", "--eval", str(report)).returncode == 0
+    card = (out / "README.md").read_text()
+    serving = meta_of(trained)["serving"]
+    for text in ("# DFlash drafter for preset tiny", serving["target"]["config_hash"], "| block size | 8",
+                 "| mask token id | 511 (vocab_size-1)", "| target layer ids | [1, 2, 3, 4, 5]", "hidden_states[i + 1]",
+                 "sliding_attention, full_attention; sliding window 5, trained causal_in_block",
+                 f"tau **{measured['tau']:.2f}**", f"prompts: {measured['prompts']} of ", "Trained on the synthetic task"):
+        assert text in card, (text, card)
+    assert json.loads((out / EXPORT_META).read_text())["measured"]["tau"] == measured["tau"]
+    # A report of another step would put a figure in the card this drafter never had: refused.
+    measured["step"] = 99
+    report.write_text(json.dumps(measured))
+    done = cli("export", trained, str(tmp_path / "other"), "--eval", str(report))
+    assert done.returncode == contract.EXIT_CONFIG_ERROR and "measured step 99, this checkpoint is step 4" in done.stderr
+    assert cli("export", trained, str(tmp_path / "none")).returncode == 0
+    assert "Not measured." in (tmp_path / "none" / "README.md").read_text()
 
 
 # ---------------------------------------------------------------------------- metadata within bounds
