@@ -136,12 +136,19 @@ def stop_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
     timeout: str = typer.Option("2m", "--timeout", help="How long to wait for the checkpoint before killing (120, 2m)."),
 ) -> None:
-    """Stop a run gracefully: the trainer checkpoints and exits; then its session is closed."""
+    """Stop a run gracefully: the trainer checkpoints and exits; then its session is closed.
+
+    A run on several hosts is stopped on every host that answers, each said. A host
+    that does not is sent nothing: the run is then `lost`, its supervisor keeps trying
+    that host and stops what runs there once it answers (exit 3). No host answering:
+    nothing is sent or recorded (exit 1)."""
     from dflashctl.runs.runhost import stop
 
     result = stop(run, _store(), _inventory(), timeout=parse_duration_option(timeout, "--timeout"),
                   progress=_progress(False))
     _say(out, f"{result.id} {result.state}")
+    if result.state == "lost":  # stopped where the hosts answered; its supervisor stops the rest
+        raise typer.Exit(3)
 
 
 @app.command("restart")

@@ -33,6 +33,12 @@ class LaunchError(DflashError):
     """The run could not be started (nothing was left running)."""
 
 
+class NotEveryHost(LaunchError):
+    """Done on the hosts of the run that answer, not on the others (exit 3: partial)."""
+
+    exit_code = 3
+
+
 def host_transport(host_name: str, inventory: "Inventory") -> "Transport":
     """The run host's transport (jump hosts, container wrapper), connected."""
     from dflashctl.hosts.transport import connect

@@ -38,13 +38,14 @@ from typing import TYPE_CHECKING, Any, Callable
 from dflashctl.core import contract
 from dflashctl.core.errors import DflashError, StoreBusy, StoreError, first_line
 from dflashctl.core.logtext import RESTART_MARKER
-from dflashctl.core.states import DONE, FAILED, FINAL_STATES, RESTARTING, RUNNING, STOPPED, TRANSITIONS
+from dflashctl.core.states import DONE, FAILED, FINAL_STATES, LOST, RESTARTING, RUNNING, STOPPED, TRANSITIONS
 from dflashctl.hosts import deploy
 from dflashctl.hosts.bundle import build_bundle
 from dflashctl.hosts.tmux import Tmux, TmuxError, socket_name
 from dflashctl.runs.access import (
     POLL_SECONDS,
     LaunchError,
+    NotEveryHost,
     Progress,
     _ended,
     _on_hosts,
@@ -88,9 +89,9 @@ __all__ = [
     # this module: start, signal and reap, stop, restart
     "START_TIMEOUT", "STOP_TIMEOUT", "final_state_for", "port_check_argv", "rendezvous_port_problem",
     "port_in_use_error", "wait_started", "signal_trainer_argv", "reap_trainer_argv", "stop_supervisor", "stop",
-    "RestartResult", "restart_run", "artifact_inputs", "restart",
+    "stop_parts", "RestartResult", "restart_run", "artifact_inputs", "restart",
     # access: reaching a run's hosts
-    "LaunchError", "Progress", "quiet", "host_transport", "local_host", "probe_run", "part_tmux",
+    "LaunchError", "NotEveryHost", "Progress", "quiet", "host_transport", "local_host", "probe_run", "part_tmux",
     # files: a run's files on its host
     "RUN_SCRIPT", "STANDBY_SCRIPT", "new_rendezvous_key", "part_config", "render_run_script",
     "renumber_placement", "run_environment", "run_files", "start_command",
@@ -260,40 +261,77 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     in its tmux pane when its pid cannot be signalled; wait up to ``timeout`` for it
     to exit; then kill the session. The run ends in ``stopped`` (``done`` if it
     finished meanwhile; ``failed`` if it had crashed before the stop, unseen).
-    ``keep_standby``: its standby is left waiting (a restart follows and wakes it)."""
+    ``keep_standby``: its standby is left waiting (a restart follows and wakes it).
+
+    A multi-host run is stopped on every host that answers, each said. A host that
+    does not answer is sent nothing: the run is then ``lost`` (a trainer may still run
+    there), its supervisor is left watching, and it stops that host's process once the
+    host answers (``stop_pending`` in the transition's detail). No host answering:
+    nothing is recorded or sent, and the error says so."""
     say = progress or quiet
     run = store.get_run(run_id)
-    parts = _on_hosts(run, inventory)  # a multi-host run: every host's process, rank 0 first
+    reached, unreached = _reach(run, inventory)  # a multi-host run: every host's process, rank 0 first
+    if not reached:
+        raise LaunchError(f"run {run.id} not stopped, nothing was sent: no host of it answers ("
+                          + "; ".join(f"{p.host}: {why}" for p, why in unreached) + ")",
+                          hint="its supervisor still watches it; `dflashctl stop` again once a host answers")
+    parts = [(part, transport, tmux) for part, transport, tmux, _ in reached]
+    probes = [probe for *_, probe in reached]
     if run.state not in FINAL_STATES:
         # Recorded before anything is done: a stop the store cannot record is not made
         # (its supervisor is left watching, its trainer is sent nothing).
         try:
             with store.batch(wait=STOP_STORE_WAIT_S):
                 store.add_event(run.id, "stop_requested", "stop requested by the operator"
-                                + (f" (hosts {', '.join(run.host_names)})" if run.hosts else ""), clock())
+                                + (f" (hosts {', '.join(run.host_names)})" if run.hosts else "")
+                                + _not_reached(unreached, "; not sent to "), clock(),
+                                detail={"unreached": {str(p.rank): p.host for p, _ in unreached}} if unreached else None)
         except StoreBusy as e:
             raise StoreBusy(f"run {run.id} not stopped, nothing was sent: {e}",
                             hint=f"its trainer runs on and its supervisor still watches it; {e.hint}") from None
-    stop_supervisor(run, inventory)
-    probes = [probe_run(transport, part) for part, transport, _ in parts]
-    ended_before = _ended(probes[0])  # rank 0's process says how the run ended
+    if not unreached:
+        stop_supervisor(run, inventory)  # else it stays, to stop what runs where this could not
+    ended_before = parts[0][0].rank == 0 and _ended(probes[0])  # rank 0's process says how the run ended
     if all(_ended(p) for p in probes):
-        say("stop", "the trainer is not running")
+        say("stop", "the trainer is not running" + (" on the hosts that answer" if unreached else ""))
     else:
         for (part, transport, tmux), probe in zip(parts, probes):
             if _ended(probe):
                 continue
-            _signal_stop(part, transport, tmux, f" on {part.host}" if run.hosts else "", say)
+            try:
+                _signal_stop(part, transport, tmux, f" on {part.host}" if run.hosts else "", say)
+            except DflashError as e:  # the host went away since it answered
+                unreached.append((part, first_line(e)))
+                say("stop", f"{part.host}: not stopped: {first_line(e)}")
         deadline = time.monotonic() + timeout
-        while not all(_ended(p) for p in probes) and time.monotonic() < deadline:
+        gone = {id(p) for p, _ in unreached}
+        while not all(_ended(p) or id(part) in gone for (part, _, _), p in zip(parts, probes)) \
+                and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
-            probes = [p if _ended(p) else probe_run(transport, part) for (part, transport, _), p in zip(parts, probes)]
+            for i, ((part, transport, _), p) in enumerate(zip(parts, probes)):
+                if _ended(p) or id(part) in gone:
+                    continue
+                try:
+                    probes[i] = probe_run(transport, part)
+                except DflashError as e:
+                    unreached.append((part, first_line(e)))
+                    gone.add(id(part))
     killed = False
     for (part, _, tmux), probe in zip(parts, probes):
-        if probe.session_alive:
-            killed = tmux.kill(part.tmux_session) or killed
-        if not keep_standby:
-            tmux.kill(standby_session(part.tmux_session))
+        try:
+            if probe.session_alive:
+                killed = tmux.kill(part.tmux_session) or killed
+            if not keep_standby:
+                tmux.kill(standby_session(part.tmux_session))
+        except DflashError as e:
+            say("stop", f"{part.host}: tmux session not ended: {first_line(e)}")
+    if run.hosts:
+        for (part, _, _), probe in zip(parts, probes):
+            if all(part is not p for p, _ in unreached):
+                say("stop", f"{part.host} (rank {part.rank}): {_part_outcome(probe, killed)}")
+        for part, why in unreached:
+            say("stop", f"{part.host} (rank {part.rank}): not stopped, it does not answer ({why}); "
+                "its supervisor keeps trying")
     probe, transport = probes[0], parts[0][1]
     was_final = run.state in FINAL_STATES
     run = store.get_run(run.id)
@@ -311,19 +349,74 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     state = DONE if code == contract.EXIT_DONE else STOPPED
     if ended_before and code is not None:
         state = final_state_for(code)  # it had ended by itself: say how (a crash stays a failure)
-    if state not in TRANSITIONS[run.state]:
-        state = STOPPED
     why = "had already ended" if ended_before else "stopped by the operator"
+    if unreached:  # a trainer may still run there: lost, not stopped, until its supervisor shows otherwise
+        stopped = [p.host for p, _, _ in parts if all(p is not q for q, _ in unreached)]
+        state, why = LOST, f"stopped on {', '.join(stopped) or 'no host'}"
+        reason += _not_reached(unreached, "; not stopped: ") + "; its supervisor stops it there once it answers"
+    if state not in TRANSITIONS[run.state]:
+        state = STOPPED if state != LOST else run.state
     try:
-        step = _record_last_steps(store, run, transport, probe, clock)
+        step = _record_last_steps(store, run, transport, probe, clock) if parts[0][0].rank == 0 else None
         at = f" at step {step:,}" if step is not None else ""
-        store.transition(run.id, state, f"{why}{at}: {reason}", clock(), {"step": step}, exit_code=code,
-                         exit_reason=reason)
+        if unreached:
+            detail = {"step": step, "stop_pending": sorted(p.rank for p, _ in unreached)}
+            if state == run.state:  # already lost
+                store.add_event(run.id, "stop", f"{why}{at}: {reason}", clock(), "error", detail)
+            else:
+                store.transition(run.id, state, f"{why}{at}: {reason}", clock(), detail, severity="error")
+        else:
+            store.transition(run.id, state, f"{why}{at}: {reason}", clock(), {"step": step}, exit_code=code,
+                             exit_reason=reason)
     except StoreBusy as e:
         raise StoreBusy(f"run {run.id}: the trainer was stopped ({reason}) but the store could not record it: {e}",
                         hint=f"`dflashctl stop {run.id}` again records it; {e.hint}") from None
     say("stop", f"run {run.id} {state}{at} ({reason})")
     return store.get_run(run.id)
+
+
+def stop_parts(run: Run, ranks: tuple[int, ...], inventory: "Inventory", timeout: float = STOP_TIMEOUT,
+               progress: Progress | None = None) -> None:
+    """Stop the processes of ``ranks`` (SIGTERM, up to ``timeout`` for their checkpoint,
+    then their sessions killed and a trainer that outlived its session reaped): what a
+    stop could not reach before, once the host answers. Raises when it does not."""
+    say = progress or quiet
+    for part in run.parts():
+        if part.rank not in ranks:
+            continue
+        transport, tmux = host_transport(part.host, inventory), part_tmux(part, inventory)
+        _signal_stop(part, transport, tmux, f" on {part.host}", say)
+        deadline = time.monotonic() + timeout
+        while not _ended(probe_run(transport, part)) and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+        tmux.kill(part.tmux_session)
+        tmux.kill(standby_session(part.tmux_session))
+        transport.run(reap_trainer_argv(part.run_dir, part.rank), timeout=30, check=False)
+
+
+def _reach(run: Run, inventory: "Inventory") -> tuple[list[tuple[Run, "Transport", Tmux, "ProbeResult"]],
+                                                      list[tuple[Run, str]]]:
+    """Every process of the run, rank 0 first, as (part, transport, tmux, its first
+    probe) where its host answers, or (part, why) where it does not."""
+    reached, unreached = [], []
+    for part in run.parts():
+        try:
+            transport = host_transport(part.host, inventory)
+            reached.append((part, transport, part_tmux(part, inventory), probe_run(transport, part)))
+        except DflashError as e:
+            unreached.append((part, first_line(e)))
+    return reached, unreached
+
+
+def _not_reached(unreached: list[tuple[Run, str]], lead: str) -> str:
+    return (lead + "; ".join(f"rank {p.rank} on {p.host} (it does not answer: {why})" for p, why in unreached)
+            if unreached else "")
+
+
+def _part_outcome(probe: "ProbeResult", killed: bool) -> str:
+    if probe.exit_code is not None:
+        return f"ended: {contract.describe_exit(probe.exit_code)}"
+    return "tmux session killed" if killed else "ended"
 
 
 def _signal_stop(part: Run, transport: "Transport", tmux: Tmux, where: str, say: Progress) -> None:
@@ -568,6 +661,11 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
         if run.state == DONE:
             end_standby(run, inventory)
             return run.state
+        if run.state == LOST:  # a host did not answer: its process may still run, a new one cannot start
+            raise NotEveryHost(f"run {run.id} not restarted: stopped on the hosts that answer; the others are "
+                               "sent nothing and may still run it (its supervisor stops them once they answer)",
+                               hint=f"`dflashctl restart {run.id}` again once every host answers "
+                               f"(`dflashctl status {run.id}` shows each host)")
     store.transition(run.id, RESTARTING, "restart requested by the operator", clock())
     try:
         _mark_restart(run, inventory, clock())

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dflashctl.core import contract
 from dflashctl.core.errors import DflashError, StoreError, first_line
-from dflashctl.core.states import FINAL_STATES, RESTARTING, more_severe
+from dflashctl.core.states import FINAL_STATES, LOST, RESTARTING, more_severe
 from dflashctl.hosts.parsers import read_metrics_chunk
 from dflashctl.hosts.probe import (
     ProbeArgs,
@@ -54,7 +54,7 @@ from dflashctl.hosts.probe import (
 )
 from dflashctl.hosts.transport import limits
 from dflashctl.runs.recorded import playbook_now
-from dflashctl.store import InvalidTransition, Run, Store
+from dflashctl.store import EVENT_STATE, InvalidTransition, Run, Store
 from dflashctl.supervise import alerts as alerts_mod
 from dflashctl.supervise import detectors, policy
 from dflashctl.supervise import supervisor_core as core
@@ -70,6 +70,7 @@ MEMBER_METRICS_BYTES = 64 * 1024  # per poll, of another rank's metrics file (on
 # Before a restart: the previous process's answers (exit_code, status.json) must not
 # be read as the next one's, and trainer.log (appended to by every process of the
 # run) gets a marker, so the next crash is classified from its own output only.
+PENDING_STOP_TIMEOUT_S = 30.0  # a stop that reaches a host late waits this long for its checkpoint
 STACK_DUMP_WAIT_S = 2.0  # faulthandler writes within milliseconds; the log is on a shared disk
 _PREPARE_RESTART = 'cd "$1" || exit 1; rm -f "$2"; printf "%s\\n" "$4" >> "$5"'  # $3: status.json, kept:
 # the restart reads the old trainer's pid from it to make sure that process is gone
@@ -273,6 +274,7 @@ class Supervisor:
         # operator's restart that never confirmed: watch it as a starting process too;
         # if nothing runs, that is a crash and this supervisor decides again.
         state.restart_issued = run.state == RESTARTING
+        state.stop_pending = self._stop_pending(run)
         last = self.store.samples(run.id, limit=1)
         state.last_line = (last[0].time, last[0].step) if last else None
         samples = []
@@ -582,6 +584,8 @@ class Supervisor:
     def _refresh(self, w: Watched, t: _Tick) -> None:
         """Pick up what others changed: an operator's stop or restart, a new supervisor."""
         run = self.store.get_run(w.id)
+        if run.state == LOST and w.state.run.state != LOST and not w.state.stop_pending:
+            w.state.stop_pending = self._stop_pending(run)  # `dflashctl stop` could not reach every host
         w.state.run = run
         if self.claim:
             theirs = run.supervisor or {}
@@ -673,6 +677,8 @@ class Supervisor:
                 w.job = self._workers.submit(self._restart, w.run, a.serialized, a.marker, a.hung)
             elif isinstance(a, core.KillSession):
                 w.job = self._workers.submit(self._kill_session, w.run)
+            elif isinstance(a, core.StopParts):
+                w.job = self._workers.submit(self._stop_parts, w.run, a.ranks)
             elif isinstance(a, core.RunEval):
                 self._evals.append(self._workers.submit(self._eval, w.run, w.policy.eval))
             elif isinstance(a, core.FetchCompileCache):
@@ -746,6 +752,21 @@ class Supervisor:
 
         for part in run.parts():
             part_tmux(part, self.inventory).kill(part.tmux_session)
+
+    def _stop_parts(self, run: Run, ranks: tuple[int, ...]) -> None:
+        from dflashctl.runs.runhost import stop_parts
+
+        stop_parts(run, ranks, self.inventory, timeout=PENDING_STOP_TIMEOUT_S)
+
+    def _stop_pending(self, run: Run) -> frozenset:
+        """The ranks a stop could not reach, as the run's last transition to lost (or
+        the stop that found it lost) recorded them; none for a run not lost."""
+        if run.state != LOST:
+            return frozenset()
+        last = [e for kind in (EVENT_STATE, "stop") for e in self.store.events(run.id, kind=kind, limit=1)]
+        newest = max(last, key=lambda e: (e.time, e.id), default=None)
+        ranks = (newest.detail or {}).get("stop_pending") if newest is not None else None
+        return frozenset(r for r in ranks if isinstance(r, int)) if isinstance(ranks, list) else frozenset()
 
     def _collect_jobs(self, t: _Tick) -> None:
         now = self.clock()

@@ -66,8 +66,15 @@ def main(argv: list[str]) -> int:
     cache_outcome = os.environ.get("FAKE_TRAINER_COMPILE_CACHE")
     if cache_outcome and cache_outcome != "hit":
         save_fake_artifact(run_dir, config, int(os.environ.get("FAKE_TRAINER_ARTIFACT_BYTES", "65536")))
+    rank = int(os.environ.get("RANK", "0"))  # a multi-host run's process: its own status and metrics files
+    status_name, metrics_name = contract.status_file(rank), contract.metrics_file(rank)
+
+    def write_status(status: contract.Status) -> None:
+        status.updated = time.time()
+        contract.atomic_write_text(os.path.join(run_dir, status_name), status.to_json())
+
     status = contract.Status(phase=contract.PHASE_STARTING, pid=os.getpid(), started=time.time())
-    contract.write_status(run_dir, status)
+    write_status(status)
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -89,7 +96,7 @@ def main(argv: list[str]) -> int:
     armed = fault.get("kind") and not (fault.get("once", True) and os.path.exists(os.path.join(run_dir, FAULT_MARKER)))
     factor = 1.0
     status.phase, status.step = contract.PHASE_TRAINING, step
-    contract.write_status(run_dir, status)
+    write_status(status)
     window_start = time.time()
     while step < total:
         if armed and step >= int(fault.get("after_steps", 0)):
@@ -103,7 +110,7 @@ def main(argv: list[str]) -> int:
                 # signature (numbers blanked) for grouping, its whole words in detail.message.
                 status.phase, status.error = contract.PHASE_FAILED, contract.error_signature("InjectedFault", message)
                 status.detail = {**status.detail, "message": message[:500], "exit_code": int(fault.get("exit_code", 1))}
-                contract.write_status(run_dir, status)
+                write_status(status)
                 os._exit(int(fault.get("exit_code", 1)))
             if kind == "hang":
                 print(f"fault: hanging before step {step + 1}", flush=True)
@@ -121,22 +128,22 @@ def main(argv: list[str]) -> int:
             m = contract.Metrics(time=now, step=step, total_steps=total, tokens=step * tokens, tok_s=tok_s,
                                  loss=1.0 / step, eta_s=(total - step) * tokens / tok_s,
                                  extra={"compile_cache": cache_outcome} if cache_outcome else {})
-            with open(os.path.join(run_dir, contract.METRICS_FILE), "a", encoding="utf-8") as f:
+            with open(os.path.join(run_dir, metrics_name), "a", encoding="utf-8") as f:
                 f.write(m.to_line() + "\n")
             print(f"step {step}/{total} tok/s {tok_s:.0f}", flush=True)
             status.step = step
-            contract.write_status(run_dir, status)
+            write_status(status)
             window_start = now
         if checkpoint_every and step % checkpoint_every == 0:
             contract.atomic_write_text(os.path.join(run_dir, CHECKPOINT), str(step))
     contract.atomic_write_text(os.path.join(run_dir, CHECKPOINT), str(step))
     if stop["signal"] is not None:
         status.phase = contract.PHASE_STOPPED
-        contract.write_status(run_dir, status)
+        write_status(status)
         print(f"stopped at step {step} ({stop['signal']})", flush=True)
         return contract.EXIT_STOPPED
     status.phase = contract.PHASE_DONE
-    contract.write_status(run_dir, status)
+    write_status(status)
     print(f"done: {step} steps", flush=True)
     return contract.EXIT_DONE
 
@@ -190,6 +197,52 @@ def start_fake_run(store, inventory, host: str, trainer: dict, *, playbook: str 
                      tmux_session=run_id, tmux_socket=socket)
     deploy.write_run_files(transport, run_dir, run_files(run_id, run_dir, config, socket))
     Tmux(inventory.get(host), inventory, socket).start(run_id, start_command(run_dir))
+    return run_id
+
+
+def start_fake_pair(store, inventory, hosts: list[str], trainer: dict, *, playbook: str = "fake-pair",
+                    playbook_source: str | None = None, socket: str | None = None, step_s: float = 0.05,
+                    port: int = 29500) -> str:
+    """Record a run over ``hosts`` (rank r on hosts[r]) and start this fake trainer
+    for each rank in tmux on its host, as the launcher starts a multi-host run's
+    processes (a run directory and a session per host, ``<run id>-r<rank>`` past
+    rank 0; RANK in each one's environment, so it writes its rank's status and
+    metrics files). The processes never meet: stopping, probing and recording are
+    what a test of the controller looks at. Returns the run id (state launching)."""
+    from dflashctl.hosts import deploy
+    from dflashctl.hosts.bundle import build_bundle
+    from dflashctl.hosts.tmux import Tmux, socket_name
+    from dflashctl.hosts.transport import connect
+    from dflashctl.runs.runhost import run_files, start_command
+    from dflashctl.store import new_run_id
+
+    socket = socket or socket_name()
+    bundle = build_bundle()
+    now = time.time()
+    run_id = new_run_id(playbook, now)
+    python = f"{sys.executable} {os.path.abspath(__file__)}"
+    sites = []
+    for rank, host in enumerate(hosts):
+        transport = connect(host, inventory)
+        deployed = deploy.deploy_bundle(transport, bundle, inventory.get(host).workdir)
+        sites.append({"rank": rank, "host": host, "python": python, "workdir": deployed.workdir,
+                      "env": {"PYTHONPATH": deployed.bundle_dir, "FAKE_TRAINER_STEP_S": str(step_s)},
+                      "run_dir": deploy.run_dir(deployed.workdir, run_id),
+                      "session": run_id if rank == 0 else f"{run_id}-r{rank}", "transport": transport})
+    config = {"trainer": trainer, "gpus": [], "env": {}, "compile_cache": None, "python": python,
+              "workdir": sites[0]["workdir"], "playbook_source": playbook_source,
+              "distributed": {"address": "127.0.0.1", "port": port,
+                              "hosts": [{k: site[k] for k in ("rank", "host", "python", "workdir", "env")}
+                                        for site in sites]}}
+    store.create_run(playbook, hosts[0], config, now, run_id=run_id, bundle_hash=bundle.hash,
+                     run_dir=sites[0]["run_dir"], tmux_session=run_id, tmux_socket=socket,
+                     hosts=[{"rank": site["rank"], "host": site["host"], "run_dir": site["run_dir"],
+                             "tmux_session": site["session"]} for site in sites])
+    for site in sites:
+        files = run_files(run_id, site["run_dir"], config, socket, rank=site["rank"], session=site["session"],
+                          rendezvous_key="0" * 64)
+        deploy.write_run_files(site["transport"], site["run_dir"], files)
+        Tmux(inventory.get(site["host"]), inventory, socket).start(site["session"], start_command(site["run_dir"]))
     return run_id
 
 

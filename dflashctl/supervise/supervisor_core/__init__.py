@@ -31,6 +31,8 @@ What ``step`` does, in order, and where each part lives:
    (``ranks``); then the decision on them (``decide``): write them, restart,
    stop, or wait; last the compile artifacts to copy back and the next standby.
 3. ``Unreachable`` (``reach``): the host's event and alert, then the run lost.
+   A run whose stop could not reach every host (``stopping``): nothing is decided
+   but stopping what still runs where a host answers again.
 4. ``JobDone`` (``decide``): a restart issued, retried, or failed for good (a kill
    that failed is an event).
 5. ``Clock`` (``decide``): a restart whose backoff is over is issued.
@@ -60,7 +62,7 @@ from dflashctl.supervise.supervisor_core.metrics import gpu_rows
 from dflashctl.supervise.supervisor_core.observations import Clock, JobDone, Member, Observation, Probed, Unreachable
 from dflashctl.supervise.supervisor_core.ranks import distributed_timeout
 from dflashctl.supervise.supervisor_core.run_policy import Policy, RunPolicy
-from dflashctl.supervise.supervisor_core.state import KILL, RESTART, Latest, Open, Pending, RunState
+from dflashctl.supervise.supervisor_core.state import KILL, RESTART, STOP, Latest, Open, Pending, RunState
 from dflashctl.supervise.supervisor_core.wording import attempt_output
 from dflashctl.supervise.supervisor_core.writes import (
     Action,
@@ -76,6 +78,7 @@ from dflashctl.supervise.supervisor_core.writes import (
     RunEval,
     Samples,
     StartStandby,
+    StopParts,
     Transition,
     Write,
     jsonable,
@@ -92,6 +95,7 @@ __all__ = [
     "RESTART",
     "RESTART_MARKER",
     "RESTART_TRIES",
+    "STOP",
     "ROW_ERROR_CHARS",
     "SETTLE_S",
     "WINDOW",
@@ -119,6 +123,7 @@ __all__ = [
     "RunState",
     "Samples",
     "StartStandby",
+    "StopParts",
     "Transition",
     "Unreachable",
     "Write",

@@ -31,6 +31,7 @@ from dflashctl.supervise.supervisor_core.machine import _transition
 from dflashctl.supervise.supervisor_core.observations import JobDone
 from dflashctl.supervise.supervisor_core.run_policy import Policy
 from dflashctl.supervise.supervisor_core.state import KILL, RESTART, Latest, Open, Pending, RunState
+from dflashctl.supervise.supervisor_core.stopping import _lost_with_stop_pending
 from dflashctl.supervise.supervisor_core.wording import _shape, _stop_why, attempt_output
 from dflashctl.supervise.supervisor_core.writes import (
     IssueRestart,
@@ -175,6 +176,11 @@ def _finished(s: RunState, pr: ProbeResult, finding: Finding, pol: Policy, out: 
         return
     state = DONE if finding.detail.get("outcome") == "done" else STOPPED
     reason = contract.describe_exit(code) if code is not None else finding.detail.get("outcome")
+    if s.run.hosts and s.members_down:  # a process may still run where rank 0's end cannot be confirmed
+        down = sorted(s.members_down)
+        _lost_with_stop_pending(s, out, down, f"{finding.message}; rank(s) {', '.join(map(str, down))} on a host "
+                                "that does not answer: their process may still run there, stopped once it answers")
+        return
     if _transition(s, out, state, finding.message, finding.detail, exit_code=code, exit_reason=reason) \
             and state == DONE and pol.run.eval is not None and pol.run.eval.after_done:
         out.actions.append(RunEval())

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # The job in flight (``RunState.job``): the run is not probed until it is done.
 KILL = "kill"
 RESTART = "restart"
+STOP = "stop"  # the processes of ranks whose stop is pending (``stopping``)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class RunState:
     rank_gone_at: dict = field(default_factory=dict)  # a multi-host run: rank -> local time its end was first seen
     rank_steps: dict = field(default_factory=dict)  # a multi-host run: rank -> (step, local time first seen at it)
     members_down: dict = field(default_factory=dict)  # a multi-host run: rank -> (down since, polls, severity written)
+    stop_pending: frozenset = frozenset()  # ranks a stop could not reach: the run is lost until they are gone
 
     @property
     def id(self) -> str:

@@ -83,6 +83,13 @@ class KillSession:
 
 
 @dataclass(frozen=True)
+class StopParts:
+    """Stop the processes of these ranks (a stop that could not reach their hosts before)."""
+
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class FetchCompileCache:
     """Copy the run's compile artifacts back into the local cache store (the trainer
     compiled them because it found none that fit: ``outcome`` says why)."""
@@ -114,7 +121,7 @@ class Alert:
 
 
 Write = Union[Event, Transition, Samples, RestartRow, RestartUpdate, HostRows]
-Action = Union[IssueRestart, KillSession, RunEval, FetchCompileCache, StartStandby, EndStandby, Alert]
+Action = Union[IssueRestart, KillSession, StopParts, RunEval, FetchCompileCache, StartStandby, EndStandby, Alert]
 
 
 @dataclass
