@@ -9,11 +9,14 @@ import subprocess
 import pytest
 
 
-def mount_tmpfs(where: str, size: str) -> None:
+def mount_tmpfs(where: str, size: str, mode: str | None = None) -> None:
+    """A tmpfs of ``size`` on ``where``; ``mode`` its root's (a run directory root must
+    be private: "0700"; tmpfs's own default is 1777)."""
     os.makedirs(where, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("a full disk is simulated with a small tmpfs, which needs root to mount")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", where], capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (f",mode={mode}" if mode else ""), "tmpfs",
+                           where], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
 

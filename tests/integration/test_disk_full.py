@@ -35,7 +35,7 @@ def small_disk(ssh_env, tmp_path):
     path = tmp_path / "inventory.yaml"
     path.write_text(yaml.safe_dump(raw))
     runs = ssh_env.home("target") / WORKDIR[2:] / "runs"
-    mount_tmpfs(str(runs), "1m")
+    mount_tmpfs(str(runs), "1m", mode="0700")  # a run directory root must be private
     yield load_inventory(str(path)), runs
     subprocess.run(["umount", "-l", str(runs)], check=False)
 
@@ -67,7 +67,8 @@ def test_a_disk_filling_during_a_run_is_disk_full_and_stops_it(small_disk, tmp_p
         run = store.get_run(run_id)
         [crash] = kinds(store, run_id, "crash")
         assert crash.detail["signature"] == "disk_full", crash.detail
-        assert run.exit_reason.startswith("disk_full: not restarting: the run host's disk is full"), run.exit_reason
+        assert run.exit_reason.startswith("disk_full: ") and "not restarting: the run host's disk is full" in \
+            run.exit_reason, run.exit_reason
         assert f"{run_dir} has " in run.exit_reason and " free of 1 MiB" in run.exit_reason
         [stopped] = [e for e in store.events(run_id) if e.severity == "critical"]
         assert f"{run_dir} has " in stopped.message and "then `dflashctl restart RUN`" in stopped.message
