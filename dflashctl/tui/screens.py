@@ -254,11 +254,17 @@ class DetailScreen(Screen):
         self.query_one(FilterBox).open()
 
     def _focus_tab(self) -> None:
+        """The focus on the active tab's own widget (the log's or the events' keys then
+        work at once); left in the filter box while it is open."""
+        box = self.query_one(FilterBox)
+        if box.shown:
+            self.set_focus(box)
+            return
         active = self.query_one(TabbedContent).active
         if active == "events":
-            self.query_one(EventsTable).focus()
+            self.set_focus(self.query_one(EventsTable))
         elif active == "log":
-            self.query_one(LogLines).focus()
+            self.set_focus(self.query_one(LogLines))
 
     def on_input_changed(self, message: FilterBox.Changed) -> None:
         if message.input.id == "detail-filter":
@@ -295,12 +301,14 @@ class DetailScreen(Screen):
         self.query_one(TabbedContent).active = tab
         if tab == "log" and not self.following:
             self.follow_log()
-        if tab == "events":
-            self.query_one(EventsTable).focus()
+        self._focus_tab()
 
     def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        # Every way to a tab (its key, a click on it, `/` from the overview) ends with
+        # the focus on what the tab shows: TabbedContent leaves it on the tab bar.
         if event.pane.id == "log" and not self.following:
             self.follow_log()
+        self._focus_tab()
 
     def reload(self) -> None:
         self.load(self.app.clock())
@@ -363,7 +371,7 @@ class DetailScreen(Screen):
             app.call_from_thread(log.add, ["(the trainer has ended: end of log)"])
 
     def _append(self, text: str) -> None:
-        self.log_lines += self.query_one(LogLines).add(text.rstrip("\n").split("\n"))
+        self.log_lines += self.query_one(LogLines).add(text.rstrip("\n").split("\n"))  # lines read
 
     def _history_note(self, note: str) -> None:
         log = self.query_one(LogLines)

@@ -5,17 +5,24 @@ store or a host (the app hands them snapshots)."""
 from __future__ import annotations
 
 import re
+from bisect import bisect_left, bisect_right
 
 from rich.text import Text
+from textual import work
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.geometry import Size
 from textual.message import Message
-from textual.widgets import DataTable, Input, RichLog, Static
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+from textual.widgets import DataTable, Input, Static
+from textual.worker import get_current_worker
 
 from dflashctl.status.columns import Col, fit, fit_middle
-from dflashctl.status.events import EventView, matching
+from dflashctl.status.events import EventView
 from dflashctl.status.runs import COMPACT_RUN_WIDTH, RunView, select_columns
 from dflashctl.status.styles import SEVERITY_STYLE
+from dflashctl.tui.logrows import Rows, matches, words_of
 
 # --------------------------------------------------------------------------- widgets
 
@@ -197,7 +204,7 @@ class Pane(Static):
         self.redraw()
 
 
-class LogLines(RichLog):
+class LogLines(ScrollView, can_focus=True):
     """A trainer's log, followed as it grows. Scrolling up (keys, wheel) pauses the
     following: new lines are kept and counted, never scrolled to ("paused, N new
     lines, End to follow" under it) until End. ``/`` (the screen's filter box) shows
@@ -205,93 +212,154 @@ class LogLines(RichLog):
     words marked, ``n`` / ``N`` jump to the next / previous line that has them. ``t``
     wraps long lines (or not). ``h``, or scrolling up at the top, asks the screen
     for earlier lines (``Earlier``); the screen reads them in bounded chunks and
-    ``prepend``s them. At most ``KEEP`` lines are held (the newest, as it follows)."""
+    ``prepend``s them. At most ``KEEP`` lines are held (the newest, as it follows).
+
+    Only the rows on screen are drawn (Textual's line API). Which lines a filter
+    shows and where wrapped lines are cut (``logrows.Rows``) is computed in a thread
+    worker, ``CHUNK`` lines at a time, a newer key cancelling an older computation:
+    the screen's thread never walks the held lines. Until it is done the rows
+    computed before stay on screen and the marker says "filtering…"."""
 
     KEEP = 20000
+    CHUNK = 1000  # lines per step of the rows' worker; an append of at most this many is taken at once
+    CACHED = 512  # rows drawn kept for redrawing
+    DEFAULT_CSS = """
+    LogLines { background: $surface; color: $foreground; overflow-y: scroll; }
+    LogLines:focus { background-tint: $foreground 5%; }
+    """
     BINDINGS = [
-        Binding("end", "follow", "Follow", key_display="End"),
+        Binding("end,G", "follow", "Follow", key_display="End"),
         Binding("t", "wrap", "Wrap"),
         Binding("h", "earlier", "Earlier"),
         Binding("n", "next_match", "Next"),
         Binding("N", "previous_match", "Prev", key_display="N"),
         Binding("m", "only_matches", "Matches only"),
+        Binding("j", "scroll_down", show=False),
+        Binding("k", "scroll_up", show=False),
+        Binding("g", "scroll_home", show=False),
     ]
 
     class Earlier(Message):
         """Earlier lines are asked for (``h``, or scrolled up at the top)."""
 
     def __init__(self, **kw) -> None:
-        super().__init__(wrap=False, highlight=False, markup=False, max_lines=None, **kw)
+        super().__init__(**kw)
         self.kept: list[str] = []
+        self.base = 0  # the absolute index of kept[0] (logrows)
         self.filter_text = ""
         self.only_matches = True  # the filter hides the other lines (m: shows them, the words marked)
+        self.wrap = False
         self.paused = False
         self.unseen = 0  # lines added while paused
-        self.match: int | None = None  # index in ``kept`` of the line n / N went to
+        self._match: int | None = None  # absolute index of the line n / N went to
         self.history = ""  # what the screen says of the earlier lines ("start of the log", ...)
-        self._rows: list[tuple[int, int]] = []  # (index in kept, first row) of each line shown
-        self._rows_valid = True
-        self._wrapped_at = 0  # the width the lines were last wrapped at
+        self.rows = Rows()
+        self.rebuilding = False  # a worker computes the rows anew
+        self._generation = 0  # of the newest rows asked for; an older worker's are dropped
+        self._wrapped_at = 0
+        self._pattern: re.Pattern | None = None
+        self._cache: dict[tuple[int, int], Strip] = {}
 
-    # -- what is shown
+    # -- what is held and shown
 
-    def _words(self) -> list[str]:
-        return self.filter_text.lower().split()
+    @property
+    def match(self) -> int | None:
+        """The index in ``kept`` of the line n / N went to (None: none)."""
+        return None if self._match is None else self._match - self.base
 
-    def _matches(self, line: str) -> bool:
-        return bool(matching([line], self.filter_text, str))
+    def texts(self) -> list[str]:
+        """The text of every row shown, in order (what the view scrolls over)."""
+        rows, out = self.rows, []
+        for r, (index, start) in enumerate(zip(rows.line, rows.start)):
+            line = self.kept[index - self.base]
+            out.append(line[start:rows.end_of(r, len(line))])
+        return out
 
-    def _shown(self, line: str) -> bool:
-        return not self.only_matches or self._matches(line)
+    def _new_rows(self) -> Rows:
+        width = self.scrollable_content_region.width if self.wrap else 0
+        self._wrapped_at = width
+        return Rows(words_of(self.filter_text), self.only_matches, max(1, width) if self.wrap else 0)
 
-    def _text(self, index: int) -> Text:
-        text = Text(self.kept[index])
-        words = self._words()
-        if words and self._matches(self.kept[index]):
-            style = "reverse bold" if index == self.match else "bold yellow"
-            for word in words:
-                text.highlight_regex(re.compile(re.escape(word), re.IGNORECASE), style)
-        return text
-
-    def _write(self, index: int) -> None:
-        if self._size_known:
-            self._rows.append((index, len(self.lines)))
-        else:
-            self._rows_valid = False
-        self.write(self._text(index), scroll_end=not self.paused)
-
-    def redraw(self) -> None:
-        """Every kept line that is shown, again (after a filter, wrap or history change)."""
-        self._wrapped_at = self.size.width
-        y = self.scroll_y
-        self.clear()
-        self._rows, self._rows_valid = [], True
-        for i, line in enumerate(self.kept):
-            if self._shown(line):
-                self._write(i)
-        if self.paused:
-            self.scroll_to(y=y, animate=False, immediate=True)
+    def rebuild(self) -> None:
+        """The rows anew (after a filter, wrap, width or history change), in a worker."""
+        self._generation += 1
+        self.rebuilding = True
+        words = words_of(self.filter_text)
+        self._pattern = re.compile("|".join(map(re.escape, words)), re.IGNORECASE) if words else None
+        self._rows_worker(self._generation, self._new_rows(), list(self.kept), self.base)
         self.show_marker()
 
+    @work(thread=True, exclusive=True, group="log-rows")
+    def _rows_worker(self, generation: int, rows: Rows, lines: list[str], first: int) -> None:
+        worker = get_current_worker()
+        for at in range(0, len(lines), self.CHUNK):
+            if worker.is_cancelled or generation != self._generation:
+                return
+            rows.extend(lines[at:at + self.CHUNK], first + at)
+        if rows.upto is None:
+            rows.upto = first
+        if not worker.is_cancelled:
+            self.app.call_from_thread(self._install, generation, rows)
+
+    def _install(self, generation: int, rows: Rows) -> None:
+        if generation != self._generation:
+            return
+        end = self.base + len(self.kept)
+        start = max(rows.upto, self.base)
+        if end - start > self.CHUNK:  # many lines came meanwhile: the worker takes them too
+            self._rows_worker(generation, rows, self.kept[start - self.base:], start)
+            return
+        top = self._top_line()
+        rows.extend(self.kept[start - self.base:], start)
+        rows.drop_before(self.base)
+        self.rows, self.rebuilding = rows, False
+        self._cache.clear()
+        self._resized()
+        if self.paused and top is not None:
+            self.scroll_to(y=rows.row_at_or_after(top), animate=False, immediate=True)
+        self.show_marker()
+
+    def _top_line(self) -> int | None:
+        top = int(self.scroll_y)
+        return self.rows.line[top] if top < len(self.rows) else None
+
+    def _resized(self) -> None:
+        """The scrolled size after the rows changed; following: the end in view."""
+        self.virtual_size = Size(0 if self.wrap else self.rows.widest, len(self.rows))
+        self.refresh()
+        if not self.paused:
+            self.scroll_end(animate=False, immediate=True, x_axis=False)
+
     def add(self, lines: list[str]) -> int:
-        """Append lines read from the log; returns how many are shown."""
-        shown = 0
-        start = len(self.kept)
+        """Append lines read from the log; returns how many were taken."""
+        lines = [line.expandtabs() if "\t" in line else line for line in lines]
+        first = self.base + len(self.kept)
         self.kept.extend(lines)
-        for i in range(start, len(self.kept)):
-            if self._shown(self.kept[i]):
-                self._write(i)
-                shown += 1
+        rows, shown = self.rows, len(lines)
+        if len(lines) > self.CHUNK and not self.rebuilding:
+            self.rebuild()
+        elif not self.rebuilding or rows.upto == first:  # the rows on screen take them now
+            found = len(rows.found)
+            rows.extend(lines, first)
+            if rows.words and rows.only_matches:
+                shown = len(rows.found) - found
         if len(self.kept) > self.KEEP:
             drop = len(self.kept) - self.KEEP
             del self.kept[:drop]
-            self.match = None if self.match is None or self.match < drop else self.match - drop
+            self.base += drop
+            before = len(rows)
+            rows.drop_before(self.base)
+            self._cache.clear()
+            if self._match is not None and self._match < self.base:
+                self._match = None
             self.history = ""  # the oldest are gone again: earlier lines can be read again
-            self.redraw()
+            if self.paused:
+                self.scroll_to(y=max(0, self.scroll_y - (before - len(rows))), animate=False, immediate=True)
+        self._resized()
         if self.paused:
             self.unseen += shown
             self.show_marker()
-        return shown
+        return len(lines)
 
     def prepend(self, lines: list[str], note: str = "") -> int:
         """Earlier lines, before the first held; the view stays on what it showed
@@ -299,22 +367,19 @@ class LogLines(RichLog):
         not taken (the note says so)."""
         room = max(0, self.KEEP - len(self.kept))
         taken = lines[len(lines) - room:] if room < len(lines) else lines
+        taken = [line.expandtabs() if "\t" in line else line for line in taken]
         self.history = note
         if taken:
-            before = self.scroll_y
-            rows_before = len(self.lines)
             self.kept[:0] = taken
-            if self.match is not None:
-                self.match += len(taken)
+            self.base -= len(taken)
             self.paused = True
-            self.redraw()
-            self.scroll_to(y=before + len(self.lines) - rows_before, animate=False, immediate=True)
+            self.rebuild()
         self.show_marker()
         return len(taken)
 
     def set_filter(self, text: str) -> None:
-        self.filter_text, self.match = text, None
-        self.redraw()
+        self.filter_text, self._match = text, None
+        self.rebuild()
 
     def show_marker(self) -> None:
         parent = self.parent
@@ -324,14 +389,45 @@ class LogLines(RichLog):
         parts = []
         if self.paused:
             parts.append(f"paused, {self.unseen:,} new line{'s' if self.unseen != 1 else ''}, End to follow")
-        if self.filter_text and not self.only_matches:
-            found = sum(1 for line in self.kept if self._matches(line))
+        if self.rebuilding:
+            parts.append("filtering…" if self.filter_text else "wrapping…")
+        elif self.filter_text and not self.only_matches:
+            found = len(self.rows.found)
             at = "" if self.match is None else f" (at line {self.match + 1:,} of {len(self.kept):,})"
             parts.append(f"'{self.filter_text}': {found:,} line{'s' if found != 1 else ''}{at}, n / N")
         if self.history:
             parts.append(self.history)
         marker.update(Text(" · ".join(parts), style="bold black on yellow" if self.paused else "dim"))
         marker.display = bool(parts)
+
+    # -- drawing: the rows on screen only
+
+    def _text(self, index: int, line: str) -> Text:
+        text = Text(line)
+        pattern = self._pattern
+        if pattern is not None and self.rows.words and matches(line, self.rows.words):
+            text.highlight_regex(pattern, "reverse bold" if index == self._match else "bold yellow")
+        return text
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        width = self.scrollable_content_region.width
+        rows, r = self.rows, scroll_y + y
+        if r >= len(rows):
+            return Strip.blank(width, self.rich_style)
+        key = (rows.line[r], rows.start[r])
+        strip = self._cache.get(key)
+        if strip is None:
+            line = self.kept[key[0] - self.base]
+            end = rows.end_of(r, len(line))
+            text = self._text(key[0], line)
+            if key[1] or end < len(line):
+                text = text[key[1]:end]
+            strip = Strip(list(text.render(self.app.console)), text.cell_len)
+            if len(self._cache) >= self.CACHED:
+                self._cache.clear()
+            self._cache[key] = strip
+        return strip.crop_extend(scroll_x, scroll_x + width, self.rich_style).apply_style(self.rich_style)
 
     # -- keys
 
@@ -367,13 +463,13 @@ class LogLines(RichLog):
         self._up()
 
     def on_resize(self, event) -> None:
-        # Beside RichLog's own handler. Wrapped lines are wrapped again at the new width.
-        if self.wrap and self._size_known and event.size.width != self._wrapped_at:
-            self.call_after_refresh(self.redraw)
+        # Wrapped lines are wrapped again at the new width.
+        if self.wrap and event.size.width != self._wrapped_at:
+            self.rebuild()
 
     def action_wrap(self) -> None:
         self.wrap = not self.wrap
-        self.redraw()
+        self.rebuild()
         self.app.notify(f"log: long lines {'wrapped' if self.wrap else 'cut (scroll sideways)'}", timeout=2)
 
     def action_earlier(self) -> None:
@@ -381,27 +477,28 @@ class LogLines(RichLog):
 
     def action_only_matches(self) -> None:
         self.only_matches = not self.only_matches
-        self.redraw()
+        self.rebuild()
 
     def _jump(self, step: int) -> None:
-        if not self._words():
+        if not words_of(self.filter_text):
             self.app.notify("no search: / then the words to find", severity="warning", timeout=3)
             return
-        found = [i for i, line in enumerate(self.kept) if self._matches(line)]
+        found = self.rows.found
         if not found:
-            self.app.notify(f"'{self.filter_text}' is in no line held", severity="warning", timeout=3)
+            what = "is still being looked for" if self.rebuilding else "is in no line held"
+            self.app.notify(f"'{self.filter_text}' {what}", severity="warning", timeout=3)
             return
-        if self.match is None:
-            here = len(self.kept) if step < 0 else -1
+        if step > 0:
+            i = 0 if self._match is None else bisect_right(found, self._match)
+            self._match = found[i] if i < len(found) else found[0]
         else:
-            here = self.match
-        after = [i for i in found if i > here] if step > 0 else [i for i in found if i < here]
-        self.match = (after[0] if step > 0 else after[-1]) if after else (found[0] if step > 0 else found[-1])
+            i = len(found) if self._match is None else bisect_left(found, self._match)
+            self._match = found[i - 1] if i > 0 else found[-1]
         self.pause()
-        self.redraw()
-        if not self._rows_valid:
-            return
-        row = next((y for i, y in self._rows if i == self.match), None)
+        self._cache.clear()
+        self.refresh()
+        self.show_marker()
+        row = self.rows.first_row_of(self._match)
         if row is not None:
             self.scroll_to(y=max(0, row - self.scrollable_content_region.height // 3), animate=False,
                            immediate=True)

@@ -482,12 +482,12 @@ def test_the_log_tab_is_filtered_by_slash(tmp_path):
         async with app.run_test(size=(120, 40)) as pilot:
             await log_open(pilot, app, 40)
             await pilot.press("slash", *"mark-17x")
-            await pilot.pause(0.3)
             log = app.screen.query_one("#log-text")
-            assert [line.text for line in log.lines] == ["step 17/300 mark-17x"]
+            await until(pilot, lambda: not log.rebuilding and log.rows.words == ["mark-17x"], "the filter")
+            assert log.texts() == ["step 17/300 mark-17x"]
             await pilot.press("escape")
-            await pilot.pause()
-            assert len(log.lines) == 40
+            await until(pilot, lambda: not log.rebuilding and not log.rows.words, "the filter cleared")
+            assert len(log.texts()) == 40
 
     run(scenario())
 
