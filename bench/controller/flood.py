@@ -33,6 +33,8 @@ from pathlib import Path
 
 from bench.common import REPO, cpu_model, print_markdown, vm_hwm_kib
 
+EVAL_ATTEMPT = "20270101-000000-abcdef"  # an eval attempt's id (its files are named by it)
+EVAL_REPORT = f"eval-{EVAL_ATTEMPT}.json"
 TARGET_RATIO = 1.5
 
 
@@ -55,7 +57,7 @@ def _run_files(run_dir: Path, huge: int) -> None:
     from dflashctl.core import contract
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in (contract.LOG_FILE, contract.METRICS_FILE, "eval.json", contract.STATUS_FILE):
+    for name in (contract.LOG_FILE, contract.METRICS_FILE, EVAL_REPORT, contract.STATUS_FILE):
         with open(run_dir / name, "wb") as f:
             f.truncate(0)
             if huge:
@@ -67,7 +69,7 @@ def _run_files(run_dir: Path, huge: int) -> None:
         contract.Metrics(time=now - 50 + i, step=i, total_steps=1000, tok_s=1000.0).to_line() + "\n"
         for i in range(1, 51)))
     (run_dir / contract.LOG_FILE).write_text("".join(f"step {i} loss 1.0\n" for i in range(1, 201)))
-    (run_dir / "eval.json").write_text(json.dumps({"prompts": 2, "tau": 3.0, "per_prompt": [{"tau": 3.0}] * 2}))
+    (run_dir / EVAL_REPORT).write_text(json.dumps({"prompts": 2, "tau": 3.0, "per_prompt": [{"tau": 3.0}] * 2}))
 
 
 def _reads(sup, store, inventory, run, work: Path) -> dict[str, str]:
@@ -93,7 +95,7 @@ def _reads(sup, store, inventory, run, work: Path) -> dict[str, str]:
 
     attempt("logs -n 50", lambda: "".join(logs.logs(run.id, store, inventory, n=50)))
     attempt("metrics tail", lambda: logs.metrics_tail(run.id, store, inventory, n=50))
-    attempt("eval report", lambda: evaluate._read_eval(transport, run))
+    attempt("eval report", lambda: evaluate._read_eval(transport, run, EVAL_ATTEMPT))
     attempt("check facts", lambda: gather_facts(transport, timeout=60).hostname)
     attempt("cache look", lambda: compile_cache.look(transport, run.run_dir).manifest)
     data = os.urandom(1 << 20)

@@ -249,13 +249,14 @@ def eval_command(
 
 
 def _eval_summary(row: dict | None) -> dict | None:
+    """The eval a run's τ came from (``store.preferred_eval``): which attempt, its size,
+    its spread, and how many newer evals were passed over."""
     if not row:
         return None
     report = row.get("report") or {}
-    return {"time": row["time"], "step": row["step"], "tau": row["tau"], "speedup": row["speedup"],
+    return {**{k: v for k, v in row.items() if k != "report"},
             "tokens_per_target_forward": report.get("tokens_per_target_forward"),
-            "greedy_identical": report.get("greedy_identical"), "prompts": report.get("prompts"),
-            "complete": report.get("complete", True)}
+            "greedy_identical": report.get("greedy_identical")}
 
 
 def _run_columns():
@@ -269,6 +270,7 @@ def _run_columns():
         Col("tau_est", "τ est", 5, 2, "right"),
         Col("tau", "τ", 6, 2, "right"),
         Col("speedup", "speedup", 7, 4, "right"),
+        Col("eval", "eval", 10, 5, "right"),
         Col("restarts", "rst", 3, 2, "right"),
         Col("duration", "took", 7, 3, "right"),
         Col("host", "host", 12, 3),
@@ -299,7 +301,8 @@ def _run_cells(r, s: dict) -> dict:
         "loss": "-" if s["loss"] is None else f"{s['loss']:.3f}",
         "tau_est": "-" if s["tau_est"] is None else f"{s['tau_est']:.2f}",
         "tau": _tau(s["eval"]),
-        "speedup": "-" if not (s["eval"] or {}).get("speedup") else f"{s['eval']['speedup']:.2f}x",
+        "speedup": _speedup(s["eval"]),
+        "eval": _eval_size(s["eval"]),
         "restarts": str(s["restarts"]),
         "duration": "-" if s["duration_s"] is None else fmt_duration(s["duration_s"]).replace(" ", ""),
         "host": ",".join(r.host_names),  # a multi-host run: every host, rank 0 first
@@ -312,8 +315,26 @@ def _run_cells(r, s: dict) -> dict:
 def _tau(row: dict | None) -> str:
     if not row or row.get("tau") is None:
         return "-"
-    partial = "" if (row.get("report") or {}).get("complete", True) else "*"
+    partial = "" if row.get("complete", True) else "*"
     return f"{row['tau']:.2f}{partial}"
+
+
+def _speedup(row: dict | None) -> str:
+    """'5.45x', with '~' when its prompts' speed-ups spread over more than a fifth of it."""
+    if not row or not row.get("speedup"):
+        return "-"
+    spread = row.get("speedup_range")
+    noisy = spread is None or (spread[1] - spread[0]) > 0.2 * row["speedup"]
+    return f"{'~' if noisy else ''}{row['speedup']:.2f}x"
+
+
+def _eval_size(row: dict | None) -> str:
+    """The eval's size, 'prompts x tokens', '+N' when N newer (smaller) evals were passed over."""
+    if not row or row.get("prompts") is None:
+        return "-"
+    tokens = row.get("new_tokens")
+    size = f"{row['prompts']}p" + (f"/{tokens}t" if tokens is not None else "")
+    return size + (f"+{row['newer']}" if row.get("newer") else "")
 
 
 @app.command("runs")
@@ -324,14 +345,18 @@ def runs_command(
 ) -> None:
     """List runs, newest first: state, what each achieved, how it ended.
 
-    Per run: the newest step of its total, the newest loss, τ est (accept_len + 1,
-    the trainer's estimate), τ measured by `dflashctl eval` (* when the eval stopped
-    early) and its speed-up, restarts, how long it ran, host, when it was created, how
-    it ended; a line under the table names a τ that parts from τ est, and why.
+    Per run: its step of its total (where it stopped, for a run that ended), the
+    newest loss, τ est (accept_len + 1, the trainer's estimate), τ measured by
+    `dflashctl eval` (* when the eval stopped early) and its speed-up (~ when its
+    prompts' speed-ups spread over a fifth of it), which eval that was (eval:
+    prompts/tokens; the largest complete eval is shown, +N says N newer, smaller ones
+    were passed over), restarts, how long it ran, host, when it was created, how it
+    ended; a line under the table names a τ that parts from τ est, and why.
     The columns that fit the terminal are shown, each cell cut to its column (never
     folded); a failed run's whole exit reason is on the line below it; `--json` has
     every field (`summary`: step, total_steps, loss, accept_len, tau_est, tau, restarts,
-    duration_s; `tau_note`)."""
+    duration_s; `tau_note`; `eval`: id, attempt, prompts, new_tokens, complete, tau_sd,
+    speedup_range, evals, newer)."""
     import time
 
     from dflashctl.status.tables import lines
@@ -340,13 +365,13 @@ def runs_command(
     runs = store.list_runs(playbook=playbook, limit=None if all_runs else 20)
     from dflashctl.core.contract import tau_gap
 
-    evals = store.latest_evals()
+    evals = {run: _eval_summary(row) for run, row in store.preferred_evals([r.id for r in runs]).items()}
     outcomes = store.run_outcomes([r.id for r in runs])
     now = time.time()
     summaries = [_run_summary(r, outcomes[r.id], evals.get(r.id), now) for r in runs]
     if as_json:
         print(json.dumps([{**r.to_dict(), "summary": s, "tau_est": s["tau_est"], "tau": s["tau"],
-                           "tau_note": tau_gap(s["tau_est"], s["tau"]), "eval": _eval_summary(evals.get(r.id))}
+                           "tau_note": tau_gap(s["tau_est"], s["tau"]), "eval": evals.get(r.id)}
                           for r, s in zip(runs, summaries)], indent=2))
         return
     if not runs:
@@ -363,7 +388,9 @@ def runs_command(
         out.print(line, highlight=False)
     # Below the table, each on one line cut to the width: the legend, then each run whose τ parts from τ est.
     out.print(Text(printable("τ est: accept_len + 1 in training; τ: measured by dflashctl eval (accepted draft "
-                             "tokens + 1 per target forward; * stopped early)"), style="dim"),
+                             "tokens + 1 per target forward; * stopped early), of its largest complete eval "
+                             "(eval: prompts/tokens, +N newer smaller evals passed over); ~: speed-up varies over "
+                             "20% by prompt"), style="dim"),
               highlight=False, no_wrap=True, overflow="ellipsis")
     for r, s in zip(runs, summaries):
         note = tau_gap(s["tau_est"], s["tau"])

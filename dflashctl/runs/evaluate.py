@@ -3,13 +3,19 @@
 ``eval_run`` starts ``python -m trainer eval`` in a tmux session beside the run's
 (``<session>-eval``), reads its report as it grows, stores it with the run after
 every prompt and says each one. A timeout or Ctrl-C keeps what was measured.
+
+Each eval is one attempt with its own id (``new_attempt``): its report, log and exit
+status are files named by it (``eval_files``), so a reader never takes another
+attempt's file, whatever is left in the run directory and however late the eval's
+shell starts. The store keeps every attempt with its id.
 """
 
 from __future__ import annotations
 
+import secrets
 import shlex
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from dflashctl.core import contract
 from dflashctl.core.units import fmt_bytes
@@ -22,22 +28,39 @@ if TYPE_CHECKING:
     from dflashctl.config import EvalSettings, Inventory
     from dflashctl.hosts.transport import Transport
 
-EVAL_FILE = "eval.json"  # the trainer's report, rewritten after every prompt (complete: false until the last)
-EVAL_LOG = "eval.log"  # its progress lines and errors
-EVAL_EXIT = "eval.exit"  # its exit status, once it has ended
 EVAL_POLL_SECONDS = 2.0
+
+
+class EvalFiles(NamedTuple):
+    """One attempt's files in the run directory."""
+
+    report: str  # the trainer's report, rewritten after every prompt (complete: false until the last)
+    log: str  # its progress lines and errors
+    exit: str  # its exit status, once it has ended
+
+
+def new_attempt(now: float) -> str:
+    """An eval attempt's id: its UTC start and 6 random hex digits (sortable, and
+    safe in a file name and a shell word)."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + "-" + secrets.token_hex(3)
+
+
+def eval_files(attempt: str) -> EvalFiles:
+    return EvalFiles(f"eval-{attempt}.json", f"eval-{attempt}.log", f"eval-{attempt}.exit")
 
 
 def eval_session(run: Run) -> str:
     return f"{run.tmux_session or run.id}-eval"
 
 
-def eval_argv(run: Run, settings: "EvalSettings", python: str) -> list[str]:
+def eval_argv(run: Run, settings: "EvalSettings", python: str, attempt: str) -> list[str]:
     """argv running ``python -m trainer eval`` in the run directory on its host, with
     the run's own environment (bundle on PYTHONPATH, its GPUs): the report goes to
-    eval.json (after every prompt), progress to eval.log, the exit status to eval.exit."""
+    the attempt's report file (after every prompt), progress to its log, the exit
+    status to its exit file (``eval_files``)."""
+    files = eval_files(attempt)
     env = [f"{k}={v}" for k, v in (run.config.get("env") or {}).items()]
-    trainer = [*shlex.split(python), "-m", "trainer", "eval", run.run_dir, "--json", "--out", EVAL_FILE,
+    trainer = [*shlex.split(python), "-m", "trainer", "eval", run.run_dir, "--json", "--out", files.report,
                "--prompts", str(settings.prompts), "--max-new-tokens", str(settings.max_new_tokens),
                "--temperature", repr(float(settings.temperature)),
                # The trainer stops itself in time, with the report of the prompts it measured.
@@ -46,8 +69,8 @@ def eval_argv(run: Run, settings: "EvalSettings", python: str) -> list[str]:
         trainer += ["--data", settings.data]
     if settings.threads:
         trainer += ["--threads", str(settings.threads)]
-    script = (f'cd "$1" && shift && rm -f {EVAL_FILE} {EVAL_EXIT} && '
-              f'{{ env "$@" > /dev/null 2> {EVAL_LOG}; echo $? > {EVAL_EXIT}.tmp && mv -f {EVAL_EXIT}.tmp {EVAL_EXIT}; }}')
+    script = (f'cd "$1" && shift && '
+              f'{{ env "$@" > /dev/null 2> {files.log}; echo $? > {files.exit}.tmp && mv -f {files.exit}.tmp {files.exit}; }}')
     return ["sh", "-c", script, "dflashctl-eval", run.run_dir, *env, *trainer]
 
 
@@ -60,23 +83,25 @@ def eval_budget(timeout: float) -> float:
 EVAL_REPORT_BYTES = 4 << 20  # a report of a few hundred prompts is some KiB; larger is not read
 
 # One round trip: the exit status (or '-'), then the report's size, then the report
-# so far (or nothing; nothing either when it is larger than $2 bytes).
-_READ_EVAL = (f'cd "$1" && {{ c=$(head -c 32 {EVAL_EXIT} 2>/dev/null | tr -dc 0-9-); echo "${{c:--}}"; '
-              f's=$(wc -c < {EVAL_FILE} 2>/dev/null || echo 0); s=$(echo $s); echo "$s"; '
-              f'[ "$s" -gt "$2" ] || cat {EVAL_FILE} 2>/dev/null; }}; exit 0')
+# so far (or nothing; nothing either when it is larger than $2 bytes). $3: the
+# attempt's exit file, $4: its report: never another attempt's.
+_READ_EVAL = ('cd "$1" && { c=$(head -c 32 "$3" 2>/dev/null | tr -dc 0-9-); echo "${c:--}"; '
+              's=$(wc -c < "$4" 2>/dev/null || echo 0); s=$(echo $s); echo "$s"; '
+              '[ "$s" -gt "$2" ] || cat "$4" 2>/dev/null; }; exit 0')
 
 
-def _read_eval(transport: "Transport", run: Run) -> tuple[int | None, dict[str, Any] | None]:
-    """(the eval's exit status, None while it runs; the report it wrote last, if any).
+def _read_eval(transport: "Transport", run: Run, attempt: str) -> tuple[int | None, dict[str, Any] | None]:
+    """(the attempt's exit status, None while it runs; the report it wrote last, if any).
     LaunchError when the report is larger than EVAL_REPORT_BYTES."""
-    answer = transport.run(["sh", "-c", _READ_EVAL, "dflashctl-eval", run.run_dir, str(EVAL_REPORT_BYTES)],
-                           timeout=30, check=False, limit=EVAL_REPORT)
+    files = eval_files(attempt)
+    answer = transport.run(["sh", "-c", _READ_EVAL, "dflashctl-eval", run.run_dir, str(EVAL_REPORT_BYTES),
+                            files.exit, files.report], timeout=30, check=False, limit=EVAL_REPORT)
     head, size, text = (answer.stdout.split("\n", 2) + ["", ""])[:3]
     code = int(head) if head.strip().lstrip("-").isdigit() else None
     if size.strip().isdigit() and int(size) > EVAL_REPORT_BYTES:
-        raise LaunchError(f"{EVAL_FILE} on {run.host} is {fmt_bytes(int(size))}; at most "
+        raise LaunchError(f"{files.report} on {run.host} is {fmt_bytes(int(size))}; at most "
                           f"{fmt_bytes(EVAL_REPORT_BYTES)} of an evaluation report is read",
-                          hint=f"look at {posixpath_join(run.run_dir, EVAL_FILE)} on {run.host}: the trainer's "
+                          hint=f"look at {posixpath_join(run.run_dir, files.report)} on {run.host}: the trainer's "
                           "report is a few KiB")
     return code, _json_report(text)
 
@@ -101,10 +126,13 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
     tmux = part_tmux(run, inventory)
     python = run.config.get("python") or transport.host.python
     session = eval_session(run)
+    attempt = new_attempt(clock())
+    files = eval_files(attempt)
     say("eval", f"speculative decoding with {run.id}'s drafter on {run.host} ({settings.prompts} prompts, "
-        f"{settings.max_new_tokens} new tokens each, budget {settings.timeout:.0f}s; tmux session {session})")
+        f"{settings.max_new_tokens} new tokens each, budget {settings.timeout:.0f}s; eval {attempt}, tmux session "
+        f"{session})")
     tmux.kill(session)
-    tmux.start(session, shlex.join(eval_argv(run, settings, python)))
+    tmux.start(session, shlex.join(eval_argv(run, settings, python, attempt)))
     deadline = time.monotonic() + float(settings.timeout) + 10.0
     row: int | None = None
     report: dict[str, Any] | None = None
@@ -119,7 +147,7 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
         new = (latest.get("per_prompt") or [])[seen:]
         report, seen = latest, int(latest.get("prompts") or 0)
         if row is None:
-            row = store.add_eval(run.id, clock(), report=report)
+            row = store.add_eval(run.id, clock(), report=report, attempt=attempt)
         else:
             store.update_eval(row, clock(), report=report)
         for measured in new:
@@ -127,7 +155,7 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
 
     try:
         while True:
-            code, latest = _read_eval(transport, run)
+            code, latest = _read_eval(transport, run, attempt)
             keep(latest, say)
             if code is not None:
                 break
@@ -135,7 +163,7 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
                 stopped = "timeout"
                 break
             if not tmux.has_session(session):  # ended without writing its exit status: killed
-                code, latest = _read_eval(transport, run)
+                code, latest = _read_eval(transport, run, attempt)
                 keep(latest, say)
                 break
             time.sleep(poll)
@@ -143,20 +171,20 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
         stopped = "interrupted"
     if code is None:
         tmux.kill(session)
-        keep(_read_eval(transport, run)[1], say if stopped != "interrupted" else quiet)  # written since the last look
+        keep(_read_eval(transport, run, attempt)[1], say if stopped != "interrupted" else quiet)  # written since the last look
     if stopped or code is None or code != 0 or not (report or {}).get("complete", False):
         if report and report.get("prompts"):
             report = {**report, "complete": False, "stopped": report.get("stopped") or stopped or f"exit {code}"}
             store.update_eval(row, clock(), report=report)
         else:
-            tail = _eval_log_tail(transport, run)
+            tail = _eval_log_tail(transport, run, files.log)
             error = (f"the evaluation {'failed (exit ' + str(code) + ')' if code else stopped or 'ended'} before its "
                      f"first prompt: {tail.splitlines()[-1] if tail else 'no output'}")
-            store.add_eval(run.id, clock(), error=error)
-            store.add_event(run.id, "eval", error, clock(), "warning", {"stderr_tail": tail})
+            store.add_eval(run.id, clock(), error=error, attempt=attempt)
+            store.add_event(run.id, "eval", error, clock(), "warning", {"stderr_tail": tail, "attempt": attempt})
             if stopped == "interrupted":
                 raise KeyboardInterrupt
-            raise LaunchError(error, hint=f"its log: {posixpath_join(run.run_dir, EVAL_LOG)} on {run.host}; by hand: "
+            raise LaunchError(error, hint=f"its log: {posixpath_join(run.run_dir, files.log)} on {run.host}; by hand: "
                               f"cd {shlex.quote(run.run_dir)} && "
                               f"{shlex.join([*shlex.split(python), '-m', 'trainer', 'eval', run.run_dir])}")
     speed = report.get("speed") or {}
@@ -171,17 +199,18 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
     if gap:
         summary += f"; {gap}"
     store.add_event(run.id, "eval", summary, clock(), "info" if report.get("complete", True) else "warning",
-                    {k: report.get(k) for k in ("tau", "step", "tokens_per_target_forward", "greedy_identical",
-                                                "prompts", "prompts_planned", "stopped")})
+                    {"attempt": attempt, **{k: report.get(k) for k in (
+                        "tau", "step", "tokens_per_target_forward", "greedy_identical", "prompts", "prompts_planned",
+                        "new_tokens", "stopped")}})
     say("eval", summary)
     if stopped == "interrupted":
         raise KeyboardInterrupt
     return report
 
 
-def _eval_log_tail(transport: "Transport", run: Run) -> str:
+def _eval_log_tail(transport: "Transport", run: Run, log: str) -> str:
     answer = transport.run(["sh", "-c", 'tail -c 65536 "$1" | tail -n 20', "dflashctl-eval-log",
-                            posixpath_join(run.run_dir, EVAL_LOG)], timeout=30, check=False, limit=EVAL_LOG)
+                            posixpath_join(run.run_dir, log)], timeout=30, check=False, limit=EVAL_LOG)
     return answer.stdout.strip()[-500:]
 
 

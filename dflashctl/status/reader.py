@@ -21,7 +21,7 @@ from dflashctl.status.runs import RunHostView, RunView, attention_of, notices_of
 from dflashctl.status.samples import _sample_clock, current_process, smooth
 from dflashctl.status.thresholds import Thresholds, _thresholds_of
 from dflashctl.status.views import DetailView, EnvSummary, StatusView
-from dflashctl.store import Run, Store
+from dflashctl.store import Run, Store, preferred_eval
 
 HISTORY = 60  # newest samples per active run read on each refresh (smoothing, sparkline)
 FINISHED_HISTORY = 12  # of a finished run
@@ -289,14 +289,14 @@ class StatusReader:
 
 
 def measured_tau(evals: list[dict[str, Any]]) -> tuple[float | None, dict[str, Any] | None]:
-    """The newest evaluation with a measured tau (``Store.evals``, oldest first): its
-    tau and a summary of it (step, speed-up, prompts measured, complete), or (None, None)."""
-    for row in reversed(evals):
-        if row.get("error") is None and row.get("tau") is not None:
-            report = row.get("report") or {}
-            return row["tau"], {"time": row["time"], "step": row["step"], "speedup": row.get("speedup"),
-                                "prompts": report.get("prompts"), "complete": report.get("complete", True)}
-    return None, None
+    """The tau a run shows, from its evaluations (``Store.evals``, oldest first): the
+    largest complete eval's (``store.preferred_eval``), with its figures (attempt,
+    step, speed-up and spreads, prompts, tokens, complete, how many newer evals were
+    passed over), or (None, None)."""
+    chosen = preferred_eval(evals)
+    if chosen is None:
+        return None, None
+    return chosen["tau"], {k: v for k, v in chosen.items() if k != "report"}
 
 
 def load_status(store: Store, now: float, run: str | None = None, selected: str | None = None, *,

@@ -150,7 +150,7 @@ class RunView:
     acc: float | None = None
     accept_len: float | None = None  # the trainer's expected run of correct drafter slots (tau_est - 1)
     tau: float | None = None  # measured tau (accepted + 1 per target forward), the newest eval's
-    tau_eval: dict[str, Any] | None = None  # that eval: step, speedup, prompts, complete
+    tau_eval: dict[str, Any] | None = None  # that eval's figures (store.preferred_eval)
     sample_time: float | None = None  # newest sample, trainer's clock
     restarts: int = 0
     last_event: EventView | None = None
@@ -443,5 +443,30 @@ def notices_of(runs: Iterable[RunView], now: float) -> list[Notice]:
             out.append(Notice("warning", f"{r.id}: {r.phase.text()} (over budget)", f"dflashctl logs {r.id}", r.id))
     for r in runs:
         if r.tau_note:
-            out.append(Notice("warning", f"{r.id}: {r.tau_note}", f"dflashctl eval {r.id}", r.id))
+            out.append(Notice("warning", f"{r.id}: {r.tau_note}", TAU_GAP_FIX, r.id))
     return out
+
+
+TAU_GAP_FIX = ("regenerate the training data with the target: data.regenerate in the playbook, or python -m "
+               "trainer.data regenerate; then train again")
+"""What a gap between τ and τ est asks for: data the target wrote (another eval measures the same gap)."""
+
+
+def eval_source(e: dict) -> str:
+    """Which eval a tau came from, its size and its spread (``store.eval_figures``)."""
+    parts = [f"eval {e['attempt']}" if e.get("attempt") else "eval"]
+    if e.get("step") is not None:
+        parts[0] += f" at step {e['step']}"
+    size = [f"{e['prompts']} prompt{'s' if e['prompts'] != 1 else ''}" if e.get("prompts") is not None else None,
+            f"{e['new_tokens']} tokens" if e.get("new_tokens") is not None else None]
+    parts += [p for p in size if p]
+    if e.get("tau_sd") is not None:
+        parts.append(f"τ ±{e['tau_sd']:.2f}")
+    if e.get("speedup"):
+        spread = e.get("speedup_range")
+        parts.append(f"{e['speedup']:.2f}x greedy" + (f", {spread[0]:.1f}-{spread[1]:.1f}x by prompt" if spread else ""))
+    if e.get("complete") is False:
+        parts.append("partial")
+    if e.get("newer"):
+        parts.append(f"{e['newer']} newer, smaller eval{'s' if e['newer'] != 1 else ''} not shown")
+    return ", ".join(parts)

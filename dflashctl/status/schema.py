@@ -49,9 +49,12 @@ JSON_SCHEMA: dict[str, Any] = {
                                                       "training anchors (tau_est - 1)"},
                 "tau_est": {**_NUM, "description": "τ est: the training-time tau, accept_len + 1"},
                 "tau": {**_NUM, "description": "τ: measured tau (accepted draft tokens + 1 per target forward) "
-                                               "of the newest dflashctl eval"},
-                "tau_eval": {"type": ["object", "null"], "description": "that eval: time, step, speedup, prompts, "
-                                                                        "complete (false: stopped early)"},
+                                               "of the run's largest complete dflashctl eval (else its largest)"},
+                "tau_eval": {"type": ["object", "null"], "description": "that eval: id, attempt, time, step, tau, "
+                                                                        "speedup, prompts, new_tokens, complete "
+                                                                        "(false: stopped early), tau_sd, "
+                                                                        "speedup_range, evals (with a tau), newer "
+                                                                        "(evals after it, passed over: smaller)"},
                 "tau_note": {**_STR, "description": "why tau is more than contract.TAU_GAP_MARGIN below tau_est"},
                 "mfu": {**_NUM, "description": "model FLOPs utilisation against the GPU's nominal dense peak"},
                 "mfu_measured": {**_NUM, "description": "the same against the rate a large matmul measured there"},

@@ -26,6 +26,7 @@ restarts; ``snapshots``: environment snapshots), and ``store`` (the Store they m
 from dflashctl.store.ids import new_run_id
 from dflashctl.store.rows import EVENT_REGRESSION, EVENT_STATE, Event, Restart, Run, Sample
 from dflashctl.store.runs import GpuConflict, InvalidTransition
+from dflashctl.store.samples import eval_figures, preferred_eval
 from dflashctl.store.schema import SCHEMA_VERSION, migrations
 from dflashctl.store.store import Store
 
@@ -40,6 +41,8 @@ __all__ = [
     "Run",
     "Sample",
     "Store",
+    "eval_figures",
     "migrations",
     "new_run_id",
+    "preferred_eval",
 ]

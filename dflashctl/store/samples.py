@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, fields
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from dflashctl.core.contract import PHASE_TRAINING, Metrics
 from dflashctl.core.states import DONE, STOPPED
@@ -21,6 +22,45 @@ from dflashctl.store.rows import (
     _number,
     _row_to,
 )
+
+
+def eval_figures(row: dict[str, Any]) -> dict[str, Any]:
+    """An eval row in the terms the views show: which attempt, its size (prompts,
+    tokens), whether it ran to the end, tau and speed-up with their spread over its
+    prompts (``tau_sd``: the standard deviation of the prompts' tau; ``speedup_range``:
+    the slowest and fastest prompt's speed-up). A speed-up of one prompt of 8 tokens
+    is noise: the size says so."""
+    report = row.get("report") if isinstance(row.get("report"), dict) else {}
+    taus = [v for v in report.get("tau_per_prompt") or [] if isinstance(v, (int, float)) and math.isfinite(v)]
+    per = [p for p in report.get("per_prompt") or [] if isinstance(p, dict)]
+    speedups = [p["greedy_seconds"] / p["seconds"] for p in per
+                if isinstance(p.get("greedy_seconds"), (int, float)) and isinstance(p.get("seconds"), (int, float))
+                and p["seconds"] > 0]
+    prompts, tokens = report.get("prompts"), report.get("new_tokens")
+    return {"id": row.get("id"), "attempt": row.get("attempt"), "time": row.get("time"), "step": row.get("step"),
+            "tau": row.get("tau"), "speedup": row.get("speedup"),
+            "prompts": prompts if isinstance(prompts, int) else None,
+            "new_tokens": tokens if isinstance(tokens, int) else None,
+            "complete": bool(report.get("complete", True)),
+            "tau_sd": statistics.stdev(taus) if len(taus) >= 2 else None,
+            "speedup_range": [min(speedups), max(speedups)] if len(speedups) >= 2 else None}
+
+
+def preferred_eval(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The eval whose tau a run shows, from its eval rows (oldest first): the largest
+    complete one (most tokens, then prompts; the newest of equals), else the largest
+    partial one; None without a measured tau. Its ``eval_figures``, and
+    ``evals``: how many evals measured a tau, ``newer``: how many of them are newer
+    than the one chosen (a later, smaller eval does not replace a larger one's tau,
+    and the views say so)."""
+    measured = [r for r in rows if r.get("error") is None and r.get("tau") is not None]
+    if not measured:
+        return None
+    figures = [eval_figures(r) for r in measured]
+    best = max(range(len(figures)), key=lambda i: (figures[i]["complete"], figures[i]["new_tokens"] or 0,
+                                                   figures[i]["prompts"] or 0, i))
+    return {**figures[best], "report": measured[best].get("report"), "evals": len(measured),
+            "newer": len(measured) - 1 - best}
 
 
 BASELINE_MIN_RUNS = 3
@@ -185,15 +225,18 @@ class SamplesMixin(StoreConnection):
 
     # ----------------------------------------------------------------- evaluations
 
-    def add_eval(self, run_id: str, now: float, report: dict[str, Any] | None = None, error: str | None = None) -> int:
-        """An evaluation of the run's drafter: the trainer's JSON report, or why there is none."""
+    def add_eval(self, run_id: str, now: float, report: dict[str, Any] | None = None, error: str | None = None,
+                 attempt: str | None = None) -> int:
+        """An evaluation of the run's drafter (one attempt, ``attempt`` its id): the
+        trainer's JSON report, or why there is none."""
         report = report if isinstance(report, dict) else None
         speed = (report or {}).get("speed") if isinstance((report or {}).get("speed"), dict) else {}
         with self._write() as db:
             cur = db.execute(
-                "INSERT INTO evals (run_id, time, step, tau, speedup, report, error) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO evals (run_id, time, step, tau, speedup, report, error, attempt) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [run_id, now, _int64((report or {}).get("step")), _number((report or {}).get("tau")),
-                 _number(speed.get("speedup")), _json(report), error])
+                 _number(speed.get("speedup")), _json(report), error, attempt])
             return cur.lastrowid
 
     def update_eval(self, eval_id: int, now: float, report: dict[str, Any]) -> None:
@@ -211,10 +254,19 @@ class SamplesMixin(StoreConnection):
             sql, params = sql + " WHERE run_id = ?", [run_id]
         return [_decode(r) for r in self._query(sql + " ORDER BY time, id", params)]
 
-    def latest_evals(self) -> dict[str, dict[str, Any]]:
-        """Each run's newest evaluation that produced a report."""
-        rows = self._query("SELECT * FROM evals WHERE error IS NULL ORDER BY time, id")
-        return {r["run_id"]: _decode(r) for r in rows}
+    def preferred_evals(self, run_ids: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Each run's eval whose tau is shown (``preferred_eval``), with its figures."""
+        by_run: dict[str, list[dict[str, Any]]] = {}
+        ids = None if run_ids is None else list(run_ids)
+        if ids == []:
+            return {}
+        sql, params = "SELECT * FROM evals", []
+        if ids is not None:
+            sql, params = sql + f" WHERE run_id IN ({', '.join('?' for _ in ids)})", ids
+        for row in self._query(sql + " ORDER BY time, id", params):
+            by_run.setdefault(row["run_id"], []).append(_decode(row))
+        chosen = {run: preferred_eval(rows) for run, rows in by_run.items()}
+        return {run: row for run, row in chosen.items() if row is not None}
 
     def run_outcomes(self, run_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """What each run achieved, from its samples and restarts: the newest step and

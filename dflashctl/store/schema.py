@@ -211,4 +211,10 @@ def _m0010(db: Database) -> None:
     db["samples"].add_column("mfu_measured", float)
 
 
-SCHEMA_VERSION = 10  # the number of migrations above; recorded as PRAGMA user_version
+@migrations(name="0011_eval_attempts")
+def _m0011(db: Database) -> None:
+    # Each eval is one attempt with its own id (its files on the host are named by it).
+    db["evals"].add_column("attempt", str)
+
+
+SCHEMA_VERSION = 11  # the number of migrations above; recorded as PRAGMA user_version

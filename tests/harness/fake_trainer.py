@@ -12,7 +12,8 @@ launcher's restart then restarts it for real). From config.json it reads ``train
 ``train.log_every``, ``train.checkpoint_every`` and ``fault`` (kind exit | hang |
 slow, after_steps, message, exit_code, factor, once) with the real trainer's
 meaning; a write that finds the disk full ends it with the real trainer's exit
-code for that (``contract.EXIT_DISK_FULL``). The environment sets its pace: FAKE_TRAINER_STEP_S (seconds per step,
+code for that (``contract.EXIT_DISK_FULL``). ``-m trainer eval`` answers as the
+real eval does (``fake_eval``). The environment sets its pace: FAKE_TRAINER_STEP_S (seconds per step,
 default 0.05) and FAKE_TRAINER_TOKENS (tokens per step, default 256).
 FAKE_TRAINER_COMPILE_CACHE (hit | miss | mismatch:<field>) is the compile_cache
 outcome its metrics lines report; unless it is ``hit`` it saves a fake compile
@@ -37,7 +38,52 @@ CHECKPOINT = os.path.join(contract.CHECKPOINT_DIR, "fake-step")
 FAULT_MARKER = "fault_fired.json"
 
 
+FAKE_EVAL = "fake_eval.json"  # in the run directory: how the next ``-m trainer eval`` behaves
+
+
+def fake_eval(argv: list[str]) -> int:
+    """``python -m trainer eval RUN_DIR --out FILE --prompts N --max-new-tokens T``
+    as the real one answers, without torch: after ``delay_s`` (a late start) one
+    prompt every ``prompt_s`` seconds, the report rewritten after each (complete:
+    false until the last), exit 0. ``fake_eval.json`` in the run directory sets
+    ``delay_s``, ``prompt_s``, ``tau`` and ``speedup``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    args, _ = parser.parse_known_args(argv)
+    try:
+        with open(os.path.join(args.run_dir, FAKE_EVAL), encoding="utf-8") as f:
+            how = json.load(f)
+    except FileNotFoundError:
+        how = {}
+    time.sleep(float(how.get("delay_s", 0.0)))
+    tau, speedup, prompt_s = float(how.get("tau", 5.0)), float(how.get("speedup", 2.0)), float(how.get("prompt_s", 0.1))
+    rows: list[dict] = []
+    for i in range(args.prompts):
+        time.sleep(prompt_s)
+        forwards = max(1, round(args.max_new_tokens / tau))
+        rows.append({"index": i, "prompt_tokens": 16, "new_tokens": args.max_new_tokens, "tau": tau,
+                     "accepted": args.max_new_tokens - forwards, "target_forwards": forwards,
+                     "tokens_per_forward": args.max_new_tokens / forwards, "seconds": prompt_s,
+                     "greedy_seconds": prompt_s * speedup, "identical": True})
+        spec_s = prompt_s * len(rows)
+        report = {"format": 1, "step": 10, "prompts": len(rows), "prompts_planned": args.prompts,
+                  "complete": len(rows) == args.prompts, "stopped": None,
+                  "new_tokens": args.max_new_tokens * len(rows), "tau": tau, "tau_mean": tau,
+                  "tau_per_prompt": [r["tau"] for r in rows], "greedy_identical": True,
+                  "tokens_per_target_forward": rows[0]["tokens_per_forward"],
+                  "speed": {"speculative_s": spec_s, "greedy_s": spec_s * speedup, "speedup": speedup},
+                  "training": None, "per_prompt": rows}
+        contract.atomic_write_text(os.path.join(args.run_dir, args.out), json.dumps(report) + "\n")
+        print(f"prompt {i + 1}/{args.prompts}: tau {tau:.2f}", file=sys.stderr, flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:3] == ["-m", "trainer", "eval"]:
+        return fake_eval(argv[3:])
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--config")

@@ -162,18 +162,19 @@ def test_advise_reads_the_metrics_tail_from_the_end_only(tmp_path, run_dir):
 
 
 def test_a_huge_eval_report_is_refused_by_its_size_without_reading_it(tmp_path, run_dir):
-    sparse(run_dir / "eval.json", BIG_LINE)
+    sparse(run_dir / "eval-20270101-000000-abcdef.json", BIG_LINE)
     answer = _peak_of("""
         from dflashctl.hosts.transport import connect
         run = store.get_run(run_id)
         try:
-            evaluate._read_eval(connect("h1", inventory), run)
+            evaluate._read_eval(connect("h1", inventory), run, "20270101-000000-abcdef")
             said = None
         except Exception as e:
             said = str(e)
         print(json.dumps({"said": said, "added": hwm() - before}))
     """, tmp_path)
-    assert answer["said"] and "eval.json on h1 is 256 MiB; at most 4 MiB of an evaluation report is read" in \
+    assert answer["said"] and "eval-20270101-000000-abcdef.json on h1 is 256 MiB; at most 4 MiB of an evaluation " \
+        "report is read" in \
         answer["said"], answer
     assert answer["added"] < MEMORY_MIB, answer
 

@@ -49,7 +49,7 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     assert applied == [m.name for m in migrations._migrations] == [
         "0001_core_tables", "0002_env_snapshots", "0003_sample_mfu", "0004_restart_outcome_numeric_samples",
         "0005_supervisor_heartbeats", "0006_evals", "0007_run_hosts", "0008_sample_host_reading",
-        "0009_sample_rates", "0010_sample_mfu_measured"]
+        "0009_sample_rates", "0010_sample_mfu_measured", "0011_eval_attempts"]
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"runs", "events", "samples", "restarts", "env_snapshots"} <= tables
     conn.close()
