@@ -67,6 +67,9 @@ class UnreachableError(TransportError):
     """The host could not be reached at all (connect, auth, host key, timeout)."""
 
 
+HOST_KEY_CHANGED = "host key CHANGED"  # how a refused, changed host key is said: its readers look for it
+
+
 class CommandTimeout(TransportError):
     """The remote command outlived its timeout and was killed on the host."""
 

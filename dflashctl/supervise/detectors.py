@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from dflashctl.core import contract
+from dflashctl.core.errors import HOST_KEY_CHANGED
 from dflashctl.core.logtext import last_traceback, this_attempt
 from dflashctl.core.states import ALIVE_STATES
 from dflashctl.core.terminal import one_line
@@ -531,12 +532,15 @@ def detect_unreachable(
     host: str, since: float, polls: int, now: float, *, error: str | None = None, escalate_after: float = 300.0
 ) -> Finding:
     """A host that failed ``polls`` polls in a row since ``since``: a warning,
-    then an error once it has lasted ``escalate_after`` seconds."""
+    then an error once it has lasted ``escalate_after`` seconds. A changed host key
+    is an error at once, its fix said: waiting never makes it answer."""
     message = f"host {host} unreachable since {fmt_clock(since)} ({polls} poll{'s' if polls != 1 else ''})"
+    changed = bool(error) and HOST_KEY_CHANGED in error
     if error and error.strip():
-        message += f": {error.strip().splitlines()[0][:200]}"
-    severity = "error" if now - since >= escalate_after else "warning"
-    return Finding(UNREACHABLE, severity, message, {"host": host, "since": since, "polls": polls, "error": error})
+        message += f": {error.strip().splitlines()[0][:600 if changed else 200]}"
+    severity = "error" if changed or now - since >= escalate_after else "warning"
+    detail = {"host": host, "since": since, "polls": polls, "error": error, **({"host_key": "changed"} if changed else {})}
+    return Finding(UNREACHABLE, severity, message, detail)
 
 
 def _norm(name: str) -> str:

@@ -507,7 +507,7 @@ class Supervisor:
                  paired: list | None, members: dict[str, list[core.Member]]) -> None:
         """The processes of ranks > 0 in one host's answer (``paired``: its entries for
         ``entries``, ``probe.pair``), or its failure."""
-        error = first_line(answer) if isinstance(answer, Exception) else (
+        error = _failure(answer) if isinstance(answer, Exception) else (
             parsed.message if isinstance(parsed, ProbeError) else None)
         for i, (w, rank) in enumerate(entries):
             if rank == 0:
@@ -523,7 +523,7 @@ class Supervisor:
                      paired: list | None, report: TickReport, t: _Tick, members: dict[str, list[core.Member]]) -> None:
         watched = [w for w, rank in entries if rank == 0]
         if isinstance(answer, Exception):
-            report.hosts[host] = first_line(answer)
+            report.hosts[host] = _failure(answer)
             self._host_failed(host, watched, report.hosts[host], t, members)
             return
         result, sent, received = answer
@@ -818,6 +818,13 @@ class Supervisor:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _failure(error: Exception) -> str:
+    """Why a host did not answer, in one line: a changed host key with its fix."""
+    from dflashctl.hosts.transport import HostKeyChanged
+
+    return error.says() if isinstance(error, HostKeyChanged) else first_line(error)
 
 
 def live_supervisor(info: dict | None) -> dict | None:

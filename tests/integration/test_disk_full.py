@@ -8,7 +8,6 @@ fix, never restarted."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 
 import pytest
@@ -19,7 +18,7 @@ from dflashctl.store import Store
 from dflashctl.supervise.supervisor import Supervisor
 from tests.harness.disk import fill, mount_tmpfs
 from tests.harness.fake_trainer import start_fake_run
-from tests.harness.local import SOCKET, kill_tmux_servers, kinds, read_status, wait_for, write_playbook
+from tests.harness.local import SOCKET, end_trainer, kill_tmux_servers, kinds, read_status, wait_for, write_playbook
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +77,4 @@ def test_a_disk_filling_during_a_run_is_disk_full_and_stops_it(small_disk, tmp_p
     finally:
         sup.close()
         kill_tmux_servers([(inventory.get("target"), inventory, SOCKET)])
-        if pid:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        end_trainer(local_dir)

@@ -375,6 +375,11 @@ def test_unreachable() -> None:
     )
     later = detect_unreachable("gpu1", NOW - 600, 1, NOW)
     assert (later.severity, later.message) == ("error", "host gpu1 unreachable since 07:50:00 (1 poll)")
+    why = ("gpu1: host key CHANGED: ssh-ed25519 SHA256:abc does not match /k; this may be an attack, or the host was "
+           "reinstalled; if the change is expected: `ssh-keygen -f /k -R gpu1`, then `dflashctl trust gpu1`")
+    changed = detect_unreachable("gpu1", NOW, 1, NOW, error=why)  # its first poll: an error, waiting never helps
+    assert changed.severity == "error" and changed.detail["host_key"] == "changed"
+    assert changed.message.endswith("then `dflashctl trust gpu1`")  # the fix, whole
 
 
 def test_env_drift() -> None:

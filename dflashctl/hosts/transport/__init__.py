@@ -9,7 +9,8 @@ The rooms:
                routes and not-found failures in inventory terms
     base       ``Transport``: ``run`` and the errors it raises
     local      ``LocalTransport``: the local host, through /bin/sh as sshd would
-    hostkeys   known_hosts checks on every hop, ``HostKey``, ``UnknownHostKey``
+    hostkeys   known_hosts checks on every hop, ``HostKey``, ``UnknownHostKey``,
+               ``HostKeyChanged``
     ssh        ``SSHTransport``: pooled connections, jumps, wedged connections
                replaced; ``Pool`` and ``default_pool``
     pooled     ``connect``, ``host_key`` and ``fanout`` over the default pool
@@ -27,7 +28,14 @@ from dflashctl.hosts.transport.command import (
     describe_route,
     not_found_hint,
 )
-from dflashctl.hosts.transport.hostkeys import HostKey, UnknownHostKey, append_known_host, key_name, trust_command
+from dflashctl.hosts.transport.hostkeys import (
+    HostKey,
+    HostKeyChanged,
+    UnknownHostKey,
+    append_known_host,
+    key_name,
+    trust_command,
+)
 from dflashctl.hosts.transport.limits import COMMAND, Limit
 from dflashctl.hosts.transport.local import LocalTransport
 from dflashctl.hosts.transport.pooled import connect, fanout, host_key
@@ -37,6 +45,6 @@ from dflashctl.hosts.transport.ssh import MAX_SESSIONS, Pool, SSHTransport, defa
 __all__ = [
     "CLIENT_SLACK", "COMMAND", "KILL_AFTER", "Limit", "MAX_COMMAND_BYTES", "MAX_SESSIONS", "NOT_FOUND_EXIT_CODES", "SHOWN_ARG_CHARS",
     "STDERR_TAIL_CHARS", "TIMEOUT_EXIT_CODES", "HostKey", "LocalTransport", "Pool", "Result", "SSHTransport",
-    "Transport", "UnknownHostKey", "append_known_host", "command_line", "connect", "default_pool", "describe_route",
+    "Transport", "HostKeyChanged", "UnknownHostKey", "append_known_host", "command_line", "connect", "default_pool", "describe_route",
     "fanout", "host_key", "key_name", "not_found_hint", "shown_argv", "stderr_tail", "trust_command",
 ]

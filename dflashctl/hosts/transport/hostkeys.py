@@ -26,6 +26,16 @@ class UnknownHostKey(UnreachableError):
     """The host presented a key its known_hosts file does not list: refused."""
 
 
+class HostKeyChanged(UnreachableError):
+    """The host presented another key than its known_hosts file holds: refused. An
+    attack, or a reinstalled host; either way nothing reaches it until someone looks."""
+
+    def says(self) -> str:
+        """Its message's first line and the fix, as one line (an event, an alert)."""
+        head = str(self).strip().splitlines()[0]
+        return f"{head}; {self.hint}" if self.hint else head
+
+
 class _KeyNotKnown(paramiko.SSHException):
     def __init__(self, hostname: str, key: paramiko.PKey):
         super().__init__(f"host key for {hostname} is not known")

@@ -41,11 +41,12 @@ import paramiko
 from fabric import Config as FabricConfig
 from fabric import Connection
 
-from dflashctl.core.errors import TransportError, UnreachableError
+from dflashctl.core.errors import HOST_KEY_CHANGED, TransportError, UnreachableError
 from dflashctl.hosts.transport.base import Transport
 from dflashctl.hosts.transport.command import describe_route
 from dflashctl.hosts.transport.hostkeys import (
     HostKey,
+    HostKeyChanged,
     UnknownHostKey,
     _dflashctl_command,
     _KeyNotKnown,
@@ -262,11 +263,12 @@ class SSHTransport(Transport):
             return self._unknown_key(e)
         if isinstance(e, paramiko.BadHostKeyException):
             return self._unreachable(
-                f"host key CHANGED: {e.key.get_name()} {e.key.fingerprint} does not match "
+                f"{HOST_KEY_CHANGED}: {e.key.get_name()} {e.key.fingerprint} does not match "
                 f"{self.known_hosts}; this may be an attack, or the host was reinstalled",
                 hint="if the change is expected: "
                 f"`{shlex.join(['ssh-keygen', '-f', self.known_hosts, '-R', key_name(self.address, self.port)])}`, "
                 f"then `{_dflashctl_command(self.inventory, 'trust', self.name)}`",
+                cls=HostKeyChanged,
             )
         if isinstance(e, paramiko.AuthenticationException):
             keys = self._identity_files()
