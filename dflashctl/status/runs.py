@@ -237,6 +237,21 @@ class RunView:
         age = self.freshness.data_age_s
         return NA if age is None else short_duration(age)
 
+    def phase_text(self, compact: bool = False) -> str:
+        """The run's phase as every view shows it (the table's cell, the console's row
+        and detail): what a direct probe saw for a run nobody supervises, else the
+        phase recorded with its time against its budget."""
+        probed = self.probed
+        if probed is not None and (probed.phase or probed.exit_code is not None):
+            return f"{probed.phase or f'exit {probed.exit_code}'} (probed)"
+        if self.active and not self.freshness.supervised:
+            # Nobody records it: the phase last recorded, its time in it not known (never
+            # "starting 0s/10m"); the age column says how old that is.
+            return f"{self.phase.name}?" if self.phase.name else NA
+        if not self.active:
+            return "-" if compact else self.phase.text()
+        return self.phase.text(compact=compact)
+
     def cell(self, key: str) -> str:
         """Display text of one run column (``COLUMNS``)."""
         if key == "run":
@@ -251,13 +266,7 @@ class RunView:
             return shown + mark if len(shown + mark) <= COLUMN["state"].width else shown
         probed = self.probed
         if key == "phase":
-            if probed is not None and (probed.phase or probed.exit_code is not None):
-                return f"{probed.phase or f'exit {probed.exit_code}'} (probed)"
-            if self.active and not self.freshness.supervised:
-                # Nobody records it: the phase last recorded, its time in it not known (never
-                # "starting 0s/10m"); the age column says how old that is.
-                return f"{self.phase.name}?" if self.phase.name else NA
-            return self.phase.text(compact=True) if self.active else "-"
+            return self.phase_text(compact=True)
         if key == "progress":
             return self.progress_text()
         if key == "eta":

@@ -8,13 +8,14 @@ from dataclasses import asdict, fields
 from typing import Any, Iterable, Sequence
 
 from dflashctl.core.contract import PHASE_TRAINING, Metrics
-from dflashctl.core.states import DONE, STOPPED
+from dflashctl.core.states import DONE, FINAL_STATES, STOPPED
 from dflashctl.store.connection import StoreConnection
 from dflashctl.store.rows import (
     _SAMPLE_COLUMNS,
     _SAMPLE_EXTRAS,
     _SAMPLE_NUMBERS,
     EVENT_REGRESSION,
+    EVENT_STATE,
     Sample,
     _decode,
     _int64,
@@ -283,6 +284,15 @@ class SamplesMixin(StoreConnection):
                            f"WHERE run_id IN ({marks}) GROUP BY run_id)", ids)
         for r in rows:
             result[r["run_id"]].update(step=r["step"], sample_time=r["time"])
+        # A run that ended: the step it ended at (status.json's, named by its final state's
+        # event) when past its newest metrics line (one every log_every steps).
+        rows = self._query(f"SELECT run_id, detail FROM events WHERE id IN (SELECT max(id) FROM events "
+                           f"WHERE run_id IN ({marks}) AND kind = ? GROUP BY run_id)", [*ids, EVENT_STATE])
+        for r in rows:
+            detail = _decode(dict(r)).get("detail")
+            step = detail.get("step") if isinstance(detail, dict) and detail.get("to") in FINAL_STATES else None
+            if isinstance(step, int) and not isinstance(step, bool) and step > (result[r["run_id"]]["step"] or -1):
+                result[r["run_id"]]["step"] = step
         for column in ("loss", "accept_len"):
             rows = self._query(f"SELECT run_id, {column} FROM samples WHERE id IN (SELECT max(id) FROM samples "
                                f"WHERE run_id IN ({marks}) AND {column} IS NOT NULL GROUP BY run_id)", ids)

@@ -228,7 +228,7 @@ def run_text(run: RunView | None, events: list[EventView], width: int, now: floa
     out.append("\n")
     if run.active:
         out.append("phase ")
-        out.append(run.phase.text(), style="bold red" if run.phase.over_budget else "bold")
+        out.append(run.phase_text(), style="bold red" if run.phase.over_budget else "bold")
         out.append(" · ")
     out.append(f"step {run.step_text()}" + (f" ({run.progress_text()})" if run.progress_pct is not None else ""))
     if run.active:

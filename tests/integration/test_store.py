@@ -358,3 +358,18 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path):
         assert store.get_run(f"race-{tag}").state == "running"
     assert store.db.execute("SELECT count(*) FROM _sqlite_migrations").fetchone()[0] == len(migrations._migrations)
     assert os.path.exists(path + "-wal") or store.db.journal_mode == "wal"
+
+
+def test_a_run_that_ended_shows_the_step_it_stopped_at_not_its_last_metrics_line(store):
+    """Metrics lines come every log_every steps: a run stopped at step 37 whose newest
+    line is step 30 ended at 37, as its final state's event (status.json's step) says."""
+    run = _run(store)
+    store.add_samples(run.id, [{"time": T0 + i, "step": 10 * i, "tok_s": 1.0, "phase": "training"} for i in (1, 2, 3)])
+    running = _run(store)
+    store.add_samples(running.id, [{"time": T0, "step": 5, "tok_s": 1.0, "phase": "training"}])
+    store.transition(run.id, "running", "", T0 + 1)
+    store.transition(run.id, "stopped", "the trainer stopped on request at step 37", T0 + 50,
+                     detail={"outcome": "stopped", "step": 37})
+    store.transition(running.id, "running", "", T0 + 1, detail={"step": 99})  # not an end: its samples say
+    outcomes = store.run_outcomes([run.id, running.id])
+    assert outcomes[run.id]["step"] == 37 and outcomes[running.id]["step"] == 5

@@ -605,13 +605,14 @@ def test_no_fetch_while_the_run_is_stalled_or_restarting():
     assert seen[1][0] == ["restarting"] and not any("FetchCompileCache" in a for _, _, a in seen)
 
 
-def test_each_new_phase_is_an_event_for_the_console():
+def test_each_new_phase_but_a_routine_one_is_an_event_for_the_console():
     pol = make_policy()
     rows = [(T0, core.Probed(probe(T0, "starting"))), (T0 + 1, core.Probed(probe(T0 + 1, "compiling"))),
             (T0 + 2, core.Probed(probe(T0 + 2, "compiling"))), (T0 + 3, healthy(T0 + 3, 1)),
             (T0 + 4, core.Probed(probe(T0 + 4, "checkpointing", step=1)))]
     _, seen = run_table(rows, make_state("launching"), pol)
-    assert [kinds for _, kinds, _ in seen] == [["phase"], ["phase"], [], ["phase"], ["phase"]]
+    # A checkpoint is routine: no event unless it lasts (test_a_routine_checkpoint_is_no_event_...).
+    assert [kinds for _, kinds, _ in seen] == [["phase"], ["phase"], [], ["phase"], []]
     _, seen = run_table([(T0, healthy(T0, 1))])  # re-attached to a training run: no news
     assert seen[0][1] == []
 
@@ -850,3 +851,33 @@ def test_a_stopped_rank_is_shown_stopped_at_once_not_as_its_last_phase():
     _, writes, _ = core.step(two_host_state(), with_member(healthy(T0, 10), T0, step=10, state="T"), T0, make_policy())
     [rows] = [w for w in writes if isinstance(w, core.HostRows)]
     assert rows.rows[1]["phase"] == "training, process is stopped (state T)" and rows.rows[0]["phase"] == "training"
+
+
+# --------------------------------------------------------------------------- routine phases
+
+
+def test_a_routine_checkpoint_is_no_event_unless_it_lasts_longer_than_expected():
+    """A checkpoint every few minutes of a run of days would fill the event list with
+    checkpointing/training pairs: it is written only once it lasts longer than
+    ROUTINE_PHASE_S, and then its end too. A compile is written at once."""
+    from dflashctl.supervise.supervisor_core.limits import ROUTINE_PHASE_S
+
+    def phases(rows):
+        state, seen = make_state(), []
+        for t, phase, step in rows:
+            obs = core.Probed(probe(t, phase, step=step), lines=(metrics(t, step),))
+            state, writes, _ = core.step(state, obs, t, make_policy())
+            seen += [(t - T0, w.severity, w.message) for w in writes if isinstance(w, core.Event) and w.kind == "phase"]
+        return seen
+
+    short = [(T0, "compiling", 0), (T0 + 10, "training", 1), (T0 + 20, "checkpointing", 2),
+             (T0 + 30, "training", 3), (T0 + 40, "checkpointing", 4), (T0 + 50, "training", 5)]
+    assert [m for _, _, m in phases(short)] == ["phase compiling", "phase training"]
+    slow = ROUTINE_PHASE_S + 30
+    long = [(T0, "training", 1), (T0 + 10, "checkpointing", 2), (T0 + 20, "checkpointing", 2),
+            (T0 + 10 + slow, "checkpointing", 2), (T0 + 20 + slow, "checkpointing", 2),
+            (T0 + 30 + slow, "training", 3)]
+    seen = phases(long)
+    assert [(t, sev) for t, sev, _ in seen] == [(10 + slow, "warning"), (30 + slow, "info")]
+    assert seen[0][2].startswith("phase checkpointing for 2.5 m (a routine checkpointing takes under 2 m)")
+    assert seen[1][2] == "phase training"

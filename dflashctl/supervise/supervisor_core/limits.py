@@ -4,12 +4,16 @@ They hold for every run, whatever its playbook says; the playbook's own numbers
 are in ``run_policy``.
 """
 
-from dflashctl.core import logtext
+from dflashctl.core import contract, logtext
 
 WINDOW = 256  # samples kept per run for the detectors
 LOST_AFTER_POLLS = 2  # one failed poll can be a blip; two in a row mark the host's runs lost
 RESTART_TRIES = 3  # restarts that could not be issued (host gone) before the run is failed
 SETTLE_S = 3.0  # a process found gone: wait this long for run.sh to write its exit code
+# Phases that come back every few minutes of a healthy run: written as events only
+# once one lasts longer than ROUTINE_PHASE_S (a checkpoint that slow is news).
+ROUTINE_PHASES = (contract.PHASE_CHECKPOINTING,)
+ROUTINE_PHASE_S = 120.0
 REPEAT_FINDING_S = 600.0  # a lasting finding is written (and alerted) again this often
 # A host timestamp (metrics line, status.json) is believed when, on the local clock
 # (host time - measured skew), it lies after the run was created (less this margin)

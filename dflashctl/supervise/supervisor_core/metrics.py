@@ -21,6 +21,8 @@ from dflashctl.supervise.supervisor_core.limits import (
     CLOCK_FUTURE_MARGIN_S,
     CLOCK_PAST_MARGIN_S,
     REPEAT_FINDING_S,
+    ROUTINE_PHASE_S,
+    ROUTINE_PHASES,
     WINDOW,
 )
 from dflashctl.supervise.supervisor_core.observations import Probed
@@ -219,15 +221,27 @@ def _fetch_compile_cache(s: RunState, local: float, pol: Policy, out: _Out) -> N
 def _track_phase(s: RunState, pr: ProbeResult, now: float, skew: float, out: _Out) -> None:
     """When the current phase began (status.json does not say): first seen, or for a
     process still starting, its start time. Each new phase is an event (``phase``),
-    so the console can say "compiling 12 m / 45 m" from the store alone."""
+    so the console can say "compiling 12 m / 45 m" from the store alone; but a
+    routine one (a checkpoint, every few minutes of a run of days) is written only
+    once it lasts longer than ``ROUTINE_PHASE_S``, and then its end too."""
     phase = pr.status.phase if pr.status else None
     if phase == s.phase and s.phase_since is not None:
+        if phase in ROUTINE_PHASES and not s.phase_said and now - s.phase_since > ROUTINE_PHASE_S:
+            s.phase_said = True
+            out.event("phase", "warning", f"phase {phase} for {fmt_duration(now - s.phase_since)} (a routine "
+                      f"{phase} takes under {fmt_duration(ROUTINE_PHASE_S)})",
+                      {"phase": phase, "pid": pr.status.pid, "elapsed_s": round(now - s.phase_since, 3)})
         return
     # A change, or a first sight of anything but plain training (a re-attach to a
-    # training run is no news).
+    # training run is no news); a routine phase and the return from it are not news
+    # unless it lasted (said above).
+    routine = phase in ROUTINE_PHASES or (s.phase in ROUTINE_PHASES and not s.phase_said)
+    said = False
     if phase is not None and phase != s.phase and phase not in contract.FINAL_PHASES \
-            and (s.phase is not None or phase != contract.PHASE_TRAINING):
+            and (s.phase is not None or phase != contract.PHASE_TRAINING) and not routine:
         out.event("phase", "info", f"phase {phase}", {"phase": phase, "pid": pr.status.pid})
+        said = True
+    s.phase_said = said or phase not in ROUTINE_PHASES
     since = now
     if pr.status is not None and phase == contract.PHASE_STARTING and pr.status.started:
         since = pr.status.started

@@ -68,6 +68,7 @@ class RunState:
     baseline: float | None = None
     phase: str | None = None
     phase_since: float | None = None  # host clock
+    phase_said: bool = True  # the current phase was written as an event (a routine one: only once it lasted)
     step_max: int | None = None  # highest step of the current process
     attempt_started: float | None = None  # local: when the current process was started by a restart
     last_ok: float | None = None  # local: the last poll that saw the trainer healthy
