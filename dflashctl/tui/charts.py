@@ -5,7 +5,8 @@ width, height, marks), drawn by the status console's run pane and detail view
 A chart spans the time ``t0`` .. ``t1`` in its columns (each the mean of the
 points in its slice of time: a run's start is its first column whatever its
 length), scaled between y labels (its lowest and highest value, or from a given
-floor such as 0 tok/s) with eighths of a cell per row; marks (restarts, stalls)
+floor such as 0 tok/s; values far off the rest, a start-up spike, are left off the
+range and drawn clipped: ``robust_range``) with eighths of a cell per row; marks (restarts, stalls)
 are drawn at their time's column: a line through the plot, a glyph on the axis
 row under it. A silence longer than a few of the series' usual spacings stays a
 gap; a shorter one holds the earlier value (a series sparser than the columns
@@ -81,12 +82,30 @@ def _mark_columns(marks: Marks, t0: float, t1: float, width: int) -> dict[int, s
     return shown
 
 
-def _scale(values: Sequence[float | None], low: float | None) -> tuple[float, float] | None:
-    known = [v for v in values if v is not None]
+ROBUST_K = 8.0  # a value further than this many robust deviations from the median is off the y range
+
+
+def robust_range(values: Iterable[float | None], k: float = ROBUST_K) -> tuple[float, float] | None:
+    """The y range a chart of ``values`` shows: their lowest and highest, except that
+    values further than ``k`` robust deviations (1.4826 x the median absolute
+    deviation) from the median are left off it, so a start-up spike (1.8K tok/s
+    before a steady 137) does not flatten the rest of the run to one row; a trend
+    (a loss from 10 down to 2) keeps its whole range. None without values."""
+    known = sorted(v for v in values if v is not None and math.isfinite(v))
     if not known:
         return None
-    lo = min(known) if low is None else min(low, min(known))
-    return lo, max(known)
+    median = statistics.median(known)
+    spread = 1.4826 * statistics.median(abs(v - median) for v in known)
+    if spread <= 0:
+        return known[0], known[-1]
+    return max(known[0], median - k * spread), min(known[-1], median + k * spread)
+
+
+def _scale(values: Sequence[float | None], low: float | None) -> tuple[float, float] | None:
+    scale = robust_range(values)
+    if scale is None:
+        return None
+    return (scale[0] if low is None else min(low, scale[0])), scale[1]
 
 
 def label_width(points: Iterable[Point], fmt: Callable[[float], str], low: float | None = None) -> int:

@@ -79,3 +79,23 @@ def test_the_run_pane_gives_its_rows_to_the_charts_after_the_events_minimum():
             chart_lines = count * (rows + 1) + 2 if rows > 1 else count
             assert events >= MIN_EVENT_LINES and 1 <= rows <= 6
             assert CHART_HEADER_LINES + chart_lines + events <= max(height, CHART_HEADER_LINES + 3 + MIN_EVENT_LINES)
+
+
+def test_a_start_up_spike_is_left_off_the_y_range_and_a_trend_keeps_its_range():
+    """Defect: the tok/s chart was scaled to the start-up spike (1.8K flattened the
+    steady 137 to one eighth of a row for the whole run)."""
+    from dflashctl.tui.charts import chart, robust_range
+
+    steady = [137.0 + (i % 5) - 2 for i in range(200)]
+    lo, hi = robust_range([1800.0, 1500.0] + steady)
+    assert 135 <= lo <= 137 and 137 <= hi < 200
+    assert robust_range([10.0 - 0.04 * i for i in range(200)]) == (10.0 - 0.04 * 199, 10.0)  # a trend: all of it
+    assert robust_range([5.0, 5.0]) == (5.0, 5.0) and robust_range([]) is None
+    points = [(float(t), v) for t, v in enumerate([1800.0, 1500.0] + steady)]
+    text = chart(points, 0.0, 201.0, 60, 4, fmt=lambda v: f"{v:.0f}").plain.splitlines()
+    assert text[0].split("┤")[0].strip() == f"{hi:.0f}"  # the top label: the steady range, not 1800
+    from dflashctl.tui.charts import BLOCKS
+
+    body = [row.split("┤" if "┤" in row else "│", 1)[1] for row in text[:4]]
+    heights = [sum(BLOCKS.index(row[c]) for row in body) for c in range(5, 55)]
+    assert len(set(heights)) >= 3 and max(heights) >= 6  # its ups and downs, not all one eighth (as at 0..1800)
