@@ -60,7 +60,7 @@ from dflashctl.hosts.bundle import Bundle, build_bundle
 from dflashctl.hosts.facts import gpu_count_problem
 from dflashctl.hosts.tmux import Tmux, socket_name
 from dflashctl.runs.access import LaunchError, Progress, host_transport, local_host, quiet
-from dflashctl.runs.files import RUN_SCRIPT, new_rendezvous_key, part_config, run_environment, run_files, start_command
+from dflashctl.runs.files import RUN_SCRIPT, SECRETS_FILE, new_rendezvous_key, part_config, run_environment, run_files, start_command
 from dflashctl.runs.recorded import thresholds_of
 from dflashctl.runs.runhost import (
     START_TIMEOUT,
@@ -241,6 +241,7 @@ class _Launcher:
 
     def run(self) -> LaunchResult:
         pb = self.playbook
+        self.secrets = pb.secret_values()  # read first: a secret that cannot be read stops the launch here
         sites = [Site(rank, self.inventory.get(name)) for rank, name in enumerate(pb.host_names(self.inventory))]
         several = len(sites) > 1
         if not self.dry_run:
@@ -550,6 +551,7 @@ class _Launcher:
             "trainer": trainer,  # as in the playbook (physical GPU indices)
             "gpus": gpus,
             "env": first.env,
+            "secret_env": sorted(pb.secret_env),  # names only: the values never reach the store
             "compile_cache": cache,
             "python": first.host.python,
             "workdir": first.workdir,
@@ -564,12 +566,14 @@ class _Launcher:
         """Write (or, in a dry run, show) the run files; returns them."""
         run_dir = site.run_dir
         files = run_files(run_id, run_dir, config, self.socket, rank=site.rank, session=site.session,
-                          rendezvous_key=rendezvous_key)
+                          rendezvous_key=rendezvous_key, secrets=self.secrets)
         if self.dry_run:
             self.show_remote("configure", site, deploy.run_files_argv(run_dir), deploy.tar_of(files))
             self.say("configure", f"{RUN_SCRIPT}:\n" + files[RUN_SCRIPT])
             if contract.RENDEZVOUS_KEY_FILE in files:
                 self.say("configure", f"{contract.RENDEZVOUS_KEY_FILE}: this start's secret, mode 0600 (not shown)")
+            if SECRETS_FILE in files:
+                self.say("configure", f"{SECRETS_FILE}: {', '.join(config['secret_env'])}, mode 0600 (not shown)")
             return files
         deploy.write_run_files(site.transport, run_dir, files)
         self.say("configure", f"{run_dir}: {', '.join(sorted(files))}")

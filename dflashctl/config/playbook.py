@@ -25,6 +25,39 @@ if TYPE_CHECKING:
 
 _PLAYBOOK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
+# A name like these in ``env:`` holds a secret even when not marked so.
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL", re.IGNORECASE)
+_SECRET_KEYS = ("value", "from_env", "from_file")
+
+
+def _split_secrets(raw: Any) -> Any:
+    """``env:`` entries that are secrets move to ``secret_env`` (name -> (source,
+    reference)): a mapping (``{from_env: NAME}``, ``{from_file: PATH}``, ``{value: X,
+    secret: true}``), or a plain value whose name looks like a secret (SECRET_NAME)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("env"), dict):
+        return raw
+    env, secrets, bad = {}, {}, []
+    for name, value in raw["env"].items():
+        if not isinstance(value, dict):
+            if isinstance(value, str) and SECRET_NAME.search(str(name)):
+                secrets[name] = ("value", value)
+            else:
+                env[name] = value
+            continue
+        given = [k for k in _SECRET_KEYS if k in value]
+        unknown = set(value) - {*_SECRET_KEYS, "secret"}
+        if unknown or len(given) != 1 or not isinstance(value[given[0]], str):
+            bad.append((f"env.{name}", "a secret is one of {from_env: VARIABLE}, {from_file: PATH} or "
+                        "{value: TEXT, secret: true}" + (f" (unknown: {', '.join(sorted(map(str, unknown)))})"
+                                                         if unknown else "")))
+        elif given == ["value"] and value.get("secret") is False and not SECRET_NAME.search(str(name)):
+            env[name] = value["value"]
+        else:
+            secrets[name] = (given[0], value[given[0]])
+    if bad:
+        raise _Problems(bad)
+    return {**raw, "env": env, "secret_env": {**secrets, **(raw.get("secret_env") or {})}}
+
 
 class Expect(BaseModel):
     """What a healthy run looks like; the detectors compare against it."""
@@ -201,6 +234,10 @@ class Playbook(BaseModel):
     )
     env: EnvMap = {}
     """Extra environment of the trainer process on the run host."""
+    secret_env: dict[str, tuple[str, str]] = Field(default_factory=dict, repr=False, exclude=True)
+    """The secrets of ``env:`` (name -> (value | from_env | from_file, its text)): read at
+    launch (``secret_values``), written on the host only to the run's private
+    ``secrets.env``, never stored (docs/playbooks.md#secrets)."""
     compile_cache: Optional[str] = "~/.cache/dflashctl/compile"
     """Persistent compile cache on the run host; kept across restarts, never cleared."""
     poll_interval: Duration = Field(15.0, gt=0)
@@ -214,6 +251,36 @@ class Playbook(BaseModel):
     """Environment-audit policy (free-form for now)."""
     source: str = ""
     """The file it came from, or '<embedded demo playbook>'."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secrets_apart(cls, raw: Any) -> Any:
+        return _split_secrets(raw)
+
+    def secret_values(self) -> dict[str, str]:
+        """The secrets of ``env:`` read now: from the controller's environment or a
+        file (first line, ``~`` expanded). ConfigError naming ``env.NAME`` and the fix."""
+        import os
+
+        from dflashctl.core.errors import ConfigError
+
+        out = {}
+        for name, (source, ref) in self.secret_env.items():
+            if source == "value":
+                out[name] = ref
+            elif source == "from_env":
+                if ref not in os.environ:
+                    raise ConfigError(f"env.{name}: ${ref} is not set in this environment", source=self.source,
+                                      hint=f"export {ref}=... before the launch, or read it from_file")
+                out[name] = os.environ[ref]
+            else:
+                try:
+                    with open(os.path.expanduser(ref), encoding="utf-8") as f:
+                        out[name] = f.readline().rstrip("\r\n")
+                except (OSError, UnicodeDecodeError) as e:
+                    raise ConfigError(f"env.{name}: cannot read {ref}: {getattr(e, 'strerror', None) or e}",
+                                      source=self.source, hint="give a readable file holding the value") from None
+        return out
 
     @field_validator("name")
     @classmethod

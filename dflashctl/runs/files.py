@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 RUN_SCRIPT = "run.sh"
 STANDBY_SCRIPT = "standby.sh"
+# The playbook's secrets (``Playbook.secret_env``), as ``export`` lines: written at
+# launch, mode 0600 in the run's 0700 directory, read by run.sh; never stored.
+SECRETS_FILE = "secrets.env"
 
 
 def renumber_placement(trainer: dict[str, Any], gpus: list[int]) -> dict[str, Any]:
@@ -80,7 +83,7 @@ def run_environment(host: "Host", playbook_env: dict[str, str], bundle_dir: str,
 
 def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str],
                       compile_cache: str | None, session: str, socket: str, rank: int = 0,
-                      standby: str | None = None) -> str:
+                      standby: str | None = None, secret_names: list[str] = ()) -> str:
     """run.sh: see the module docstring. ``standby``: standby.sh instead, the trainer
     started with ``--standby TOKEN``, which clears nothing before it takes over and
     whose exit code is written only once it has (trainer/standby.py)."""
@@ -88,9 +91,13 @@ def render_run_script(run_id: str, run_dir: str, python: str, env: dict[str, str
         "#!/bin/sh",
         _comment(f"dflashctl run {run_id}: runs in tmux session {session} (tmux -L {socket})."),
         "# Rewritten on every (re)start by dflashctl; edits here are lost.",
+        # What the trainer writes (logs, checkpoints, its caches) is this user's alone.
+        "umask 077",
         f"cd {shlex.quote(run_dir)} || exit 1",
     ]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    if secret_names:
+        lines.append(f". ./{SECRETS_FILE} || exit 1  # {' '.join(secret_names)}: written at launch, never here")
     if compile_cache:
         # Persistent and never cleared: a restart must find the compiled kernels.
         lines += [f"export TORCHINDUCTOR_CACHE_DIR={_remote_path_expr(compile_cache)}",
@@ -151,11 +158,14 @@ def _artifact_generation() -> int:
 
 def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
               serialized_warmup: bool | None = None, rank: int = 0, session: str | None = None,
-              standby: str | None = None, rendezvous_key: str | None = None) -> dict[str, str]:
+              standby: str | None = None, rendezvous_key: str | None = None,
+              secrets: dict[str, str] | None = None) -> dict[str, str]:
     """config.json and run.sh for a run (for the process of ``rank`` on its own host,
     in tmux session ``session``), from its stored config; for a multi-host run also
     ``rendezvous.key``, this start's secret (``rendezvous_key``, the same on every host;
-    written mode 0600, never stored, never on a command line)."""
+    written mode 0600, never stored, never on a command line); at launch, ``secrets``
+    (the playbook's secret environment, ``config["secret_env"]`` its names) as
+    ``secrets.env``, mode 0600, which run.sh reads at every start."""
     config = part_config(config, rank)
     trainer = copy.deepcopy(config["trainer"])
     if serialized_warmup is not None:
@@ -166,10 +176,13 @@ def run_files(run_id: str, run_dir: str, config: dict[str, Any], socket: str,
         trainer = renumber_placement(trainer, gpus)
     env = {**config.get("env", {}), contract.ARTIFACT_GENERATION_ENV: str(_artifact_generation())}
     script = render_run_script(run_id, run_dir, config["python"], env,
-                               config.get("compile_cache"), session or run_id, socket, rank, standby)
+                               config.get("compile_cache"), session or run_id, socket, rank, standby,
+                               list(config.get("secret_env") or []))
     if standby:
         return {STANDBY_SCRIPT: script}
     files = {contract.CONFIG_FILE: deploy.config_json(trainer), RUN_SCRIPT: script}
+    if secrets:
+        files[SECRETS_FILE] = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(secrets.items()))
     if config.get("distributed") and rendezvous_key:
         files[contract.RENDEZVOUS_KEY_FILE] = rendezvous_key + "\n"
     return files

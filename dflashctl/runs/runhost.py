@@ -70,13 +70,14 @@ from dflashctl.runs.files import (
 )
 from dflashctl.runs.logs import log_before, logs, metrics_tail
 from dflashctl.runs.standby import (
-    _STANDBY_GO,
+    STANDBY_ANSWER_S,
     _hold_standby,
     _ready_standby,
     _release_standby,
     end_standby,
     standby_session,
     start_standby,
+    wake_standby,
 )
 from dflashctl.store import Run, Store
 
@@ -517,17 +518,20 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
                                remove=[contract.EXIT_CODE_FILE, contract.status_file(part.rank)])
         _provide_compile_cache(store, part, transport, json.loads(files[contract.CONFIG_FILE]),
                                part_config(config, part.rank), bundle_hash, say, clock)
-    for part, transport, tmux in parts:
-        if standby:  # its session becomes the run's, then it is told to train
-            tmux.rename(standby_session(part.tmux_session), part.tmux_session)
-            transport.run(["sh", "-c", _STANDBY_GO, "dflashctl-go", part.run_dir, contract.standby_go(standby)], timeout=30)
-        else:
+    unanswered = None
+    if standby and not wake_standby(parts, standby):  # its session becomes the run's, then it is told to train
+        unanswered, standby = standby, None  # stopped or hung since it was found ready: started afresh instead
+        say("restart", f"standby {unanswered} did not take over within {STANDBY_ANSWER_S:g} s: ended, a fresh "
+                       "start in its place")
+    if not standby:
+        for part, transport, tmux in parts:
             tmux.start(part.tmux_session, start_command(part.run_dir))
     # The restart is issued from here on: a store that cannot take its record (disk
     # full) must not make the caller believe it was not, and issue a second one.
     message = "trainer started again (resume from the last checkpoint" + (
         ", serialized warm-up" if serialized_warmup else "") + (
-        f"; standby {standby} woken, its imports done" if standby else "") + ")" + (
+        f"; standby {standby} woken, its imports done" if standby else
+        f"; standby {unanswered} did not answer within {STANDBY_ANSWER_S:g} s, replaced" if unanswered else "") + ")" + (
         f" on {', '.join(run.host_names)}" if run.hosts else "")
     try:
         store.add_event(run.id, "process", message, clock(),

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 # The standby of a run directory: 'ready PID TOKEN' while the pid standby.json names
 # is really that standby (its command line names the run directory and the token:
-# standby.json is a file on the host, and pids are reused), else why not.
+# standby.json is a file on the host, and pids are reused) and can run (not stopped,
+# traced or a zombie: woken, it would never answer), else why not.
 _STANDBY_STATE = r"""
 d=$1; f="$d/standby.json"
 [ -f "$f" ] || { echo none; exit 0; }
@@ -34,13 +35,44 @@ pid=$(sed -n 's/.*"pid": *\([0-9][0-9]*\).*/\1/p' "$f" | head -n 1)
 tok=$(sed -n 's/.*"token": *"\([A-Za-z0-9_-]*\)".*/\1/p' "$f" | head -n 1)
 if [ -n "$pid" ] && [ -n "$tok" ] && [ -r "/proc/$pid/cmdline" ] && cmd=$(tr '\0' ' ' < "/proc/$pid/cmdline") \
     && case "$cmd" in *"$d"*"--standby $tok"*|*"--standby $tok"*"$d"*) true;; *) false;; esac; then
-  echo "ready $pid $tok"
+  st=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | cut -c1)
+  case "$st" in T|t|Z|X) echo "stopped $pid $st" ;; *) echo "ready $pid $tok" ;; esac
 else
   echo gone
 fi
 """
 # Wake a standby: its go file, made whole in one rename.
 _STANDBY_GO = 'cd "$1" && : > "$2.tmp" && mv -f "$2.tmp" "$2"'
+
+
+STANDBY_ANSWER_S = 5.0  # a woken standby takes its go file within this (it looks every 0.1 s), or is replaced
+# Whether a woken standby took its go file: 'went' or 'waiting'.
+_STANDBY_WENT = '[ -e "$1/$2" ] && echo went || echo waiting'
+
+
+def wake_standby(parts: list, token: str, *, answer_s: float = STANDBY_ANSWER_S) -> bool:
+    """Wake the ready standby ``token`` on every host (its session becomes the run's,
+    then its go file); True once every host's took it over within ``answer_s``. False:
+    one did not answer (stopped since it was found ready, or hung); every host's is
+    then ended and its go file removed, for a fresh start in its place."""
+    for part, transport, tmux in parts:
+        tmux.rename(standby_session(part.tmux_session), part.tmux_session)
+        transport.run(["sh", "-c", _STANDBY_GO, "dflashctl-go", part.run_dir, contract.standby_go(token)], timeout=30)
+    deadline = time.monotonic() + answer_s
+    waiting = list(parts)
+    while waiting:
+        waiting = [(p, t, x) for p, t, x in waiting
+                   if t.run(["sh", "-c", _STANDBY_WENT, "dflashctl-went", p.run_dir, contract.standby_went(token)],
+                            timeout=30, check=False).stdout.strip() != "went"]
+        if waiting and time.monotonic() > deadline:
+            for part, transport, tmux in parts:
+                tmux.kill(part.tmux_session)
+                transport.run(["rm", "-f", posixpath_join(part.run_dir, contract.standby_go(token))], timeout=30,
+                              check=False)
+            return False
+        if waiting:
+            time.sleep(0.1)
+    return True
 
 
 def standby_session(session: str) -> str:

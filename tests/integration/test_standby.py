@@ -55,3 +55,55 @@ def test_a_standby_is_ready_only_when_the_pid_it_names_is_that_standby(local_env
         if standby.poll() is None:
             standby.kill()
         env.tmux.kill(standby_session("r"))
+
+
+def _stand_in(env, run_dir: str, token: str = "ab12"):
+    """A process whose command line is a standby's, named in standby.json, in its tmux session."""
+    import subprocess
+    import sys
+
+    env.tmux.start(standby_session("r"), "sleep 60")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--run-dir", run_dir,
+                             "--standby", token])
+    Path(run_dir, contract.STANDBY_FILE).write_text(json.dumps({"pid": proc.pid, "token": token}))
+    return proc
+
+
+def _run(run_dir: str):
+    from dflashctl.store import Run
+
+    return Run(id="r", playbook="pb", host="local", state="running", created=0.0, run_dir=run_dir,
+               tmux_session="r", tmux_socket=SOCKET)
+
+
+def test_a_stopped_standby_is_not_ready_and_one_that_does_not_answer_is_replaced(local_env, tmp_path):
+    """SIGSTOP on the standby (by anyone who may signal it): a restart must not wake
+    it and wait out the start-up budget. Stopped, it is not ready (the restart starts
+    afresh); stopped after it was found ready, it does not take its go file within
+    seconds, and its session is ended for a fresh start."""
+    import signal
+    import time
+
+    from dflashctl.runs.runhost import _on_hosts, _ready_standby
+
+    env, run_dir = local_env, str(tmp_path / "runs" / "r")
+    os.makedirs(run_dir)
+    run = _run(run_dir)
+    standby = _stand_in(env, run_dir)
+    try:
+        assert _ready_standby(run, _on_hosts(run, env.inventory)) == "ab12"
+        os.kill(standby.pid, signal.SIGSTOP)
+        assert _ready_standby(run, _on_hosts(run, env.inventory)) is None
+
+        # Found ready, then woken: it never takes the go file (this one never looks).
+        from dflashctl.runs.standby import STANDBY_ANSWER_S, wake_standby
+
+        os.kill(standby.pid, signal.SIGCONT)
+        start = time.monotonic()
+        assert wake_standby(_on_hosts(run, env.inventory), "ab12") is False
+        assert time.monotonic() - start < STANDBY_ANSWER_S + 10  # seconds, not the start-up budget
+        assert not env.tmux.has_session("r") and not env.tmux.has_session(standby_session("r"))
+        assert not Path(run_dir, contract.standby_go("ab12")).exists()  # nothing left to wake it later
+    finally:
+        standby.kill()
+        standby.wait()
