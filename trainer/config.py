@@ -42,7 +42,7 @@ class ModelConfig:
     sliding_window: int = 2048
     """Window W of 'sliding' layers over the joint positions (context before the anchor, then the block); how the block's own slots see each other is ``sliding_semantics``."""
     sliding_semantics: Literal["causal_in_block", "bidirectional"] = "causal_in_block"
-    """How 'sliding' layers attend, named after the engines that run them so (trainer/SERVING_EXPORT.md says where each was read). 'causal_in_block': the query at position p sees keys p-W+1..p, so causal inside the block: vLLM (qwen3_dflash.py, _dflash_layer_causal) and SGLang (models/dflash.py) run sliding layers so, and SpecForge trains them so. 'bidirectional': keys within W-1 positions on either side, so a slot sees the slots after it: z-lab's reference code (dflash/model.py: Qwen3DFlashAttention sets is_causal = False for every layer; dflash_generate passes no mask). export --engine refuses a drafter the engine would run otherwise."""
+    """How 'sliding' layers attend. 'causal_in_block': the query at position p sees keys p-W+1..p, so causal inside the block: vLLM, SGLang and z-lab's dflash package run sliding layers so by default, and SpecForge trains them so. 'bidirectional': keys within W-1 positions on either side, so a slot sees the slots after it: z-lab's dflash package with is_causal: false (the export writes it); a window that never binds trains exactly as a full layer and is exported as one. trainer/engines.py says where each engine's rule was read; export --engine refuses a drafter the engine would run otherwise."""
     mask_token_id: Optional[int] = None
     """Token id used for MASK; default: the first id past the target tokenizer's special tokens (151669 for Qwen3, as the public drafters) when model.path holds a tokenizer, else vocab_size - 1. Recorded in every checkpoint; resuming with another id is refused."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -59,13 +59,17 @@ class RegenerateConfig:
     """Responses written by the target itself before training (trainer/data/regenerate.py): the prompts of ``source``, the target's continuations, shards in ``out``."""
 
     source: str = "synthetic"
-    """'synthetic' (the prompts of the built-in synthetic task) or shards (directory or glob) whose prompts (the tokens before each sample's first loss token) are kept and responses replaced."""
+    """'synthetic' (the prompts of the built-in synthetic task), shards (directory or glob) whose prompts (the tokens before each sample's first loss token) are kept and responses replaced, or a JSONL file of ShareGPT conversations, OpenAI messages or prompts (trainer/data/inputs.py)."""
     out: str = "regenerated"
     """Directory of the regenerated shards, relative to the run directory unless absolute."""
     max_new_tokens: int = 256
     """Tokens the target writes per prompt (at most; it stops at its end-of-sequence token)."""
     temperature: float = 0.0
     """0: greedy; > 0: sampled at this temperature (seeded per shard, so a resumed run writes the same shards)."""
+    top_p: float = 1.0
+    """Sampling only: the smallest set of tokens whose probability reaches top_p (1.0: every token)."""
+    top_k: int = 0
+    """Sampling only: the top_k most likely tokens (0: every token); applied before top_p."""
     seed: int = 0
     """Seed of sampling (temperature > 0) and of the synthetic prompts."""
     batch_size: int = 16
@@ -270,6 +274,11 @@ class TrainerConfig:
                 problems.append("data.regenerate: max_new_tokens, batch_size and shard_size must be at least 1")
             if r.temperature < 0:
                 problems.append("data.regenerate.temperature: must not be negative (0: greedy)")
+            if not 0 < r.top_p <= 1 or r.top_k < 0:
+                problems.append("data.regenerate.top_p, top_k: top_p in (0, 1], top_k at least 0 (0: no limit)")
+            elif r.temperature == 0 and (r.top_p < 1 or r.top_k):
+                problems.append("data.regenerate.top_p, top_k: sampling settings, but temperature is 0 (greedy); "
+                                "set data.regenerate.temperature")
         if d.synthetic_alphabet < 1:
             problems.append("data.synthetic_alphabet: must be at least 1")
         if self.placement.queue_depth < 1:

@@ -52,6 +52,13 @@ def data_provenance(meta: dict, ckpt: str) -> dict | None:
                                           "complete": manifest.get("complete"), "tokenizer": manifest.get("tokenizer")}
 
 
+def _template(recorded) -> str:
+    """A manifest's chat_template: its sha256 (today), or yes/no (manifests before the hash)."""
+    if isinstance(recorded, str):
+        return f"sha256 {recorded}"
+    return "yes" if recorded else "no"
+
+
 def format_text(info: dict) -> str:
     s = info["serving"]
     t, d = s["target"], s["drafter"]
@@ -73,8 +80,9 @@ def format_text(info: dict) -> str:
                      f"(config hash {writer.get('config_hash')}, weights {writer.get('weights') or 'seeded'}): "
                      f"{dec.get('mode')}, "
                      f"{dec.get('max_new_tokens')} new tokens at most, chat template "
-                     f"{'yes' if dec.get('chat_template') else 'no'}, thinking {dec.get('thinking')}, seed "
-                     f"{dec.get('seed')}; {prov.get('prompts')} prompts of {prov.get('source')}")
+                     f"{_template(dec.get('chat_template'))}, thinking {dec.get('thinking')}, seed "
+                     f"{dec.get('seed')}; {prov.get('prompts')} prompts of {prov.get('source')}"
+                     + (f" ({prov['source_format']})" if prov.get("source_format") else ""))
     elif info.get("data_provenance"):
         lines.append("data              shards without regeneration provenance (not written by a target through "
                      "trainer.data regenerate)")

@@ -128,6 +128,7 @@ def test_sampled_regeneration_is_seeded_per_shard(tmp_path):
 def test_chat_prompts_go_through_the_template_with_the_thinking_switch_recorded(tmp_path):
     from tests.harness.tiny import write_model_dir
     from trainer.data.__main__ import main
+    from trainer.data.inputs import template_hash
 
     model = write_model_dir(tmp_path / "model")
     make_tokenizer(tmp_path / "model", chat_template=True)
@@ -143,18 +144,161 @@ def test_chat_prompts_go_through_the_template_with_the_thinking_switch_recorded(
     assert tok.convert_ids_to_tokens(first["input_ids"][:start]) == \
         ["<|user|>", "what", "is", "two", "plus", "three", "<end>", "<|assistant|>"]
     prov = json.loads((tmp_path / "out" / "manifest.json").read_text())["provenance"]
-    assert prov["decoding"]["chat_template"] is True and prov["decoding"]["thinking"] is False
+    assert prov["decoding"]["chat_template"] == template_hash(tok) and prov["decoding"]["thinking"] is False
+    assert prov["source_format"] == "prompt"
     assert prov["target"]["path"] == os.path.abspath(model) and prov["target"]["weights"]
 
 
-def test_bad_input_names_itself(tmp_path):
+def test_bad_input_names_itself_in_one_line(tmp_path, capsys):
+    from tests.harness.tiny import write_model_dir
     from trainer.data.__main__ import main
 
-    assert main(["regenerate", str(tmp_path / "nothing"), str(tmp_path / "out"), "--model", "tiny",
-                 "--device", "cpu"]) == 3
+    def error(*args) -> str:
+        capsys.readouterr()
+        code = main(["regenerate", *args, "--device", "cpu"])
+        err = capsys.readouterr().err.strip()
+        assert code in (2, 3) and len(err.splitlines()) == 1 and err.startswith("error: "), (code, err)
+        assert "Traceback" not in err and "unknown preset" not in err
+        return err
+
+    out = str(tmp_path / "out")
+    assert "nothing: no such file or directory" in error(str(tmp_path / "nothing"), out, "--model", "tiny")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    assert "empty.jsonl: empty file, no prompt to regenerate" in error(str(tmp_path / "empty.jsonl"), out,
+                                                                       "--model", "tiny")
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
-    assert main(["regenerate", str(tmp_path / "chat.jsonl"), str(tmp_path / "out2"), "--model", "tiny",
-                 "--device", "cpu"]) == 3
+    assert "--model /no/such/model: no such model directory" in error(str(tmp_path / "chat.jsonl"), out,
+                                                                      "--model", "/no/such/model")
+    assert "neither a model directory here nor a preset" in error(str(tmp_path / "chat.jsonl"), out, "--model", "tinyy")
+    no_tok = write_model_dir(tmp_path / "no-tokenizer")
+    err = error(str(tmp_path / "chat.jsonl"), out, "--model", no_tok)
+    assert "prompt JSONL needs the target's tokenizer" in err and "no tokenizer_config.json there" in err
+    assert "preset tiny has none" in error(str(tmp_path / "chat.jsonl"), out, "--model", "tiny")
+    (tmp_path / "odd.jsonl").write_text(json.dumps({"question": "hi"}) + "\n")
+    assert "odd.jsonl:1: a record with ['question']; expected" in error(str(tmp_path / "odd.jsonl"), out,
+                                                                       "--model", "tiny")
+    assert "top_p in (0, 1]" in error("synthetic", out, "--model", "tiny", "--temperature", "1", "--top-p", "0")
+    assert "temperature is 0" in error("synthetic", out, "--model", "tiny", "--top-k", "5")
+
+
+@pytest.fixture
+def chat_model(tmp_path):
+    from tests.harness.tiny import write_model_dir
+
+    model = write_model_dir(tmp_path / "model")
+    make_tokenizer(tmp_path / "model", chat_template=True)
+    return model
+
+
+FORMS = {  # one conversation, as each format writes it
+    "sharegpt": {"id": "1", "conversations": [{"from": "system", "value": "be brief"},
+                                              {"from": "human", "value": "what is two plus three"},
+                                              {"from": "gpt", "value": "five"}]},
+    "sharegpt-roles": {"conversations": [{"role": "system", "content": "be brief"},
+                                         {"role": "user", "content": "what is two plus three"},
+                                         {"role": "assistant", "content": "five"}]},
+    "messages": {"messages": [{"role": "system", "content": "be brief"},
+                              {"role": "user", "content": [{"type": "text", "text": "what is two plus three"}]},
+                              {"role": "assistant", "content": "five"}]},
+    "prompt": {"prompt": "what is two plus three", "system": "be brief"},
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_sharegpt_messages_and_prompt_jsonl_give_the_same_prompt_and_say_which_they_are(form, chat_model, tmp_path,
+                                                                                      capsys):
+    from transformers import AutoTokenizer
+
+    from trainer.data.__main__ import main
+
+    bad = {"conversations": [{"from": "gpt", "value": "no user turn"}]} if form.startswith("sharegpt") else \
+        {"messages": "not a list"} if form == "messages" else {"prompt": 3}
+    (tmp_path / "in.jsonl").write_text(json.dumps(FORMS[form]) + "\n" + json.dumps(bad) + "\n"
+                                       + json.dumps(FORMS[form]) + "\n")
+    capsys.readouterr()
+    assert main(["regenerate", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--model", chat_model,
+                 "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    said = {"sharegpt": "ShareGPT conversations JSONL (SpecForge)", "sharegpt-roles": "ShareGPT conversations JSONL (SpecForge)",
+            "messages": "OpenAI messages JSONL", "prompt": "prompt JSONL"}[form]
+    assert f"in.jsonl: {said}, 2 prompts, chat template sha256 " in err
+    assert "in.jsonl:2:" in err  # the bad line, named and skipped
+    tok = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
+    lines = (tmp_path / "out" / "shard-00000.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    start = first["loss_mask"].index(1)
+    assert tok.convert_ids_to_tokens(first["input_ids"][:start]) == \
+        ["<|system|>", "be", "brief", "<end>", "<|user|>", "what", "is", "two", "plus", "three", "<end>",
+         "<|assistant|>"]  # the reply "five" is the target's to write, not kept
+    prov = json.loads((tmp_path / "out" / "manifest.json").read_text())["provenance"]
+    assert prov["source_format"] == ("sharegpt" if form.startswith("sharegpt") else form)
+
+
+def test_a_multi_turn_conversation_is_answered_at_its_last_user_turn():
+    from trainer.data.inputs import conversation
+
+    turns = [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}, {"from": "human", "value": "c"},
+             {"from": "gpt", "value": "d"}]
+    assert conversation(turns, "from", "value") == [{"role": "user", "content": "a"},
+                                                    {"role": "assistant", "content": "b"},
+                                                    {"role": "user", "content": "c"}]
+    with pytest.raises(ValueError, match="role 'narrator'"):
+        conversation([{"from": "narrator", "value": "x"}], "from", "value")
+
+
+def test_a_resume_with_another_chat_template_is_refused_and_keeps_the_shards(chat_model, tmp_path, capsys):
+    from trainer.data.__main__ import main
+    from trainer.data.inputs import template_hash
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hello", "how are you",
+                                                                                          "what is two plus three")))
+    args = ["regenerate", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--model", chat_model, "--shard-size",
+            "1", "--max-new-tokens", "4", "--device", "cpu"]
+    assert main(args) == 0
+    kept = shards_of(tmp_path / "out")
+    (tmp_path / "out" / "shard-00002.jsonl").unlink()  # as a kill would leave it: one shard to write on resume
+    jinja = tmp_path / "model" / "chat_template.jinja"  # where transformers 5 saves it
+    if jinja.exists():
+        jinja.write_text(jinja.read_text().replace("<end>", "<end> "))
+    else:
+        config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+        config["chat_template"] = config["chat_template"].replace("<end>", "<end> ")
+        (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps(config))
+    from transformers import AutoTokenizer
+
+    now = template_hash(AutoTokenizer.from_pretrained(chat_model, local_files_only=True))
+    then = json.loads((tmp_path / "out" / "manifest.json").read_text())["provenance"]["decoding"]["chat_template"]
+    assert now != then
+    capsys.readouterr()
+    assert main(args) == 3
+    err = capsys.readouterr().err
+    assert f"another chat template (sha256 {then} then, {now} now)" in err and "mix two templates" in err
+    assert shards_of(tmp_path / "out") == {k: v for k, v in kept.items() if k != "shard-00002.jsonl"}
+
+
+def test_top_p_and_top_k_are_applied_and_recorded(tmp_path):
+    from trainer.data.__main__ import main
+    from trainer.data.regenerate import filter_logits
+
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True, True]]
+    probs = torch.softmax(logits, -1)[0]  # 0.64, 0.24, 0.09, ...
+    assert torch.isinf(filter_logits(logits, top_p=0.5)).tolist() == [[False, True, True, True, True]]
+    assert torch.isinf(filter_logits(logits, top_p=float(probs[0] + 0.01))).tolist() == \
+        [[False, False, True, True, True]]
+    assert not torch.isinf(filter_logits(logits)).any()
+
+    common = ["--model", "tiny", "--samples", "4", "--shard-size", "4", "--max-new-tokens", "12", "--temperature",
+              "1.0", "--device", "cpu"]
+    assert main(["regenerate", "synthetic", str(tmp_path / "k"), *common, "--top-k", "1"]) == 0
+    decoding = json.loads((tmp_path / "k" / "manifest.json").read_text())["provenance"]["decoding"]
+    assert (decoding["top_k"], decoding["top_p"]) == (1, 1.0)
+    assert decoding["mode"] == "sampled at temperature 1.0, top_k 1"
+    assert main(["regenerate", "synthetic", str(tmp_path / "g"), *common[:-4], "--device", "cpu"]) == 0
+    assert shards_of(tmp_path / "k") == shards_of(tmp_path / "g")  # top_k 1 is greedy, whatever the temperature
+    assert main(["regenerate", "synthetic", str(tmp_path / "p"), *common, "--top-p", "0.9"]) == 0
+    decoding = json.loads((tmp_path / "p" / "manifest.json").read_text())["provenance"]["decoding"]
+    assert decoding["top_p"] == 0.9 and decoding["mode"] == "sampled at temperature 1.0, top_p 0.9"
 
 
 @pytest.mark.slow

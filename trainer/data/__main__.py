@@ -29,7 +29,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     c.add_argument("--error-budget", type=int, default=10, help="bad input lines skipped before giving up (default 10)")
     r = sub.add_parser("regenerate", help="the target writes the responses of the prompts (trainer/data/regenerate.py)")
     r.add_argument("input", help="'synthetic' (the built-in task's prompts), trainer shards (directory or glob: the "
-                                 "tokens before each first loss token are the prompt) or chat JSONL {\"prompt\": ...}")
+                                 "tokens before each first loss token are the prompt), or JSONL of ShareGPT "
+                                 "{\"conversations\": [...]} (SpecForge), OpenAI {\"messages\": [...]} or "
+                                 "{\"prompt\": ...}: detected from the first line and said")
     r.add_argument("out_dir", help="directory for shard-NNNNN.jsonl and manifest.json (kept shards are resumed)")
     r.add_argument("--model", required=True, help="the target: a preset name (tiny, qwen3-0.6b, ...) or a local "
                                                   "model directory (its tokenizer and chat template are used)")
@@ -37,6 +39,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                     "options given here win")
     r.add_argument("--max-new-tokens", type=int, help="tokens per response at most (default 256)")
     r.add_argument("--temperature", type=float, help="0: greedy (default); > 0: sampled, seeded per shard")
+    r.add_argument("--top-p", type=float, help="sampling: the smallest set of tokens whose probability reaches P "
+                                               "(default 1.0: all)")
+    r.add_argument("--top-k", type=int, help="sampling: the K most likely tokens (default 0: all)")
     r.add_argument("--seed", type=int, help="sampling seed (default 0)")
     r.add_argument("--batch-size", type=int, help="prompts decoded together (default 16)")
     r.add_argument("--shard-size", type=int, help="prompts per output shard, the unit of resuming (default 256)")
@@ -61,6 +66,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def target_choice(name: str) -> dict:
+    """``--model``: a local model directory, or a preset name; a path that is not a
+    directory is named as such (never taken for a preset)."""
+    from trainer.config import PRESETS, ConfigError
+
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return {"path": path, "preset": None}
+    if name in PRESETS:
+        return {"preset": name, "path": None}
+    if os.sep in name or name.startswith((".", "~")):
+        raise ConfigError([f"--model {name}: no such model directory"])
+    raise ConfigError([f"--model {name}: neither a model directory here nor a preset ({', '.join(PRESETS)})"])
+
+
 def _regenerate_command(args) -> int:
     from dflashctl.core.contract import EXIT_CONFIG_ERROR, EXIT_DATA_ERROR
     from trainer import config as config_mod
@@ -68,14 +88,12 @@ def _regenerate_command(args) -> int:
     try:
         raw = config_mod.load(args.config).to_dict() if args.config else {}
         model = raw.setdefault("model", {})
-        if os.path.isdir(os.path.expanduser(args.model)):
-            model.update(path=os.path.expanduser(args.model), preset=None)
-        else:
-            model.update(preset=args.model, path=None)
+        model.update(target_choice(args.model))
         data = raw.setdefault("data", {})
         data["shards"] = None
         regen = data.get("regenerate") or {}
-        for key in ("max_new_tokens", "temperature", "seed", "batch_size", "shard_size", "samples", "threads"):
+        for key in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "batch_size", "shard_size", "samples",
+                    "threads"):
             if getattr(args, key) is not None:
                 regen[key] = getattr(args, key)
         if args.thinking:

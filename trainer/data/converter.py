@@ -13,26 +13,18 @@ import json
 import os
 from typing import Optional
 
-from trainer.data.records import ErrorBudget
+from trainer.data.records import ErrorBudget, jsonl_objects
 
 
 def chat_records(path: str, errors: ErrorBudget, keys: tuple[str, ...] = ("prompt", "response")):
     """The objects of a chat JSONL file whose ``keys`` are strings, in order; a bad line
     is reported to ``errors`` (file:line: why) and skipped."""
     expected = "{" + ", ".join(f'"{k}": "..."' for k in keys) + "}"
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except ValueError as e:
-                errors.bad(f"{path}:{line_no}", f"not valid JSON: {e}")
-                continue
-            if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in keys):
-                errors.bad(f"{path}:{line_no}", f"expected {expected}")
-                continue
-            yield obj
+    for where, obj in jsonl_objects(path, errors):
+        if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str) for k in keys):
+            errors.bad(where, f"expected {expected}")
+            continue
+        yield obj
 
 
 def _messages(prompt: str, system: Optional[str]) -> list[dict]:

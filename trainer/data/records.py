@@ -76,3 +76,16 @@ class ErrorBudget:
             raise DataError(
                 f"{self.count} bad records, over data.error_budget={self.budget}; first: {self.first}"
             )
+
+
+def jsonl_objects(path: str, errors: ErrorBudget):
+    """(where, object) of each non-blank line of a JSONL file, ``where`` = file:line; a
+    line that is not JSON is reported to ``errors`` and skipped."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                yield f"{path}:{line_no}", json.loads(raw)
+            except ValueError as e:
+                errors.bad(f"{path}:{line_no}", f"not valid JSON: {e}")

@@ -7,12 +7,15 @@ data, SpecForge's regeneration scripts) is to keep the prompts and let the targe
 write the responses; this module does that and writes shards in the trainer's
 format (trainer/data/).
 
-Input: shards (the tokens before each sample's first loss token are the prompt),
-chat JSONL (``{"prompt": ...[, "system": ...]}`` per line, through the target's
-tokenizer and its chat template, ``thinking`` passed to templates that have the
-switch) or ``synthetic`` (the prompts of the built-in synthetic task).
+Input (trainer/data/inputs.py, detected and said): shards (the tokens before each
+sample's first loss token are the prompt), ShareGPT ``conversations`` JSONL (what
+SpecForge's scripts write), OpenAI ``messages`` JSONL, prompt JSONL (``{"prompt":
+...[, "system": ...]}``), through the target's tokenizer and its chat template
+(``thinking`` passed to templates that have the switch), or ``synthetic`` (the
+prompts of the built-in synthetic task).
 
-Decoding: greedy, or sampled at ``temperature``; a KV-cached loop over batches of
+Decoding: greedy, or sampled at ``temperature`` (after ``top_k`` and ``top_p``, as
+Hugging Face's generate orders them); a KV-cached loop over batches of
 prompts, left-padded to the longest of the batch (prompts are sorted by length
 within a shard, so little is padding), position ids counted from each prompt's
 first real token. A response ends at the target's end-of-sequence token (kept, in
@@ -24,9 +27,11 @@ rename), so a shard on disk is complete. A restarted regeneration keeps the shar
 there and writes the others; batches are formed within a shard and sampling is
 seeded per shard from ``(seed, k)``, so a shard is the same bytes whether written
 in one go or after a kill. ``manifest.json`` records the settings first: a resumed
-run with other settings is refused (another directory, or delete it).
+run with other settings, or another chat template, is refused (another directory,
+or delete it).
 Provenance (``manifest.json``): the target (path or preset, config hash, weight
-files' fingerprint), the decoding settings, the source, the counts.
+files' fingerprint), the decoding settings (top_p and top_k included), the chat
+template's sha256, the input and its format, the counts.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from dataclasses import asdict
 from typing import Callable, Optional
 
 from dflashctl.core.contract import REGENERATE_BEAT_S
-from trainer.data.converter import chat_head, chat_records
+from trainer.data import inputs
 from trainer.data.manifest import MANIFEST
 from trainer.data.order import PAD_ID
 from trainer.data.records import DataError, ErrorBudget
@@ -75,39 +80,42 @@ def shard_prompts(spec: str, vocab_size: int, count: Optional[int], log=None) ->
     return prompts
 
 
-def chat_prompts(path: str, tokenizer, thinking: Optional[bool], count: Optional[int], log=None) -> list[list[int]]:
-    """Prompts of chat JSONL through the tokenizer's chat template (generation prompt added)."""
+def chat_prompts(path: str, fmt: str, tokenizer, thinking: Optional[bool], count: Optional[int],
+                 log=None) -> list[list[int]]:
+    """Prompts of a chat JSONL file of format ``fmt`` (trainer/data/inputs.py) through the
+    tokenizer's chat template, generation prompt added."""
     template = {} if thinking is None else {"enable_thinking": thinking}
     prompts = []
-    for obj in chat_records(path, ErrorBudget(10, log), keys=("prompt",)):
-        system = obj.get("system") if isinstance(obj.get("system"), str) else None
-        prompts.append(tokenizer(chat_head(tokenizer, obj["prompt"], system, **template),
-                                 add_special_tokens=False)["input_ids"])
+    for messages in inputs.chat_messages(path, fmt, ErrorBudget(10, log)):
+        prompts.append(inputs.chat_prompt_ids(tokenizer, messages, template))
         if count and len(prompts) == count:
             break
     return prompts
 
 
-def is_chat_file(path: str) -> bool:
-    """A JSONL file whose first record has a "prompt" string (not token shards)."""
-    if not os.path.isfile(path):
-        return False
-    with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                try:
-                    obj = json.loads(raw)
-                except ValueError:
-                    return False
-                return isinstance(obj, dict) and isinstance(obj.get("prompt"), str)
-    return False
-
-
 # ---------------------------------------------------------------------------- decoding
 
 
+def filter_logits(logits_BV, top_k: int = 0, top_p: float = 1.0):
+    """Logits with the tokens outside the ``top_k`` largest, then outside the smallest set
+    whose probability reaches ``top_p``, set to -inf (Hugging Face's TopK then TopP
+    warpers); 0 and 1.0 keep every token."""
+    import torch
+
+    if top_k and top_k < logits_BV.shape[-1]:
+        kth = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_BV, order_BV = torch.sort(logits_BV, descending=True, dim=-1)
+        mass_BV = torch.softmax(sorted_BV, dim=-1).cumsum(-1)
+        drop_BV = mass_BV - torch.softmax(sorted_BV, dim=-1) >= top_p  # the mass before a token already reaches p
+        logits_BV = logits_BV.masked_fill(drop_BV.scatter(-1, order_BV, drop_BV), float("-inf"))
+    return logits_BV
+
+
 def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos: set[int],
-                 device, generator=None, on_step: Optional[Callable[[int], None]] = None) -> list[list[int]]:
+                 device, generator=None, on_step: Optional[Callable[[int], None]] = None, top_k: int = 0,
+                 top_p: float = 1.0) -> list[list[int]]:
     """The target's response to each prompt (a list of token ids, eos included when reached).
     ``on_step(n)`` after each of the n decoding steps (a long batch's sign of life)."""
     import torch
@@ -138,7 +146,7 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
                 on_step(n)
             logits_BV = step.logits[:, -1, :].float()
             if temperature > 0:
-                probs_BV = torch.softmax(logits_BV / temperature, dim=-1)
+                probs_BV = torch.softmax(filter_logits(logits_BV / temperature, top_k, top_p), dim=-1)
                 next_B = torch.multinomial(probs_BV.cpu(), 1, generator=generator).squeeze(1).to(device)
             else:
                 next_B = logits_BV.argmax(dim=-1)
@@ -173,12 +181,35 @@ def weights_fingerprint(path: Optional[str]) -> Optional[str]:
     return h.hexdigest()[:16] if names else None
 
 
-def settings_of(settings, source: str, chat_template: bool, dtype: str) -> dict:
-    """What decides the shards' bytes: the manifest's ``provenance`` (compared on resume)."""
+def sampling_mode(settings) -> str:
+    if settings.temperature == 0:
+        return "greedy"
+    mode = f"sampled at temperature {settings.temperature}"
+    if settings.top_k:
+        mode += f", top_k {settings.top_k}"
+    if settings.top_p < 1.0:
+        mode += f", top_p {settings.top_p}"
+    return mode
+
+
+def settings_of(settings, source: str, source_format: str, chat_template: Optional[str], dtype: str) -> dict:
+    """What decides the shards' bytes: the manifest's ``provenance`` (compared on resume).
+    ``chat_template``: the template's sha256 (inputs.template_hash), None without one."""
     decoding = {k: v for k, v in asdict(settings).items() if k not in ("out", "source")}
-    decoding.update(chat_template=chat_template, dtype=dtype,
-                    mode="greedy" if settings.temperature == 0 else f"sampled at temperature {settings.temperature}")
-    return {"source": source, "decoding": decoding}
+    decoding.update(chat_template=chat_template, dtype=dtype, mode=sampling_mode(settings))
+    return {"source": source, "source_format": source_format, "decoding": decoding}
+
+
+def differences(before: dict, now: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two provenance records."""
+    out = []
+    for key in sorted(set(before) | set(now)):
+        a, b = before.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out
 
 
 # ---------------------------------------------------------------------------- the regeneration
@@ -214,26 +245,31 @@ def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock,
     from trainer.serving import target_config_hash
     from trainer.target import build_target, default_dtype
 
-    target = target or build_target(cfg.model, device, default_dtype(cfg.model, device))
-    dtype = target.dtype
-    model = target.model
+    fmt = inputs.detect(source)  # bad input is named before the target loads
     tokenizer = None
     if cfg.model.path and os.path.isfile(os.path.join(cfg.model.path, "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path, local_files_only=True)
+    if fmt not in ("synthetic", "shards") and tokenizer is None:
+        raise DataError(f"{source}: {inputs.FORMATS[fmt]} needs the target's tokenizer, and "
+                        f"{cfg.model.path or 'preset ' + str(cfg.model.preset)} has none (no tokenizer_config.json"
+                        f"{' there' if cfg.model.path else ''}): give a model directory with its tokenizer")
+    target = target or build_target(cfg.model, device, default_dtype(cfg.model, device))
+    dtype = target.dtype
+    model = target.model
     mask_token_id = cfg.model.mask_token_id if cfg.model.mask_token_id is not None else target.vocab_size - 1
-    if source == "synthetic":
+    if fmt == "synthetic":
         prompts = synthetic_prompts(cfg, target.vocab_size, mask_token_id, settings.samples)
-    elif is_chat_file(source):
-        if tokenizer is None:
-            raise DataError(f"{source}: chat JSONL needs the target's tokenizer, and {cfg.model.path or 'a preset'} "
-                            "has none (give token shards, or a model directory with its tokenizer)")
-        prompts = chat_prompts(source, tokenizer, settings.thinking, settings.samples, log)
-    else:
+    elif fmt == "shards":
         prompts = shard_prompts(source, target.vocab_size, settings.samples, log)
+    else:
+        prompts = chat_prompts(source, fmt, tokenizer, settings.thinking, settings.samples, log)
     if not prompts:
         raise DataError(f"{source}: no prompt to regenerate")
+    template = inputs.template_hash(tokenizer) if fmt not in ("synthetic", "shards") else None
+    log(f"regenerate: {source}: {inputs.FORMATS[fmt]}, {len(prompts)} prompts"
+        + (f", chat template sha256 {template}" if template else ""))
     eos = set()
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (gen_eos if isinstance(gen_eos, list) else [gen_eos]):
@@ -246,8 +282,8 @@ def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock,
         "target": {"path": os.path.abspath(cfg.model.path) if cfg.model.path else None, "preset": None
                    if cfg.model.path else cfg.model.preset, "config_hash": target_config_hash(target.config),
                    "weights": weights_fingerprint(cfg.model.path), "vocab_size": target.vocab_size},
-        **settings_of(settings, source if source == "synthetic" else os.path.abspath(source),
-                      bool(getattr(tokenizer, "chat_template", None)), str(dtype).replace("torch.", "")),
+        **settings_of(settings, source if source == "synthetic" else os.path.abspath(source), fmt, template,
+                      str(dtype).replace("torch.", "")),
         "eos_token_ids": sorted(eos),
         "prompts": len(prompts),
     }
@@ -257,8 +293,11 @@ def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock,
         with open(manifest_path, encoding="utf-8") as f:
             before = json.load(f).get("provenance")
         if before != provenance:
-            changed = sorted(k for k in set(before or {}) | set(provenance) if (before or {}).get(k) != provenance.get(k))
-            raise DataError(f"{out_dir}: holds shards regenerated with other settings ({', '.join(changed)} differ); "
+            changed = differences(before or {}, provenance)
+            then = ((before or {}).get("decoding") or {}).get("chat_template")
+            why = (f"another chat template (sha256 {then} then, {template} now): resumed, the shards would mix two "
+                   "templates" if "decoding.chat_template" in changed else f"{', '.join(changed)} differ")
+            raise DataError(f"{out_dir}: holds shards regenerated with other settings ({why}); "
                             "regenerate into another directory, or delete it to start again")
     else:
         atomic_write_text(manifest_path, json.dumps({"format": FORMAT, "complete": False, "provenance": provenance},
@@ -296,7 +335,8 @@ def _regenerate(source, out_dir, cfg, settings, device, log, on_progress, clock,
                 return None
             batch = order[b:b + settings.batch_size]
             for i, response in zip(batch, decode_batch(model, [chunk[i] for i in batch], settings.max_new_tokens,
-                                                       settings.temperature, eos, target.device, generator, beat)):
+                                                       settings.temperature, eos, target.device, generator, beat,
+                                                       settings.top_k, settings.top_p)):
                 responses[i] = response
                 new_tokens += len(response)
             done_prompts += len(batch)
