@@ -39,8 +39,8 @@ def _size(n: int) -> str:
 def ls_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """List the held compile artifacts: key, the trust domain it came from, what it was compiled for, size, when this
-    controller received it, last used."""
+    """List the held compile artifacts: key, the trust domain it came from (its group or host; --json: also the
+    inventory and the domain's id), what it was compiled for, size, when this controller received it, last used."""
     from dflashctl.runs.compile_cache import LocalCache
 
     cache = LocalCache()
@@ -63,7 +63,7 @@ def ls_command(
     rows = []
     for e in entries:
         f = e.fields
-        cells = {"key": e.key, "from": e.domain or "unrecorded (never provided)", "torch": f.get("torch"), "triton": f.get("triton"), "cuda": f.get("cuda"),
+        cells = {"key": e.key, "from": e.domain_name or ("unrecorded (never provided)" if e.domain is None else e.domain), "torch": f.get("torch"), "triton": f.get("triton"), "cuda": f.get("cuda"),
                  "gpu": f.get("gpu"), "bundle": str(f.get("bundle") or "")[:12] or None, "config": f.get("config"),
                  "size": _size(e.bytes), "bytecode": _size(e.bytecode_bytes) if e.bytecode_bytes else None,
                  "received": _when(e.created), "last_used": _when(e.last_used)}
@@ -80,14 +80,14 @@ def rm_command(
     older_than: Optional[str] = typer.Option(None, "--older-than", metavar="DURATION",
                                              help="Remove those neither used nor created within this long (30d)."),
 ) -> None:
-    """Remove held compile artifacts: one by key, those older than a duration, or all."""
+    """Remove held compile artifacts: one by key (in every trust domain), those older than a duration, or all."""
     from dflashctl.runs.compile_cache import LocalCache
 
     if sum(x is not None and x is not False for x in (key, all_ or None, older_than)) != 1:
         raise typer.BadParameter("give exactly one of KEY, --all or --older-than DURATION")
     cache = LocalCache()
     if key is not None:
-        if not cache.remove(key):
+        if not cache.remove(key, every_domain=True):
             from dflashctl.core.errors import DflashError
 
             raise DflashError(f"no compile artifact {key} held", hint="`dflashctl cache ls` lists what is held")

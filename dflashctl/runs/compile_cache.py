@@ -10,16 +10,25 @@ a host whose own cache was wiped, a new container or a new host skips the compil
 
 Layout, under the controller's data directory (``dflashctl.core.paths.data_dir``)::
 
-    compile-cache/<key>/compile_cache.json   the manifest, as the trainer wrote it
-    compile-cache/<key>/<key>.bin            the artifact bytes
-    compile-cache/<key>/.used                touched each time it is put into a run
-    compile-cache/<key>/origin.json          the controller's record: trust domain, host, run,
-                                             when it was received (its clock), what it expected
-    compile-cache/.tmp-*                     an entry being written (or a stale one)
+    compile-cache/domains.json                   the trust domains this controller issued:
+                                                 (inventory file, group:NAME | host:NAME) -> d-<random id>
+    compile-cache/<domain>/<key>/compile_cache.json   the manifest, as the trainer wrote it
+    compile-cache/<domain>/<key>/<key>.bin        the artifact bytes
+    compile-cache/<domain>/<key>/.used            touched each time it is put into a run
+    compile-cache/<domain>/<key>/origin.json      the controller's record: trust domain, host, run,
+                                                 when it was received (its clock), what it expected
+    compile-cache/<key>/                         an entry of the layout before domains: never provided
+    compile-cache/.tmp-*                         an entry being written (or a stale one)
+
+An entry is held per (trust domain, key): a copy-back of one domain never replaces
+another's entry of the same key. A domain is an identity this controller issues (a
+random id, recorded per inventory file and group), not a name: another inventory's
+host in a group of the same name is another domain.
 
 An entry is written into a temporary directory and renamed into place whole; its
 size and sha256 are checked against the manifest on the way in and again on the
-way out (a corrupted entry is never uploaded). On a host the upload travels like
+way out (a corrupted entry is never uploaded): ``provide`` reads an entry once,
+through one open directory, checks those bytes and sends exactly them. On a host the upload travels like
 the bundle (``dflashctl.hosts.deploy``): stdin of ``sh -c``, received into a temporary
 directory in the run directory, its sha256 checked there, renamed into place, the
 manifest last.
@@ -44,11 +53,13 @@ when to copy back (the supervisor's core does).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import time
@@ -62,7 +73,7 @@ from dflashctl.hosts.transport.limits import CACHE_LOOK, COPY_BACK
 from trainer import compile_cache as trainer_cache
 
 if TYPE_CHECKING:
-    from dflashctl.config import Inventory
+    from dflashctl.config import Host, Inventory
     from dflashctl.hosts.transport import Transport
     from dflashctl.store import Store
 
@@ -70,6 +81,7 @@ STORE_DIR = "compile-cache"
 USED_FILE = ".used"
 GENERATION_FILE = ".generation"  # bumped by `cache rm` (LocalCache.generation)
 ORIGIN_FILE = "origin.json"  # the controller's own record of an entry: where, when, what it expected
+DOMAINS_FILE = "domains.json"  # the trust domains this controller issued: (inventory, name) -> a random id
 MAX_ARTIFACT_BYTES = 8 << 30  # larger than any real artifact; a manifest claiming more is not believed
 QUOTA_ENV = "DFLASHCTL_COMPILE_CACHE_QUOTA"  # bytes the store may hold in all (default DEFAULT_QUOTA)
 DEFAULT_QUOTA = 64 << 30
@@ -80,6 +92,7 @@ EVENT_KIND = "compile_cache"
 MATCHED_FIELDS = ("config", "bundle", "gpu")
 
 _KEY = re.compile(r"[0-9a-f]{16}")
+_DOMAIN = re.compile(r"d-[0-9a-f]{24}")  # an issued domain's id (LocalCache.domain)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -135,7 +148,9 @@ def verify(manifest: dict, data: bytes, where: str = "artifact") -> None:
 
 @dataclass
 class Entry:
-    """One held artifact."""
+    """One held artifact, in one trust domain (``domain``: the id this controller
+    issued, the directory it is held in; None: an entry of the layout before domains,
+    never provided)."""
 
     key: str
     manifest: dict
@@ -143,6 +158,9 @@ class Entry:
     last_used: Optional[float] = None  # when it was last put into a run
     origin: dict = field(default_factory=dict)  # the controller's record (ORIGIN_FILE); {} for an entry without
     received: Optional[float] = None  # when this controller took it in (its clock, never the host's 'created')
+    domain: Optional[str] = None
+    domain_name: Optional[str] = None  # the inventory's words for the domain: group:NAME, host:NAME
+    inventory: Optional[str] = None  # the inventory the domain is read from
 
     @property
     def fields(self) -> dict:
@@ -151,12 +169,6 @@ class Entry:
     @property
     def bytes(self) -> int:
         return self.manifest["bytes"]
-
-    @property
-    def domain(self) -> Optional[str]:
-        """The trust domain it came from (``Host.trust_domain``); None: not recorded, never provided."""
-        domain = self.origin.get("domain")
-        return domain if isinstance(domain, str) else None
 
     @property
     def created(self) -> Optional[float]:
@@ -169,9 +181,10 @@ class Entry:
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "fields": dict(self.fields), "bytes": self.bytes, "created": self.created,
-                "last_used": self.last_used, "sha256": self.manifest["sha256"], "domain": self.domain,
-                "host": self.origin.get("host"), "run": self.origin.get("run"),
-                "artifacts": self.manifest.get("artifacts"), "parts": self.manifest.get("parts"), "path": self.path}
+                "last_used": self.last_used, "sha256": self.manifest["sha256"], "domain": self.domain_name,
+                "domain_id": self.domain, "inventory": self.inventory, "host": self.origin.get("host"),
+                "run": self.origin.get("run"), "artifacts": self.manifest.get("artifacts"),
+                "parts": self.manifest.get("parts"), "path": self.path}
 
     @property
     def bytecode_bytes(self) -> Optional[int]:
@@ -180,10 +193,34 @@ class Entry:
         return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
+@dataclass(frozen=True)
+class Domain:
+    """A trust domain as this controller issued it: ``id`` is random and stored in the
+    controller's state (DOMAINS_FILE), one per (inventory file, ``name``); no host and
+    no other inventory can take it by naming a group."""
+
+    id: str
+    name: str  # Host.trust_domain: group:NAME, else host:NAME
+    inventory: str  # the inventory file's real path (or what the inventory says it came from)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} of {self.inventory}"
+
+
 def store_dir() -> str:
     from dflashctl.core.paths import data_dir
 
     return os.path.join(data_dir(), STORE_DIR)
+
+
+def inventory_identity(inventory: Any) -> str:
+    """Which inventory a domain belongs to: its file's real path, else its ``source``
+    ('<embedded default>'); '<no inventory>' for a transport made without one."""
+    source = getattr(inventory, "source", None)
+    if not isinstance(source, str) or not source:
+        return "<no inventory>"
+    return os.path.realpath(source) if os.path.isfile(source) else source
 
 
 class LocalCache:
@@ -200,16 +237,66 @@ class LocalCache:
         except contract.UnsafeDirectory as e:
             raise CacheError(str(e), hint="or point $DFLASHCTL_HOME at a directory of your own") from None
 
-    def _dir(self, key: str) -> str:
+    # -- trust domains -----------------------------------------------------------
+
+    def domain(self, name: str, inventory: str) -> Domain:
+        """The domain this controller issued for ``name`` of ``inventory``, issued now
+        (a random id, recorded) when it has none yet. One writer at a time (flock)."""
+        self._own_root()
+        with open(os.path.join(self.root, DOMAINS_FILE + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            issued = self._domains_file()
+            found = issued.get(f"{inventory}\n{name}")
+            if found is None:
+                found = {"id": "d-" + secrets.token_hex(12), "name": name, "inventory": inventory,
+                         "issued": time.time()}
+                issued[f"{inventory}\n{name}"] = found
+                tmp = os.path.join(self.root, DOMAINS_FILE + ".tmp")
+                with open(tmp, "w") as f:
+                    json.dump(issued, f, indent=1, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, os.path.join(self.root, DOMAINS_FILE))
+        return Domain(found["id"], name, inventory)
+
+    def domain_for(self, host: "Host", inventory: Optional["Inventory"]) -> Domain:
+        """The trust domain of ``host`` in ``inventory``."""
+        return self.domain(host.trust_domain, inventory_identity(inventory))
+
+    def domain_of(self, transport: "Transport") -> Domain:
+        """The trust domain of the host ``transport`` reaches, in its inventory."""
+        return self.domain_for(transport.host, getattr(transport, "inventory", None))
+
+    def domains(self) -> dict[str, Domain]:
+        """Every domain issued: id -> Domain."""
+        return {d["id"]: Domain(d["id"], d["name"], d["inventory"]) for d in self._domains_file().values()}
+
+    def _domains_file(self) -> dict:
+        try:
+            with open(os.path.join(self.root, DOMAINS_FILE)) as f:
+                issued = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return {k: v for k, v in issued.items() if isinstance(v, dict) and _DOMAIN.fullmatch(str(v.get("id")))
+                and isinstance(v.get("name"), str) and isinstance(v.get("inventory"), str)} \
+            if isinstance(issued, dict) else {}
+
+    # -- entries -------------------------------------------------------------------
+
+    def _dir(self, key: str, domain: Optional[str] = None) -> str:
         if not _KEY.fullmatch(key or ""):
             raise CacheError(f"{key!r} is not a compile cache key (16 hex digits)",
                              hint="`dflashctl cache ls` lists the keys held")
-        return os.path.join(self.root, key)
+        if domain is None:  # the layout before domains
+            return os.path.join(self.root, key)
+        if not _DOMAIN.fullmatch(domain):
+            raise CacheError(f"{domain!r} is not a trust domain this controller issued")
+        return os.path.join(self.root, domain, key)
 
-    def get(self, key: str) -> Optional[Entry]:
-        """The entry for ``key`` when its manifest reads and checks out (its bytes are
-        checked by ``read``)."""
-        directory = self._dir(key)
+    def get(self, key: str, domain: Optional[str] = None) -> Optional[Entry]:
+        """The entry for ``key`` in ``domain`` when its manifest reads and checks out
+        (its bytes are checked by ``read``)."""
+        directory = self._dir(key, domain)
         path = os.path.join(directory, trainer_cache.MANIFEST_FILE)
         try:
             with open(path, "rb") as f:
@@ -222,20 +309,34 @@ class LocalCache:
         origin = _read_origin(directory)
         if isinstance(origin.get("received"), (int, float)) and math.isfinite(origin["received"]):
             received = float(origin["received"])
-        return Entry(key, manifest, directory, _mtime(os.path.join(directory, USED_FILE)), origin, received)
+        issued = self.domains().get(domain) if domain else None
+        return Entry(key, manifest, directory, _mtime(os.path.join(directory, USED_FILE)), origin, received, domain,
+                     issued.name if issued else None, issued.inventory if issued else None)
 
-    def entries(self) -> list[Entry]:
-        """Every usable entry, the most recently used (else created) first."""
-        try:
-            names = os.listdir(self.root)
-        except OSError:
-            return []
-        found = [self.get(name) for name in names if _KEY.fullmatch(name)]
+    def _places(self) -> list[tuple[str, Optional[str]]]:
+        """(key, domain) of every entry directory: each domain's, then the old layout's."""
+        places = []
+        for name in _listdir(self.root):
+            if _DOMAIN.fullmatch(name):
+                places += [(key, name) for key in _listdir(os.path.join(self.root, name)) if _KEY.fullmatch(key)]
+            elif _KEY.fullmatch(name):
+                places.append((name, None))
+        return places
+
+    def entries(self, domain: Optional[str] = None) -> list[Entry]:
+        """Every usable entry (of ``domain`` only, when given), the most recently used
+        (else created) first."""
+        found = [self.get(key, d) for key, d in self._places() if domain is None or d == domain]
         return sorted((e for e in found if e is not None), key=lambda e: e.age_reference, reverse=True)
 
+    def held(self, key: str) -> list[Entry]:
+        """``key``'s entries, one per domain that holds it (the old layout's too)."""
+        return [e for e in (self.get(k, d) for k, d in self._places() if k == key) if e is not None]
+
     def put(self, manifest: dict, data: bytes, origin: Optional[dict] = None, now: Optional[float] = None) -> Entry:
-        """Hold ``data`` under its manifest's key (checked first), replacing an entry
-        held for the key (a newer verified copy wins). ``origin``: the controller's
+        """Hold ``data`` under its manifest's key (checked first) in ``origin['domain']``
+        (an issued domain's id; without one: never provided), replacing an entry held
+        for the key there (a newer verified copy wins). ``origin``: the controller's
         record of where it came from (``domain``, ``host``, ``run``); ``now``: when it
         was received (default: now)."""
         receiver = self.receiver(manifest, origin, time.time if now is None else (lambda: now))
@@ -249,8 +350,10 @@ class LocalCache:
         byte; room is made in the quota only once it verified (a host that claims a
         large size and sends garbage evicts nothing)."""
         manifest = check_manifest(manifest)
+        origin = dict(origin or {})
+        self._dir(manifest["key"], origin.get("domain"))  # an id this controller issued, or none
         self.check_room(manifest["bytes"])
-        return Receiver(self, manifest, dict(origin or {}), clock)
+        return Receiver(self, manifest, origin, clock)
 
     def quota(self) -> int:
         try:
@@ -273,21 +376,22 @@ class LocalCache:
                              f"of {self.root} (at least {_mib(MIN_FREE_BYTES)} is kept free)",
                              hint="free disk space, or `dflashctl cache rm --older-than 30d`")
 
-    def make_room(self, size: int, keep: str) -> None:
-        """Remove the least recently used entries (never ``keep``'s) until ``size``
-        more bytes fit the quota."""
+    def make_room(self, size: int, keep: tuple[str, Optional[str]]) -> None:
+        """Remove the least recently used entries (never ``keep``'s: (key, domain))
+        until ``size`` more bytes fit the quota."""
         quota = self.quota()
-        entries = [e for e in self.entries() if e.key != keep]
+        entries = [e for e in self.entries() if (e.key, e.domain) != keep]
         held = sum(e.bytes for e in entries)
         while entries and held + size > quota:
             oldest = entries.pop()
-            self.remove(oldest.key)
+            self.remove(oldest.key, oldest.domain)
             held -= oldest.bytes
 
-    def _install(self, key: str, tmp: str) -> None:
-        """Rename the written directory ``tmp`` into place as ``key``'s entry; an entry
-        held for the key goes only once the new one is there."""
-        final = self._dir(key)
+    def _install(self, key: str, domain: Optional[str], tmp: str) -> None:
+        """Rename the written directory ``tmp`` into place as ``key``'s entry of
+        ``domain``; an entry held there goes only once the new one is there."""
+        final = self._dir(key, domain)
+        os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
         old = None
         if os.path.lexists(final):
             old = tempfile.mkdtemp(prefix=f".tmp-{key}-old-", dir=self.root)
@@ -296,22 +400,31 @@ class LocalCache:
         if old:
             shutil.rmtree(old, ignore_errors=True)
 
-    def read(self, key: str) -> tuple[dict, bytes]:
+    def read(self, key: str, domain: Optional[str] = None) -> tuple[dict, bytes]:
         """The entry's manifest and bytes, checked against each other (CacheError when
-        they do not agree: the entry is damaged)."""
-        entry = self.get(key)
-        if entry is None:
-            raise CacheError(f"compile artifact {key} is not held", hint="`dflashctl cache ls` lists what is held")
+        they do not agree: the entry is damaged). Both are read through one open
+        directory: an entry replaced meanwhile is read whole, old or new, never mixed."""
+        directory = self._dir(key, domain)
         try:
-            with open(os.path.join(entry.path, entry.manifest["file"]), "rb") as f:
-                data = f.read(entry.bytes + 1)
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            raise CacheError(f"compile artifact {key} is not held",
+                             hint="`dflashctl cache ls` lists what is held") from None
+        try:
+            manifest = parse_manifest(_read_at(fd, trainer_cache.MANIFEST_FILE, trainer_cache.MAX_MANIFEST_BYTES)
+                                      .decode("utf-8", "replace"), key)
+            if manifest["key"] != key:
+                raise CacheError(f"held compile artifact {key}: its manifest is {manifest['key']}'s")
+            data = _read_at(fd, manifest["file"], manifest["bytes"])
         except OSError as e:
-            raise CacheError(f"compile artifact {key}: cannot read {entry.manifest['file']}: {e}") from None
-        verify(entry.manifest, data, f"held compile artifact {key}")
-        return entry.manifest, data
+            raise CacheError(f"compile artifact {key}: cannot read it: {e}") from None
+        finally:
+            os.close(fd)
+        verify(manifest, data, f"held compile artifact {key}")
+        return manifest, data
 
-    def touch(self, key: str, now: Optional[float] = None) -> None:
-        path = os.path.join(self._dir(key), USED_FILE)
+    def touch(self, key: str, domain: Optional[str] = None, now: Optional[float] = None) -> None:
+        path = os.path.join(self._dir(key, domain), USED_FILE)
         with open(path, "a"):
             pass
         when = time.time() if now is None else now
@@ -333,36 +446,38 @@ class LocalCache:
             f.write(f"{self.generation() + 1}\n")
         os.replace(path + ".tmp", path)
 
-    def remove(self, key: str) -> bool:
-        directory = self._dir(key)
-        if not os.path.lexists(directory):
-            return False
-        shutil.rmtree(directory)
-        return True
+    def remove(self, key: str, domain: Optional[str] = None, *, every_domain: bool = False) -> bool:
+        """Remove ``key``'s entry of ``domain`` (``every_domain``: of every domain and
+        the old layout). True when something was removed."""
+        places = [(k, d) for k, d in self._places() if k == key] if every_domain else [(key, domain)]
+        removed = False
+        for k, d in places:
+            directory = self._dir(k, d)
+            if os.path.lexists(directory):
+                shutil.rmtree(directory)
+                removed = True
+        return removed
 
     def prune(self, older_than: float, now: Optional[float] = None) -> list[str]:
         """Remove the entries neither used nor created within ``older_than`` seconds,
         and temporary directories of writes that stopped that long ago."""
         now = time.time() if now is None else now
-        removed = [e.key for e in self.entries() if now - e.age_reference > older_than]
-        for key in removed:
-            self.remove(key)
+        removed = [e for e in self.entries() if now - e.age_reference > older_than]
+        for e in removed:
+            self.remove(e.key, e.domain)
         for name in _listdir(self.root):
             path = os.path.join(self.root, name)
             if name.startswith(".tmp-") and now - (_mtime(path) or now) > older_than:
                 shutil.rmtree(path, ignore_errors=True)
-        return removed
+        return [e.key for e in removed]
 
     def clear(self) -> list[str]:
-        """Remove every entry, whatever its manifest holds (unreadable ones too), and
-        every write in progress or left over."""
-        removed = []
+        """Remove every entry of every domain, whatever its manifest holds (unreadable
+        ones too), and every write in progress or left over; the issued domains stay."""
+        removed = sorted(key for key, _ in self._places())
         for name in sorted(_listdir(self.root)):
-            path = os.path.join(self.root, name)
-            if _KEY.fullmatch(name) or name.startswith(".tmp-"):
-                shutil.rmtree(path, ignore_errors=True)
-                if _KEY.fullmatch(name):
-                    removed.append(name)
+            if _KEY.fullmatch(name) or _DOMAIN.fullmatch(name) or name.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         return removed
 
 
@@ -399,6 +514,7 @@ class Receiver:
 
     def commit(self) -> Entry:
         key, where = self.manifest["key"], f"artifact {self.manifest['key']}"
+        domain = self.origin.get("domain")
         try:
             if self.over:
                 raise CacheError(f"{where}: more than the {self.manifest['bytes']} bytes its manifest says: refused "
@@ -411,7 +527,7 @@ class Receiver:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
-            self.cache.make_room(self.size, keep=key)
+            self.cache.make_room(self.size, keep=(key, domain))
             origin = {**self.origin, "received": self.clock(), "sha256": sha}
             for name, content in ((trainer_cache.MANIFEST_FILE, json.dumps(self.manifest, indent=1, sort_keys=True)),
                                   (ORIGIN_FILE, json.dumps(origin, indent=1, sort_keys=True))):
@@ -419,17 +535,22 @@ class Receiver:
                     f.write(content)
                     f.flush()
                     os.fsync(f.fileno())
-            self.cache._install(key, self.tmp)
+            self.cache._install(key, domain, self.tmp)
         except BaseException:
             self.abort()
             raise
-        return self.cache.get(key) or Entry(key, self.manifest, self.cache._dir(key), origin=origin,
-                                            received=origin["received"])
+        return self.cache.get(key, domain) or Entry(key, self.manifest, self.cache._dir(key, domain), origin=origin,
+                                                    received=origin["received"], domain=domain)
+
+
+def _read_at(directory_fd: int, name: str, limit: int) -> bytes:
+    """Up to ``limit`` + 1 bytes of the plain file ``name`` in the open directory."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=directory_fd)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit + 1)
 
 
 def _read_origin(directory: str) -> dict:
-    from dflashctl.core import contract
-
     try:
         with open(os.path.join(directory, ORIGIN_FILE), "rb") as f:
             return contract.load_json_object(f.read(1 << 16).decode("utf-8", "replace"), ORIGIN_FILE)
@@ -638,12 +759,15 @@ def provide(transport: "Transport", run_dir: str, trainer: dict, bundle: str, gp
     config.json; ``bundle``: ``bundle_of`` the run. Never raises for the artifact's
     sake: a start without it compiles cold."""
     cache = cache or LocalCache()
-    domain = transport.host.trust_domain
+    try:
+        domain = cache.domain_of(transport)
+    except (CacheError, OSError) as e:
+        return Outcome("failed", f"the compile-cache store cannot be used: {first_line(e)}", severity="warning")
     held = cache.entries()
-    entries = [e for e in held if e.domain == domain]  # never an artifact from outside the host's trust domain
+    entries = [e for e in held if e.domain == domain.id]  # never an artifact from outside the host's trust domain
     if not entries:
-        return Outcome("none", f"no compile artifacts held from {domain}" if held else "no compile artifacts held",
-                       detail={"domain": domain, "outside_domain": len(held)})
+        return Outcome("none", f"no compile artifacts held from {domain.name}" if held else "no compile artifacts held",
+                       detail={"domain": domain.name, "outside_domain": len(held)})
     model_path = (trainer.get("model") or {}).get("path")
     try:
         view = look(transport, run_dir, model_path)
@@ -662,8 +786,8 @@ def provide(transport: "Transport", run_dir: str, trainer: dict, bundle: str, gp
         return Outcome("none", f"no held compile artifact fits this run: {shown}", detail=detail)
     damaged = []
     for entry in fit:
-        try:
-            manifest, data = cache.read(entry.key)
+        try:  # the bytes checked here are the bytes sent: read once, from the domain's own entry
+            manifest, data = cache.read(entry.key, domain.id)
         except CacheError as e:
             damaged.append(str(e))
             continue
@@ -673,7 +797,7 @@ def provide(transport: "Transport", run_dir: str, trainer: dict, bundle: str, gp
         except DflashError as e:
             return Outcome("failed", f"upload of compile artifact {entry.key} failed: {first_line(e)}", entry.key,
                            severity="warning", detail={**detail, "damaged": damaged})
-        cache.touch(entry.key)
+        cache.touch(entry.key, domain.id)
         seconds = time.monotonic() - t0
         note = f" (skipped {len(damaged)} damaged: {damaged[0]})" if damaged else ""
         message = f"compile artifact {entry.key} uploaded ({_mib(len(data))} in {seconds:.1f} s){note}"
@@ -703,36 +827,36 @@ def fetch(transport: "Transport", run_dir: str, trainer: dict, bundle: str, gpu:
     time. A held entry of the key is replaced by the newer verified copy, unless it
     is that copy already."""
     cache = cache or LocalCache()
-    domain = transport.host.trust_domain
     model_path = (trainer.get("model") or {}).get("path")
     try:
+        domain = cache.domain_of(transport)
         view = look(transport, run_dir, model_path)
         wanted = expected_fields(trainer, bundle, gpu, view.model_config_sha256)
-    except (DflashError, ValueError) as e:
+    except (DflashError, ValueError, OSError) as e:
         return Outcome("failed", f"could not look into the run directory: {first_line(e)}", severity="warning")
     if view.problem:
         return Outcome("failed", f"not copied back: {view.problem}", severity="warning")
     manifest = view.manifest
     if manifest is None:
         return Outcome("absent", "no compile artifacts in the run directory (none saved yet?)", severity="warning")
-    key, detail = manifest["key"], {"expected": wanted.to_dict(), "domain": domain}
+    key, detail = manifest["key"], {"expected": wanted.to_dict(), "domain": domain.name}
     wrong = differs(manifest["fields"], wanted)
     if wrong is not None:
         return Outcome("refused", f"compile artifact {key} not copied back: its {wrong} "
                        f"{str(manifest['fields'].get(wrong))[:40]!r} is not this run's {getattr(wanted, wrong)!r}",
                        key, severity="warning", detail=detail)
-    same_domain = [e for e in cache.entries() if e.domain == domain]
-    if claim == "miss" and choose(same_domain, wanted)[0]:
+    if claim == "miss" and choose(cache.entries(domain.id), wanted)[0]:
         return Outcome("refused", f"compile artifact {key} not copied back: the run says it found none, but a held "
-                       f"artifact of {domain} fits it (the controller did not expect a cold start)", key,
+                       f"artifact of {domain.name} fits it (the controller did not expect a cold start)", key,
                        severity="warning", detail=detail)
-    held = cache.get(key)
-    if held is not None and held.domain == domain and held.manifest["sha256"] == manifest["sha256"]:
+    held = cache.get(key, domain.id)  # only this domain's entry: another domain's copy of the key is its own
+    if held is not None and held.manifest["sha256"] == manifest["sha256"]:
         return Outcome("held", f"compile artifact {key} is held already", key, manifest["bytes"], detail=detail)
     t0 = time.monotonic()
     try:
-        receiver = cache.receiver(manifest, {"domain": domain, "host": transport.host.name, "run": run_id,
-                                             "expected": wanted.to_dict()}, clock)
+        receiver = cache.receiver(manifest, {"domain": domain.id, "domain_name": domain.name,
+                                             "inventory": domain.inventory, "host": transport.host.name,
+                                             "run": run_id, "expected": wanted.to_dict()}, clock)
     except (CacheError, OSError) as e:
         return Outcome("failed", f"compile artifact {key} not copied back: {first_line(e)}", key, severity="warning",
                        detail=detail)

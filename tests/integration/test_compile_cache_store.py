@@ -32,7 +32,9 @@ from trainer import compile_cache as trainer_cache
 from trainer import config as trainer_config
 
 SOCKET = f"dflash-cc-{os.getpid()}"
-LOCAL = {"domain": "host:local", "host": "local"}  # an entry copied back from the local host
+def local(cache: cc.LocalCache) -> dict:
+    """The origin of an entry copied back from the local host: its domain, as issued."""
+    return {"domain": cache.domain_for(load_inventory(None).get("local"), load_inventory(None)).id, "host": "local"}
 TRAINER = {"model": {"preset": "tiny"}, "data": {"buckets": [256], "batch_size": 1, "max_anchors": 16},
            "placement": {"device": "cpu", "target": [0], "drafter": [0]}}
 
@@ -85,13 +87,13 @@ def test_provide_uploads_the_artifact_that_fits_manifest_last_and_only_once(tmp_
     run_dir = tmp_path / "run"
     assert cc.provide(transport, str(run_dir), config, "b" * 64, cache=cache).status == "none"  # nothing held
     other, data = artifact(digest, bundle="e" * 64)
-    cache.put(other, data, LOCAL)
+    cache.put(other, data, local(cache))
     outcome = cc.provide(transport, str(run_dir), config, "b" * 64, cache=cache)
     assert outcome.status == "none" and f"{other['key']} (bundle differs)" in outcome.message
     assert not (run_dir / "compile_cache").exists()  # a mismatched key is never uploaded
 
     manifest, data = artifact(digest)
-    cache.put(manifest, data, LOCAL)
+    cache.put(manifest, data, local(cache))
     outcome = cc.provide(transport, str(run_dir), config, "b" * 64, cache=cache)
     assert (outcome.status, outcome.key, outcome.bytes) == ("uploaded", manifest["key"], len(data))
     directory = run_dir / "compile_cache"
@@ -100,7 +102,7 @@ def test_provide_uploads_the_artifact_that_fits_manifest_last_and_only_once(tmp_
     assert trainer_cache.read_manifest(str(run_dir)) == manifest  # what the trainer reads
     bin_ns = (directory / manifest["file"]).stat().st_mtime_ns
     assert bin_ns <= (directory / trainer_cache.MANIFEST_FILE).stat().st_mtime_ns  # the manifest last
-    assert cache.get(manifest["key"]).last_used is not None
+    assert cache.get(manifest["key"], local(cache)["domain"]).last_used is not None
     again = cc.provide(transport, str(run_dir), config, "b" * 64, cache=cache)
     assert again.status == "present" and (directory / manifest["file"]).stat().st_mtime_ns == bin_ns
 
@@ -110,7 +112,7 @@ def test_a_corrupted_held_artifact_is_never_uploaded(tmp_path):
     cache = cc.LocalCache(str(tmp_path / "cache"))
     config = written(run_config())
     manifest, data = artifact(cc.config_digest(config))
-    entry = cache.put(manifest, data, LOCAL)
+    entry = cache.put(manifest, data, local(cache))
     Path(entry.path, manifest["file"]).write_bytes(b"\0" * len(data))  # bit rot: same size, other bytes
     outcome = cc.provide(transport, str(tmp_path / "run"), config, "b" * 64, cache=cache)
     assert outcome.status == "none" and "damaged" in outcome.message and "sha256" in outcome.message
@@ -142,10 +144,10 @@ def test_fetch_copies_a_run_directorys_artifact_back_once_per_key(tmp_path):
     written = trainer_cache.write(str(run_dir), fields, cfg, data, {"inductor": 1})  # as the trainer saves it
     outcome = cc.fetch(transport, str(run_dir), trainer, bundle, cache=cache)
     assert (outcome.status, outcome.key, outcome.bytes) == ("fetched", written["key"], len(data))
-    assert cache.read(written["key"]) == (written, data)
+    assert cache.read(written["key"], local(cache)["domain"]) == (written, data)
     assert cc.fetch(transport, str(run_dir), trainer, bundle, cache=cache).status == "held"
     # A manifest whose bytes were swapped underneath it is not taken.
-    cache.remove(written["key"])
+    cache.remove(written["key"], every_domain=True)
     Path(run_dir, "compile_cache", written["file"]).write_bytes(os.urandom(len(data)))
     outcome = cc.fetch(transport, str(run_dir), trainer, bundle, cache=cache)
     assert outcome.status == "failed" and "sha256" in outcome.message and cache.entries() == []
@@ -174,7 +176,7 @@ def test_a_restart_puts_the_held_artifact_into_a_wiped_run_directory_before_the_
     try:
         first = _trainer_pid(run.run_dir)
         manifest, data = artifact(cc.config_digest(written(run.config)), bundle=run.bundle_hash)
-        cc.LocalCache().put(manifest, data, LOCAL)
+        cc.LocalCache().put(manifest, data, local(cc.LocalCache()))
         said: list[str] = []
         restart_run(run_id, False, store, inventory, progress=lambda step, message: said.append(message))
         directory = Path(run.run_dir, "compile_cache")
@@ -202,7 +204,7 @@ def test_launch_uploads_the_held_artifact_and_says_so(tmp_path, home):
     config = {"trainer": pb.trainer.to_dict(), "gpus": [], "env": {}, "python": "python3", "compile_cache": None}
     manifest, data = artifact(cc.config_digest(written(config)), bundle=bundle.hash)
     cache = cc.LocalCache()
-    cache.put(manifest, data, LOCAL)
+    cache.put(manifest, data, local(cache))
     said: list[tuple[str, str]] = []
     result = launch.launch_run(pb, inventory, store, progress=lambda step, message: said.append((step, message)),
                                start_timeout=0.1, bundle=bundle)
@@ -237,7 +239,7 @@ def test_the_supervisor_copies_a_cold_starts_artifact_back_once(tmp_path, home):
 
         [event] = wait_for(copied, 30, "the artifact copied back", tick=sup.tick)
         assert event.detail["status"] == "fetched", event.message
-        held = cc.LocalCache().read(event.detail["key"])
+        held = cc.LocalCache().read(event.detail["key"], local(cc.LocalCache())["domain"])
         run = store.get_run(run_id)
         assert held[0] == trainer_cache.read_manifest(run.run_dir)
         # Keyed as the controller matches a later start: that start would get it.

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -49,6 +50,11 @@ def hosts(tmp_path):
     return load_inventory(str(path))
 
 
+def red(cache: cc.LocalCache, hosts) -> dict:
+    """The origin of an entry copied back from the red group of ``hosts``: its domain, as issued."""
+    return {"domain": cache.domain_for(hosts.get("red1"), hosts).id}
+
+
 def _trainer() -> dict:
     return trainer_config.from_dict(TRAINER).to_dict()
 
@@ -79,7 +85,8 @@ def test_an_artifact_from_another_trust_group_is_never_put_on_a_host(hosts, tmp_
     manifest = _host_writes(red_run, _fields(), data)
     outcome = cc.fetch(red1, str(red_run), _trainer(), BUNDLE, claim="miss", run_id="run-a", cache=cache)
     assert outcome.status == "fetched", outcome.message
-    assert cache.get(manifest["key"]).domain == "group:red"
+    [entry] = cache.held(manifest["key"])
+    assert (entry.domain, entry.domain_name) == (red(cache, hosts)["domain"], "group:red")
     blue_run = tmp_path / "blue1" / "run-b"
     refused = cc.provide(blue1, str(blue_run), _trainer(), BUNDLE, cache=cache)
     assert refused.status == "none" and "group:blue" in refused.message
@@ -100,6 +107,51 @@ def test_without_a_trust_group_an_artifact_goes_back_only_to_its_own_host(tmp_pa
     assert cc.provide(connect("b", inventory), str(tmp_path / "run-b"), _trainer(), BUNDLE, cache=cache).status == "none"
     assert cc.provide(connect("a", inventory), str(tmp_path / "run-a2"), _trainer(), BUNDLE,
                       cache=cache).status == "uploaded"
+
+
+def test_a_second_domains_copy_back_never_replaces_or_reaches_the_first_ones(hosts, tmp_path):
+    """Another inventory's host in a group of the same name is another trust domain:
+    its copy-back of the same key is held beside the first domain's entry, never in
+    its place, and never provided to the first domain's hosts."""
+    (tmp_path / "red9").mkdir()
+    other_path = tmp_path / "other-inventory.yaml"
+    other_path.write_text(f"hosts:\n  red9:\n    transport: local\n    workdir: {tmp_path / 'red9'}\n"
+                          "    trust_group: red\n")
+    other = load_inventory(str(other_path))
+    cache = cc.LocalCache(str(tmp_path / "store"))
+    b_run, b_data = tmp_path / "red9" / "run-b", os.urandom(4096)
+    key = _host_writes(b_run, _fields(), b_data)["key"]
+    assert cc.fetch(connect("red9", other), str(b_run), _trainer(), BUNDLE, cache=cache).status == "fetched"
+    first = cc.provide(connect("red2", hosts), str(tmp_path / "red2" / "run-1"), _trainer(), BUNDLE, cache=cache)
+    assert first.status == "none" and not (tmp_path / "red2" / "run-1" / "compile_cache").exists(), first.message
+    a_run, a_data = tmp_path / "red1" / "run-a", os.urandom(4096)
+    assert _host_writes(a_run, _fields(), a_data)["key"] == key  # the same key, other bytes
+    assert cc.fetch(connect("red1", hosts), str(a_run), _trainer(), BUNDLE, cache=cache).status == "fetched"
+    # B copies back again after A: A's entry stays A's.
+    _host_writes(b_run, _fields(), b_data)
+    assert cc.fetch(connect("red9", other), str(b_run), _trainer(), BUNDLE, cache=cache).status in ("held", "fetched")
+    given = cc.provide(connect("red2", hosts), str(tmp_path / "red2" / "run-2"), _trainer(), BUNDLE, cache=cache)
+    assert given.status == "uploaded", given.message
+    assert (tmp_path / "red2" / "run-2" / "compile_cache" / f"{key}.bin").read_bytes() == a_data
+    theirs = cc.provide(connect("red9", other), str(tmp_path / "red9" / "run-3"), _trainer(), BUNDLE, cache=cache)
+    assert theirs.status == "uploaded" and (tmp_path / "red9" / "run-3" / "compile_cache" / f"{key}.bin") \
+        .read_bytes() == b_data
+    held = cache.held(key)
+    assert sorted(e.domain_name for e in held) == ["group:red", "group:red"] and len({e.domain for e in held}) == 2
+
+
+def test_a_trust_domain_is_an_id_the_controller_issued_not_a_name(hosts, tmp_path):
+    cache = cc.LocalCache(str(tmp_path / "store"))
+    red = cache.domain_for(hosts.get("red1"), hosts)
+    assert re.fullmatch(r"d-[0-9a-f]{24}", red.id) and red.name == "group:red"
+    assert red == cache.domain_for(hosts.get("red2"), hosts) == cc.LocalCache(cache.root).domain_of(connect("red2",
+                                                                                                         hosts))
+    assert cache.domain_for(hosts.get("blue1"), hosts).id != red.id
+    assert cc.LocalCache(str(tmp_path / "another-store")).domain_for(hosts.get("red1"), hosts).id != red.id
+    with pytest.raises(cc.CacheError, match="not a trust domain this controller issued"):
+        cache.put(*_as_manifest(_fields(), b"x" * 10), {"domain": "group:red"})  # a name is not a domain
+    with pytest.raises(cc.CacheError, match="not a trust domain this controller issued"):
+        cache.get(_as_manifest(_fields(), b"x")[0]["key"], "../../elsewhere")
 
 
 # --------------------------------------------------------------------------- compile artifacts that write files
@@ -124,7 +176,7 @@ def test_a_miss_the_controller_did_not_expect_copies_nothing_back(hosts, tmp_pat
     red1 = connect("red1", hosts)
     cache = cc.LocalCache(str(tmp_path / "store"))
     held, data = _fields(), b"held kernels" * 100
-    cache.put(*_as_manifest(held, data), {"domain": "group:red"})
+    cache.put(*_as_manifest(held, data), red(cache, hosts))
     run_dir = tmp_path / "red1" / "run"
     _host_writes(run_dir, _fields(torch="2.13.0+evil"), os.urandom(1000))  # a key of its own choosing
     outcome = cc.fetch(red1, str(run_dir), _trainer(), BUNDLE, claim="miss", cache=cache)
@@ -146,14 +198,14 @@ def test_dates_are_the_controllers_and_a_newer_verified_copy_replaces_the_older(
     first = _host_writes(run_dir, _fields(), os.urandom(2000), created=1e300)
     assert cc.fetch(red1, str(run_dir), _trainer(), BUNDLE, claim="mismatch:torch", cache=cache,
                     clock=lambda: time.time() - 40 * 86400).status == "fetched"
-    entry = cache.get(first["key"])
+    entry = cache.get(first["key"], red(cache, hosts)["domain"])
     assert entry.created < time.time() - 39 * 86400  # the host's 1e300 is not a date the store believes
     newer = _host_writes(run_dir, _fields(), os.urandom(2000))
     outcome = cc.fetch(red1, str(run_dir), _trainer(), BUNDLE, claim="mismatch:torch", cache=cache)
     assert outcome.status == "fetched" and "replacing" in outcome.message
-    assert cache.read(first["key"])[0]["sha256"] == newer["sha256"]
+    assert cache.read(first["key"], red(cache, hosts)["domain"])[0]["sha256"] == newer["sha256"]
     assert cache.prune(30 * 86400) == []
-    cache.put(*_as_manifest(_fields(gpu="old"), b"x" * 10, created=1e300), {"domain": "group:red"},
+    cache.put(*_as_manifest(_fields(gpu="old"), b"x" * 10, created=1e300), red(cache, hosts),
               now=time.time() - 40 * 86400)
     assert cache.prune(30 * 86400) == [trainer_cache.key_of(_fields(gpu="old"))]  # 1e300 does not keep it
 
@@ -193,8 +245,8 @@ def test_an_oversized_copy_back_is_cut_off_at_the_manifests_size_with_the_superv
 def test_the_store_quota_is_kept(hosts, tmp_path, monkeypatch):
     monkeypatch.setenv(cc.QUOTA_ENV, str(5000))
     cache = cc.LocalCache(str(tmp_path / "store"))
-    cache.put(*_as_manifest(_fields(gpu="a"), b"a" * 3000), {"domain": "group:red"}, now=time.time() - 100)
-    cache.put(*_as_manifest(_fields(gpu="b"), b"b" * 3000), {"domain": "group:red"})  # the older one makes room
+    cache.put(*_as_manifest(_fields(gpu="a"), b"a" * 3000), red(cache, hosts), now=time.time() - 100)
+    cache.put(*_as_manifest(_fields(gpu="b"), b"b" * 3000), red(cache, hosts))  # the older one makes room
     assert [e.fields["gpu"] for e in cache.entries()] == ["b"]
     with pytest.raises(cc.CacheError, match="quota"):
         cache.put(*_as_manifest(_fields(gpu="c"), b"c" * 6000))
@@ -213,7 +265,7 @@ def test_a_deeply_nested_manifest_in_a_run_directory_is_refused_not_raised(hosts
     (run_dir / "compile_cache").mkdir(parents=True)
     (run_dir / "compile_cache" / trainer_cache.MANIFEST_FILE).write_text("[" * 20000 + "]" * 20000)
     cache = cc.LocalCache(str(tmp_path / "store"))
-    cache.put(*_as_manifest(_fields(), b"x" * 10), {"domain": "group:red"})
+    cache.put(*_as_manifest(_fields(), b"x" * 10), red(cache, hosts))
     assert "nests deeper" in cc.look(red1, str(run_dir)).problem
     # The restart path: provide looks into the run directory first; it must answer, not raise.
     assert cc.provide(red1, str(run_dir), _trainer(), BUNDLE, cache=cache).status == "uploaded"
@@ -222,15 +274,15 @@ def test_a_deeply_nested_manifest_in_a_run_directory_is_refused_not_raised(hosts
         trainer_cache.read_manifest(str(run_dir))
 
 
-def test_cache_ls_and_rm_all_survive_any_held_manifest(tmp_path, monkeypatch):
+def test_cache_ls_and_rm_all_survive_any_held_manifest(hosts, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASHCTL_HOME", str(tmp_path / "home"))
     from dflashctl.cli import _load_commands
     from dflashctl.commands._app import app
 
     _load_commands()
     cache = cc.LocalCache()
-    good = cache.put(*_as_manifest(_fields(), b"x" * 10, created=float("nan")), {"domain": "group:red"})
-    Path(good.path, cc.ORIGIN_FILE).write_text('{"received": 1e300, "domain": "group:red"}')
+    good = cache.put(*_as_manifest(_fields(), b"x" * 10, created=float("nan")), red(cache, hosts))
+    Path(good.path, cc.ORIGIN_FILE).write_text('{"received": 1e300, "domain": "d-0123456789abcdef01234567"}')
     broken = Path(cache.root, "0123456789abcdef")
     broken.mkdir()
     (broken / trainer_cache.MANIFEST_FILE).write_text("{not json")
@@ -241,7 +293,8 @@ def test_cache_ls_and_rm_all_survive_any_held_manifest(tmp_path, monkeypatch):
     assert runner.invoke(app, ["cache", "ls", "--json"]).exit_code == 0
     removed = runner.invoke(app, ["cache", "rm", "--all"])
     assert removed.exit_code == 0, removed.output
-    assert sorted(os.listdir(cache.root)) == [cc.GENERATION_FILE]  # the unreadable entry too
+    # The unreadable entry too; the trust domains issued stay (an identity, not an entry).
+    assert sorted(os.listdir(cache.root)) == sorted([cc.GENERATION_FILE, cc.DOMAINS_FILE, cc.DOMAINS_FILE + ".lock"])
 
 
 # --------------------------------------------------------------------------- one trainer per run directory
@@ -285,7 +338,7 @@ def test_a_miss_a_host_writes_in_its_metrics_does_not_make_the_supervisor_copy_b
     trainer = json.loads(run_files(run.id, run.run_dir, run.config, private_tmux)["config.json"])
     held = _fields(config=cc.config_digest(trainer), bundle=run.bundle_hash, torch="held")
     cache = cc.LocalCache()
-    cache.put(*_as_manifest(held, b"held" * 100), {"domain": "host:local"})
+    cache.put(*_as_manifest(held, b"held" * 100), {"domain": cache.domain_for(inventory.get("local"), inventory).id})
     sup = Supervisor(store, inventory, interval=0.2, playbooks_dir=str(playbooks))
     sup.attach(run_id)
     try:

@@ -22,7 +22,9 @@ from trainer import config as trainer_config
 SOCKET = f"dflash-cc-{os.getpid()}"
 
 
-LOCAL = {"domain": "host:local", "host": "local"}  # an entry copied back from the local host
+def local(cache: cc.LocalCache) -> dict:
+    """The origin of an entry copied back from the local host (its domain, as issued)."""
+    return {"domain": cache.domain("host:local", "<test>").id, "host": "local"}
 
 
 TRAINER = {"model": {"preset": "tiny"}, "data": {"buckets": [256], "batch_size": 1, "max_anchors": 16},
@@ -72,11 +74,13 @@ def test_an_entry_is_checked_on_the_way_in_and_out_and_kept_whole(tmp_path):
     entry = cache.put(manifest, data)
     assert sorted(os.listdir(entry.path)) == sorted([manifest["file"], trainer_cache.MANIFEST_FILE, cc.ORIGIN_FILE])
     assert cache.read(manifest["key"]) == (manifest, data)
-    assert cache.put(manifest, data, LOCAL).domain == "host:local"  # a newer verified copy replaces the older
+    entry = cache.put(manifest, data, local(cache))  # in the local host's domain now
+    assert entry.domain_name == "host:local" and cache.read(manifest["key"], entry.domain) == (manifest, data)
     # A damaged entry reads as damaged, never as its manifest's bytes.
     Path(entry.path, manifest["file"]).write_bytes(data[:-1] + b"X")
     with pytest.raises(cc.CacheError, match="sha256"):
-        cache.read(manifest["key"])
+        cache.read(manifest["key"], entry.domain)
+    assert cache.read(manifest["key"]) == (manifest, data)  # each domain's entry is its own
     with pytest.raises(cc.CacheError, match="16 hex digits"):
         cache.get("../../etc")
 

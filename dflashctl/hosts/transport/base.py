@@ -17,7 +17,7 @@ from dflashctl.hosts.transport.limits import COMMAND, Capture, Limit
 from dflashctl.hosts.transport.results import Result, _Outcome, shown_argv, stderr_tail
 
 if TYPE_CHECKING:
-    from dflashctl.config import Host
+    from dflashctl.config import Host, Inventory
 
 # The client gives up this long after the host should have killed the command:
 # covers a host (or a frozen container) that never answers.
@@ -33,9 +33,10 @@ NOT_FOUND_EXIT_CODES = (126, 127)
 class Transport(ABC):
     """Runs argv lists on one host. Thread-safe; reusable; a context manager."""
 
-    def __init__(self, host: "Host", route: list["Host"] | None = None):
+    def __init__(self, host: "Host", route: list["Host"] | None = None, inventory: "Inventory | None" = None):
         self.host = host
         self.route = route or [host]
+        self.inventory = inventory  # the one the host was read from (None: made without one)
 
     @property
     def name(self) -> str:

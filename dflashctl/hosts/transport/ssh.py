@@ -97,8 +97,7 @@ class SSHTransport(Transport):
 
     def __init__(self, host: "Host", inventory: "Inventory", pool: "Pool | None" = None):
         # The host may be a variant of the inventory's (tests, trust_on_first_use).
-        super().__init__(host, inventory.route_of(host))
-        self.inventory = inventory
+        super().__init__(host, inventory.route_of(host), inventory)
         self.pool = pool or default_pool
         self.address = host.address or host.ssh or host.name
         self.port = int(host.port)
@@ -549,10 +548,12 @@ class Pool:
         name = host.name
         with self._lock:
             current = self._transports.get(name)
-            # The same name in another inventory may mean another machine.
-            if current is not None and current.route == route:
+            # The same name in another inventory may mean another machine (and is
+            # another trust domain: the transport carries its inventory).
+            if current is not None and current.route == route and \
+                    getattr(current.inventory, "source", None) == inventory.source:
                 return current
-            fresh = LocalTransport(host, route) if host.is_local else SSHTransport(host, inventory, pool=self)
+            fresh = LocalTransport(host, route, inventory) if host.is_local else SSHTransport(host, inventory, pool=self)
             self._transports[name] = fresh
         if current is not None:
             current.close()
