@@ -74,6 +74,7 @@ BLAME_WAIT_S = 8.0  # after a failed collective, how long to wait for a culprit 
 # timing out (WATCH_IO_S), writing the status, and slack for a loaded machine.
 HUNG_MARGIN_S = 10.0
 INFO_WAIT_S = 60.0  # how long init waits for every rank's host and pid
+STRANGER_LOOK_EVERY = 5  # watchdog readings between two looks for writes to the names strangers would guess
 MAX_HOST_CHARS = 200
 
 
@@ -140,12 +141,14 @@ class Group:
     session_key: bytes = b""  # tags every frame between ranks (trainer/rendezvous.py)
     authenticated: bool = False
     store: object = None  # the raw store (the process group prefixes its own keys)
+    signed: object = None  # rendezvous.Signed: this start's values on it, bound to the session key
     peers: dict = field(default_factory=dict)  # rank -> Peer
     store_seen: float = field(default_factory=time.monotonic)  # when the watchdog's store last answered
     on_hung: Optional[Callable[["DistributedError"], None]] = None  # ends the process (train.run sets it)
     _stop: threading.Event = field(default_factory=threading.Event)
     _ending: threading.Lock = field(default_factory=threading.Lock)  # one failure report per process
     _ending_since: Optional[float] = None
+    _readings: int = 0  # of the watchdog (observe)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -167,7 +170,8 @@ class Group:
                                 world_size=joined.world)
         g = cls(rank=joined.rank, world=joined.world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                 backend=backend, timeout_s=cfg.distributed.timeout, device=device, session_key=joined.session_key,
-                authenticated=joined.authenticated, store=joined.store)
+                authenticated=joined.authenticated, store=joined.store,
+                signed=rendezvous.Signed(joined.store, joined.session_key, joined.rank, joined.where))
         g._meet()
         g._beat()
         threading.Thread(target=g._heartbeat_loop, name=f"heartbeat-rank{g.rank}", daemon=True).start()
@@ -281,17 +285,19 @@ class Group:
     def _meet(self) -> None:
         """Every rank's host and pid, once (what blame names later, even when the
         store is gone with rank 0's process)."""
-        self.store.set(f"dflash/info/{self.rank}", json.dumps({"host": self.host[:MAX_HOST_CHARS],
-                                                               "pid": os.getpid()}))
-        keys = [f"dflash/info/{r}" for r in range(self.world) if r != self.rank]
+        self.signed.set("info", json.dumps({"host": self.host[:MAX_HOST_CHARS], "pid": os.getpid()}))
+        keys = [self.signed.name("info", r) for r in range(self.world) if r != self.rank]
         self.store.wait(keys, datetime.timedelta(seconds=min(INFO_WAIT_S, self.timeout_s)))
         for r in range(self.world):
             if r != self.rank:
-                self.peers[r] = _peer_info(self.store.get(f"dflash/info/{r}"))
+                got = self.signed.get("info", r)
+                self.peers[r] = _peer_info(got[1] if got else "")
 
     def _beat(self) -> None:
-        self.store.set(f"dflash/step/{self.rank}", str(int(self.step)))
-        self.store.add(f"dflash/beat/{self.rank}", 1)
+        """The step and the heartbeat, signed (``rendezvous.Signed``): only ever set,
+        never read back or added to, so nothing a stranger writes can stop it."""
+        self.signed.set("step", str(int(self.step)))
+        self.signed.set("beat", "")
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -312,14 +318,25 @@ class Group:
         return client
 
     def observe(self, client) -> None:
-        """One watchdog reading: every other rank's counter; a move is dated on this clock."""
-        counts = {r: client.add(f"dflash/beat/{r}", 0) for r in self.peers}
+        """One watchdog reading: every other rank's signed counter; a move is dated on
+        this clock. A stranger's value moves nothing (and is named); so is a write to
+        the names strangers would guess, looked for every few readings."""
+        beats = {r: self.signed.get("beat", r, client) for r in self.peers}
         now = time.monotonic()
         self.store_seen = now
-        for r, count in counts.items():
+        for r, got in beats.items():
             peer = self.peers[r]
-            if count != peer.count:
-                peer.count, peer.moved = count, now
+            if got is not None and got[0] != peer.count:
+                peer.count, peer.moved = got[0], now
+        self._readings += 1
+        if self._readings % STRANGER_LOOK_EVERY == 1:
+            self.signed.look_for_strangers(range(self.world), client)
+
+    def _quiet(self, rank: int, now: float, limit: float) -> bool:
+        """Whether ``rank``'s heartbeat has not moved for ``limit`` seconds, and no
+        stranger wrote over it meanwhile (then its silence may be the stranger's doing:
+        never a reason to blame it)."""
+        return now - self.peers[rank].moved > limit and not self.signed.tampered("beat", rank, limit)
 
     def hung(self, now: float) -> Optional[tuple[int, str]]:
         """(rank, why) of a rank that stopped answering for distributed.timeout, or None."""
@@ -327,7 +344,7 @@ class Group:
         if self.rank != 0 and quiet > self.timeout_s:
             return 0, f"the rendezvous store in its process has not answered for {quiet:.0f}s (stopped or unreachable)"
         for r, peer in sorted(self.peers.items()):
-            if now - peer.moved > self.timeout_s:
+            if self._quiet(r, now, self.timeout_s):
                 return r, f"its heartbeat has not moved for {now - peer.moved:.0f}s (stopped, hung or unreachable)"
         return None
 
@@ -366,20 +383,21 @@ class Group:
         """Tell the others this rank failed by itself (best effort), so they name it."""
         self._stop.set()
         try:
-            self.store.set(f"dflash/failed/{self.rank}", message[:300])
+            self.signed.set("failed", message[:300])
         except Exception:  # noqa: BLE001 - the store may be gone too
             pass
 
     def _failed(self, client) -> dict[int, str]:
-        """rank -> its own failure message, of this start (the store lives as long as rank 0's process)."""
-        keys = {r: f"dflash/failed/{r}" for r in self.peers}
-        return {r: client.get(k).decode("utf-8", "replace")[:300] for r, k in keys.items() if client.check([k])}
+        """rank -> its own failure message, of this start (the store lives as long as
+        rank 0's process); signed by that rank, else not believed."""
+        said = {r: self.signed.get("failed", r, client) for r in self.peers}
+        return {r: got[1][:300] for r, got in said.items() if got is not None}
 
     def _steps(self, client) -> dict[int, int]:
         out = {}
         for r in self.peers:
-            raw = client.get(f"dflash/step/{r}")[:20]
-            out[r] = int(raw) if raw.isdigit() else -1
+            got = self.signed.get("step", r, client)
+            out[r] = int(got[1]) if got is not None and got[1].isdigit() and len(got[1]) < 20 else -1
         return out
 
     def blame(self) -> tuple[Optional[int], Optional[str], str]:
@@ -405,7 +423,7 @@ class Group:
             # The counter that stopped first, dated on this clock: a peer that only began
             # its own failure report later is not the culprit.
             for r, peer in sorted(self.peers.items(), key=lambda kv: kv[1].moved):
-                if now - peer.moved > STALE_S:
+                if self._quiet(r, now, STALE_S):
                     return r, peer.host, f"its heartbeat stopped ({now - peer.moved:.0f}s without a beat)"
             if time.monotonic() > deadline:
                 behind = min(steps.items(), key=lambda kv: kv[1], default=None)
@@ -428,10 +446,10 @@ class Group:
                                 failed_rank=rank, failed_host=host)
 
 
-def _peer_info(raw: bytes) -> Peer:
+def _peer_info(raw: str) -> Peer:
     """A rank's host and pid as it wrote them (bounded; anything else is a '?')."""
     try:
-        info = json.loads(raw[:4096].decode("utf-8"))
+        info = json.loads(raw[:4096])
         host, pid = info.get("host"), info.get("pid")
     except (ValueError, UnicodeDecodeError, AttributeError):
         return Peer()

@@ -14,6 +14,15 @@ replays an old one: the nonces are new) is refused with a message naming the add
 and what to do. Both derive a session key from the same transcript; every frame one
 rank sends another is tagged with it (trainer/wire.py).
 
+After the proof the store stays authenticated for the process's whole life
+(``Signed``): every value a rank writes (its host and pid, heartbeat, step, failure)
+lives under a name derived from the session key, tagged with an HMAC of that key
+over the name, a counter that only grows and the value. A value that does not verify,
+or an older one written again, is a stranger's: ignored, named once in the log,
+never a reason to blame the rank it was written for. A write to the names torch's
+env:// users would guess (``dflash/beat/1``: no rank of this run writes them) is
+named the same way.
+
 Without a key file and without ``DFLASHCTL_HOST`` (a run started by hand, torchrun on
 a trusted machine) the rendezvous is unauthenticated and says so in the log; a run the
 controller started (``DFLASHCTL_HOST`` set) refuses to start without its key.
@@ -28,9 +37,11 @@ import os
 import re
 import secrets
 import stat
+import sys
+import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from dflashctl.core import contract
 
@@ -50,6 +61,7 @@ class Joined:
     world: int
     session_key: bytes
     authenticated: bool
+    where: str = ""  # MASTER_ADDR:MASTER_PORT, for messages
 
 
 def key_path(run_dir: str) -> str:
@@ -147,4 +159,87 @@ def join(run_dir: str, timeout_s: float) -> Joined:
     key = read_key(run_dir)
     store, rank, world = open_store(timeout_s)
     session, authenticated = prove(store, rank, world, key, timeout_s)
-    return Joined(store, rank, world, session, authenticated)
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return Joined(store, rank, world, session, authenticated, where)
+
+
+# --------------------------------------------------------------------------- after the proof
+
+MAX_VALUE_BYTES = 4096  # a signed value (host and pid, a count, a failure message); larger is not one
+KINDS = ("info", "beat", "step", "failed")  # what each rank writes: host and pid, heartbeat, step, its failure
+
+
+class Signed:
+    """This start's values on the store, bound to its session key (see the module
+    docstring). ``set(kind, value)`` writes this rank's; ``get(kind, rank)`` reads
+    another's: (counter, value), or None when it is absent or a stranger's. Thread-safe."""
+
+    def __init__(self, store, session_key: bytes, rank: int, where: str = "",
+                 say: Optional[Callable[[str], None]] = None):
+        self.store, self.rank, self.where = store, rank, where
+        self._mac_key = hmac.new(session_key, b"values", hashlib.sha256).digest()
+        self._tag = hmac.new(session_key, b"names", hashlib.sha256).hexdigest()[:24]
+        self._counter = 0
+        self._lock = threading.Lock()
+        self._seen: dict[str, int] = {}
+        self.strangers: dict[str, str] = {}  # name -> why, each named once
+        self.stranger_at: dict[str, float] = {}  # name -> when (monotonic) a stranger's value was last read there
+        self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+
+    def name(self, kind: str, rank: int) -> str:
+        return f"dflash/{self._tag}/{kind}/{rank}"
+
+    def _mac(self, name: str, counter: int, value: bytes) -> bytes:
+        return hmac.new(self._mac_key, b"%s|%d|" % (name.encode(), counter) + value, hashlib.sha256).hexdigest().encode()
+
+    def set(self, kind: str, value: str, store=None) -> None:
+        name, data = self.name(kind, self.rank), value.encode("utf-8")[:MAX_VALUE_BYTES - 100]
+        with self._lock:
+            self._counter += 1
+            counter = self._counter
+        (store or self.store).set(name, b"%d %s " % (counter, self._mac(name, counter, data)) + data)
+
+    def get(self, kind: str, rank: int, store=None) -> Optional[tuple[int, str]]:
+        store, name = store or self.store, self.name(kind, rank)
+        if not store.check([name]):
+            return None
+        return self.verify(name, store.get(name))
+
+    def verify(self, name: str, raw: bytes) -> Optional[tuple[int, str]]:
+        """(counter, value) of ``raw`` read at ``name``, or None (and the stranger named)."""
+        parts = bytes(raw[:MAX_VALUE_BYTES + 1]).split(b" ", 2)
+        if len(raw) > MAX_VALUE_BYTES or len(parts) != 3 or not parts[0].isdigit() or len(parts[0]) > 18:
+            return self.stranger(name, "a value not in this start's form")
+        counter, mac, data = int(parts[0]), parts[1], parts[2]
+        if not hmac.compare_digest(mac, self._mac(name, counter, data)):
+            return self.stranger(name, "a value not signed with this start's key")
+        with self._lock:
+            if counter < self._seen.get(name, 0):
+                return self.stranger(name, f"an older value written again (counter {counter}, "
+                                           f"{self._seen[name]} read before)")
+            self._seen[name] = counter
+        return counter, data.decode("utf-8", "replace")
+
+    def look_for_strangers(self, ranks, store=None) -> None:
+        """Name a write to the names torch's users would guess (``dflash/beat/1``): no
+        rank of this run writes them, so whoever did is a stranger on the port."""
+        store = store or self.store
+        for r in ranks:
+            for kind in KINDS:
+                name = f"dflash/{kind}/{r}"
+                if name not in self.strangers and store.check([name]):
+                    self.stranger(name, "no rank of this run writes it")
+
+    def stranger(self, name: str, why: str) -> None:
+        self.stranger_at[name] = time.monotonic()
+        if name not in self.strangers:
+            self.strangers[name] = why
+            self.say(f"warning: rendezvous store{' at ' + self.where if self.where else ''}: {name} holds {why}: "
+                     "a stranger's write, ignored (no rank is blamed for it); someone who is not this run's "
+                     "reaches the rendezvous port")
+        return None
+
+    def tampered(self, kind: str, rank: int, within: float) -> bool:
+        """Whether a stranger's value was read at ``rank``'s ``kind`` within the last ``within`` seconds."""
+        at = self.stranger_at.get(self.name(kind, rank))
+        return at is not None and time.monotonic() - at < within

@@ -134,9 +134,15 @@ EVIL_RANK0 = textwrap.dedent("""
         joined = rendezvous.join(run_dir, 30)
         store = joined.store
         dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=datetime.timedelta(seconds=30))
-        store.set("dflash/info/0", json.dumps({"host": "host-a", "pid": os.getpid()}))
-        store.set("dflash/step/0", "0")
-        store.add("dflash/beat/0", 1)
+        if hasattr(rendezvous, "Signed"):  # the values after the proof, signed as the trainer signs them
+            signed = rendezvous.Signed(store, joined.session_key, 0)
+            signed.set("info", json.dumps({"host": "host-a", "pid": os.getpid()}))
+            signed.set("step", "0")
+            signed.set("beat", "")
+        else:
+            store.set("dflash/info/0", json.dumps({"host": "host-a", "pid": os.getpid()}))
+            store.set("dflash/step/0", "0")
+            store.add("dflash/beat/0", 1)
     dist.broadcast_object_list([{"model.pt": Evil()}], src=0)
     time.sleep(30)
 """)
@@ -311,6 +317,81 @@ def test_a_host_whose_clock_is_behind_is_not_blamed_for_a_dead_peer(ranks, tmp_p
     assert code == contract.EXIT_CRASH, out[-3000:]
     detail = run.status(0)["detail"]
     assert (detail["failed_rank"], detail["failed_host"]) == (2, "host-c"), (detail, out[-2000:])
+
+
+# --------------------------------------------------------------------------- a stranger on the store, after the proof
+
+# A client that reaches the rendezvous port while the run trains, without the secret:
+# it writes what a rank writes, under the names a reader of the trainer would guess.
+# On the code before the signed store, rank 1's heartbeat (`store.add` on a value that
+# is no number) failed and stopped, and rank 0 blamed the healthy rank 1.
+WRITER = textwrap.dedent("""
+    import datetime, sys
+    import torch.distributed as dist
+    client = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    client.set("dflash/beat/1", "not a number")
+    client.set("dflash/failed/1", "a failure rank 1 never had")
+    client.set("dflash/step/1", "0")
+    client.set("dflash/info/1", '{"host": "stranger", "pid": 1}')
+    print("written", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_a_strangers_writes_to_the_rendezvous_store_are_ignored_named_and_never_blamed(ranks, tmp_path):
+    from trainer.distributed import HUNG_MARGIN_S
+
+    timeout = 15
+    run = ranks(timeout=timeout)
+    run.start(0), run.start(1)
+    run.wait_training()
+    done = subprocess.run([sys.executable, "-c", WRITER, str(run.port)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=rank_env())
+    assert "written" in done.stdout, done.stderr[-2000:]
+    written = {r: len(metrics_at(os.path.join(run.run_dir(r), contract.metrics_file(r)))) for r in (0, 1)}
+    time.sleep(timeout + HUNG_MARGIN_S + 5)  # past the time the watchdog would have blamed a silent rank
+    outs = {r: run.output(r) for r in (0, 1)}
+    assert all(p.poll() is None for p in run.procs.values()), (outs[0][-2000:], outs[1][-2000:])
+    assert "failed first" not in outs[0] + outs[1]
+    for r in (0, 1):  # both still train
+        assert len(metrics_at(os.path.join(run.run_dir(r), contract.metrics_file(r)))) > written[r] + 3
+    # Named in the log, by its name, as a stranger's write on the port.
+    assert "rendezvous store at 127.0.0.1:" in outs[0] and "dflash/beat/1 holds no rank of this run writes it: " \
+        "a stranger's write, ignored (no rank is blamed for it)" in outs[0], outs[0][-3000:]
+
+
+def test_a_value_not_signed_with_the_starts_key_or_replayed_is_refused_and_named():
+    """Whoever learns a signed name (by watching the wire) still cannot write there:
+    a value without the key's HMAC, or an older value of the rank written again."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from trainer.rendezvous import Signed
+
+    port = free_port("127.0.0.1")
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    key = secrets.token_bytes(32)
+    said: list[str] = []
+    rank1, rank0 = Signed(server, key, 1), Signed(server, key, 0, "127.0.0.1:%d" % port, say=said.append)
+    name = rank1.name("failed", 1)
+    assert name != "dflash/failed/1" and Signed(server, secrets.token_bytes(32), 1).name("failed", 1) != name
+    server.set(name, b"1 " + b"0" * 64 + b" boom")  # the form, not the key
+    assert rank0.get("failed", 1) is None and rank0.tampered("failed", 1, 60)
+    rank1.set("failed", "the real failure")
+    old = server.get(name)
+    assert rank0.get("failed", 1)[1] == "the real failure"
+    rank1.set("failed", "a later word")
+    assert rank0.get("failed", 1)[1] == "a later word"
+    server.set(name, old)  # an older value written again
+    assert rank0.get("failed", 1) is None
+    Signed(server, secrets.token_bytes(32), 1).set("failed", "signed with another start's key")
+    assert rank0.get("failed", 1) is None
+    assert len(said) == 1 and said[0].startswith(f"warning: rendezvous store at 127.0.0.1:{port}: {name} holds a "
+                                                 "value not signed with this start's key"), said
+    assert set(rank0.strangers) == {name}
 
 
 # --------------------------------------------------------------------------- a hung peer
