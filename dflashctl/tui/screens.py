@@ -195,6 +195,7 @@ class DetailScreen(Screen):
         Binding("o", "tab('overview')", "Overview", show=False),
         Binding("e", "tab('events')", "Events", show=False),
         Binding("l", "tab('log')", "Log", show=False),
+        Binding("c", "tab('charts')", "Charts", show=False),
         Binding("x", "app.stop_run", "Stop"),
         Binding("r", "app.restart_run", "Restart"),
         Binding("a", "app.attach_run", "Attach"),
@@ -211,6 +212,7 @@ class DetailScreen(Screen):
         self.following = False
         self.log_start: int | None = None  # byte offset of the first line held (None: not known)
         self.filter_text = ""
+        self.plotted: str | None = None  # the zoom the charts tab was drawn at (None: not yet)
 
     def compose(self) -> ComposeResult:
         yield Static(Text(f"run {self.run_id}"), id="detail-title")
@@ -222,6 +224,8 @@ class DetailScreen(Screen):
                     yield Pane(id="overview-text")
             with TabPane("events", id="events"):
                 yield EventsTable(id="detail-events")
+            with TabPane("charts", id="charts"):
+                yield Vertical(id="charts-box")  # the plots, mounted when the tab is first shown
             with TabPane("log", id="log"):
                 yield LogView(id="log-view")
         yield Footer(compact=True)
@@ -308,7 +312,23 @@ class DetailScreen(Screen):
         # the focus on what the tab shows: TabbedContent leaves it on the tab bar.
         if event.pane.id == "log" and not self.following:
             self.follow_log()
+        if event.pane.id == "charts":
+            self.show_plots()
         self._focus_tab()
+
+    def show_plots(self) -> None:
+        """The charts tab: the plots of the newest read (mounted the first time; drawn
+        again on opening the tab and on z, never under a zoom the operator made)."""
+        from dflashctl.tui.plots import RunPlots
+
+        box = self.query_one("#charts-box", Vertical)
+        if not box.children:
+            box.mount(RunPlots(id="plots"))
+            self.call_after_refresh(self.show_plots)
+            return
+        if self.view is not None:
+            box.query_one(RunPlots).show(self.view.chart)
+            self.plotted = self.app.zoom
 
     def reload(self) -> None:
         self.load(self.app.clock())
@@ -331,10 +351,12 @@ class DetailScreen(Screen):
         run = view.run
         title = Text.assemble(("run ", "dim"), (run.id, "bold"), f" · {run.playbook} on {run.host} · ",
                               (run.display_state, STATE_STYLE.get(run.display_state, "")),
-                              ("   o overview · e events · l log · / filter · Esc back", "dim"))
+                              ("   o overview · e events · c charts · l log · / filter · Esc back", "dim"))
         self.query_one("#detail-title", Static).update(title)
         self.query_one("#overview-text", Pane).redraw(lambda width, height: detail_text(view, width, now, height))
         self.query_one(EventsTable).show(filter_events(view.events, self.filter_text))
+        if self.query_one(TabbedContent).active == "charts" and self.plotted != self.app.zoom:
+            self.show_plots()
         self.loads += 1
 
     @work(thread=True, exclusive=True, group="log")
