@@ -172,12 +172,16 @@ def restart_command(
     from dflashctl.launch import start_supervisor
     from dflashctl.runs.recorded import prepare
     from dflashctl.runs.runhost import restart
+    from dflashctl.supervise.supervisor import live_supervisor
 
     store, inventory, show = _store(), _inventory(), _progress(False)
     record = store.get_run(run)
     prepare(record, store, inventory, G.playbooks, reload, show, time.time())
     state = restart(record.id, store, inventory, serialized_warmup=serialized_warmup, progress=show)
-    if state == "running" and not no_watch:
+    watching = live_supervisor(store.get_run(run).supervisor)
+    if state == "running" and watching is not None:  # a foreground `watch`: it watches the new process too
+        show("supervise", f"run {record.id} is supervised by pid {watching['pid']}: no second supervisor")
+    elif state == "running" and not no_watch:
         start_supervisor(store.get_run(run).id, False, store, inventory, show,
                          inventory_path=G.inventory, playbooks_dir=G.playbooks)
     _say(out, state)

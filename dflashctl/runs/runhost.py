@@ -257,12 +257,14 @@ def stop_supervisor(run: Run, inventory: "Inventory") -> None:
 
 def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STOP_TIMEOUT,
          progress: Progress | None = None, *, clock: Callable[[], float] = time.time,
-         keep_standby: bool = False) -> Run:
+         keep_standby: bool = False, restarting: bool = False) -> Run:
     """Graceful stop: SIGTERM to the trainer (it checkpoints and exits 4), or Ctrl-C
     in its tmux pane when its pid cannot be signalled; wait up to ``timeout`` for it
     to exit; then kill the session. The run ends in ``stopped`` (``done`` if it
     finished meanwhile; ``failed`` if it had crashed before the stop, unseen).
     ``keep_standby``: its standby is left waiting (a restart follows and wakes it).
+    ``restarting``: the stop of an operator's restart: the run stays ``restarting``
+    (the stop is an event), unless it finished meanwhile.
 
     A multi-host run is stopped on every host that answers, each said. A host that
     does not answer is sent nothing: the run is then ``lost`` (a trainer may still run
@@ -355,7 +357,7 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
         stopped = [p.host for p, _, _ in parts if all(p is not q for q, _ in unreached)]
         state, why = LOST, f"stopped on {', '.join(stopped) or 'no host'}"
         reason += _not_reached(unreached, "; not stopped: ") + "; its supervisor stops it there once it answers"
-    if state not in TRANSITIONS[run.state]:
+    if state not in TRANSITIONS[run.state] and not (state == DONE and RUNNING in TRANSITIONS[run.state]):
         state = STOPPED if state != LOST else run.state
     try:
         step = _record_last_steps(store, run, transport, probe, clock) if parts[0][0].rank == 0 else None
@@ -366,7 +368,12 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
                 store.add_event(run.id, "stop", f"{why}{at}: {reason}", clock(), "error", detail)
             else:
                 store.transition(run.id, state, f"{why}{at}: {reason}", clock(), detail, severity="error")
+        elif restarting and state != DONE:
+            store.add_event(run.id, "stop", f"{why} for the restart{at}: {reason}", clock(), "info", {"step": step})
+            state = run.state
         else:
+            if state not in TRANSITIONS[run.state] and RUNNING in TRANSITIONS[run.state]:
+                store.transition(run.id, RUNNING, "trainer running (seen by the stop)", clock())
             store.transition(run.id, state, f"{why}{at}: {reason}", clock(), {"step": step}, exit_code=code,
                              exit_reason=reason)
     except StoreBusy as e:
@@ -655,13 +662,20 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
     if run.state not in FINAL_STATES:
         say = progress or quiet
         say("restart", f"run {run.id} is {run.state}: stopping it first (checkpoint)")
+        # Restarting from here on, never stopped on the way: a supervisor watching it (a
+        # foreground `watch`) takes the stop's exit for the restart's, not the run's end,
+        # so it neither ends the standby nor stops watching.
+        if RESTARTING in TRANSITIONS[run.state]:
+            store.transition(run.id, RESTARTING, "restart requested by the operator: stopping it first (checkpoint)",
+                             clock())
         # A ready standby (its imports done) is held through the stop and woken by the
         # restart, as the supervisor's restart of a crash does; else it would leave
         # with the stopped trainer and the new process pay every import again.
         held = _hold_standby(run, inventory)
         if held:
             say("restart", f"standby {held} is ready: kept through the stop, woken next")
-        run = stop(run.id, store, inventory, progress=progress, clock=clock, keep_standby=bool(held))
+        run = stop(run.id, store, inventory, progress=progress, clock=clock, keep_standby=bool(held),
+                   restarting=store.get_run(run.id).state == RESTARTING)
         if run.state == DONE:
             end_standby(run, inventory)
             return run.state
@@ -670,7 +684,8 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
                                "sent nothing and may still run it (its supervisor stops them once they answer)",
                                hint=f"`dflashctl restart {run.id}` again once every host answers "
                                f"(`dflashctl status {run.id}` shows each host)")
-    store.transition(run.id, RESTARTING, "restart requested by the operator", clock())
+    if run.state != RESTARTING:
+        store.transition(run.id, RESTARTING, "restart requested by the operator", clock())
     try:
         _mark_restart(run, inventory, clock())
         restart_run(run.id, serialized_warmup, store, inventory, progress, clock=clock)

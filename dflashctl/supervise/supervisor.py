@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dflashctl.core import contract
 from dflashctl.core.errors import DflashError, StoreError, first_line
-from dflashctl.core.states import FINAL_STATES, LOST, RESTARTING, more_severe
+from dflashctl.core.states import FINAL_STATES, LOST, RESTARTING, RUNNING, more_severe
 from dflashctl.hosts.parsers import read_metrics_chunk
 from dflashctl.hosts.probe import (
     ProbeArgs,
@@ -584,8 +584,12 @@ class Supervisor:
     def _refresh(self, w: Watched, t: _Tick) -> None:
         """Pick up what others changed: an operator's stop or restart, a new supervisor."""
         run = self.store.get_run(w.id)
-        if run.state == LOST and w.state.run.state != LOST and not w.state.stop_pending:
+        before = w.state.run.state
+        if run.state == LOST and before != LOST and not w.state.stop_pending:
             w.state.stop_pending = self._stop_pending(run)  # `dflashctl stop` could not reach every host
+        if before == RESTARTING and run.state == RUNNING and w.state.pending is None and not w.state.restart_issued:
+            # An operator's restart (`dflashctl restart` of a running run, watched here): its process is new.
+            core.new_attempt(w.state, self.clock(), self.hosts.get(run.host, _HostState()).skew)
         w.state.run = run
         if self.claim:
             theirs = run.supervisor or {}

@@ -71,7 +71,7 @@ def test_an_operator_restart_of_a_running_run_wakes_its_ready_standby(local_env)
         assert any(f"standby {token} is ready" in s for s in said), said
         assert not (run_dir / contract.standby_hold(token)).exists()  # released
         states = [e.detail["to"] for e in kinds(store, run.id, "state")]
-        assert states[-3:] == ["stopped", "restarting", "running"]
+        assert states[-2:] == ["restarting", "running"] and "stopped" not in states  # never stopped on the way
         print(f"operator restart with a ready standby: first step after {first_step_s:.1f} s, "
               f"imports {startup['import']:.2f} s (the standby's own imports: {ready['import_s']:.1f} s)")
     finally:

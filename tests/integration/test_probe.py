@@ -346,14 +346,19 @@ def test_probe_through_jump_and_container_wrapper(ssh_env) -> None:
 
 
 def test_the_standbys_pid_is_read_from_standby_json(tmp_path) -> None:
-    """The GPU pane names the standby's GPU process: the probe reads the pid the
-    standby wrote (trainer/standby.py writes standby.json so) when GPUs are read."""
+    """The GPU pane names the standby's GPU process, and a supervisor that re-attaches
+    keeps a standby that waits: the probe reads the pid the standby wrote
+    (trainer/standby.py writes standby.json so) while that process lives."""
     write_run(tmp_path / "a", pid=None)
     assert probe_one(ProbeArgs(run_dir=str(tmp_path / "a"))).standby_pid is None  # no standby waits
     ready = {"pid": os.getpid(), "token": "ab12cd34", "ready": time.time(), "import_s": 4.2}
     contract.atomic_write_text(str(tmp_path / "a" / contract.STANDBY_FILE), json.dumps(ready) + "\n")
     assert probe_one(ProbeArgs(run_dir=str(tmp_path / "a"))).standby_pid == os.getpid()
-    assert probe_one(ProbeArgs(run_dir=str(tmp_path / "a"), nvidia_smi=False)).standby_pid is None
+    assert probe_one(ProbeArgs(run_dir=str(tmp_path / "a"), nvidia_smi=False)).standby_pid == os.getpid()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process has now
+    contract.atomic_write_text(str(tmp_path / "a" / contract.STANDBY_FILE), json.dumps({**ready, "pid": gone.pid}))
+    assert probe_one(ProbeArgs(run_dir=str(tmp_path / "a"))).standby_pid is None  # it left: none waits
     (tmp_path / "a" / contract.STANDBY_FILE).write_text('{"token": "x"}')
     r = probe_one(ProbeArgs(run_dir=str(tmp_path / "a")))
     assert r.standby_pid is None and any("standby.json" in e and "no pid" in e for e in r.errors), r.errors

@@ -300,6 +300,12 @@ def disk_space(path):
     return {"free": st.f_bavail * st.f_frsize, "total": st.f_blocks * st.f_frsize}
 
 
+def read_live_standby_pid(path):
+    """The standby's pid while that process lives (None: no standby, or it left)."""
+    pid = read_standby_pid(path)
+    return pid if pid is not None and process_state(pid)["alive"] else None
+
+
 def process_state(pid):
     try:
         os.kill(pid, 0)
@@ -532,8 +538,9 @@ def probe_run(spec, default_timeout):
     out["log_tail"] = step(errors, LOG_FILE, timeout, read_tail, os.path.join(run_dir, LOG_FILE), lines)
     out["exit_code"] = step(errors, EXIT_CODE_FILE, timeout, read_exit_code, os.path.join(run_dir, EXIT_CODE_FILE))
     out["disk"] = step(errors, "free disk", timeout, disk_space, run_dir)
-    if spec.get("nvidia_smi", True):  # names the standby's GPU process in the GPU pane
-        out["standby_pid"] = step(errors, STANDBY_FILE, timeout, read_standby_pid, os.path.join(run_dir, STANDBY_FILE))
+    # A live standby: names its GPU process in the GPU pane, and a supervisor that
+    # re-attaches keeps it rather than start another.
+    out["standby_pid"] = step(errors, STANDBY_FILE, timeout, read_live_standby_pid, os.path.join(run_dir, STANDBY_FILE))
     pid = (status or {}).get("pid") or spec_number(spec, "pid_hint", 0, 0, MAX_PID, errors)
     if pid > 0:  # kill(0 or -N, 0) would address a process group
         out["process"] = step(errors, "process %d" % pid, timeout, process_state, pid)

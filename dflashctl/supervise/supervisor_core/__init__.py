@@ -44,6 +44,7 @@ Every state change goes through one guarded transition (``machine``). The rest:
 """
 
 from dflashctl.supervise import policy
+from dflashctl.supervise.supervisor_core.decide import new_attempt
 from dflashctl.supervise.supervisor_core.dispatch import step
 from dflashctl.supervise.supervisor_core.limits import (
     ATTEMPT_SLACK_S,
@@ -131,6 +132,7 @@ __all__ = [
     "distributed_timeout",
     "gpu_rows",
     "jsonable",
+    "new_attempt",
     "policy",
     "step",
 ]

@@ -81,7 +81,7 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
             findings = [hung, *findings]
     _act(s, pr, findings, local, skew, pol, out)
     _fetch_compile_cache(s, local, pol, out)
-    _standby(s, status, pol, out)
+    _standby(s, status, pol, out, obs.result.standby_pid)
 
 
 def _hysteresis(s: RunState, findings: list[detectors.Finding], local: float, pol: Policy) -> list[detectors.Finding]:
@@ -99,9 +99,11 @@ def _hysteresis(s: RunState, findings: list[detectors.Finding], local: float, po
     return rest + [shown] if shown is not None else rest
 
 
-def _standby(s: RunState, status: contract.Status | None, pol: Policy, out: _Out) -> None:
+def _standby(s: RunState, status: contract.Status | None, pol: Policy, out: _Out, waiting: int | None) -> None:
     """Once a process trains, its successor's standby is started beside it (once per
-    process: a standby that took over gets one of its own when it trains)."""
+    process: a standby that took over gets one of its own when it trains). One
+    already waiting (``waiting``: its pid, alive), as a supervisor that re-attaches
+    finds it, is kept: a new one would pay every import again."""
     if not (pol.act and pol.run.restart.standby and pol.run.restart.enabled) or status is None:
         return
     if s.run.state != RUNNING or s.phase != contract.PHASE_TRAINING or s.pending is not None or s.job is not None:
@@ -109,4 +111,9 @@ def _standby(s: RunState, status: contract.Status | None, pol: Policy, out: _Out
     if status.pid is None or status.pid == s.standby_for:
         return
     s.standby_for = status.pid
+    if waiting is not None and waiting != status.pid and s.standby_seen is None:
+        s.standby_seen = waiting
+        out.event("standby", "info", f"standby pid {waiting} found waiting: kept for the next restart",
+                  {"pid": waiting})
+        return
     out.actions.append(StartStandby())

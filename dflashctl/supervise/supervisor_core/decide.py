@@ -231,12 +231,18 @@ def _restarted(s: RunState, done: JobDone, now: float, pol: Policy, out: _Out) -
     out.writes.append(RestartUpdate({"outcome": "issued", "time": issued}))
     s.history = s.history + (policy.Restart(issued, p.step_before, None),)
     s.latest = Latest(issued, p.failed_at)
-    # A new process: it resumes from a checkpoint, so the old one's steps are not its progress.
-    s.restart_issued, s.attempt_started = True, issued
+    s.restart_issued = True
+    new_attempt(s, issued, done.skew)
+
+
+def new_attempt(s: RunState, started: float, skew: float = 0.0) -> None:
+    """A new process of the run begins (a restart, ours or an operator's): it resumes
+    from a checkpoint, so the old one's steps, findings and phase are not its own."""
+    s.attempt_started = started
     s.samples = ()
     s.findings, s.held = {}, {}
     s.step_max = s.healthy_since = s.last_ok = None
-    s.phase, s.phase_since = None, issued + done.skew
+    s.phase, s.phase_since = None, started + skew
     s.compile_cache, s.cache_fetch = None, False
     s.holding, s.held_until = False, None
     s.rank_gone_at, s.rank_steps = {}, {}

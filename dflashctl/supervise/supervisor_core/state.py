@@ -92,6 +92,7 @@ class RunState:
     cache_fetch: bool = False  # the current process's compile artifacts were asked for (FetchCompileCache)
     ranks_ended: frozenset = frozenset()  # a multi-host run: (rank, pid) of the processes whose end was written
     standby_for: int | None = None  # pid of the process whose successor's standby was started
+    standby_seen: int | None = None  # pid of a standby this supervisor found waiting (kept, not replaced)
     # The stall detector held back (its process stopped on purpose, ``detectors.holds_back``):
     # ``holding`` while it does, ``held_until`` (host clock) the first poll after it,
     # from which quiet time counts (``detectors.detect_stall``). A host that did not
