@@ -170,7 +170,8 @@ def run_subcommand(argv: list[str]) -> int:
             from trainer import info
 
             result = info.describe(args.checkpoint)
-            print(json.dumps(result, indent=2, sort_keys=True) if args.json else info.format_text(result))
+            # A checkpoint is data someone else may have written: its text is shown, never obeyed.
+            print(json.dumps(result, indent=2, sort_keys=True) if args.json else contract.printable(info.format_text(result)))
         elif args.command == "export":
             from trainer import export
 
@@ -180,11 +181,11 @@ def run_subcommand(argv: list[str]) -> int:
             if args.json:
                 print(json.dumps(result, indent=2, sort_keys=True))
             else:
-                print(f"exported {result['checkpoint']} as {result['format']} for {', '.join(result['engines'])} "
-                      f"({result['dtype']}, "
-                      f"{result['tensors']} tensors) to {result['out']}")
+                print(contract.printable(f"exported {result['checkpoint']} as {result['format']} for "
+                                         f"{', '.join(result['engines'])} ({result['dtype']}, "
+                                         f"{result['tensors']} tensors) to {result['out']}"))
                 for line in result["warnings"]:
-                    print(f"warning: {line}", file=sys.stderr)
+                    print(f"warning: {contract.printable(line)}", file=sys.stderr)
         else:
             import torch
 
@@ -210,19 +211,19 @@ def run_subcommand(argv: list[str]) -> int:
                                        on_prompt=keep)
             if args.out:
                 contract.atomic_write_text(args.out, eval_mod.report_json(report) + "\n")
-            print(eval_mod.report_json(report) if args.json else eval_mod.format_text(report))
+            print(eval_mod.report_json(report) if args.json else contract.printable(eval_mod.format_text(report)))
     except ConfigError as e:
-        print("error: " + "\nerror: ".join(e.problems), file=sys.stderr)
+        print(contract.printable("error: " + "\nerror: ".join(e.problems)), file=sys.stderr)
         return contract.EXIT_CONFIG_ERROR
     except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {contract.printable(e)}", file=sys.stderr)
         return contract.EXIT_CONFIG_ERROR
     except Exception as e:  # noqa: BLE001 - a message, not a traceback, unless asked for
         from trainer.data import DataError
 
         if os.environ.get("DFLASHCTL_DEBUG"):
             raise
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: {type(e).__name__}: {contract.printable(e)}", file=sys.stderr)
         return contract.EXIT_DATA_ERROR if isinstance(e, DataError) else contract.EXIT_CRASH
     return contract.EXIT_DONE
 

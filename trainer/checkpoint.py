@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from dflashctl.core import contract
 from dflashctl.core.contract import CHECKPOINT_DIR
 from trainer import serving
 
@@ -72,10 +73,9 @@ def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
 
 def _is_complete(path: str) -> bool:
     try:
-        with open(os.path.join(path, META), encoding="utf-8") as f:
-            meta = json.load(f)
-        return all(os.path.isfile(os.path.join(path, name)) for name in meta.get("files", []))
-    except (OSError, ValueError):
+        files = read_meta(path).get("files", [])
+        return isinstance(files, list) and all(os.path.isfile(os.path.join(path, str(name))) for name in files)
+    except serving.ConfigError:
         return False
 
 
@@ -96,14 +96,30 @@ def resolve_checkpoint(path: str) -> str:
     raise serving.ConfigError([f"{path}: not a checkpoint (no {META}) nor a run directory with a complete checkpoint"])
 
 
+MAX_META_BYTES = 64 << 20  # a meta.json is some KiB (config, RNG state, file list)
+
+
 def read_meta(ckpt: str) -> dict:
-    """A checkpoint's meta.json; ConfigError naming it when it is not a JSON object."""
+    """A checkpoint's meta.json; ConfigError naming it when it is not a JSON object,
+    is larger than MAX_META_BYTES or nests deeper than ``contract.MAX_DEPTH`` (a
+    checkpoint may come from anyone: nesting is bounded before it is parsed, never
+    a bare RecursionError)."""
     where = os.path.join(ckpt, META)
     try:
         with open(where, encoding="utf-8") as f:
-            meta = json.load(f)
+            text = f.read(MAX_META_BYTES + 1)
     except (OSError, ValueError) as e:
         raise serving.ConfigError([f"{where}: cannot be read as JSON: {e}"]) from None
+    if len(text) > MAX_META_BYTES:
+        raise serving.ConfigError([f"{where}: larger than {MAX_META_BYTES >> 20} MiB; a checkpoint's metadata is "
+                                   "some KiB"])
+    if contract.json_depth_exceeds(text):
+        raise serving.ConfigError([f"{where}: nests deeper than {contract.MAX_DEPTH} levels; a checkpoint's "
+                                   "metadata is a few levels deep"])
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise serving.ConfigError([f"{where}: cannot be read as JSON: {str(e)[:200]}"]) from None
     if not isinstance(meta, dict):
         raise serving.ConfigError([f"{where}: expected a JSON object, got {type(meta).__name__}"])
     return meta
@@ -167,8 +183,7 @@ def load(path: str, model, optimizer=None, scheduler=None, restore_rng: bool = T
 
     A drafter whose mask token id differs from the one the checkpoint was trained
     with is refused (ConfigError) before anything is restored."""
-    with open(os.path.join(path, META), encoding="utf-8") as f:
-        meta = json.load(f)
+    meta = read_meta(path)
     serving.check_resume(meta, model, path)
     state = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
     params = dict(model.named_parameters())

@@ -103,7 +103,16 @@ def _read_eval(transport: "Transport", run: Run, attempt: str) -> tuple[int | No
                           f"{fmt_bytes(EVAL_REPORT_BYTES)} of an evaluation report is read",
                           hint=f"look at {posixpath_join(run.run_dir, files.report)} on {run.host}: the trainer's "
                           "report is a few KiB")
-    return code, _json_report(text)
+    report = _json_report(text)
+    if report is not None:
+        try:
+            check_report(report, block_size_of(run))
+        except contract.ContractError as e:
+            raise LaunchError(f"the evaluation report {posixpath_join(run.run_dir, files.report)} on {run.host} is "
+                              f"refused: {e.reason}; nothing of it is stored",
+                              hint="the trainer's eval writes a tau between 1 and the block size: look at the file, "
+                                   "and at what else writes into the run directory") from None
+    return code, report
 
 
 def _prompt_line(report: dict[str, Any], row: dict[str, Any]) -> str:
@@ -169,6 +178,11 @@ def eval_run(run_id: str, store: Store, inventory: "Inventory", settings: "EvalS
             time.sleep(poll)
     except KeyboardInterrupt:
         stopped = "interrupted"
+    except LaunchError as e:  # a report refused: said, recorded, and its session ended
+        tmux.kill(session)
+        store.add_eval(run.id, clock(), error=str(e), attempt=attempt)
+        store.add_event(run.id, "eval", str(e), clock(), "warning")
+        raise
     if code is None:
         tmux.kill(session)
         keep(_read_eval(transport, run, attempt)[1], say if stopped != "interrupted" else quiet)  # written since the last look
@@ -216,6 +230,54 @@ def _eval_log_tail(transport: "Transport", run: Run, log: str) -> str:
 
 def _two(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, (int, float)) else "n/a"
+
+
+def check_report(report: dict[str, Any], block_size: int) -> dict[str, Any]:
+    """``report`` when every field the controller reads, says or stores has its type
+    and range (a host may write anything in eval.json): a tau, the run's or a
+    prompt's, in [1, block_size] (a verification step accepts at most the block);
+    counts non-negative integers. ``contract.ContractError`` naming the first that
+    does not."""
+    c = contract
+
+    def tau(value: Any, name: str) -> None:
+        if value is not None:
+            c.check_float(value, name, 1.0, float(block_size))
+
+    for name in ("prompts", "prompts_planned", "step"):
+        if report.get(name) is not None:
+            c.check_int(report[name], name)
+    tau(report.get("tau"), "tau")
+    if not isinstance(report.get("complete", False), bool):
+        raise c.ContractError(f"complete is not true or false ({str(report.get('complete'))[:40]!r})")
+    for name in ("speed", "training"):
+        if not isinstance(report.get(name) or {}, dict):
+            raise c.ContractError(f"{name} is not an object")
+    if (report.get("speed") or {}).get("speedup") is not None:
+        c.check_float(report["speed"]["speedup"], "speed.speedup", 0.0)
+    if (report.get("training") or {}).get("accept_len") is not None:
+        c.check_float(report["training"]["accept_len"], "training.accept_len", 0.0, float(block_size))
+    if report.get("stopped") is not None:
+        c.check_text(report["stopped"], "stopped", 200)
+    rows = report.get("per_prompt") or []
+    if not isinstance(rows, list):
+        raise c.ContractError("per_prompt is not a list")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise c.ContractError(f"per_prompt[{i}] is not an object")
+        for name in ("index", "new_tokens", "target_forwards"):
+            c.check_int(row.get(name, 0), f"per_prompt[{i}].{name}")
+        tau(row.get("tau"), f"per_prompt[{i}].tau")
+    return report
+
+
+def block_size_of(run: Run) -> int:
+    """The drafter's block as the run was launched with it (the trainer's default when not given)."""
+    from trainer.config import TrainerConfig
+
+    given = ((run.config or {}).get("trainer") or {}).get("model", {}).get("block_size")
+    return given if isinstance(given, int) and not isinstance(given, bool) and given > 0 else \
+        TrainerConfig().model.block_size
 
 
 def _json_report(text: str) -> dict[str, Any] | None:

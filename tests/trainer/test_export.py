@@ -125,6 +125,30 @@ def test_info_shows_the_metadata_as_text_and_json(trained, tmp_path):
     assert "predates this metadata" in cli("info", str(old)).stdout
 
 
+def test_info_shows_a_checkpoints_control_characters_and_refuses_deep_nesting(trained, tmp_path):
+    """A checkpoint is data someone else may have written: an escape sequence in its
+    metadata is shown, never obeyed by the terminal; metadata nested past
+    contract.MAX_DEPTH is refused with the file named, not a bare RecursionError."""
+    hostile = tmp_path / "step-00000004"
+    shutil.copytree(trained, hostile)
+    meta = meta_of(str(hostile))
+    meta["serving"]["target"]["model_type"] = "qwen3\x1b]0;owned\x07\x1b[2J\r\u202e"
+    (hostile / "meta.json").write_text(json.dumps(meta))
+    done = cli("info", str(hostile))
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\r" not in done.stdout and "\u202e" not in done.stdout
+    assert "qwen3\\x1b]0;owned\\x07\\x1b[2J\\x0d\\u202e" in done.stdout
+
+    deep = tmp_path / "deep" / "step-00000004"
+    shutil.copytree(trained, deep)
+    (deep / "meta.json").write_text('{"step": 4, "config": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    for args in (("info", str(deep)), ("info", str(deep.parent))):
+        done = cli(*args)
+        assert done.returncode == contract.EXIT_CONFIG_ERROR, done.stderr
+        assert "RecursionError" not in done.stderr
+    assert f"{deep}/meta.json: nests deeper than {contract.MAX_DEPTH} levels" in cli("info", str(deep)).stderr
+
+
 def test_info_names_a_missing_checkpoint(tmp_path):
     done = cli("info", str(tmp_path))
     assert done.returncode == contract.EXIT_CONFIG_ERROR and "not a checkpoint" in done.stderr
