@@ -105,7 +105,8 @@ def _reads(sup, store, inventory, run, work: Path) -> dict[str, str]:
                 "sha256": hashlib.sha256(data).hexdigest()}
     artifact = work / "artifact.bin"
     artifact.write_bytes(data)
-    receiver = compile_cache.LocalCache(str(work / "cache")).receiver(manifest, {"domain": "bench"})
+    cache = compile_cache.LocalCache(str(work / "cache"))
+    receiver = cache.receiver(manifest, {"domain": cache.domain_of(transport).id})
 
     def copy_back():
         try:
