@@ -128,8 +128,9 @@ def export_problems(serving: dict, fmt: str, engines: tuple = ()) -> list[str]:
         problems.append(f"target layer ids {ids} are not layers of the {layers}-layer target")
     if fmt == "speculators" and layers is not None and any(i + 1 >= layers for i in ids):
         problems.append(
-            f"target layer ids {ids}: speculators number them +1 and reserve hidden state {layers} (the last "
-            "layer) for the verifier; a drafter reading the last layer cannot be written in that layout"
+            f"target layer ids {ids}: speculators reads aux_hidden_state_layer_ids (id + 1) as Hugging Face "
+            f"hidden_states, and hidden_states[{layers}] is the last layer's output after the final norm; the trainer "
+            "captured it before the norm, so the drafter would get other features"
         )
     return problems
 

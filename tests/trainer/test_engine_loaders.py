@@ -245,3 +245,43 @@ def test_the_demo_target_catches_a_wrong_layer_numbering(tmp_path_factory, tmp_p
     config["dflash_config"]["target_layer_ids"] = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
     (out / "config.json").write_text(json.dumps(config))
     assert (zlab_logits(out, loaded, ids, ANCHORS) - ours).abs().max() > 1e-2
+
+
+def test_zlabs_decode_loop_on_the_export_accepts_what_the_trainers_eval_accepts(tmp_path_factory, tmp_path):
+    """z-lab's own speculative decoding (dflash_generate: its draft KV cache, its masks)
+    with the exported drafter: the same tokens as the trainer's eval decoding, and the
+    same tokens accepted at every verification step."""
+    from trainer import restore
+    from trainer.speculative import speculative_generate
+
+    run_dir = tmp_path_factory.mktemp("decode") / "run"
+    raw = run_config(model={"preset": "tiny-cycle"}, train={"steps": 30}, optim={"lr": 1e-2, "warmup_frac": 0.0},
+                     data={"synthetic_samples": 32,  # the target writes the responses: the drafter learns some
+                           "regenerate": {"source": "synthetic", "max_new_tokens": 48, "batch_size": 8}})
+    assert train(run_dir, raw) == contract.EXIT_DONE
+    loaded = restore.load(latest(run_dir))
+    out = tmp_path / "zlab"
+    export(loaded, out, "--engine", "zlab")
+    zlab = zlab_model()
+    model = zlab.DFlashDraftModel.from_pretrained(str(out)).eval()
+    starts = []  # the first position of every target forward z-lab makes: the prefill, then each verification
+
+    def record(module, args, kwargs):
+        starts.append(int(kwargs["position_ids"][0, 0]))
+
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(3):
+        prompt = torch.randint(1, loaded.target.vocab_size - 1, (1, 24), generator=g)
+        starts.clear()
+        hook = loaded.target.model.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            theirs = zlab.dflash_generate(model, loaded.target.model, prompt, 40, None, 0.0)[0, 24:].tolist()
+        finally:
+            hook.remove()
+        produced = [b - a for a, b in zip(starts[1:], starts[2:])]  # [0] is the prefill
+        ours = speculative_generate(loaded.target, loaded.drafter, prompt[0].tolist(), 40)
+        assert theirs == ours.tokens
+        assert produced == [a + 1 for a in ours.accepted][:len(produced)] and len(produced) >= len(ours.accepted) - 1
+        steps += produced
+    assert max(steps) > 2 and min(steps) < max(steps)  # drafts partly accepted: the comparison sees acceptance

@@ -125,3 +125,13 @@ def test_zlab_reads_is_causal_false_for_a_bidirectional_sliding_drafter():
     serving = stub("bidirectional", 5, 4096)
     assert engine_keys(serving, "zlab") == {"is_causal": False} and engine_problems(serving, "zlab") == []
     assert engine_keys(stub("causal_in_block", 5, 4096), "zlab") == {}
+
+
+def test_a_drafter_reading_the_last_layer_is_refused_for_speculators_with_the_reason():
+    from trainer.export import export_problems
+
+    serving = {**stub("causal_in_block", 4096, 4096, types=("full",)), "mask_token_id": 5,
+               "target": {"num_hidden_layers": 8, "vocab_size": 512}, "target_layer_ids": [1, 7]}
+    problems = export_problems(serving, "speculators", ("speculators",))
+    assert len(problems) == 1 and "hidden_states[8] is the last layer's output after the final norm" in problems[0]
+    assert export_problems({**serving, "target_layer_ids": [1, 5]}, "speculators", ("speculators",)) == []

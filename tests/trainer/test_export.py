@@ -243,6 +243,23 @@ def test_export_then_import_gives_identical_logits(trained, loaded, tmp_path, dt
     assert not torch.equal(block_logits(other, loaded.target, ids, [3]), block_logits(fresh, loaded.target, ids, [3]))
 
 
+def test_hugging_faces_last_hidden_state_is_after_the_final_norm_and_the_trainers_features_before(loaded):
+    """Why an export that reads the target's last layer is refused for speculators (its
+    aux ids index Hugging Face's hidden_states): that entry is normed, the trainer's is not."""
+    target = loaded.target
+    ids = sequence(target, length=12)
+    captured = {}
+    hook = target.model.model.layers[-1].register_forward_hook(
+        lambda m, a, out: captured.setdefault("last", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            hidden = target.model(ids, output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    assert torch.allclose(hidden[-1], target.model.model.norm(captured["last"]))
+    assert not torch.allclose(hidden[-1], captured["last"])
+
+
 def test_tensor_names_map_one_to_one(loaded):
     from trainer.export import dflash_name, trainer_name
 
