@@ -656,20 +656,21 @@ def start_supervisor(run_id: str, foreground: bool, store: Store, inventory: "In
                      progress: Progress | None = None, *, inventory_path: str | None = None,
                      playbooks_dir: str | None = None, emit: Callable[[str], None] | None = None,
                      clock: Callable[[], float] = time.time, stop: threading.Event | None = None,
-                     environ: dict[str, str] | None = None) -> str | None:
+                     environ: dict[str, str] | None = None, width: int | None = None) -> str | None:
     """Supervise a launched run.
 
     Background (default): ``dflashctl watch RUN`` in a local tmux session
     ``watch-<run_id>`` on the dflash socket; returns the session name.
     Foreground: the supervisor in this process until the run ends (or ``stop`` is
-    set), printing its events and metrics lines; returns the run's state then.
+    set), printing its events and metrics lines (fitted to ``width`` when given:
+    ``console.format_line``); returns the run's state then.
     ``environ``: where the forwarded variables are read (default ``os.environ``; the
     status console passes its own store's path)."""
     say = progress or quiet
     if foreground:
         from dflashctl.supervise.console import follow
 
-        return follow(run_id, store, inventory, emit or print, playbooks_dir=playbooks_dir, stop=stop)
+        return follow(run_id, store, inventory, emit or print, playbooks_dir=playbooks_dir, stop=stop, width=width)
     argv = [sys.executable, "-m", "dflashctl"]
     if inventory_path:
         argv += ["--inventory", os.path.abspath(inventory_path)]
@@ -739,7 +740,8 @@ class Supervised:
 
 def supervise_here(run_id: str, store: Store, inventory: "Inventory", signals: HandOverSignals,
                    progress: Progress | None = None, *, emit: Callable[[str], None] | None = None,
-                   inventory_path: str | None = None, playbooks_dir: str | None = None) -> Supervised:
+                   inventory_path: str | None = None, playbooks_dir: str | None = None,
+                   width: int | None = None) -> Supervised:
     """``launch --foreground``: supervise the run in this process until it ends. A
     signal noted by ``signals`` (before or while following) ends the follow after
     the tick in progress, and the run, released by this process, goes to a
@@ -748,7 +750,7 @@ def supervise_here(run_id: str, store: Store, inventory: "Inventory", signals: H
         signals.following = True
         try:
             state = start_supervisor(run_id, True, store, inventory, progress, playbooks_dir=playbooks_dir,
-                                     emit=emit, stop=signals.stop)
+                                     emit=emit, stop=signals.stop, width=width)
         except KeyboardInterrupt:  # the second Ctrl-C
             signals.received = signals.received or signal.SIGINT.name
         finally:

@@ -19,7 +19,7 @@ from typing import Optional
 import typer
 from rich.text import Text
 
-from dflashctl.commands._app import G, app, err, out, parse_duration_option, printable
+from dflashctl.commands._app import G, app, err, out, parse_duration_option, printable, stream_width
 
 
 def _inventory():
@@ -51,12 +51,9 @@ def _say(console, text: str, **options) -> None:
 
 
 def _say_record(line: str) -> None:
-    """One record of a stream (an event, a metrics line) as one line: cut to the
-    terminal's width, whole when piped (``stream_width``)."""
-    from dflashctl.commands._app import stream_width
-    from dflashctl.core.terminal import one_line
-
-    _say_text(Text(one_line(line, stream_width(sys.stdout))))
+    """One record of a stream (an event, a metrics line), fitted to the terminal's
+    width already (``console.format_line``), whole when piped (``stream_width``)."""
+    _say_text(Text(line))
 
 
 def _progress(as_json: bool):
@@ -111,7 +108,7 @@ def launch_command(
                 _say(err, f"following {result.run_id} (Ctrl-C detaches; the run keeps going)")
                 supervised = supervise_here(result.run_id, store, inventory, signals, show,
                                             emit=_say_record, inventory_path=G.inventory,
-                                            playbooks_dir=G.playbooks)
+                                            playbooks_dir=G.playbooks, width=stream_width(sys.stdout))
                 supervisor, final = supervised.session or supervised.state, supervised.state
                 if supervised.session:
                     run = shlex.quote(result.run_id)
@@ -414,7 +411,6 @@ def events_command(
     a message's line breaks are shown as ⏎; on a terminal (or with COLUMNS set) a
     line is cut to the width, and `--json` has every event whole (id, run_id, time,
     kind, severity, message, detail)."""
-    from dflashctl.commands._app import stream_width
     from dflashctl.core.terminal import one_line
 
     store = _store()
