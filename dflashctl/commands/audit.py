@@ -43,7 +43,8 @@ def env_audit_command(
     another CUDA major than torch's, libraries installed twice at other versions,
     stray inference stacks. Fixes are exact commands for the host's python, checked
     never to delete a file torch needs. Exit code 0 clean, 1 warnings, 2 errors,
-    3 the audit could not run."""
+    3 the audit could not run (an unknown playbook or host included: 2 means errors
+    found)."""
     from dflashctl.config import load_inventory
     from dflashctl.envaudit import EXIT_NOT_RUN, audit_target, failed_document
 

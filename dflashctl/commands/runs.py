@@ -77,7 +77,7 @@ def _progress(as_json: bool):
 @app.command("launch")
 def launch_command(
     playbook: str = typer.Argument(..., help="Playbook name (see playbooks/) or path to a playbook YAML."),
-    foreground: bool = typer.Option(False, "--foreground", help="Supervise here, printing events and metrics until the run ends; exit code 1 if it fails. Ctrl-C, SIGTERM and SIGHUP (terminal closed) hand it to a background supervisor."),
+    foreground: bool = typer.Option(False, "--foreground", help="Supervise here, printing events and metrics until the run ends; exit code 1 if it fails. Ctrl-C, SIGTERM and SIGHUP (terminal closed) hand it to a background supervisor: exit code 130."),
     no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
     force: bool = typer.Option(False, "--force", help="Launch despite env-audit errors or busy / claimed GPUs."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print every step and remote command; change nothing. "
@@ -102,7 +102,7 @@ def launch_command(
     # From the start: a terminal closed while the run is being started still leaves it supervised.
     with HandOverSignals() if foreground and not dry_run else contextlib.nullcontext() as signals:
         result = launch_run(pb, inventory, store, force=force, dry_run=dry_run, progress=show)
-        supervisor, final = None, result.state
+        supervisor, final, handed_over = None, result.state, False
         if not dry_run and not no_watch and result.state not in FINAL_STATES:
             if foreground:
                 _say(err, f"following {result.run_id} (Ctrl-C detaches; the run keeps going)")
@@ -110,6 +110,7 @@ def launch_command(
                                             emit=_say_record, inventory_path=G.inventory,
                                             playbooks_dir=G.playbooks, width=stream_width(sys.stdout))
                 supervisor, final = supervised.session or supervised.state, supervised.state
+                handed_over = supervised.session is not None
                 if supervised.session:
                     run = shlex.quote(result.run_id)
                     _say(err, f"detached ({supervised.signal}); the run goes on, supervised in local tmux session "
@@ -123,6 +124,8 @@ def launch_command(
         _say(out, result.run_id)
     if FAILED in (result.state, final):  # failed to start, or (followed to its end) failed
         raise typer.Exit(1)
+    if handed_over:  # Ctrl-C (or SIGTERM, SIGHUP) ended the follow: interrupted, the run goes on
+        raise typer.Exit(130)
     if dry_run and result.blocked:  # a gate: a playbook that cannot launch fails its dry run
         _say(err, f"dry run: a launch would stop at {result.blocked} error(s) (exit 1)")
         raise typer.Exit(1)

@@ -37,7 +37,8 @@ def watch_command(
     slowdowns and unreachable hosts, restarts per the playbook's policy, alerts,
     and records everything in the store. One line per event, in time order, at any
     width (cut to a terminal's, whole when piped; `--json`: one JSON object per
-    line). Ctrl-C (or SIGTERM) stops watching; the runs go on."""
+    line). Ctrl-C (or SIGTERM, SIGHUP) stops watching, exit code 130; the runs go on.
+    Exit code 2 for a target that is no run or playbook."""
     from dflashctl.config import load_inventory
     from dflashctl.core.errors import ConfigError
     from dflashctl.core.paths import store_path
@@ -86,9 +87,9 @@ def watch_command(
             SEVERITIES.index(f.severity) >= SEVERITIES.index("error") for fs in report.findings.values() for f in fs
         )
         raise typer.Exit(1 if bad else 0)
-    if stop.is_set():
+    if stop.is_set():  # Ctrl-C, SIGTERM or SIGHUP: interrupted (130); the runs go on
         emit("info", "stopped watching; the runs go on")
-        return
+        raise typer.Exit(130)
     states = {w.id: w.run.state for w in sup.runs.values()}
     emit("info", "nothing left to watch: " + ", ".join(f"{r} {s}" for r, s in states.items()))
     raise typer.Exit(0 if all(s in (DONE, STOPPED) for s in states.values()) else 1)

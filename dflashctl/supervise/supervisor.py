@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from dflashctl.core import contract
-from dflashctl.core.errors import DflashError, StoreError, first_line
+from dflashctl.core.errors import ConfigError, DflashError, StoreError, first_line
 from dflashctl.core.states import FINAL_STATES, LOST, RESTARTING, RUNNING, more_severe
 from dflashctl.hosts.parsers import read_metrics_chunk
 from dflashctl.hosts.probe import (
@@ -899,8 +899,8 @@ def resolve_targets(sup: Supervisor, targets: Sequence[str]) -> None:
             sup.attach(target)
         except SupervisorConflict:
             raise
-        except DflashError as e:
-            raise DflashError(f"no run or playbook named '{target}'",
+        except ConfigError as e:  # no such run: bad input (exit 2)
+            raise ConfigError(f"no run or playbook named '{target}'",
                               hint=f"{first_line(e)}; `dflashctl runs` lists runs, playbooks/ holds playbooks",
                               ) from None
 

@@ -28,7 +28,7 @@ def test_watch_ends_cleanly_on_sigint_and_releases_the_run(local_env, tmp_path):
         wait_for(lambda: (store.get_run(run_id).supervisor or {}).get("pid") == proc.pid, 30, "the watch to claim the run")
         wait_for(lambda: store.get_run(run_id).state == "running", 30, "the run seen running")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        assert proc.wait(30) == 130  # interrupted; the run goes on
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -445,7 +445,7 @@ def test_watch_once_prints_json_events_and_records_samples(local_env):
         plain = _cli(["-i", str(local_env.inventory_path), "watch", run_id[:-1], "--once", "--interval", "1s"], env)
         assert plain.returncode == 0 and plain.stdout.startswith(f"{run_id}  launching (training)  step "), plain.stdout
         missing = _cli(["-i", str(local_env.inventory_path), "watch", "no-such-thing", "--once"], env)
-        assert missing.returncode != 0 and "no run or playbook named 'no-such-thing'" in missing.stderr
+        assert missing.returncode == 2 and "no run or playbook named 'no-such-thing'" in missing.stderr
         assert "Traceback" not in missing.stderr
     finally:
         local_env.tmux.kill(run_id)

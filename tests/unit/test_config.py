@@ -146,6 +146,9 @@ def test_prod_playbook(gpu_inventory):
     assert (t.placement.device, t.placement.target, t.placement.drafter) == ("cuda", [0, 1, 2, 3, 4], [5, 6, 7])
     assert t.model.path == "/models/Qwen3-8B" and t.model.preset is None
     assert t.data.buckets == [1024, 2048, 3072]
+    # Its data written by its own target before training, as the docs say a run's must be.
+    assert t.data.shards is None and t.data.regenerate.source == "/data/dflash/qwen3-8b/shards"
+    assert t.data.regenerate.out.startswith("/data/") and prod.expect.learn_after_steps == 500
     assert t.optim.lr == pytest.approx(6e-4)  # YAML 1.1 would have read '6e-4' as text
     assert t.compile.enabled == "on"  # ... and `on` as true
     assert prod.expect.baseline_tok_s == 12800 and prod.expect.max_eta == 7 * 86400
