@@ -71,3 +71,13 @@ def matching(items: Sequence[Any], text: str, words_of: Callable[[Any], str]) ->
 def filter_events(events: Sequence[EventView], text: str) -> list[EventView]:
     """Events whose time, severity, class or message contains every word of ``text``."""
     return matching(events, text, lambda e: " ".join(e.cells()))
+
+
+FEED = 500  # the newest events of every run the feed across runs lists
+
+
+def feed(store: Any, limit: int = FEED) -> list[EventView]:
+    """The newest ``limit`` events of every run (and of no run: a supervisor's, the
+    store's), oldest first, as the console's feed across runs lists them."""
+    return [EventView.from_event(e) for e in store.events(limit=limit)]
+

@@ -100,6 +100,7 @@ class StatusApp(App):
         Binding("slash", "filter", "Filter", key_display="/", priority=True),
         Binding("s", "sort", "Sort"),
         Binding("e", "events", "Events"),
+        Binding("E", "feed", "All events", key_display="E", show=False),
         Binding("l", "logs", "Logs"),
         Binding("x", "stop_run", "Stop"),
         Binding("r", "restart_run", "Restart"),
@@ -420,6 +421,11 @@ class StatusApp(App):
     def action_events(self) -> None:
         self._detail("events")
 
+    def action_feed(self) -> None:
+        from dflashctl.tui.screens import FeedScreen
+
+        self.push_screen(FeedScreen())
+
     def action_logs(self) -> None:
         self._detail("log")
 
@@ -442,7 +448,7 @@ class StatusApp(App):
     def action_restart_run(self) -> None:
         self._confirm("restart")
 
-    MAIN_ONLY = ("filter", "sort", "events", "logs", "back")  # keys of the runs screen
+    MAIN_ONLY = ("filter", "sort", "events", "feed", "logs", "back")  # keys of the runs screen
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Which of the app's keys work where: read-only, the stop / restart keys are gone

@@ -33,7 +33,8 @@ KEYS = [
     ("↑ ↓  PgUp PgDn", "move between runs; the panels below follow the cursor"),
     ("Home / End", "first / last run"),
     ("Enter", "the run's detail: overview, history charts, thresholds, environment"),
-    ("e", "the run's events, each with its class; Enter on one shows it in full with the trainer's first error line"),
+    ("e / E", "the run's events, each with its class (Enter on one: in full, with the trainer's first error line) / "
+              "the events of every run"),
     ("l", "the log, followed: scroll up pauses (End follows), t wrap, h earlier, / m n N find"),
     ("a / w", "attach to its tmux session (popup, split or here; several hosts: a digit picks the rank) / "
               "start a supervisor (asks)"),
@@ -174,6 +175,107 @@ class EventScreen(ModalScreen[None]):
 
     def action_close(self) -> None:
         self.dismiss(None)
+
+
+class FeedScreen(Screen):
+    """The events of every run, newest at the bottom (``E``), read again on the
+    console's interval in a worker: what happened across runs in one place. ``/``
+    filters them (run, time, severity, class, message), Enter shows one in full,
+    Esc goes back."""
+
+    DEFAULT_CSS = """
+    #feed-title { height: 1; background: $boost; padding: 0 1; }
+    #feed { height: 1fr; }
+    """
+    BINDINGS = [
+        Binding("escape", "back", "Back"),
+        Binding("slash", "filter", "Filter", key_display="/", priority=True),
+        Binding("q", "app.quit", "Quit", show=False),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[EventView] = []
+        self.filter_text = ""
+        self.loads = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="feed-title")
+        yield FilterBox(placeholder="filter the events: words in run, class, message (Enter keeps, Esc clears)",
+                        id="feed-filter")
+        yield EventsTable(with_run=True, id="feed")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.set_focus(self.query_one(EventsTable))
+        self.reload()
+        self.set_interval(self.app.interval, self.reload)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        return not (action == "filter" and isinstance(self.focused, FilterBox))
+
+    def reload(self) -> None:
+        self.load()
+
+    @work(thread=True, exclusive=True, group="feed")
+    def load(self) -> None:
+        from dflashctl.status.events import feed
+
+        app = self.app
+        try:
+            events = feed(app.reader.store)
+        except DflashError as e:
+            app.call_from_thread(app.notify, first_line(e), severity="error", timeout=10)
+            return
+        finally:
+            app.reader.store.close()
+        if not get_current_worker().is_cancelled:
+            app.call_from_thread(self.show, events)
+
+    def show(self, events: list[EventView]) -> None:
+        self.events = events
+        shown = filter_events(events, self.filter_text)
+        title = Text.assemble(("events of every run", "bold"), f" · the newest {len(events):,}",
+                              (f" · filter '{self.filter_text}' ({len(shown):,})" if self.filter_text else "", "cyan"),
+                              ("   Enter: one in full · / filter · Esc back", "dim"))
+        self.query_one("#feed-title", Static).update(title)
+        self.query_one(EventsTable).show(shown)
+        self.loads += 1
+
+    def action_filter(self) -> None:
+        self.query_one(FilterBox).open()
+
+    def action_back(self) -> None:
+        box = self.query_one(FilterBox)
+        if box.shown or self.filter_text:
+            box.close()
+            self.filter_text = ""
+            self.set_focus(self.query_one(EventsTable))
+            self.show(self.events)
+            return
+        self.app.pop_screen()
+
+    def on_key(self, event) -> None:
+        if event.key == "escape" and self.focused is self.query_one(FilterBox):
+            event.stop()
+            self.action_back()
+
+    def on_input_changed(self, message: FilterBox.Changed) -> None:
+        message.stop()
+        self.filter_text = message.value.strip()
+        self.show(self.events)
+
+    def on_input_submitted(self, message: FilterBox.Submitted) -> None:
+        message.stop()
+        self.query_one(FilterBox).close(clear=not self.filter_text)
+        self.set_focus(self.query_one(EventsTable))
+
+    def on_data_table_row_selected(self, message) -> None:
+        if message.row_key is not None:
+            message.stop()
+            event = self.query_one(EventsTable).event_at(message.row_key.value)
+            if event is not None:
+                self.app.push_screen(EventScreen(event))
 
 
 class DetailScreen(Screen):

@@ -147,14 +147,17 @@ class RunsTable(DataTable):
 
 
 class EventsTable(DataTable):
-    """A run's events, newest at the bottom, each with its class; Enter opens one
-    in full (``screens.EventScreen``)."""
+    """Events, newest at the bottom, each with its class (and its run, ``with_run``:
+    the feed across runs); Enter opens one in full (``screens.EventScreen``). A read
+    that brings the same events changes nothing on screen."""
 
     BINDINGS = [*VI_KEYS, Binding("g", "scroll_top", show=False), Binding("G", "scroll_bottom", show=False)]
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, with_run: bool = False, **kw) -> None:
         super().__init__(cursor_type="row", zebra_stripes=True, **kw)
+        self.with_run = with_run
         self.events: list[EventView] = []
+        self._shown: list[tuple[int, str]] | None = None
 
     def event_at(self, key: str) -> EventView | None:
         try:
@@ -163,18 +166,25 @@ class EventsTable(DataTable):
             return None
 
     def on_mount(self) -> None:
+        if self.with_run:
+            self.add_column("run", key="run")
         self.add_column("time", key="time")
         self.add_column("severity", key="severity")
         self.add_column("class", key="class")
         self.add_column("message", key="message")
 
     def show(self, events: list[EventView]) -> None:
+        shown = [(e.id, e.message) for e in events]
+        if shown == self._shown:
+            return
+        self._shown = shown
         at_end = self.cursor_row >= self.row_count - 1
         self.events = list(events)
         self.clear()
         for i, e in enumerate(events):
             time_text, severity, kind, message = e.cells()
-            self.add_row(time_text, Text(severity, style=SEVERITY_STYLE.get(severity, "")), kind, message, key=str(i))
+            cells = [time_text, Text(severity, style=SEVERITY_STYLE.get(severity, "")), kind, message]
+            self.add_row(*([e.run_id or "-"] if self.with_run else []), *cells, key=str(i))
         if events and at_end:
             self.move_cursor(row=len(events) - 1, animate=False)
 

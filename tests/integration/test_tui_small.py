@@ -173,3 +173,31 @@ def test_once_shows_a_run_nobody_watches_as_its_row_in_the_console_does(tmp_path
     finally:
         trainer.kill()
         trainer.wait()
+
+
+def test_E_lists_the_events_of_every_run_and_slash_filters_them(tmp_path):
+    from dflashctl.tui.screens import EventScreen, FeedScreen
+
+    store = build("healthy", tmp_path)
+    store.add_event(DEMO, "note", "demo's own event", NOW - 20)
+    store.add_event(PROD, "note", "prod's own event", NOW - 10)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(160, 40)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("E")
+            await until(pilot, lambda: isinstance(app.screen, FeedScreen) and app.screen.loads, "the feed")
+            table = app.screen.query_one("#feed")
+            runs = {str(table.get_row_at(i)[0]) for i in range(table.row_count)}
+            assert {DEMO, PROD} <= runs
+            assert str(table.get_row_at(table.row_count - 1)[4]) == "prod's own event"  # newest at the bottom
+            await pilot.press("slash", *"demo's", "enter")
+            await pilot.pause()
+            assert table.row_count == 1 and str(table.get_row_at(0)[0]) == DEMO and app.focused is table
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, EventScreen), "the event in full")
+            await pilot.press("escape", "escape", "escape")
+            await until(pilot, lambda: not isinstance(app.screen, (EventScreen, FeedScreen)), "back")
+
+    run(scenario())
