@@ -39,7 +39,7 @@ class Limit:
     stderr: int = STDERR_BYTES
 
 
-COMMAND = Limit("a command", 16 << 20)
+COMMAND = Limit("a command", 4 << 20)
 FACTS = Limit("`check` (host facts)", 4 << 20)
 LOG = Limit("a log read", 8 << 20)
 METRICS_TAIL = Limit("a metrics read", 8 << 20)
