@@ -299,3 +299,23 @@ def test_stop_records_the_step_the_trainer_reached(tmp_path):
             server = Tmux(inventory.get("local"), inventory, socket).server_pid()
             if server:
                 os.kill(server, 15)
+
+
+def test_an_unsupervised_runs_phase_is_the_same_in_its_row_and_its_detail(tmp_path):
+    """Defect: a run nobody supervises read `compiling (probed)` in its row and
+    `starting 0 s / 10 m` in its detail: both now say what the console's own probe saw
+    (``RunView.phase_text``), or the phase last recorded with a `?`."""
+    from dflashctl.status.runs import DirectProbe
+    from dflashctl.tui.text import run_text
+
+    store = Store(str(tmp_path / "runs.db"))
+    now = time.time()
+    run = store.create_run("demo", "local", {}, now - 60, run_dir=str(tmp_path / "run"))
+    store.transition(run.id, "running", "trainer started (pid 42, phase starting)", now - 50)
+    [view] = [r for r in load_status(store, now).runs if r.id == run.id]
+    assert not view.freshness.supervised
+    assert view.cell("phase") == "starting?" and "phase starting?" in run_text(view, [], 160, now).plain
+    view.probe = DirectProbe(now, session_alive=True, trainer_alive=True, phase="compiling", step=None)
+    shown = run_text(view, [], 160, now).plain
+    assert view.cell("phase") == "compiling (probed)" and "phase compiling (probed)" in shown
+    assert "starting" not in shown.split("phase ", 1)[1].split("·")[0]

@@ -170,6 +170,11 @@ def test_once_shows_a_run_nobody_watches_as_its_row_in_the_console_does(tmp_path
         row = next(line for line in out.splitlines() if line.startswith(DEMO))
         assert "unsupervised" in row and "training (probed)" in row and "812 (probed)" in row, out
         assert "starting" not in row
+        # Its detail says the same phase as its row (one phase for a run everywhere it is shown).
+        detail = cli.invoke("--inventory", str(inventory), "status", DEMO, "--once", columns=220,
+                            env={"DFLASHCTL_STORE": store.path})
+        assert detail.returncode == 0, detail.stderr
+        assert "training (probed)" in detail.stdout and "starting" not in detail.stdout, detail.stdout
     finally:
         trainer.kill()
         trainer.wait()
