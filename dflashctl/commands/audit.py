@@ -30,8 +30,13 @@ def env_audit_command(
     deep: bool = typer.Option(False, "--deep", help="Also `import torch` on the host, in a subprocess with a "
                                                     "timeout: its real version, CUDA and the libraries it maps."),
     apply: bool = typer.Option(False, "--apply", help="Run the plan on the host, one step at a time, auditing "
-                                                      "again after each: a step that fails or leaves more errors "
-                                                      "is undone and nothing after it runs."),
+                                                      "again after each (the trainer's imports tried too): a step "
+                                                      "that fails, makes an import or a version of torch's and the "
+                                                      "trainer's packages worse, or leaves more errors is undone "
+                                                      "and nothing after it runs."),
+    wheels: str = typer.Option(None, "--wheels", metavar="DIR",
+                               help="A directory on the host holding the wheels the plan installs (carried to a "
+                                    "host with no index): the plan fetches from it instead of an index."),
 ) -> None:
     """Find what in a host's trainer environment would break a run, and how to fix it.
 
@@ -49,7 +54,7 @@ def env_audit_command(
     from dflashctl.envaudit import EXIT_NOT_RUN, audit_target, failed_document
 
     if apply:
-        _apply(target, parse_duration_option(timeout, "--timeout"), as_json)
+        _apply(target, parse_duration_option(timeout, "--timeout"), as_json, wheels)
     store = _store()
     try:
         report = audit_target(target, load_inventory(G.inventory), G.playbooks, timeout=parse_duration_option(timeout, "--timeout"), deep=deep,
@@ -60,6 +65,7 @@ def env_audit_command(
             raise typer.Exit(EXIT_NOT_RUN) from None
         fail(e)
         raise typer.Exit(EXIT_NOT_RUN) from None
+    report.wheels_from = wheels
     if store is not None:
         _record(store, report)
     if as_json:
@@ -69,29 +75,34 @@ def env_audit_command(
     raise typer.Exit(report.exit_code)
 
 
-def _apply(target: str, timeout: float, as_json: bool) -> None:
+def _apply(target: str, timeout: float, as_json: bool, wheels: str | None = None) -> None:
     """--apply: run the plan, say each step, exit with the last audit's code (3 when it stopped)."""
     from dflashctl.config import load_inventory
     from dflashctl.envaudit import EXIT_NOT_RUN
     from dflashctl.envaudit.apply import apply_plan
 
     marks = {"step": "[bold]run[/]   ", "ok": "[green]ok[/]    ", "failed": "[bold red]failed[/]",
-             "restored": "[yellow]undone[/]"}
+             "restored": "[yellow]undone[/]", "backups": "[dim]backups[/]"}
     say = (lambda kind, text: None) if as_json else \
         (lambda kind, text: out.print(f"{marks[kind]} {escape(text)}", highlight=False, soft_wrap=True))
     try:
-        done = apply_plan(target, load_inventory(G.inventory), G.playbooks, timeout=timeout, progress=say)
+        done = apply_plan(target, load_inventory(G.inventory), G.playbooks, timeout=timeout, progress=say,
+                          wheels_from=wheels)
     except DflashError as e:
         fail(e)
         raise typer.Exit(EXIT_NOT_RUN) from None
     if as_json:
         print(json.dumps({"applied": done.ran, "stopped": done.stopped, "why": done.why, "restored": done.restored,
+                          "backups": done.backups, "backups_left": done.backups_left,
                           "after": done.after.to_dict()}, indent=2))
     elif done.ok:
         _print(done.after)
     else:
         out.print(f"[bold red]stopped[/] at {escape(done.stopped or '')}: {escape(done.why or '')}; nothing after "
                   "it ran", highlight=False, soft_wrap=True)
+    if done.backups_left:
+        out.print(f"[yellow]backups kept[/] in {escape(done.backups_left)} on the host (remove it by hand once the "
+                  "environment is right)", highlight=False, soft_wrap=True)
     raise typer.Exit(done.after.exit_code if done.ok else EXIT_NOT_RUN)
 
 

@@ -55,6 +55,7 @@ from dflashctl.envaudit.snapshot import (
     Dist,
     LibEntry,
     LoadedLib,
+    LoaderFile,
     ModuleSpec,
     PathEntry,
     PthFile,
@@ -79,7 +80,7 @@ from dflashctl.envaudit.stack import (
 
 __all__ = [
     "ASKED_MODULES", "CODES", "DEFAULT_TIMEOUT", "EXIT_NOT_RUN", "LIB_PREFIXES", "SCHEMA", "TRAINER_MODULES",
-    "TRAINER_ROOTS", "AuditReport", "Dist", "Finding", "Fixer", "IgnoreRule", "LibEntry", "LoadedLib", "ModuleSpec",
+    "TRAINER_ROOTS", "AuditReport", "Dist", "Finding", "Fixer", "IgnoreRule", "LibEntry", "LoadedLib", "LoaderFile", "ModuleSpec",
     "PathEntry", "Policy", "PthFile", "Removal", "ReqCheck", "SharedFiles", "Snapshot", "TorchBuild", "Unmet",
     "audit", "audit_command", "audit_host", "audit_target", "collect", "collector_argument", "component",
     "cuda_major", "drift_since_good_run", "exit_code", "failed_document", "last_good_run", "parse_ldconfig",

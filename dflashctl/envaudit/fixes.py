@@ -32,6 +32,8 @@ from dflashctl.envaudit.snapshot import Dist, Snapshot
 # A local version label that only PyTorch's own index serves (torch 2.7.1+cu128).
 _PYTORCH_LABEL = re.compile(r"^(cu\d+|cpu|rocm[\d.]+|xpu)$")
 PYTORCH_INDEX = "https://download.pytorch.org/whl/{label}"
+# A package's __init__.py, or its compiled copy (pip compiles on install and lists it in the RECORD).
+_INIT = re.compile(r"/(?:__init__\.py|__pycache__/__init__\.[\w-]+\.pyc)$")
 
 
 def index_args(version: str) -> list[str]:
@@ -69,9 +71,25 @@ class Removal:
 
 def only_inits(group) -> bool:
     """A group of shared files that are all package ``__init__.py`` files (what every
-    wheel of a namespace like ``nvidia`` lists): deleting them changes no import,
+    wheel of a namespace like ``nvidia`` lists, and their compiled copies): deleting them changes no import,
     so sharing them is no reason to detach instead of uninstalling."""
-    return group.count == len(group.paths) and all(p.endswith("/__init__.py") for p in group.paths)
+    return group.count == len(group.paths) and all(_INIT.search(p) for p in group.paths)
+
+
+def pip_problem(snapshot: Snapshot) -> str | None:
+    """Why this python's pip cannot run a fix: "missing" (not installed: a venv
+    made by uv or --without-pip), the reason it is broken (its dist-info is there
+    but its package is gone, or its code fails to import, --deep), or None."""
+    if not snapshot.asked or "pip" not in snapshot.modules:
+        return None
+    listed = [d for d in snapshot.copies("pip") if d.metadata]
+    if snapshot.modules["pip"] is None:
+        return (f"{listed[0].label()} is listed ({listed[0].metadata}) but its package is gone"
+                if listed else "missing")
+    error = (snapshot.deep or {}).get("pip")
+    if error:
+        return f"pip's code fails to import: {error}"
+    return None
 
 
 class Fixer:
@@ -81,13 +99,25 @@ class Fixer:
         self.s = snapshot
         self.protected = protected
         self.python = snapshot.python or "python3"
-        # A venv made by uv (or with --without-pip) has no pip: the fix installs it first.
-        self.without_pip = snapshot.asked and "pip" in snapshot.modules and snapshot.modules["pip"] is None
+        self.pip_problem = pip_problem(snapshot)
+        self.without_pip = self.pip_problem is not None
+        self.can_ensurepip = not (snapshot.asked and "ensurepip" in snapshot.modules
+                                  and snapshot.modules["ensurepip"] is None)
+
+    def pip_repair(self) -> list[list[str]]:
+        """What puts a working pip in place, in order: a broken pip's dist-info
+        removed first (``ensurepip`` does nothing while one is there), then
+        ``python -m ensurepip``; [] when pip works, or when this python has no
+        ensurepip (the pip-unusable finding says what to carry instead)."""
+        if not self.without_pip or not self.can_ensurepip:
+            return []
+        infos = [d.metadata for d in self.s.copies("pip") if d.metadata] if self.pip_problem != "missing" else []
+        return [*(["rm", "-r", "--", i] for i in infos), [self.python, "-m", "ensurepip"]]
 
     def commands(self, argv: list[list[str]]) -> list[list[str]]:
-        """A fix's commands as they must run: ``python -m ensurepip`` first where pip is missing."""
+        """A fix's commands as they must run: pip repaired first where it is missing or broken."""
         if self.without_pip and any(a[a.index("-m") + 1:a.index("-m") + 2] == ["pip"] for a in argv if "-m" in a):
-            return [[self.python, "-m", "ensurepip"], *argv]
+            return [*self.pip_repair(), *argv]
         return argv
 
     # ----------------------------------------------------------------- commands
@@ -137,7 +167,8 @@ class Fixer:
         names = list(dict.fromkeys(names))
         ok = [n for n in names if canonicalize_name(n) not in self.protected]
         kept = [n for n in names if canonicalize_name(n) in self.protected]
-        detached = [n for n in ok if (d := self.target(n)) is not None and d.metadata and self._sharers(d)]
+        detached = [n for n in ok if (d := self.target(n)) is not None and d.metadata
+                    and (self._sharers(d) or self.loads(d))]
         ok = [n for n in ok if n not in detached]
         blocked: list[str] = []
         while True:
@@ -159,12 +190,26 @@ class Fixer:
         for n in detached:
             d = self.target(n)
             sharers = self._sharers(d)
+            loaded = self.loads(d)
+            if sharers:
+                what = (f"files that {listing([s.label() for s in sharers], 2)} also lists"
+                        f"{', which are put back first' if self._sharers(d, overwritten=True) else ''}")
+            else:
+                what = (f"{listing([f.name for f in loaded], 3)}, which the loader resolves for "
+                        f"{listing(sorted({f.needed_by.rsplit('/', 1)[-1] for f in loaded}), 2)} (no RECORD of "
+                        "torch's wheels lists it)")
             why += ("; " if why else "") + (
-                f"{n} is detached, not uninstalled: its RECORD lists files that {listing([s.label() for s in sharers], 2)} "
-                f"also lists{', which are put back first' if self._sharers(d, overwritten=True) else ''}, and "
+                f"{n} is detached, not uninstalled: its RECORD lists {what}, and "
                 f"`pip uninstall {n}` would delete them; only its dist-info ({d.metadata}) is removed, its other "
                 "files stay on disk, listed by no distribution")
         return Removal(ok + detached, kept, blocked, repaired, argv, why, detached)
+
+    def loads(self, d: Dist) -> list:
+        """The files the loader resolves for the trainer that ``d``'s RECORD lists
+        and no protected RECORD does: `pip uninstall` of ``d`` deletes them, and no
+        reinstall puts them back."""
+        return [f for f in self.s.loader if d.index in f.owners
+                and not any((o := self.s.dist(i)) is not None and self._is_protected(o) for i in f.owners)]
 
     def _sharers(self, d: Dist, overwritten: bool = False) -> list[Dist]:
         """Protected distributions that list files ``d`` lists (``overwritten``: only

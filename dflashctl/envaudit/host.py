@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from dflashctl.core.contract import did_you_mean
 from dflashctl.core.errors import ConfigError, DflashError, TransportError, UnreachableError, first_line
@@ -44,24 +44,25 @@ DEFAULT_TIMEOUT = 60.0
 DEEP_TIMEOUT = 120.0
 
 
-def collector_argument(deep: bool = False, deep_timeout: float = DEEP_TIMEOUT) -> str:
-    """The collector's one JSON argument."""
+def collector_argument(deep: bool = False, deep_timeout: float = DEEP_TIMEOUT, imports: Sequence[str] = ()) -> str:
+    """The collector's one JSON argument (``imports``: with ``deep``, modules
+    imported besides the trainer's own)."""
     argument: dict = {"lib_prefixes": list(LIB_PREFIXES), "modules": list(ASKED_MODULES)}
     if deep:
-        argument.update(deep=True, deep_timeout=deep_timeout)
+        argument.update(deep=True, deep_timeout=deep_timeout, imports=[m for m in imports if m.isidentifier()])
     return json.dumps(argument)
 
 
-def audit_command(host: "Host", deep: bool = False) -> list[str]:
+def audit_command(host: "Host", deep: bool = False, imports: Sequence[str] = ()) -> list[str]:
     """argv running the collector with the python that runs the trainer (split as
     launch splits it): ``[*python, "-c", <collector text>, <JSON argument>]``."""
-    return [*shlex.split(host.python), "-c", remote.source("audit"), collector_argument(deep)]
+    return [*shlex.split(host.python), "-c", remote.source("audit"), collector_argument(deep, imports=imports)]
 
 
 def collect(transport: "Transport", env: dict[str, str] | None = None, timeout: float = DEFAULT_TIMEOUT,
-            deep: bool = False) -> Snapshot:
+            deep: bool = False, imports: Sequence[str] = ()) -> Snapshot:
     """The one round trip: run the collector on the host, parse its answer."""
-    argv = audit_command(transport.host, deep)
+    argv = audit_command(transport.host, deep, imports)
     result = transport.run(argv, env=env, timeout=timeout + (DEEP_TIMEOUT if deep else 0), check=False, limit=AUDIT)
     try:
         snapshot = parse_snapshot(result.stdout, transport.host.name)
@@ -123,16 +124,18 @@ def audit_host(
     timeout: float = DEFAULT_TIMEOUT,
     deep: bool = False,
     store: "Store | None" = None,
+    imports: Sequence[str] = (),
 ) -> AuditReport:
     """Collect a host's snapshot (with the playbook's environment, when given) and
-    audit it; with a playbook and a store, the drift since its last good run."""
+    audit it; with a playbook and a store, the drift since its last good run.
+    ``deep``: the trainer's imports (and ``imports``) tried in a fresh interpreter."""
     from dflashctl.hosts.transport import connect
 
     host = inventory.get(host_name)
     policy = policy_for(host, inventory, playbook)
     started = time.monotonic()
     snapshot = collect(connect(host.name, inventory), env=dict(playbook.env) if playbook else None,
-                       timeout=timeout, deep=deep)
+                       timeout=timeout, deep=deep, imports=imports)
     snapshot.env_sources = _env_sources(host, playbook)
     device = playbook.trainer.placement.device if playbook else None
     findings = audit(snapshot, device=device, host_gpus=host.gpus, policy=policy)
@@ -177,8 +180,9 @@ def record_snapshot(store: "Store", report: AuditReport, now: float, run_id: str
 
 def preflight(playbook: "Playbook", inventory: "Inventory", store: "Store | None" = None,
               now: float | None = None, *, dry_run: bool = False) -> list[Finding]:
-    """The launcher's preflight: the audit of the playbook's host, as findings
-    (errors block a launch unless forced), each with its fix commands. An
+    """The launcher's preflight: the audit of the playbook's host, with the
+    trainer's imports tried as ``--deep`` tries them (an import that fails is an
+    error), as findings (errors block a launch unless forced), each with its fix commands. An
     unreachable host raises (the launch cannot go on anyway); a host where the
     collector fails is an error finding. With a store, the package set is recorded
     for drift checks.
@@ -192,7 +196,8 @@ def preflight(playbook: "Playbook", inventory: "Inventory", store: "Store | None
     except DflashError:
         opened = None  # a dry run shows what it can
     try:
-        report = audit_host(playbook.host, inventory, playbook, store=(store or opened) if dry_run else None)
+        report = audit_host(playbook.host, inventory, playbook, store=(store or opened) if dry_run else None,
+                            deep=True)
     except TransportError as e:
         if isinstance(e, UnreachableError) and not dry_run:
             raise

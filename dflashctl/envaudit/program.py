@@ -52,7 +52,9 @@ if TYPE_CHECKING:
     from dflashctl.envaudit.findings import Finding
 
 # The order operations run in; ``fetch`` is rendered from the installs, never given.
-STAGES = ("ensurepip", "unblock", "fetch", "uninstall", "install", "reinstall", "rm-dist-info")
+STAGES = ("unpip", "ensurepip", "unblock", "fetch", "uninstall", "unlink", "install", "reinstall", "adopt",
+          "rm-dist-info", "rm-stash", "scripts")
+FETCHED = ("install", "reinstall", "adopt")  # the operations whose wheels the plan fetches first
 # Where a printed plan fetches its wheels: a name no one can guess before it is printed
 # (``new_wheels_dir``), made by the plan's own ``mkdir -m 700``. ``--apply`` fetches into a
 # directory it made on the host with mkdtemp instead.
@@ -78,23 +80,34 @@ class Op:
 
     def argv(self) -> list[str]:
         """The command as a finding gives it (fetched from an index, not from the plan's directory)."""
-        if self.kind in ("rm-dist-info", "unblock"):
+        if self.kind in ("rm-dist-info", "unblock", "unpip", "rm-stash"):
             return ["rm", "-r", "--", self.path or ""]
+        if self.kind == "scripts":
+            return ["sed", "-i", *self.specs]
+        if self.kind == "unlink":
+            return ["find", self.path or "", "-xtype", "l", "-delete"]
         if self.kind == "ensurepip":
             return [*self.prefix, "-m", "ensurepip"]
         if self.kind == "uninstall":
             return [*self.prefix, "-m", "pip", "uninstall", "-y", *self.names]
-        force = ["--force-reinstall", "--no-deps"] if self.kind == "reinstall" else []
+        force = {"reinstall": ["--force-reinstall", "--no-deps"], "adopt": ["--ignore-installed", "--no-deps"]}.get(
+            self.kind, [])
         return [*self.prefix, "-m", "pip", "install", *force, *self.index, *self.specs]
 
 
 def parse_op(argv: list[str], snapshot: Snapshot) -> Op | None:
     """A Fixer command as an operation; None for anything the model does not know."""
+    if argv[:1] == ["find"] and argv[2:] == ["-xtype", "l", "-delete"] and len(argv) == 5:
+        return Op("unlink", (), path=argv[1])  # dangling symlinks only: their targets are gone already
+    if argv[:2] == ["sed", "-i"] and len(argv) > 3 and argv[2].startswith("1s|^#!"):
+        return Op("scripts", (), specs=tuple(argv[2:]))  # #! lines of console scripts: no package changes
+    if argv[:3] == ["rm", "-r", "--"] and len(argv) == 4 and argv[3] in snapshot.stashes:
+        return Op("rm-stash", (), path=argv[3])  # a pip stash directory: no package lists it
     if argv[:3] == ["rm", "-r", "--"] and len(argv) == 4:
         d = next((d for d in snapshot.dists if d.metadata == argv[3]), None)
         if d is None:
             return None
-        return Op("unblock" if d.unreadable else "rm-dist-info", (), path=argv[3])
+        return Op("unpip" if d.key == "pip" else "unblock" if d.unreadable else "rm-dist-info", (), path=argv[3])
     if "-m" not in argv:
         return None
     at = argv.index("-m")
@@ -111,6 +124,8 @@ def parse_op(argv: list[str], snapshot: Snapshot) -> Op | None:
     kind = "install"
     if rest[:2] == ["--force-reinstall", "--no-deps"]:
         kind, rest = "reinstall", rest[2:]
+    elif rest[:2] == ["--ignore-installed", "--no-deps"]:
+        kind, rest = "adopt", rest[2:]
     index: tuple[str, ...] = ()
     if rest[:1] == ["--index-url"] and len(rest) > 1:
         index, rest = tuple(rest[:2]), rest[2:]
@@ -135,8 +150,11 @@ class Counts:
     downgraded: int = 0  # protected packages moved to a lower version
     strays: int = 0  # packages a finding asks to remove that are there
     missing_required: int = 0  # the trainer's requirements not installed
+    loader_files: int = 0  # files the loader resolves for the trainer, missing or foreign at the worst step
 
     WORDS = {
+        "loader_files": "delete or overwrite {n} file(s) the loader resolves for torch or the trainer "
+                        "(listed by a RECORD of theirs or not)",
         "damaged_files": "delete or overwrite {n} file(s) of the wheels torch and the trainer need",
         "protected_gone": "remove {n} package(s) torch or the trainer needs",
         "downgraded": "downgrade {n} package(s) torch or the trainer needs",
@@ -163,6 +181,21 @@ class _Group:
 
 
 @dataclass
+class _Loaded:
+    """A file the loader resolves for the trainer, as the plan changes it: the
+    RECORDs that list it, and what it holds: "as-is" (the bytes torch loads now),
+    "own" (a protected wheel's, or its listing wheel's own bytes again), "deleted",
+    "foreign" (another wheel's)."""
+
+    owners: set[int]
+    state: str = "as-is"
+
+    @property
+    def hurt(self) -> bool:
+        return self.state in ("deleted", "foreign")
+
+
+@dataclass
 class Model:
     """The environment as the plan changes it."""
 
@@ -176,6 +209,9 @@ class Model:
     installed: set[str] = field(default_factory=set)  # names the plan installed where none was
     next_index: int = 0
     start_missing: set[str] = field(default_factory=set)  # the trainer's requirements missing at the start
+    loaded: dict[str, _Loaded] = field(default_factory=dict)  # the loader's files, by path
+    loader_worst: int = 0  # the most loader files hurt after any step so far
+    loader_hurt: set[str] = field(default_factory=set)  # every loader file hurt at some step
 
     @classmethod
     def of(cls, snapshot: Snapshot, protected: set[str], strays: set[str]) -> "Model":
@@ -184,12 +220,15 @@ class Model:
         m.groups = [_Group(set(g.owners), g.count, g.holder, only_inits(g)) for g in snapshot.shared]
         m.next_index = max([d.index for d in snapshot.dists] + [len(snapshot.dists)]) + 1
         m.start_missing = {canonicalize_name(n) for n in _missing_requirements(snapshot)}
+        m.loaded = {f.path: _Loaded(set(f.owners)) for f in snapshot.loader}
         return m
 
     def copy(self) -> "Model":
         m = replace(self, present=dict(self.present), groups=[replace(g, owners=set(g.owners)) for g in self.groups],
                     uninstalled=set(self.uninstalled), downgraded=set(self.downgraded),
-                    installed=set(self.installed))
+                    installed=set(self.installed), loaded={p: replace(f, owners=set(f.owners))
+                                                           for p, f in self.loaded.items()},
+                    loader_hurt=set(self.loader_hurt))
         return m
 
     def target(self, name: str) -> Dist | None:
@@ -208,7 +247,13 @@ class Model:
     # ----------------------------------------------------------------- operations
 
     def run(self, op: Op) -> None:
+        """One operation, then the loader's files checked: the plan must keep
+        them after every step, not only at its end (a step that breaks `import
+        torch` is undone by --apply, and the plan never finishes)."""
         getattr(self, "_" + op.kind.replace("-", "_"))(op)
+        hurt = {p for p, f in self.loaded.items() if f.hurt}
+        self.loader_hurt |= hurt
+        self.loader_worst = max(self.loader_worst, len(hurt))
 
     def _ensurepip(self, op: Op) -> None:
         pass
@@ -220,15 +265,34 @@ class Model:
         del self.present[d.index]
         for g in self.groups:
             g.owners.discard(d.index)  # its files stay, with whatever bytes they hold
+        for f in self.loaded.values():
+            f.owners.discard(d.index)
 
-    _unblock = _rm_dist_info
+    _unblock = _unpip = _rm_dist_info
 
-    def _delete(self, d: Dist) -> None:
+    _rm_stash = _scripts = _unlink = _ensurepip  # no package changes
+
+    def _adopt(self, op: Op) -> None:
+        """The same wheel written over a copy pip cannot uninstall (no RECORD): its
+        files and its dist-info, with a RECORD now; nothing removed first."""
+        for spec, name in zip(op.specs, op.names):
+            old = self.target(name)
+            if old is None or old.version != _pinned(Requirement(spec)):
+                raise Violation(f"{spec} is not the version of {name} that is installed")
+            self._rewrite_loaded(old, old)
+
+    def _delete(self, d: Dist, replaced: bool = False) -> None:
+        """pip's uninstall of ``d`` (``replaced``: before its new version is written over the same paths)."""
         del self.present[d.index]
         for g in self.groups:
             if d.index in g.owners:
                 g.owners.discard(d.index)
                 g.holder = -1  # pip deletes every file the RECORD lists, shared or not
+        for f in self.loaded.values():
+            if d.index in f.owners:
+                if not replaced:
+                    f.owners.discard(d.index)
+                f.state = "deleted"
 
     def _write(self, new: Dist, old: Dist | None) -> None:
         """A wheel's files written: over the old copy's shared files (the same paths)."""
@@ -239,6 +303,22 @@ class Model:
                 g.owners.add(new.index)
             if new.index in g.owners:
                 g.holder = new.index
+        if old is not None:
+            self._rewrite_loaded(old, new)
+
+    def _rewrite_loaded(self, old: Dist, new: Dist) -> None:
+        """The loader's files ``old``'s RECORD lists, written by ``new`` (the same
+        name): a protected wheel's bytes are the ones torch wants; another wheel's
+        are its own again only for the same version whose RECORD matched the disk."""
+        base = (old.location or "").rstrip("/") + "/"
+        for path, f in self.loaded.items():
+            if old.index not in f.owners:
+                continue
+            f.owners.discard(old.index)
+            f.owners.add(new.index)
+            unchanged = old.version == new.version and not old.changed_count and not old.missing_count \
+                and path.startswith(base)
+            f.state = "own" if new.key in self.protected or unchanged else "foreign"
 
     def _uninstall(self, op: Op) -> None:
         for name in op.names:
@@ -267,7 +347,7 @@ class Model:
             if old is not None and key in self.protected and _lowers(requirement, old.version):
                 self.downgraded.add(key)
             if old is not None:
-                self._delete(old)
+                self._delete(old, replaced=True)
             elif key not in {d.key for d in self.present.values()}:
                 self.installed.add(key)
             self._write(self._new(name, _pinned(requirement) or (old.version if old else ""), old), old)
@@ -286,11 +366,12 @@ class Model:
                 for g in self.groups:
                     if old.index in g.owners:
                         g.holder = old.index
+                self._rewrite_loaded(old, old)
                 continue
             if old is not None:
                 if key in self.protected and _lower(version, old.version):
                     self.downgraded.add(key)
-                self._delete(old)
+                self._delete(old, replaced=True)
             else:
                 self.installed.add(key)
             self._write(self._new(name, version, old), old)
@@ -313,6 +394,7 @@ class Model:
         c.downgraded = len(self.downgraded)
         c.strays = len(self.strays & keys)
         c.missing_required = len(self.start_missing - keys)
+        c.loader_files = self.loader_worst
         return c
 
     @property
@@ -398,9 +480,11 @@ class Proof:
     refused: dict[int, str] = field(default_factory=dict)  # id(finding) -> why
 
 
-def prove(findings: list["Finding"], snapshot: Snapshot, protected: set[str]) -> Proof:
+def prove(findings: list["Finding"], snapshot: Snapshot, protected: set[str], *, refuse: str = "") -> Proof:
     """Keep each finding's commands only where the plan with them stays safe (see
-    the module docstring); the findings refused lose their commands, in place."""
+    the module docstring); the findings refused lose their commands, in place.
+    ``refuse``: why no command at all is given (the trainer cannot run on this
+    interpreter, whatever its packages)."""
     strays = {canonicalize_name(n) for f in findings for n in f.remove}
     model = Model.of(snapshot, protected, strays)
     kept: list[Op] = []
@@ -412,12 +496,19 @@ def prove(findings: list["Finding"], snapshot: Snapshot, protected: set[str]) ->
             continue
         ops = [parse_op(a, snapshot) for a in f.argv]
         why = ""
-        if any(op is None for op in ops):
+        if refuse:
+            why = refuse
+        elif any(op is None for op in ops):
             why = "a command the plan cannot simulate"
         else:
             try:
-                counts = simulate(model, _ordered([*kept, *ops])).counts()
+                after = simulate(model, _ordered([*kept, *ops]))
+                counts = after.counts()
                 worse = counts.worse_than(best)
+                if counts.loader_files > best.loader_files:
+                    names = sorted(short for short in (p.rsplit("/", 1)[-1] for p in after.loader_hurt))
+                    worse = [w + f" ({', '.join(names[:4])})" if w.startswith("delete or overwrite") and
+                             "loader" in w else w for w in worse]
                 if worse:
                     why = "run with the rest of the plan it would " + " and ".join(worse)
                 elif f.severity != "info":
@@ -432,29 +523,49 @@ def prove(findings: list["Finding"], snapshot: Snapshot, protected: set[str]) ->
 
 
 def plan(findings: list["Finding"], snapshot: Snapshot, protected: set[str],
-         wheels: str | None = None) -> list[tuple[list[str], str]]:
+         wheels: str | None = None, wheels_from: str | None = None) -> list[tuple[list[str], str]]:
     """The commands of every finding that is not information, in the order they
     must run, fetch first (see the module docstring), the wheels fetched into
     ``wheels`` (a new ``new_wheels_dir`` when None), which the plan makes: (argv,
-    shell line)."""
+    shell line). ``wheels_from``: a directory on the host the wheels are fetched
+    from instead of an index (what was carried to an air-gapped host)."""
     fixer = Fixer(snapshot, protected)
     ops = _ordered(op for f in findings if f.severity != "info" for a in f.argv
                    if (op := parse_op(a, snapshot)) is not None)
-    if fixer.without_pip and ops and not any(op.kind == "ensurepip" for op in ops):
-        ops.insert(0, Op("ensurepip", (fixer.python,)))
-    fetched = [op for op in ops if op.kind in ("install", "reinstall")]
+    if ops and not any(op.kind == "ensurepip" for op in ops):
+        ops[:0] = [op for a in fixer.pip_repair() if (op := parse_op(a, snapshot)) is not None]
+    fetched = [op for op in ops if op.kind in FETCHED]
     wheels = wheels or new_wheels_dir()
+    pins = _pins(snapshot, protected, {canonicalize_name(n) for op in fetched for n in op.names})
     argv: list[list[str]] = []
     for op in ops:
         if fetched and STAGES.index(op.kind) > STAGES.index("fetch"):
             argv.append(["mkdir", "-m", "700", "--", wheels])  # fails, stopping the plan, if it exists
-            argv += [[*f.prefix, "-m", "pip", "download", "--no-deps", "--dest", wheels, *f.index, *f.specs]
-                     for f in fetched]
+            argv += [[*f.prefix, "-m", "pip", "download", *(["--no-deps"] if f.kind != "install" else []),
+                      "--dest", wheels, *(["--no-index", "--find-links", wheels_from] if wheels_from else f.index),
+                      *f.specs] for f in fetched]
             fetched = []
-        if op.kind in ("install", "reinstall"):
-            force = ["--force-reinstall"] if op.kind == "reinstall" else []
+        if op.kind in ("reinstall", "adopt"):
             argv.append([*op.prefix, "-m", "pip", "install", "--no-index", "--find-links", wheels, "--no-deps",
-                         *force, *op.specs])
+                         "--force-reinstall" if op.kind == "reinstall" else "--ignore-installed", *op.specs])
+        elif op.kind == "install":
+            # Its requirements resolved by pip, from the fetched wheels, every package torch and the
+            # trainer have pinned where it is: pip refuses, changing nothing, rather than replace one.
+            argv.append([*op.prefix, "-m", "pip", "install", "--no-index", "--find-links", wheels, *op.specs, *pins])
         else:
             argv.append(op.argv())
     return [(a, fixer.shell(a)) for a in argv]
+
+
+def _pins(snapshot: Snapshot, protected: set[str], changing: set[str]) -> list[str]:
+    """NAME==VERSION of every protected distribution installed that the plan does not install."""
+    pins = []
+    for key, d in sorted(snapshot.installed().items()):
+        if key not in protected or key in changing or not (d.name and d.version):
+            continue
+        try:
+            Version(d.version)
+        except InvalidVersion:
+            continue
+        pins.append(d.spec())
+    return pins

@@ -19,12 +19,13 @@ from dflashctl.envaudit.stack import TorchBuild, protected
 SCHEMA = 2  # the "schema" of the JSON document
 
 
-def plan(findings: list[Finding], snapshot: Snapshot, wheels: str | None = None) -> list[tuple[list[str], str]]:
+def plan(findings: list[Finding], snapshot: Snapshot, wheels: str | None = None,
+         wheels_from: str | None = None) -> list[tuple[list[str], str]]:
     """Every command of the findings that are not information, each once, in the
     order they must run, the wheels they install fetched first into ``wheels``
-    (``program.plan``: the findings' commands were proven safe together by
-    ``audit``). (argv, shell line)."""
-    return program.plan(findings, snapshot, protected(snapshot), wheels)
+    (from ``wheels_from`` on the host when given, not an index) (``program.plan``:
+    the findings' commands were proven safe together by ``audit``). (argv, shell line)."""
+    return program.plan(findings, snapshot, protected(snapshot), wheels, wheels_from)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class AuditReport:
     seconds: float = 0.0
     drift: Any = None  # a detectors.Finding: packages changed since the playbook's last good run
     wheels: str = field(default_factory=program.new_wheels_dir)  # where the printed plan fetches its wheels
+    wheels_from: str | None = None  # a directory on the host the plan fetches its wheels from (no index)
 
     @property
     def exit_code(self) -> int:
@@ -48,7 +50,7 @@ class AuditReport:
 
     def plan(self, wheels: str | None = None) -> list[tuple[list[str], str]]:
         """The plan, its wheels fetched into ``wheels`` (else this report's own directory)."""
-        return plan(self.findings, self.snapshot, wheels or self.wheels)
+        return plan(self.findings, self.snapshot, wheels or self.wheels, self.wheels_from)
 
     def to_dict(self) -> dict[str, Any]:
         s = self.snapshot

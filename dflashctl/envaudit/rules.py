@@ -47,14 +47,22 @@ from dflashctl.envaudit.rules_cuda import _rule_cuda_major, _rule_duplicate_libr
 from dflashctl.envaudit.rules_environment import (
     _rule_environment,
     _rule_ld_preload,
+    _rule_pip,
+    _rule_pip_stash,
     _rule_pythonpath,
     _rule_stray_stacks,
     _rule_user_site,
 )
-from dflashctl.envaudit.rules_integrity import _rule_integrity, _rule_shared_files
-from dflashctl.envaudit.rules_requirements import _rule_requirements, _rule_trainer, _rule_triton, _rule_unmet
+from dflashctl.envaudit.rules_integrity import _rule_integrity, _rule_relocated_scripts, _rule_shared_files
+from dflashctl.envaudit.rules_requirements import (
+    _rule_requirements,
+    _rule_trainer,
+    _rule_triton,
+    _rule_unmet,
+    unrunnable,
+)
 from dflashctl.envaudit.rules_shadowing import _rule_duplicate_packages, _rule_shadowed
-from dflashctl.envaudit.rules_torch import _rule_broken_metadata, _rule_torch, _rule_torch_libraries
+from dflashctl.envaudit.rules_torch import _rule_broken_metadata, _rule_imports, _rule_torch, _rule_torch_libraries
 from dflashctl.envaudit.snapshot import Snapshot
 
 __all__ = [
@@ -65,6 +73,7 @@ __all__ = [
 RULES = (
     _rule_torch,
     _rule_torch_libraries,
+    _rule_imports,
     _rule_broken_metadata,
     _rule_shadowed,
     _rule_duplicate_packages,
@@ -73,6 +82,7 @@ RULES = (
     _rule_trainer,
     _rule_unmet,
     _rule_integrity,
+    _rule_relocated_scripts,
     _rule_shared_files,
     _rule_cuda_major,
     _rule_duplicate_libraries,
@@ -80,6 +90,8 @@ RULES = (
     _rule_user_site,
     _rule_pythonpath,
     _rule_stray_stacks,
+    _rule_pip,
+    _rule_pip_stash,
     _rule_environment,
 )
 
@@ -98,5 +110,7 @@ def audit(snapshot: Snapshot, *, device: str | None = None, host_gpus: int | Non
         if f.severity == "warning" and context.only_outside(f.packages):
             f.severity = "info"  # a base interpreter's package (a system-site-packages venv): not the trainer's
     findings = sorted((f for f in findings if not policy.ignores(f)), key=lambda f: -severity_rank(f.severity))
-    prove(findings, snapshot, context.protected)  # a command that cannot be proven safe is left out, with why
+    # A command that cannot be proven safe is left out, with why; on an interpreter the
+    # trainer cannot run on, every command is: no package fix makes it run there.
+    prove(findings, snapshot, context.protected, refuse=unrunnable(snapshot))
     return findings

@@ -11,7 +11,7 @@ import re
 
 from dflashctl.envaudit.context import _Context
 from dflashctl.envaudit.findings import Finding
-from dflashctl.envaudit.fixes import listing
+from dflashctl.envaudit.fixes import index_args, listing
 from dflashctl.envaudit.snapshot import LIB_PREFIXES
 
 # Inference / serving stacks that pin their own torch, triton and CUDA wheels: beside
@@ -102,6 +102,63 @@ def _rule_stray_stacks(c: _Context) -> list[Finding]:
             "harmless unless imported with the trainer (they load their own CUDA libraries)",
             packages=[d.name for d in others]))
     return findings
+
+
+PIP_WHEEL = "pip-VERSION-py3-none-any.whl"
+
+
+def _rule_pip(c: _Context) -> list[Finding]:
+    """pip unable to act: missing or broken in this python (every fix runs it), or
+    a protected distribution without a RECORD (pip can neither uninstall nor
+    upgrade it, so no fix can replace it)."""
+    findings = []
+    problem, fixer = c.fixer.pip_problem, c.fixer
+    if problem is not None:
+        repair = fixer.pip_repair()
+        what = "pip is not installed in this environment (a venv made by uv or --without-pip)" \
+            if problem == "missing" else f"pip is broken: {problem}"
+        if repair:
+            fix = ("remove its dist-info first (`ensurepip` does nothing while one is there), then "
+                   if problem != "missing" else "") + "put pip back with ensurepip; every fix command needs it"
+        else:
+            carry = f"/tmp/{PIP_WHEEL}"
+            fix = (f"this python has no ensurepip (Debian ships it in python3-venv): carry pip's wheel ({PIP_WHEEL} "
+                   f"from PyPI) to the host as {carry}"
+                   + ("" if problem == "missing" else ", remove the broken pip's dist-info")
+                   + f", and run `{fixer.shell([fixer.python, carry + '/pip', 'install', '--no-index', carry])}` "
+                   "(pip runs from its own wheel)")
+        findings.append(c.finding(
+            "info" if problem == "missing" and repair else "warning", "pip-unusable",
+            f"{what}: no fix can run until it works", fix=fix, argv=repair, packages=["pip"],
+            detail={"problem": problem}))
+    for d in c.installed.values():
+        if d.files is not None or not d.name or not c.is_protected(d) or not d.metadata or d.metadata.endswith(".egg-info"):
+            continue
+        argv = [fixer.pip("install", "--ignore-installed", "--no-deps", *index_args(d.version), d.spec(),
+                          names=[d.name])] if d.version and c.inside(d) else []
+        findings.append(c.finding(
+            "warning", "pip-unusable",
+            f"{d.label()} has no RECORD ({d.metadata}; installed by {d.installer or 'a tool that writes none'}, or "
+            f"copied): pip can neither uninstall nor upgrade it, so no fix that replaces {d.name} can run",
+            fix=(f"install the same {d.spec()} over it without uninstalling it first (--ignore-installed): pip "
+                 "writes its files and a dist-info with a RECORD"
+                 if argv else f"reinstall {d.name} with the tool that installed it"),
+            argv=argv, packages=[d.name], paths=[d.metadata], detail={"installer": d.installer}))
+    return findings
+
+
+def _rule_pip_stash(c: _Context) -> list[Finding]:
+    """pip's ``~name`` stash directories in a site directory: what a pip killed
+    mid-step had moved aside (nothing imports from them; the package they came
+    from is missing its files, which missing-files says)."""
+    if not c.s.stashes:
+        return []
+    return [c.finding(
+        "warning", "pip-stash",
+        f"{len(c.s.stashes)} stash director{'y' if len(c.s.stashes) == 1 else 'ies'} of pip left in site-packages "
+        f"({listing(c.s.stashes, 3)}): what a pip killed during an install or uninstall had moved aside",
+        fix="remove them once the packages they came from are whole again (see missing-files)",
+        argv=[["rm", "-r", "--", p] for p in c.s.stashes], paths=list(c.s.stashes))]
 
 
 def _rule_environment(c: _Context) -> list[Finding]:

@@ -49,10 +49,17 @@ def _rule_integrity(c: _Context) -> list[Finding]:
         live = c.installed.get(d.key)
         if live is not None and live is not d and live.location == d.location:
             continue  # a stale second dist-info: the stale-dist-info finding says it, and removes only that
+        if only_scripts(d):
+            continue  # the relocated-scripts finding says it, for every package at once
         vital = c.is_protected(d) and c.installed.get(d.key) is d
         parts = []
         if d.missing_count:
             parts.append(f"{d.missing_count} file(s) its RECORD lists are missing ({listing(d.missing, 3)})")
+        if d.dangling_count:
+            targets = sorted({os.path.dirname(x.get("target") or "") for x in d.dangling})
+            parts.append(f"{d.dangling_count} of them {'is a symlink' if d.dangling_count == 1 else 'are symlinks'} "
+                         f"into {listing(targets, 2)}, which no longer exists (a uv install in symlink link mode "
+                         "whose cache was removed): a reinstall writes real files")
         if d.changed_count:
             parts.append(f"{d.changed_count}{'' if parts else ' file(s) its RECORD lists'} have another size "
                          f"or sha256 than recorded ({listing(d.changed, 3)})")
@@ -79,6 +86,12 @@ def _rule_integrity(c: _Context) -> list[Finding]:
         if vital and not breaks_import:
             message += ": it still imports (only its command-line scripts or data files differ)"
         fix, argv = f"reinstall {d.spec()} over itself", [c.fixer.reinstall(d)]
+        if d.dangling_count:
+            # pip writes a file through a symlink that is there: one whose target is gone fails the write.
+            tops = sorted({os.path.normpath(os.path.join(d.location or "", x["path"].split("/", 1)[0]))
+                           for x in d.dangling if not x["path"].startswith("../")})
+            fix = f"remove the dangling symlinks (pip cannot write through them), then reinstall {d.spec()} over itself"
+            argv = [["find", top, "-xtype", "l", "-delete"] for top in tops] + argv
         if not c.inside(d):
             fix, argv = (f"it lies outside this environment ({d.location}: the base interpreter's, or a directory "
                          "added to sys.path): this environment's pip does not change it; repair it with the pip of "
@@ -93,6 +106,52 @@ def _rule_integrity(c: _Context) -> list[Finding]:
             detail={"missing": d.missing, "missing_count": d.missing_count, "changed": d.changed,
                     "changed_count": d.changed_count, "shared_with": shared_with}))
     return findings
+
+
+def only_scripts(d) -> bool:
+    """Every difference between ``d``'s RECORD and the disk is a console script's
+    ``#!`` line (outside its package directory): nothing it imports differs."""
+    return (not d.missing_count and d.changed_count == len(d.changed) > 0
+            and all(rel.startswith("../") and rel in d.shebangs for rel in d.changed))
+
+
+def _interpreter(line: str) -> str:
+    """The program a ``#!`` line runs ('' for ``#!/bin/sh``: pip's wrapper for long paths names it on line 2)."""
+    words = line[2:].split()
+    return words[0] if words and "python" in words[0].rsplit("/", 1)[-1] else ""
+
+
+def _rule_relocated_scripts(c: _Context) -> list[Finding]:
+    """Console scripts whose only difference from their RECORD is the ``#!`` line
+    (a venv moved or copied, its scripts rewritten, or not): one finding for
+    every package, never a reinstall (of torch, say) to put a line back."""
+    dists = [d for d in c.s.dists if d.name and only_scripts(d)]
+    if not dists:
+        return []
+    scripts = {os.path.normpath(os.path.join(d.location or "", rel)): d.shebangs[rel] for d in dists for rel in d.changed}
+    prefix = (c.s.prefix or "").rstrip("/")
+    foreign = {path: _interpreter(line) for path, line in scripts.items()
+               if _interpreter(line) and not _interpreter(line).startswith(prefix + "/")}
+    names = listing([d.label() for d in dists], 4)
+    if not foreign:
+        return [c.finding(
+            "info", "relocated-scripts",
+            f"{len(scripts)} console script(s) of {names} differ from their RECORDs only in their #! line, which names "
+            f"this environment's python (a venv moved or copied, its scripts rewritten): they run; nothing they "
+            "import differs", fix="nothing to do; a reinstall would only make the RECORDs agree",
+            packages=[d.name for d in dists], paths=sorted(scripts), detail={"scripts": len(scripts)})]
+    olds = sorted({os.path.dirname(i) for i in foreign.values()})
+    new = f"{prefix}/bin" if prefix else ""
+    argv = [["sed", "-i", f"1s|^#!{old}/|#!{new}/|", *sorted(p for p, i in foreign.items() if i.startswith(old + "/"))]
+            for old in olds] if new else []
+    return [c.finding(
+        "warning", "relocated-scripts",
+        f"{len(foreign)} console script(s) of {names} run {listing(sorted(set(foreign.values())), 2)}, not this "
+        f"environment's python (a venv moved or copied from {listing(olds, 2)}): they fail, or run another "
+        "environment's python; nothing they import differs",
+        fix=f"point their #! lines at {new}/ (one command per old directory), not a reinstall",
+        argv=argv, packages=[d.name for d in dists], paths=sorted(foreign),
+        detail={"scripts": len(scripts), "interpreters": sorted(set(foreign.values()))})]
 
 
 def _rule_shared_files(c: _Context) -> list[Finding]:

@@ -164,6 +164,16 @@ TRAINER_MODEL_FAMILIES = ("qwen3",)
 TRITON_FOR_TORCH = {(2, 6): "3.2.0", (2, 7): "3.3.1", (2, 8): "3.4.0", (2, 9): "3.5.0", (2, 10): "3.6.0"}
 
 
+def unrunnable(snapshot) -> str:
+    """Why no fix is offered for this interpreter at all ('' when the trainer runs on it)."""
+    py = release_of(snapshot.python_version or "")
+    if py and py[:2] < TRAINER_PYTHON:
+        return (f"the trainer cannot run on Python {snapshot.python_version} (it needs "
+                f"{'.'.join(map(str, TRAINER_PYTHON))}+), so no change to this environment's packages makes it run: "
+                "point the inventory's python: at a Python 3.10+ environment")
+    return ""
+
+
 def _rule_trainer(c: _Context) -> list[Finding]:
     """What the trainer itself needs: Python >= 3.10, torch >= 2.6, transformers >=
     4.51 with the Qwen3 classes, safetensors, and Triton where torch is a CUDA build."""

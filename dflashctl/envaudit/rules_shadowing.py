@@ -34,12 +34,18 @@ def _rule_shadowed(c: _Context) -> list[Finding]:
             continue  # the normal case; a nameless owner is broken-metadata's
         if owner is None and (listed.editable or _under(spec.origin, listed, name)):
             continue  # an editable install, or files it made after it was installed
+        if spec.finder:
+            groups.setdefault((listed.index, f"finder|{spec.finder}"), []).append(spec)
+            continue
         if spec.entry in pythonpath:
             continue  # the pythonpath rule reports PYTHONPATH entries
         groups.setdefault((listed.index, f"{owner.index if owner else -1}|{spec.entry}"), []).append(spec)
     findings = []
     for specs in groups.values():
         listed = c.declared[specs[0].name]
+        if specs[0].finder:
+            findings.append(_finder_finding(c, specs, listed))
+            continue
         owner = s.owner(specs[0].name)
         entry = specs[0].entry
         names = [sp.name for sp in specs]
@@ -67,6 +73,27 @@ def _rule_shadowed(c: _Context) -> list[Finding]:
             detail={"modules": names, "origin": origin, "entry": entry, "listed": listed.label(),
                     "imported": owner.label() if owner else None}))
     return findings
+
+
+def _finder_finding(c: _Context, specs: list[ModuleSpec], listed: Dist) -> Finding:
+    """Modules a meta-path finder serves (one that .pth code installs at every
+    start), not the copy pip lists: no pip command changes what a finder serves."""
+    finder = specs[0].finder or ""
+    top = finder.split(".", 1)[0]
+    code = [p for p in c.s.pth if p.code]
+    named = [p for p in code if top and top in p.text] or code
+    where = f", installed by {listing([p.file for p in named], 2)} (code run at every start)" if named else ""
+    names = [sp.name for sp in specs]
+    vital = any(c.module_is_vital(n) for n in names)
+    return c.finding(
+        "error" if vital else "info", "shadowed",
+        f"{listing(names, 4)} {'is' if len(names) == 1 else 'are'} imported from {specs[0].origin}, served by the "
+        f"meta-path finder {finder}{where}, not from {listed.label()} in {listed.location} that pip lists",
+        fix=(f"remove or correct {named[0].file} (the finder it installs decides what is imported; pip does not "
+             "change that)" if named else f"find what installs {finder} on sys.meta_path (sitecustomize, a .pth) "
+             "and remove it"),
+        packages=[listed.name], paths=[p.file for p in named],
+        detail={"modules": names, "origin": specs[0].origin, "finder": finder, "listed": listed.label()})
 
 
 def _under(origin: str, dist: Dist, module: str) -> bool:

@@ -68,6 +68,26 @@ def _rule_torch(c: _Context) -> list[Finding]:
     return findings
 
 
+def _rule_imports(c: _Context) -> list[Finding]:
+    """--deep: each module the trainer imports (and each asked for) that is
+    installed but fails to import in a fresh interpreter is an error, whatever
+    the static checks say (torch's is torch-import's)."""
+    findings = []
+    for module, answer in c.s.imports().items():
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if not error or module == "torch" or c.s.modules.get(module, False) is None:
+            continue  # imports; torch-import says torch's; not installed: the requirement rules say it
+        owner = c.s.owner(module) or c.declared.get(module)
+        findings.append(c.finding(
+            "error", "import-error",
+            f"`import {module}` fails on the host in a fresh interpreter: {error}"
+            + (f" ({owner.label()} at {owner.location})" if owner else "") + ": the trainer cannot start",
+            fix="the error names the module or file that fails; the other findings name what is missing or "
+                "mixed: fix those, then audit again with --deep",
+            packages=[owner.name if owner else module], detail={"module": module, "error": error}))
+    return findings
+
+
 def _provider(c: _Context, soname: str) -> ReqCheck | None:
     """The requirement of torch whose wheel ships ``soname``."""
     for check in c.checks:

@@ -26,7 +26,7 @@ LIB_PREFIXES = ("libcudnn", "libnccl", "libcuda", "libcublas")
 # Modules the trainer imports, looked up by the collector (with every distribution's
 # top-level modules), and pip, which every fix runs.
 TRAINER_MODULES = ("torch", "triton", "transformers")
-ASKED_MODULES = (*TRAINER_MODULES, "pip")
+ASKED_MODULES = (*TRAINER_MODULES, "pip", "ensurepip")  # ensurepip: whether pip can be put back without a wheel
 SNAPSHOT_VERSION = 2  # the collector's "v"
 
 _LDCONFIG_LINE = re.compile(r"^\s*(\S+)\s+\(([^)]*)\)\s+=>\s+(\S+)\s*$")
@@ -56,6 +56,9 @@ class Dist:
     error: str | None = None  # what the collector could not read of it ("metadata: UnicodeDecodeError: ...")
     denied: list[str] = field(default_factory=list)  # RECORD paths this user may not read (the first few)
     denied_count: int = 0
+    dangling: list[dict[str, str]] = field(default_factory=list)  # missing RECORD paths that are symlinks: path, target
+    dangling_count: int = 0
+    shebangs: dict[str, str] = field(default_factory=dict)  # changed scripts outside the package -> their #! line
 
     @property
     def unreadable(self) -> bool:
@@ -108,6 +111,7 @@ class ModuleSpec:
     entry: str | None = None  # the sys.path entry it was found under
     namespace: bool = False
     error: str | None = None
+    finder: str | None = None  # the meta-path finder that found it, when not one of Python's own (module.Class)
 
 
 # A shared file's holder that is none of its owners (the collector's values).
@@ -147,6 +151,23 @@ class LoadedLib:
 
 
 @dataclass
+class LoaderFile:
+    """A file the dynamic loader resolves for a shared object of the trainer's
+    distributions (or one beside such a library, which it dlopens by name), inside
+    the environment: pip can remove or overwrite it. ``owners``: the distributions
+    whose RECORD lists it (indexes; empty: none does, e.g. a library put back by hand)."""
+
+    path: str
+    via: str
+    needed_by: str = ""
+    owners: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+@dataclass
 class Snapshot:
     host: str
     hostname: str | None = None
@@ -183,6 +204,13 @@ class Snapshot:
     wrapper: list[str] = field(default_factory=list)  # the inventory's container wrapper: fixes run through it
     seconds: float | None = None  # the collector's own time
     errors: list[str] = field(default_factory=list)
+    loader: list[LoaderFile] = field(default_factory=list)  # what the loader resolves for the trainer's libraries
+    stashes: list[str] = field(default_factory=list)  # pip's ~ stash directories left in a site directory
+
+    def imports(self) -> dict[str, dict[str, Any]]:
+        """--deep: each module imported in the child: {"error"?, "version", "loaded"}; {} without --deep."""
+        found = (self.deep or {}).get("imports")
+        return dict(found) if isinstance(found, dict) else {}
 
     @property
     def asked(self) -> bool:
@@ -275,7 +303,8 @@ def parse_snapshot(stdout: str, host: str) -> Snapshot:
         markers=dict(raw.get("markers") or {}),
         dists=[_dist(i, d) for i, d in enumerate(raw.get("distributions") or [])],
         modules={name: (ModuleSpec(name, m.get("origin"), list(m.get("owners") or []), m.get("entry"),
-                                   bool(m.get("namespace")), m.get("error")) if m is not None else None)
+                                   bool(m.get("namespace")), m.get("error"), m.get("finder"))
+                        if m is not None else None)
                  for name, m in (raw.get("modules") or {}).items()},
         shared=[SharedFiles(list(g["owners"]), int(g["count"]), list(g.get("paths") or []), g.get("holder"))
                 for g in raw.get("shared_files") or []],
@@ -297,6 +326,9 @@ def parse_snapshot(stdout: str, host: str) -> Snapshot:
         env=dict(env),
         seconds=raw.get("seconds"),
         errors=list(raw.get("errors") or []),
+        loader=[LoaderFile(f["path"], f.get("via") or "", f.get("needed_by") or "", list(f.get("owners") or []))
+                for f in raw.get("loader") or []],
+        stashes=[str(p) for p in raw.get("stashes") or []],
     )
 
 
@@ -306,7 +338,8 @@ def _dist(index: int, d: dict[str, Any]) -> Dist:
         d.get("libs"), index, d.get("metadata"), d.get("files"), list(d.get("missing") or []),
         int(d.get("missing_count") or 0), list(d.get("changed") or []), int(d.get("changed_count") or 0),
         d.get("installer"), bool(d.get("editable")), d.get("error"), list(d.get("denied") or []),
-        int(d.get("denied_count") or 0),
+        int(d.get("denied_count") or 0), list(d.get("dangling") or []), int(d.get("dangling_count") or 0),
+        dict(d.get("shebangs") or {}),
     )
 
 

@@ -71,6 +71,80 @@ def elf_library(runpath: str, needed: list[str]) -> bytes:
         section(6, dynamic_at, len(dynamic), 1)
 
 
+# --------------------------------------------------------------------------- real shared objects
+
+# A cuDNN that says which CUDA it was built for, and a libtorch_cuda.so that needs
+# it (DT_NEEDED libcudnn.so.9, found through its RUNPATH as torch's wheels find
+# theirs): the fake torch below dlopens that library for real, so the dynamic
+# loader, not a Python check, decides whether `import torch` works.
+_CUDNN_C = "int cudnn_cuda_major(void) { return CUDA_MAJOR; }\n"
+_TORCH_CUDA_C = "extern int cudnn_cuda_major(void);\nint torch_cudnn_major(void) { return cudnn_cuda_major(); }\n"
+REAL_TORCH_INIT = '''import ctypes, os
+from torch import version
+__version__ = version.__version__
+_lib = ctypes.CDLL(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libtorch_cuda.so"))
+if _lib.torch_cudnn_major() != 12:
+    raise RuntimeError("cuDNN version incompatibility: libcudnn.so.9 was built for CUDA %d, torch for 12"
+                       % _lib.torch_cudnn_major())
+'''
+_BUILT: dict[tuple, bytes] = {}
+
+
+def _gcc(out: Path, source: str, *args: str) -> None:
+    import shutil
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no C compiler here to build real shared objects")
+    src = out.with_suffix(".c")
+    src.write_text(source)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O0", "-o", str(out), str(src), *args], check=True,
+                   capture_output=True, timeout=120)
+
+
+def real_cudnn(cuda: int) -> bytes:
+    """libcudnn.so.9 built for real (soname libcudnn.so.9), saying it was built for ``cuda``."""
+    key = ("cudnn", cuda)
+    if key not in _BUILT:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="so-") as tmp:
+            out = Path(tmp) / "libcudnn.so.9"
+            _gcc(out, _CUDNN_C, f"-DCUDA_MAJOR={cuda}", "-Wl,-soname,libcudnn.so.9")
+            _BUILT[key] = out.read_bytes()
+    return _BUILT[key]
+
+
+def real_torch_cuda() -> bytes:
+    """libtorch_cuda.so built for real: DT_NEEDED libcudnn.so.9, RUNPATH $ORIGIN/../../nvidia/cudnn/lib."""
+    key = ("torch_cuda",)
+    if key not in _BUILT:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="so-") as tmp:
+            (Path(tmp) / "libcudnn.so.9").write_bytes(real_cudnn(12))
+            out = Path(tmp) / "libtorch_cuda.so"
+            _gcc(out, _TORCH_CUDA_C, f"-L{tmp}", "-l:libcudnn.so.9",
+                 "-Wl,--enable-new-dtags,-rpath,$ORIGIN/../../nvidia/cudnn/lib")
+            _BUILT[key] = out.read_bytes()
+    return _BUILT[key]
+
+
+def real_torch_files(version: str = TORCH_VERSION) -> dict:
+    """A torch whose import dlopens its libtorch_cuda.so, which the loader links to libcudnn.so.9."""
+    return {"torch/__init__.py": REAL_TORCH_INIT,
+            "torch/version.py": f"__version__ = {version!r}\ncuda = '12.6'\n",
+            "torch/lib/libtorch_cuda.so": real_torch_cuda()}
+
+
+def real_cudnn_files(cuda: int, with_library: bool = True) -> dict:
+    """A cuDNN wheel's files with a real libcudnn.so.9 (``with_library=False``: a
+    wheel whose RECORD does not list the library)."""
+    files = {"nvidia/__init__.py": "", "nvidia/cudnn/__init__.py": ""}
+    if with_library:
+        files["nvidia/cudnn/lib/libcudnn.so.9"] = real_cudnn(cuda)
+    return files
+
+
 def torch_files(version: str = TORCH_VERSION, cuda: str | None = "12.6", needed=("libcudnn.so.9",)) -> dict:
     files = {
         "torch/__init__.py": TORCH_INIT,
@@ -194,13 +268,20 @@ def healthy(root: Path, **kwargs) -> Venv:
     else the trainer needs (TRAINER_STACK), and a pip (a stand-in: fixes name it,
     these tests never run it)."""
     env = Venv(root, **kwargs)
-    write_dist(env.site, "pip", "24.0", {"pip/__init__.py": "", "pip/__main__.py": ""})
+    write_dist(env.site, "pip", "24.0", {"pip/__init__.py": "", "pip/__main__.py": "", "pip/_internal/__init__.py": "",
+                                         "pip/_internal/cli/__init__.py": "", "pip/_internal/cli/main.py": ""})
     write_dist(env.site, "torch", TORCH_VERSION, torch_files(), TORCH_REQUIRES)
     write_dist(env.site, *CUDNN12, cudnn_files("cudnn-cu12"))
     write_dist(env.site, "sympy", "1.14.0", {"sympy/__init__.py": "__version__ = '1.14.0'\n"})
     for name, version, files, requires in TRAINER_STACK:
         write_dist(env.site, name, version, files, requires)
     return env
+
+
+def pyenv_python(version: str) -> str | None:
+    """A pyenv-installed python of that version (``"3.8"``) on this machine, or None."""
+    found = sorted(Path(os.path.expanduser("~/.pyenv/versions")).glob(f"{version}.*/bin/python{version}"))
+    return str(found[0]) if found else None
 
 
 def by_code(report: ea.AuditReport) -> dict[str, list[ea.Finding]]:
@@ -252,3 +333,51 @@ def pip(env: Venv, environment: dict, *args: str) -> None:
     done = subprocess.run([env.python, "-m", "pip", *args], env={**os.environ, **environment}, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+# --------------------------------------------------------------------------- editable checkouts
+
+# A PEP 517 backend in the checkout itself (no setuptools, no wheel needed): its
+# editable wheel is one .pth that puts the checkout on sys.path, what setuptools'
+# "lenient" editable mode writes. pip installs it for real (`pip install -e`) and
+# records it as editable (direct_url.json).
+_EDITABLE_BACKEND = '''import base64, hashlib, os, zipfile
+NAME, VERSION = {name!r}, {version!r}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _row(path, data):
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return "%s,sha256=%s,%d\\n" % (path, digest, len(data))
+
+
+def get_requires_for_build_editable(config_settings=None):
+    return []
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    dist = NAME.replace("-", "_")
+    info = "%s-%s.dist-info" % (dist, VERSION)
+    entries = {{"__editable__.%s-%s.pth" % (dist, VERSION): (HERE + "\\n").encode(),
+               info + "/METADATA": ("Metadata-Version: 2.1\\nName: %s\\nVersion: %s\\n" % (NAME, VERSION)).encode(),
+               info + "/WHEEL": b"Wheel-Version: 1.0\\nGenerator: tests\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n"}}
+    name = "%s-%s-py3-none-any.whl" % (dist, VERSION)
+    with zipfile.ZipFile(os.path.join(wheel_directory, name), "w") as z:
+        for path, data in entries.items():
+            z.writestr(path, data)
+        z.writestr(info + "/RECORD", "".join(_row(p, d) for p, d in entries.items()) + info + "/RECORD,,\\n")
+    return name
+'''
+
+
+def editable_checkout(root: Path, name: str, version: str, files: dict) -> Path:
+    """A source checkout of ``name`` that `pip install -e` installs (``pip(env, OFFLINE,
+    "install", "--no-build-isolation", "-e", str(root))``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for rel, content in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(_data(content))
+    (root / "pyproject.toml").write_text('[build-system]\nrequires = []\nbuild-backend = "editable_backend"\n'
+                                         'backend-path = ["."]\n')
+    (root / "editable_backend.py").write_text(_EDITABLE_BACKEND.format(name=name, version=version))
+    return root

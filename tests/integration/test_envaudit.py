@@ -692,7 +692,7 @@ def test_the_controller_ships_the_collectors_text():
     argv = ea.audit_command(host)
     assert argv[:-2] == [*shlex.split(host.python), "-c"]
     assert argv[-2] == COLLECTOR.read_text() and argv[-2] is ea.audit_command(host)[-2]  # read once
-    assert json.loads(argv[-1]) == {"lib_prefixes": list(ea.LIB_PREFIXES), "modules": [*ea.TRAINER_MODULES, "pip"]}
+    assert json.loads(argv[-1]) == {"lib_prefixes": list(ea.LIB_PREFIXES), "modules": [*ea.TRAINER_MODULES, "pip", "ensurepip"]}
     assert json.loads(ea.audit_command(host, deep=True)[-1])["deep"] is True
     assert f"FRAME = {FRAME!r}".replace("'", "\"") in argv[-2]  # the collector frames its answer as the controller reads it
     # Shipped as text it answers as it does run as a file, without its own sys.path[0] (the cwd).
@@ -854,7 +854,9 @@ def test_launch_dry_run_shows_the_audit_its_fixes_and_the_drift(tmp_path):
         result = launch_run(playbook, inventory, None, dry_run=True,
                             progress=lambda step, m: said.append(f"{step}: {m}"))
     assert result.state == "dry-run"  # errors do not stop a dry run: it says a launch would stop
-    assert "preflight: a launch would stop here: 2 error(s) (--force goes past them)" in said
+    # The CUDA 13 cuDNN was written over torch's: the preflight imports torch as --deep does, and says it fails.
+    assert "preflight: a launch would stop here: 3 error(s) (--force goes past them)" in said
+    assert [f for f in result.findings if f.code == "torch-import" and "cuDNN version incompatibility" in f.message]
     drift = [f for f in result.findings if f.code == "drift"]
     assert drift and f"removed flashinfer-python 0.2.5 (last good run: {good})" in drift[0].message
     assert any(line.startswith("preflight: warning: environment changed since the last good run") for line in said)

@@ -147,6 +147,7 @@ def test_a_cu13_stack_then_cu12_torch_the_plan_never_puts_the_strays_back(tmp_pa
 
 def test_a_host_with_no_index_stops_before_anything_is_removed(tmp_path, fresh_venv, wheels):
     env, offline = cu13_stack_then_cu12_torch(tmp_path, fresh_venv, wheels)
+    pip(env, offline, "install", "transformers==4.46.3")  # too old for the trainer: the plan installs a newer one
     inventory = env.inventory(tmp_path)
     report = ea.audit_host("box", inventory)
     before = report.snapshot.packages()

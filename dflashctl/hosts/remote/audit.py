@@ -17,9 +17,18 @@ and prints one JSON snapshot, on a line of its own between the two FRAME markers
   was found under (never guessed from dist-info order);
 - the imported torch's ``version.py`` text, its CUDA library's RPATH / RUNPATH /
   NEEDED and, for each followed library it needs, the file the dynamic loader
-  would pick and why; with ``"deep": true`` also ``import torch`` in a
-  subprocess (with a timeout): its version, CUDA, the error if it fails, and the
-  followed libraries the process really mapped;
+  would pick and why; with ``"deep": true`` also ``import torch``, triton,
+  transformers, safetensors and the ``imports`` asked for, one after the other
+  in a subprocess (with a timeout): torch's version and CUDA, each import's
+  error if it fails and the shared objects it mapped, and whether pip's own code
+  imports;
+- the files the loader resolves for the shared objects of the trainer's
+  distributions and everything they require (``loader_files``), owned by a
+  RECORD or not, with every RECORD that lists each;
+- a module found by a meta-path finder that is not Python's own (one a .pth
+  installs) names it; a RECORD file that is a dangling symlink says where it
+  pointed; a changed console script gives its ``#!`` line; pip's ``~`` stash
+  directories left in a site directory are listed;
 - ``sys.prefix`` / ``sys.path`` / the user site, the ``.pth`` files of the site
   directories, the environment markers, the ``ldconfig -p`` entries of the
   followed libraries (with the files they resolve to), LD_LIBRARY_PATH and
@@ -46,7 +55,8 @@ Argument, one JSON object::
                                           ``libcuda`` also matches ``libcudart``)
      "modules": ["torch", ...],           modules to look up besides every
                                           distribution's top-level modules
-     "deep": false, "deep_timeout": 60}   import torch in a subprocess
+     "deep": false, "deep_timeout": 60,   import torch in a subprocess
+     "imports": ["sympy", ...]}           with --deep: imported too, after DEEP_IMPORTS
 """
 
 import base64
@@ -67,6 +77,7 @@ import time
 SNAPSHOT_VERSION = 2
 USAGE = 'usage: audit.py \'{"lib_prefixes": ["libcudnn", "libnccl", ...], "modules": [...], "deep": false}\'\n'
 DEFAULT_MODULES = ("torch", "triton", "transformers")
+DEEP_IMPORTS = ("torch", "triton", "transformers", "safetensors")  # what the trainer imports
 # First path components that are never an importable top-level name.
 SKIP_TOP = re.compile(r"(\.dist-info|\.egg-info|\.data|\.pth|__pycache__|\.\.)$")
 ENV_VARIABLES = ("PYTHONPATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONNOUSERSITE", "PYTHONUSERBASE")
@@ -74,37 +85,70 @@ TORCH_LIBRARIES = ("libtorch_cuda.so", "libtorch_global_deps.so")  # the first p
 # A shared file's holder that is none of its owners (or cannot be told: same size, no hash).
 HOLDER_MISSING, HOLDER_FOREIGN, HOLDER_DENIED, HOLDER_UNKNOWN = -1, -2, -3, -4
 LISTED = 20  # paths listed per problem; counts are always whole
+MAX_SOS = 2000  # shared objects listed per distribution (torch ships a few dozen)
+MAX_LOADER_FILES = 4000  # files followed through the loader, in all
+SHARED_OBJECT = re.compile(r"\.so(?:\.[0-9]+)*$")
+# What the trainer imports: the loader's files of these and of everything they
+# require (by name, every marker taken as true: a superset is the safe side).
+LOADER_ROOTS = ("torch", "triton", "pytorch-triton", "transformers", "safetensors")
 DEFAULT_LIBRARY_DIRS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64")
 # The answer between these, on one line: code a .pth runs at start or at exit (or
 # torch's import) may print to stdout before and after it.
 FRAME = ("<<dflashctl-env-audit>>", "<</dflashctl-env-audit>>")
-# ``import torch`` in a child: the answer is the framed one on its stdout. Its own
-# sys.path[0] ('' under -c) is dropped first, as this script drops its own.
+# The imports in a child: the answer is the framed one on its stdout. Its own
+# sys.path[0] ('' under -c) is dropped first, as this script drops its own. Each
+# module is imported in turn; what each maps (/proc/self/maps) is what it loaded.
 DEEP_CODE = r"""
 import json, sys
 del sys.path[0]
-prefixes = tuple(json.loads(sys.argv[1]))
-FRAME = tuple(json.loads(sys.argv[2]))
-answer = {}
-try:
-    import torch
-    answer["version"] = str(torch.__version__)
-    answer["cuda"] = torch.version.cuda
-    answer["file"] = torch.__file__
-except BaseException as e:
-    answer["error"] = "%s: %s" % (type(e).__name__, e)
-loaded = set()
-try:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(None, 5)
-            if len(parts) == 6:
-                path = parts[5].strip()
-                if path.rsplit("/", 1)[-1].startswith(prefixes):
-                    loaded.add(path)
-except OSError:
-    pass
-answer["loaded"] = sorted(loaded)
+args = json.loads(sys.argv[1])
+prefixes = tuple(args["prefixes"])
+FRAME = tuple(args["frame"])
+
+
+def mapped():
+    found = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6:
+                    path = parts[5].strip()
+                    if ".so" in path.rsplit("/", 1)[-1]:
+                        found.add(path)
+    except OSError:
+        pass
+    return found
+
+
+answer, imports = {}, {}
+seen = mapped()
+for name in args["imports"]:
+    entry = {}
+    try:
+        module = __import__(name)
+        version = getattr(module, "__version__", None)
+        entry["version"] = version if isinstance(version, str) else None
+        if name == "torch":
+            answer["version"] = str(module.__version__)
+            answer["cuda"] = module.version.cuda
+            answer["file"] = module.__file__
+    except BaseException as e:
+        entry["error"] = "%s: %s" % (type(e).__name__, e)
+        if name == "torch":
+            answer["error"] = entry["error"]
+    now = mapped()
+    entry["loaded"] = sorted(now - seen)
+    seen = now
+    imports[name] = entry
+if args.get("pip"):
+    try:
+        import pip._internal.cli.main
+        answer["pip"] = None
+    except BaseException as e:
+        answer["pip"] = "%s: %s" % (type(e).__name__, e)
+answer["loaded"] = sorted(p for p in seen if p.rsplit("/", 1)[-1].startswith(prefixes))
+answer["imports"] = imports
 sys.stdout.write("\n" + FRAME[0] + json.dumps(answer) + FRAME[1] + "\n")
 """
 
@@ -216,6 +260,12 @@ class Owners:
             return sorted((r[0] for r in rows), key=lambda i: i != holder)
         return [self.first[path][0]] if path in self.first else []
 
+    def listing(self, path):
+        """Every distribution whose RECORD lists ``path`` (indexes), without reading the file."""
+        if path in self.more:
+            return [r[0] for r in self.more[path]]
+        return [self.first[path][0]] if path in self.first else []
+
     def shared(self):
         """Files listed by several distributions, grouped by their owners and by
         whose bytes are on disk (``holder``: the owner whose RECORD size and hash
@@ -316,7 +366,7 @@ def read_distribution(dist, index, is_library, owners):
         top = read_text(dist, "top_level.txt") or ""
         entry["modules"] = sorted(t.strip() for t in top.split() if t.strip())
         return entry
-    modules, libs, missing, changed, denied = set(), [], [], [], []
+    modules, libs, missing, changed, denied, sos, dangling = set(), [], [], [], [], [], []
     firsts = {}
     base = location.rstrip("/") + "/"
     for rel, size, digest in files:
@@ -326,8 +376,11 @@ def read_distribution(dist, index, is_library, owners):
         name = firsts[first]
         if name:
             modules.add(name)
-        if is_library(rel.rsplit("/", 1)[-1]):
+        base_name = rel.rsplit("/", 1)[-1]
+        if is_library(base_name):
             libs.append(rel)
+        if SHARED_OBJECT.search(base_name):
+            sos.append(rel)
         if "./" in rel or rel.startswith("/"):  # ../../bin/x: outside the site directory
             full = os.path.normpath(os.path.join(location, rel))
         else:
@@ -341,6 +394,8 @@ def read_distribution(dist, index, is_library, owners):
         except OSError:
             if not rel.endswith(".pyc"):  # compiled again on the next import
                 missing.append(rel)
+                if os.path.islink(full):  # a symlink whose target is gone (uv's symlink mode, its cache removed)
+                    dangling.append((rel, os.readlink(full)))
             continue
         if size is not None and st.st_size != size:
             changed.append(rel)
@@ -348,8 +403,27 @@ def read_distribution(dist, index, is_library, owners):
             denied.append(rel)
     entry.update(modules=sorted(modules), libs=sorted(libs), files=len(files), missing=missing[:LISTED],
                  missing_count=len(missing), changed=changed[:LISTED], changed_count=len(changed),
-                 denied=denied[:LISTED], denied_count=len(denied))
+                 denied=denied[:LISTED], denied_count=len(denied), sos=sos[:MAX_SOS],
+                 dangling=[{"path": r, "target": t} for r, t in dangling[:LISTED]], dangling_count=len(dangling),
+                 shebangs=shebangs(location, changed[:LISTED]))
     return entry
+
+
+def shebangs(location, changed):
+    """The first line of each changed file outside the package directory that starts
+    with ``#!`` (a console script: a relocated venv's tools rewrite those lines)."""
+    found = {}
+    for rel in changed:
+        if not rel.startswith("../"):
+            continue
+        try:
+            with open(os.path.normpath(os.path.join(location, rel)), "rb") as f:
+                head = f.read(512)
+        except OSError:
+            continue
+        if head.startswith(b"#!"):
+            found[rel] = head.split(b"\n", 1)[0].decode("utf-8", "replace")
+    return found
 
 
 EUID = os.geteuid() if hasattr(os, "geteuid") else 0
@@ -435,7 +509,7 @@ def find_specs(names, owners, errors):
     answers = {}
     for name in names:
         try:
-            spec = importlib.util.find_spec(name)
+            spec, finder = find_spec(name, importlib.util)
         except Exception as e:
             answers[name] = {"error": "%s: %s" % (type(e).__name__, e)}
             continue
@@ -445,6 +519,8 @@ def find_specs(names, owners, errors):
         origin = spec.origin if getattr(spec, "has_location", False) else None
         search = [str(p) for p in (spec.submodule_search_locations or [])]
         answer = {"origin": origin, "namespace": origin is None and bool(search), "owners": [], "entry": None}
+        if finder:
+            answer["finder"] = finder
         if origin is None and search:
             origin_dir = os.path.normpath(os.path.abspath(search[0]))
             answer["entry"] = next((e for e in entries if origin_dir.startswith(e + os.sep)), None)
@@ -454,6 +530,29 @@ def find_specs(names, owners, errors):
             answer["entry"] = next((e for e in entries if full.startswith(e + os.sep)), None)
         answers[name] = answer
     return answers
+
+
+STANDARD_FINDERS = ("BuiltinImporter", "FrozenImporter", "PathFinder")
+
+
+def find_spec(name, util):
+    """``importlib.util.find_spec`` for a top-level name, asked of each finder on
+    sys.meta_path in turn as the import system does, and which finder answered
+    when it is not one of Python's own (a finder a .pth installs): (spec, finder
+    as module.name, or None)."""
+    if name in sys.modules:
+        return util.find_spec(name), None
+    for finder in sys.meta_path:
+        ask = getattr(finder, "find_spec", None)
+        if ask is None:
+            continue
+        spec = ask(name, None)
+        if spec is not None:
+            kind = finder if isinstance(finder, type) else type(finder)
+            if kind.__name__ in STANDARD_FINDERS and kind.__module__.startswith(("importlib", "_frozen_importlib")):
+                return spec, None
+            return spec, "%s.%s" % (kind.__module__, kind.__name__)
+    return None, None
 
 
 def elf_info(path):
@@ -564,6 +663,90 @@ def torch_files(spec, is_library, cache, errors):
     return info
 
 
+def loader_closure(dists):
+    """Indexes of the distributions of LOADER_ROOTS and of everything they require,
+    by name (the first copy of each name on sys.path, every marker taken as true)."""
+    first = {}
+    for i, d in enumerate(dists):
+        if d.get("name"):
+            first.setdefault(canon(d["name"]), i)
+    wanted, queue = set(), [canon(n) for n in LOADER_ROOTS]
+    while queue:
+        name = queue.pop()
+        if name in wanted or name not in first:
+            continue
+        wanted.add(name)
+        for req in dists[first[name]].get("requires") or []:
+            m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
+            if m:
+                queue.append(canon(m.group(1)))
+    return sorted(first[n] for n in wanted)
+
+
+def under(path, roots):
+    return any(path == r or path.startswith(r + os.sep) for r in roots)
+
+
+def loader_files(dists, owners, cache):
+    """The files the dynamic loader resolves for the shared objects of the
+    trainer's distributions (``loader_closure``): each DT_NEEDED followed as the
+    loader does (``loader_pick``), and what those need in turn, and beside each
+    library found, the libraries of its directory (cuDNN, cuBLAS and NCCL dlopen
+    their siblings by name). Only files inside the environment's sys.path
+    directories or prefix are listed: those are what pip can remove or overwrite.
+    Each with how it was found, who needs it, and every RECORD that lists it."""
+    roots = sorted({os.path.normpath(os.path.abspath(p)) for p in sys.path if p} | {os.path.normpath(sys.prefix)})
+    ld_dirs = path_entries("LD_LIBRARY_PATH")
+    queue, seen, found = [], set(), []
+    for i in loader_closure(dists):
+        location = (dists[i].get("location") or "").rstrip("/")
+        for rel in dists[i].get("sos") or []:
+            queue.append(os.path.normpath(os.path.join(location, rel)))
+    seen.update(queue)
+    dirs_done = set()
+    while queue and len(found) < MAX_LOADER_FILES:
+        path = queue.pop(0)
+        try:
+            elf = elf_info(path) or {}
+        except (OSError, ValueError, struct.error, IndexError):
+            continue
+        for soname in elf.get("needed", []):
+            picked, via = loader_pick(soname, os.path.dirname(path), elf, ld_dirs, cache)
+            if picked is None or picked in seen or not under(picked, roots):
+                continue
+            seen.add(picked)
+            queue.append(picked)
+            found.append({"path": picked, "via": via, "needed_by": path, "owners": owners.listing(picked)})
+            directory = os.path.dirname(picked)
+            if directory in dirs_done:
+                continue
+            dirs_done.add(directory)
+            try:
+                siblings = sorted(os.listdir(directory))
+            except OSError:
+                siblings = []
+            for name in siblings:
+                sibling = os.path.join(directory, name)
+                if SHARED_OBJECT.search(name) and sibling not in seen and os.path.isfile(sibling):
+                    seen.add(sibling)
+                    queue.append(sibling)
+                    found.append({"path": sibling, "via": "beside " + soname + " (dlopened by name)",
+                                  "needed_by": picked, "owners": owners.listing(sibling)})
+    return found
+
+
+def stashes(site_dirs):
+    """What pip leaves in a site directory when it is killed mid-step: its
+    ``~name`` stash directories (what it had moved aside to put back on failure)."""
+    found = []
+    for directory in site_dirs:
+        try:
+            found += [os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.startswith("~")]
+        except OSError:
+            continue
+    return found[:200]
+
+
 def transformers_models(spec):
     """The model families the imported transformers ships (its ``models/``
     subdirectories, read, not imported); None when it is not importable."""
@@ -577,10 +760,12 @@ def transformers_models(spec):
     return {"dir": models, "models": names}
 
 
-def deep_import(prefixes, timeout):
-    """``import torch`` in a child python with this environment."""
+def deep_import(prefixes, timeout, imports=DEEP_IMPORTS, pip=True):
+    """``import torch`` (and each of ``imports``, pip's own code when ``pip``) in a
+    child python with this environment."""
+    argument = {"prefixes": list(prefixes), "frame": list(FRAME), "imports": list(imports), "pip": pip}
     try:
-        p = subprocess.run([sys.executable, "-c", DEEP_CODE, json.dumps(list(prefixes)), json.dumps(FRAME)],
+        p = subprocess.run([sys.executable, "-c", DEEP_CODE, json.dumps(argument)],
                            stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -766,8 +951,17 @@ def snapshot(args):
         answer["transformers"] = transformers_models((answer.get("modules") or {}).get("transformers"))
     except Exception as e:
         errors.append("transformers: %s: %s" % (type(e).__name__, e))
+    try:
+        answer["loader"] = loader_files(dists, owners, cache)
+    except Exception as e:
+        errors.append("loader: %s: %s" % (type(e).__name__, e))
+    try:
+        answer["stashes"] = stashes(list((answer.get("python") or {}).get("site_packages") or []))
+    except Exception as e:
+        errors.append("stashes: %s: %s" % (type(e).__name__, e))
     if args.get("deep"):
-        answer["deep"] = deep_import(prefixes, float(args.get("deep_timeout") or 60))
+        imports = list(DEEP_IMPORTS) + [m for m in args.get("imports") or [] if m not in DEEP_IMPORTS]
+        answer["deep"] = deep_import(prefixes, float(args.get("deep_timeout") or 60), imports)
     answer["seconds"] = round(time.monotonic() - started, 4)
     return answer
 
@@ -784,6 +978,9 @@ def parse_argument(argv):
     if not isinstance(prefixes, list) or not prefixes or not all(isinstance(p, str) and p for p in prefixes):
         return None
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        return None
+    imports = args.get("imports", [])
+    if not isinstance(imports, list) or not all(isinstance(m, str) and m.isidentifier() for m in imports):
         return None
     if not isinstance(args.get("deep", False), bool) or isinstance(timeout, bool) \
             or not isinstance(timeout, (int, float)) or not timeout > 0:
