@@ -284,6 +284,14 @@ def pyenv_python(version: str) -> str | None:
     return str(found[0]) if found else None
 
 
+def pyenv_venv(root: Path, version: str) -> Venv:
+    """A venv (no pip) of the pyenv python of that version (``pyenv_python`` must have found one)."""
+    subprocess.run([pyenv_python(version), "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    env = Venv.existing(root)
+    env.site = root / "lib" / f"python{version}" / "site-packages"
+    return env
+
+
 def by_code(report: ea.AuditReport) -> dict[str, list[ea.Finding]]:
     found: dict[str, list[ea.Finding]] = {}
     for f in report.findings:

@@ -35,6 +35,7 @@ from tests.harness.envs import (
     editable_checkout,
     pip,
     pyenv_python,
+    pyenv_venv,
     real_cudnn_files,
     real_torch_files,
     torch_files,
@@ -161,10 +162,7 @@ def test_a_missing_trainer_requirement_is_installed_with_its_requirements(tmp_pa
 
 @pytest.mark.skipif(pyenv_python("3.8") is None, reason="no Python 3.8 here")
 def test_no_plan_for_an_interpreter_the_trainer_cannot_run_on(tmp_path):
-    root = tmp_path / "venv38"
-    subprocess.run([pyenv_python("3.8"), "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
-    env = Venv.existing(root)
-    env.site = root / "lib" / "python3.8" / "site-packages"
+    env = pyenv_venv(tmp_path / "venv38", "3.8")
     for name, version, files, requires in TRAINER_STACK[1:]:  # no transformers; a stray stack
         write_dist(env.site, name, version, files, requires)
     write_dist(env.site, "torch", TORCH_VERSION, torch_files(), [])

@@ -44,6 +44,7 @@ from tests.harness.envs import (
     healthy,
     metadata_text,
     pyenv_python,
+    pyenv_venv,
     torch_files,
     write_dist,
 )
@@ -377,10 +378,7 @@ def test_the_trainers_own_requirements(tmp_path):
 
 @pytest.mark.skipif(pyenv_python("3.8") is None, reason="no Python 3.8 here")
 def test_a_python_older_than_the_trainer_needs(tmp_path):
-    root = tmp_path / "venv38"
-    subprocess.run([pyenv_python("3.8"), "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
-    env = Venv.existing(root)
-    env.site = root / "lib" / "python3.8" / "site-packages"
+    env = pyenv_venv(tmp_path / "venv38", "3.8")
     for name, version, files, requires in TRAINER_STACK:
         write_dist(env.site, name, version, files, requires)
     write_dist(env.site, "torch", TORCH_VERSION, torch_files(), ["sympy"])

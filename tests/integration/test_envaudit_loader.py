@@ -148,12 +148,7 @@ def test_a_step_that_breaks_an_import_with_the_error_count_level_is_undone(tmp_p
     lib.write_bytes(real_cudnn(12))
     assert env.imports().returncode == 0
 
-    try:
-        done = apply_plan("box", inventory)
-    finally:  # the plan's download directory is named by its specs: leave nothing another plan would find there
-        for argv, _ in before.plan():
-            if "download" in argv:
-                shutil.rmtree(argv[argv.index("--dest") + 1], ignore_errors=True)
+    done = apply_plan("box", inventory)
     assert not done.ok and "transformers" in done.stopped, done.ran
     assert any("triton" in line for line in done.ran)  # the step before it was kept
     assert "`import torch` fails after it" in done.why and "CUDA 13" in done.why, done.why
@@ -162,3 +157,48 @@ def test_a_step_that_breaks_an_import_with_the_error_count_level_is_undone(tmp_p
     assert done.after.snapshot.packages()["transformers"] == "4.46.3"
     assert done.backups and not Path(done.backups).exists() and done.backups_left is None  # removed once undone
     assert str(env.root) in done.backups  # kept beside the environment (hard links), and said where
+
+
+# --------------------------------------------------------------------------- the backups
+
+
+def envsave(argument: dict) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    from dflashctl.hosts import remote
+
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", remote.source("envsave"), json.dumps(argument)],
+                          capture_output=True, text=True, timeout=60)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_backups_are_hard_links_a_restore_writes_only_what_changed_and_removes_pips_stashes(tmp_path):
+    from tests.harness.envs import write_dist
+
+    site = tmp_path / "venv" / "lib" / "site-packages"
+    info = write_dist(site, "transformers", "4.46.3", {"transformers/__init__.py": "x = 1\n"})
+    lib = site / "nvidia/cudnn/lib/libcudnn.so.9"  # a loader file no RECORD lists
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"cudnn 12")
+    root = envsave({"action": "start", "near": str(tmp_path / "venv")})["dir"]
+    assert Path(root).parent == tmp_path / "venv" and oct(Path(root).stat().st_mode)[-3:] == "700"
+    step = f"{root}/step-0"
+    assert envsave({"action": "save", "dir": step, "dist_infos": [str(info)], "files": [str(lib)]}) == \
+        {"saved": 6, "errors": []}
+    kept = Path(step) / "files" / str(lib).lstrip("/")
+    assert kept.stat().st_ino == lib.stat().st_ino  # a hard link: no copy of a 1 GB library
+    # A step that changed nothing (pip refused on a read-only environment): nothing is written back.
+    assert envsave({"action": "restore", "dir": step}) == {"restored": 0, "errors": []}
+    # A step killed halfway: the library replaced, a file gone, pip's stash left behind.
+    lib.unlink()
+    lib.write_bytes(b"cudnn 13")
+    (site / "transformers/__init__.py").unlink()
+    (site / "~ransformers").mkdir()
+    assert envsave({"action": "restore", "dir": step}) == {"restored": 2, "errors": []}
+    assert lib.read_bytes() == b"cudnn 12" and (site / "transformers/__init__.py").read_text() == "x = 1\n"
+    assert not (site / "~ransformers").exists()
+    # Dropped once not needed; only a directory envsave made.
+    assert envsave({"action": "drop", "dir": str(site)})["errors"]
+    assert envsave({"action": "drop", "dir": root}) == {"dropped": True, "errors": []} and not Path(root).exists()

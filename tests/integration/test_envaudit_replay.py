@@ -108,7 +108,7 @@ def test_the_plan_applies_every_fix_once_in_a_safe_order(polluted, tmp_path):
     steps = report.plan()
     lines = [line for _, line in steps]
     assert len(lines) == len(set(lines))
-    stages = ["fetch" if "download" in argv else "uninstall" if "uninstall" in argv else "detach" if argv[0] == "rm"
+    stages = ["fetch" if "download" in argv or argv[0] == "mkdir" else "uninstall" if "uninstall" in argv else "detach" if argv[0] == "rm"
               else "reinstall" if "--force-reinstall" in argv else "install" for argv, _ in steps]
     assert stages == sorted(stages, key=["fetch", "uninstall", "install", "reinstall", "detach"].index)
     assert stages[0] == "fetch" and all("--no-index" in argv for argv, _ in steps if "install" in argv)
