@@ -158,6 +158,12 @@ def test_zlab_runs_every_export_it_accepts_as_trained(case, request, tmp_path, e
         assert "is_causal" not in config
     if case == "bidirectional_unbounded":  # trained exactly as full layers: exported as such
         assert config["layer_types"] == ["full_attention", "full_attention"] and config["sliding_window"] is None
+    if case != "bidirectional_binding":  # vLLM's and SGLang's exports are these very files (their GPU builds
+        for engine in ("vllm", "sglang"):  # do not run here): z-lab's loader reads them from elsewhere too
+            theirs = export(loaded, tmp_path / "exports" / engine, "--engine", engine)
+            assert theirs == config
+            assert_close(zlab_logits(tmp_path / "exports" / engine, loaded, ids, ANCHORS),
+                         trainer_logits(loaded, ids, ANCHORS))
 
 
 # ---------------------------------------------------------------------------- speculators
