@@ -436,3 +436,48 @@ def test_a_crash_quotes_only_the_error_its_own_attempt_wrote():
     # The attempt's own error is quoted as before.
     own = obs(session_alive=False, alive=False, exit_code=1, log=earlier + marker + "step 760\n" + TRACEBACK + "\n")
     assert f"last error: {OOM}" in detect_crash(own).message
+
+
+# --------------------------------------------------------------------------- hysteresis, learning
+
+
+def test_hold_raises_after_the_hold_time_through_short_gaps_and_clears_after_the_clear_time():
+    from dflashctl.supervise.detectors import hold
+
+    slow = Finding("regression", "warning", "4.3 Ktok/s = 34% of baseline 12.8 Ktok/s", {})
+    held, shown = None, []
+    # present 0-40 s, gone 45-50 s (shorter than the clear time), present 55-70 s, then gone
+    for t, present in [(0, 1), (20, 1), (40, 1), (45, 0), (50, 0), (55, 1), (60, 1), (70, 1), (80, 0), (100, 0),
+                       (139, 0), (140, 0)]:
+        held, out = hold(slow if present else None, held, float(t), raise_after=60.0, clear_after=60.0)
+        shown.append((t, out is not None))
+    assert shown == [(0, False), (20, False), (40, False), (45, False), (50, False), (55, False), (60, True),
+                     (70, True), (80, True), (100, True), (139, True), (140, False)]
+    assert held is None
+    # Never raised, gone longer than the clear time: forgotten, the next one counts afresh.
+    held, _ = hold(slow, None, 0.0, 60.0, 30.0)
+    held, _ = hold(None, held, 10.0, 60.0, 30.0)
+    held, _ = hold(None, held, 40.0, 60.0, 30.0)
+    assert held is None
+    assert hold(slow, None, 0.0, 0.0, 0.0)[1] is slow and hold(None, hold(slow, None, 0.0, 0.0, 0.0)[0], 1.0, 0.0,
+                                                                 0.0) == (None, None)  # no hysteresis asked
+
+
+def test_a_run_learns_nothing_only_when_its_loss_is_flat_and_its_accuracy_zero_after_the_warm_up():
+    from dflashctl.supervise.detectors import LEARNING, Sample, detect_not_learning
+
+    expect = Expect(learn_after_steps=100, regression_windows=3)
+
+    def lines(losses, accs, first=80):
+        return [Sample(NOW + i, first + 10 * i, 1000.0, loss=loss, acc=acc) for i, (loss, acc) in
+                enumerate(zip(losses, accs))]
+
+    flat = lines([6.2383] * 8, [0.0] * 8)
+    found = detect_not_learning(flat, expect)
+    assert found.kind == LEARNING and found.severity == "warning" and "from step 100 to 150" in found.message
+    assert detect_not_learning(lines([6.2383] * 5, [0.0] * 5), expect) is None  # 3 lines past the warm-up: too few
+    assert detect_not_learning(lines([6.2, 6.1, 6.0, 5.9, 5.8, 5.7, 5.6, 5.5], [0.0] * 8), expect) is None  # learning
+    assert detect_not_learning(lines([6.2383] * 8, [0.0] * 7 + [0.01]), expect) is None  # it accepts something
+    assert detect_not_learning(lines([6.2383] * 8, [None] * 8), expect) is None  # no accuracy: nothing said
+    nan = detect_not_learning(lines([float("nan")] * 8, [0.0] * 8), expect)
+    assert nan is not None and nan.message.startswith("loss not finite")
