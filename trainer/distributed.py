@@ -320,7 +320,7 @@ class Group:
     def observe(self, client) -> None:
         """One watchdog reading: every other rank's signed counter; a move is dated on
         this clock. A stranger's value moves nothing (and is named); so is a write to
-        the names strangers would guess, looked for every few readings."""
+        the names strangers would guess, looked for by rank 0 every few readings."""
         beats = {r: self.signed.get("beat", r, client) for r in self.peers}
         now = time.monotonic()
         self.store_seen = now
@@ -329,7 +329,7 @@ class Group:
             if got is not None and got[0] != peer.count:
                 peer.count, peer.moved = got[0], now
         self._readings += 1
-        if self._readings % STRANGER_LOOK_EVERY == 1:
+        if self.rank == 0 and self._readings % STRANGER_LOOK_EVERY == 1:  # one rank looks: the store's own
             self.signed.look_for_strangers(range(self.world), client)
 
     def _quiet(self, rank: int, now: float, limit: float) -> bool:
