@@ -29,6 +29,7 @@ def hosts_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """List the inventory's hosts: how each is reached (jumps, container wrapper) and its GPUs."""
+    from dflashctl.config import ssh_config_origin
     from dflashctl.hosts.transport import describe_route
 
     inventory = _inventory()
@@ -47,6 +48,8 @@ def hosts_command(
                 "wrapper": list(host.wrapper),
                 "workdir": host.workdir,
                 "gpus": host.gpus,
+                **({"ssh_config": dict(zip(("read_by", "options"), ssh_config_origin(host.ssh_config)))}
+                   if host.ssh else {}),
             }
         )
     if as_json:
@@ -61,7 +64,12 @@ def hosts_command(
         "host": r["name"], "transport": r["transport"], "address": r["address"] or "-", "route": r["route_text"],
         "wrapper": shlex.join(r["wrapper"]) or "-", "gpus": "-" if r["gpus"] is None else str(r["gpus"])}.items()}
         for r in rows]
-    _say_lines([Text(f"hosts in {printable(inventory.source)}"), *lines(columns, cells, out.width)])
+    origins = [Text(printable(f"{r['name']}: from the ssh config for {r['ssh']} (read by "
+                              f"{r['ssh_config']['read_by']}): " + ", ".join(
+                                  f"{k} {' '.join(v) if isinstance(v, list) else v}"
+                                  for k, v in r["ssh_config"]["options"].items())))
+               for r in rows if r.get("ssh_config")]
+    _say_lines([Text(f"hosts in {printable(inventory.source)}"), *lines(columns, cells, out.width), *origins])
 
 
 @app.command("check")

@@ -53,6 +53,7 @@ from dflashctl.config.sshconfig import (
     ssh_config,
     ssh_config_knows,
     ssh_config_lookup,
+    ssh_config_origin,
 )
 from dflashctl.core.units import parse_duration
 
@@ -83,4 +84,5 @@ __all__ = [
     "ssh_config",
     "ssh_config_knows",
     "ssh_config_lookup",
+    "ssh_config_origin",
 ]

@@ -132,9 +132,15 @@ def test_an_alias_the_ssh_config_lacks_connects_to_that_name(ssh_env, ssh_home, 
 
 def test_a_bad_port_in_the_ssh_config_names_the_alias(ssh_env, ssh_home, tmp_path):
     with open(ssh_home / ".ssh" / "config", "a") as f:
-        f.write("Host badport\n  Port http\n")
-    with pytest.raises(ConfigError, match=r"hosts\.x\.ssh: the ssh config gives 'badport' port 'http'"):
+        f.write("Host badport\n  Port nosuchsvc\nHost webport\n  Port http\n")
+    # OpenSSH's own words: the file, the line, the value.
+    with pytest.raises(ConfigError, match=r"hosts\.x\.ssh: cannot read the ssh config for 'badport': `ssh -G` refuses "
+                                          r"it: .*config line \d+: Bad port 'nosuchsvc'"):
         load_inventory(write_inventory(tmp_path, {"x": {"ssh": "badport"}}))
+    # A service name is a port to OpenSSH, so to this reader too.
+    with open(ssh_home / ".ssh" / "config", "w") as f:
+        f.write("Host webport\n  Port http\n")
+    assert load_inventory(write_inventory(tmp_path, {"x": {"ssh": "webport"}})).get("x").port == 80
 
 
 def test_a_variant_of_an_ssh_host_keeps_its_route(ssh_env, ssh_home, tmp_path, pool):
@@ -153,3 +159,54 @@ def test_an_inventory_jump_may_name_a_host_only_the_ssh_config_knows(ssh_env, ss
     assert pool.get("gpu", inventory).run(["echo", "via gw"]).stdout == "via gw\n"
     with pytest.raises(ConfigError, match="hosts.gpu.jump: unknown host 'gx'"):
         load_inventory(write_inventory(tmp_path, {"gpu": {"address": aliased.address, "jump": "gx"}}))
+
+
+def _ssh_g(config, alias: str) -> dict:
+    """What `ssh -G` itself says for ``alias`` (the options this reader takes)."""
+    import subprocess
+
+    done = subprocess.run(["ssh", "-G", "-F", str(config), alias], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, check=True)
+    pairs = [line.split(" ", 1) for line in done.stdout.splitlines() if " " in line]
+    return {k: v for k, v in reversed(pairs) if k in ("hostname", "port", "user", "proxyjump", "serveraliveinterval")}
+
+
+def test_an_alias_from_an_included_file_and_a_match_block_resolves_as_ssh_g_does(ssh_env, ssh_home, tmp_path, pool):
+    """Defect: an alias defined in an `Include`d file was taken for a literal hostname on
+    port 22 with no jump (paramiko follows no Include), while plain `ssh` reached it."""
+    import shutil
+
+    if shutil.which("ssh") is None:
+        pytest.skip("OpenSSH's client is not installed: the ssh config is read by paramiko here")
+    aliased = ssh_env.server(ssh_env.aliased_host)
+    ssh = ssh_home / ".ssh"
+    (ssh / "conf.d").mkdir()
+    (ssh / "conf.d" / "gpu.conf").write_text(
+        f"Host gpu-inc\n  HostName {aliased.address}\n  Port {aliased.port}\n  IdentityFile ~/.ssh/id_ed25519\n"
+        f"  ProxyJump {ALIAS_JUMP}\n"
+        "Host *.lab\n  HostName %h.invalid\n")
+    # The Include first (inside a Host block it would apply to that host only); Match
+    # originalhost: the name typed, before HostName applies.
+    (ssh / "config").write_text(f"Include {ssh / 'conf.d' / '*.conf'}\n" + (ssh / "config").read_text()
+                                + "Match originalhost gpu-inc\n  ServerAliveInterval 9\n")
+    inventory = load_inventory(write_inventory(tmp_path, {"gpu": {"ssh": "gpu-inc"}}))
+    host, said = inventory.get("gpu"), _ssh_g(ssh / "config", "gpu-inc")
+    assert (host.address, str(host.port), host.jump) == (said["hostname"], said["port"], said["proxyjump"])
+    assert host.keepalive == float(said["serveraliveinterval"]) == 9.0  # the Match block
+    assert host.ssh_config["_read_by"] == "ssh -G"
+    assert [h.name for h in inventory.route("gpu")] == [ALIAS_JUMP, "gpu"]
+    assert pool.get("gpu", inventory).run(["true"]).ok  # reached for real, through the jump
+    # A name only the Include'd file knows is a host too; a HostName token (%h) is expanded.
+    assert inventory.knows("gpu-inc") and inventory.get("gpu-inc").address == aliased.address
+    assert inventory.knows("box.lab") and inventory.get("box.lab").address == "box.lab.invalid"
+    assert not inventory.knows("gpu-inx")
+    # `hosts` shows the route and where the options came from.
+    env = {"DFLASHCTL_INVENTORY": write_inventory(tmp_path, {"gpu": {"ssh": "gpu-inc"}}), "HOME": str(ssh_home)}
+    shown = cli.invoke("hosts", env=env, columns=200)
+    assert shown.returncode == 0, shown.stderr
+    assert f"{ALIAS_JUMP} -> gpu" in shown.stdout
+    assert f"gpu: from the ssh config for gpu-inc (read by ssh -G): hostname {aliased.address}" in shown.stdout
+    assert f"proxyjump {ALIAS_JUMP}" in shown.stdout and "serveraliveinterval 9" in shown.stdout
+    doc = json.loads(cli.invoke("hosts", "--json", env=env).stdout)
+    [row] = doc["hosts"]
+    assert row["ssh_config"]["read_by"] == "ssh -G" and row["ssh_config"]["options"]["port"] == str(aliased.port)

@@ -20,3 +20,4 @@ def _refuse(what: str):
 def _pure(monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("started a process"))
     monkeypatch.setattr(sqlite3, "connect", _refuse("opened a SQLite database"))
+    monkeypatch.setenv("DFLASHCTL_SSH_CONFIG", "paramiko")  # the ssh config read in-process, not by `ssh -G`
