@@ -83,6 +83,32 @@ def test_a_flooded_probe_answer_is_refused_at_its_limit_naming_host_kind_and_siz
         assert time.monotonic() - started < 30  # ended at the limit, not read to the end
 
 
+def test_the_supervisor_says_a_flooded_probe_for_what_it_is_and_does_nothing_to_the_run(tmp_path, monkeypatch):
+    from dflashctl.supervise.supervisor import Supervisor
+
+    monkeypatch.setenv("DFLASHCTL_HOME", str(tmp_path / "home"))
+    inventory = Inventory(hosts={"h1": Host(name="h1", transport="local", python=flooding_python(tmp_path))},
+                          source="test")
+    store = Store(str(tmp_path / "runs.db"))
+    (tmp_path / "run").mkdir()
+    store.create_run("pb", "h1", {}, time.time(), run_id="r1", run_dir=str(tmp_path / "run"), tmux_session="r1")
+    store.transition("r1", "running", "started", time.time())
+    restarts: list = []
+    sup = Supervisor(store, inventory, interval=1.0, probe_timeout=30,
+                     restart_fn=lambda *args, **kw: restarts.append(args))  # records: a restart is the finding here
+    sup.attach("r1")
+    try:
+        for _ in range(3):
+            report = sup.tick()
+    finally:
+        sup.close()
+    assert report.hosts["h1"].startswith("host h1 answered more than 10 MiB to the probe; at most 10 MiB is read")
+    [event] = [e for e in store.events("r1") if e.kind == "unreachable"]
+    assert "answered more than 10 MiB to the probe" in event.message, event.message
+    # As a host that does not answer: watched, lost after its polls, never restarted or stopped for it.
+    assert restarts == [] and store.get_run("r1").state in ("running", "lost")
+
+
 def test_check_facts_flooded_are_refused(tmp_path, ssh_direct):
     from dflashctl.hosts.facts import gather_facts
 
