@@ -18,6 +18,7 @@ Duration = Annotated[float, BeforeValidator(parse_duration)]
 """Seconds, as a float; YAML may say 600, '45s', '30m', '36h', '7d'."""
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_NAME_PROBLEM = "not a valid environment variable name (letters, digits and '_', not starting with a digit)"
 
 
 def _none_is_empty(factory):
@@ -37,8 +38,7 @@ def _env_values(value: Any) -> Any:
     for k, v in value.items():
         if not _ENV_NAME.fullmatch(str(k)):
             # Names go into `export NAME=...` lines and `env NAME=...` argv on the host.
-            bad.append((str(k), "not a valid environment variable name (letters, digits and '_', not starting "
-                                "with a digit)"))
+            bad.append((str(k), ENV_NAME_PROBLEM))
             continue
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             v = number_text(v)

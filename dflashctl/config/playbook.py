@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, field_validator, model_validator
 
-from dflashctl.config.fields import Duration, EnvMap, _none_is_empty
+from dflashctl.config.fields import _ENV_NAME, ENV_NAME_PROBLEM, Duration, EnvMap, _none_is_empty
 from dflashctl.config.problems import _Problems
 from dflashctl.core.contract import did_you_mean
 from dflashctl.core.signatures import Action, PlaybookSignature, Severity, signature_names
@@ -38,6 +38,9 @@ def _split_secrets(raw: Any) -> Any:
         return raw
     env, secrets, bad = {}, {}, []
     for name, value in raw["env"].items():
+        if not _ENV_NAME.fullmatch(str(name)):  # it would break run.sh or secrets.env
+            bad.append((f"env.{name}", ENV_NAME_PROBLEM))
+            continue
         if not isinstance(value, dict):
             if isinstance(value, str) and SECRET_NAME.search(str(name)):
                 secrets[name] = ("value", value)

@@ -21,7 +21,7 @@ from dflashctl.core import contract
 from dflashctl.core.units import fmt_bytes
 from dflashctl.hosts.transport.limits import EVAL_LOG, EVAL_REPORT
 from dflashctl.runs.access import LaunchError, Progress, host_transport, part_tmux, quiet
-from dflashctl.runs.files import posixpath_join
+from dflashctl.runs.files import SECRETS_FILE, posixpath_join
 from dflashctl.store import Run, Store
 
 if TYPE_CHECKING:
@@ -69,8 +69,9 @@ def eval_argv(run: Run, settings: "EvalSettings", python: str, attempt: str) -> 
         trainer += ["--data", settings.data]
     if settings.threads:
         trainer += ["--threads", str(settings.threads)]
-    script = (f'cd "$1" && shift && '
-              f'{{ env "$@" > /dev/null 2> {files.log}; echo $? > {files.exit}.tmp && mv -f {files.exit}.tmp {files.exit}; }}')
+    # The playbook's secrets come from the run's own secrets.env, never the command line.
+    script = (f'cd "$1" && shift && {{ if [ -f {SECRETS_FILE} ]; then . ./{SECRETS_FILE}; fi; '
+              f'env "$@" > /dev/null 2> {files.log}; echo $? > {files.exit}.tmp && mv -f {files.exit}.tmp {files.exit}; }}')
     return ["sh", "-c", script, "dflashctl-eval", run.run_dir, *env, *trainer]
 
 

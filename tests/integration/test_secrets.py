@@ -89,6 +89,7 @@ def test_secrets_from_the_controllers_environment_and_a_file_reach_the_trainer_a
         assert wanted <= set(Path(f"/proc/{first}/environ").read_bytes().split(b"\0"))
         again = _restarted(local, run_id, run.run_dir, first)
         assert wanted <= set(Path(f"/proc/{again}/environ").read_bytes().split(b"\0"))
+        assert b"env-secret-44b1" in _evaluators_environment(local, run_id, tmp_path)
         _nothing_holds(local, run_id, values)
     finally:
         end(trainer_pid(run.run_dir))
@@ -100,3 +101,22 @@ def _restarted(local: LocalLaunch, run_id: str, run_dir: str, before: int) -> in
     done = local.invoke("restart", run_id)
     assert done.returncode == 0, done.stdout + done.stderr
     return wait_for(lambda: trainer_pid(run_dir, other_than=before), 60, "the restarted trainer")
+
+
+def _evaluators_environment(local: LocalLaunch, run_id: str, tmp_path: Path) -> bytes:
+    """``dflashctl eval``'s process gets the secrets too (from the run's secrets.env,
+    never its command line): the host's `python` here writes its environment aside
+    and a plain report."""
+    from dflashctl.config import EvalSettings
+    from dflashctl.runs.evaluate import eval_run
+
+    seen = tmp_path / "eval-environ"
+    python = tmp_path / "eval-python"
+    python.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
+                      f"env > {seen}\n"
+                      'echo \'{"prompts": 1, "prompts_planned": 1, "complete": true, "tau": 2.0}\' > "$out"\n')
+    python.chmod(0o755)
+    store = Store(local.store_path)
+    store.update_run(run_id, config={**store.get_run(run_id).config, "python": str(python)})
+    eval_run(run_id, store, local.inventory, EvalSettings(prompts=1, timeout=30), poll=0.2)
+    return seen.read_bytes()
