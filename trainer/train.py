@@ -456,7 +456,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             if fault.kind == "exit":
                 print(fault.message, file=sys.stderr, flush=True)
                 status.set(contract.PHASE_FAILED, error=fault_signature(fault.message),
-                           detail={"fault": "exit", "exit_code": fault.exit_code})
+                           detail={"fault": "exit", "exit_code": fault.exit_code, "message": fault.message[:500]})
                 os._exit(fault.exit_code)
             if fault.kind == "hang":
                 log(f"fault: hanging before step {step + 1}")
