@@ -697,14 +697,23 @@ def loader_files(dists, owners, cache):
     Each with how it was found, who needs it, and every RECORD that lists it."""
     roots = sorted({os.path.normpath(os.path.abspath(p)) for p in sys.path if p} | {os.path.normpath(sys.prefix)})
     ld_dirs = path_entries("LD_LIBRARY_PATH")
-    queue, seen, found = [], set(), []
+    queue, found = [], []
     for i in loader_closure(dists):
         location = (dists[i].get("location") or "").rstrip("/")
         for rel in dists[i].get("sos") or []:
             queue.append(os.path.normpath(os.path.join(location, rel)))
-    seen.update(queue)
-    dirs_done = set()
-    while queue and len(found) < MAX_LOADER_FILES:
+    scanned, listed, dirs_done = set(queue), set(), set()
+
+    def add(path, via, needed_by):
+        if path in listed or len(found) >= MAX_LOADER_FILES:
+            return
+        listed.add(path)
+        found.append({"path": path, "via": via, "needed_by": needed_by, "owners": owners.listing(path)})
+        if path not in scanned:
+            scanned.add(path)
+            queue.append(path)
+
+    while queue:
         path = queue.pop(0)
         try:
             elf = elf_info(path) or {}
@@ -712,11 +721,9 @@ def loader_files(dists, owners, cache):
             continue
         for soname in elf.get("needed", []):
             picked, via = loader_pick(soname, os.path.dirname(path), elf, ld_dirs, cache)
-            if picked is None or picked in seen or not under(picked, roots):
+            if picked is None or not under(picked, roots):
                 continue
-            seen.add(picked)
-            queue.append(picked)
-            found.append({"path": picked, "via": via, "needed_by": path, "owners": owners.listing(picked)})
+            add(picked, via, path)
             directory = os.path.dirname(picked)
             if directory in dirs_done:
                 continue
@@ -727,11 +734,8 @@ def loader_files(dists, owners, cache):
                 siblings = []
             for name in siblings:
                 sibling = os.path.join(directory, name)
-                if SHARED_OBJECT.search(name) and sibling not in seen and os.path.isfile(sibling):
-                    seen.add(sibling)
-                    queue.append(sibling)
-                    found.append({"path": sibling, "via": "beside " + soname + " (dlopened by name)",
-                                  "needed_by": picked, "owners": owners.listing(sibling)})
+                if SHARED_OBJECT.search(name) and os.path.isfile(sibling):
+                    add(sibling, "beside " + soname + " (dlopened by name)", picked)
     return found
 
 
