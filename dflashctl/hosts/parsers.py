@@ -14,6 +14,7 @@ recurse over what it reads.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, TypeVar
@@ -342,6 +343,130 @@ def parse_compute_apps(text: str, fields: tuple[str, ...] | list[str] = COMPUTE_
     return read_compute_apps(text, fields).rows
 
 
+# --------------------------------------------------------------------------- clocks, throttling, SM share
+
+# Asked apart from GPU_QUERY_FIELDS (an older driver without one of them leaves the GPU rows whole).
+CLOCK_FIELDS = ("index", "clocks.max.sm", "clocks.mem", "clocks_throttle_reasons.active")
+
+# nvmlClocksThrottleReasons bits, as nvidia-smi -q words them.
+THROTTLE_REASONS = (
+    (0x1, "gpu idle"),
+    (0x2, "applications clocks setting"),
+    (0x4, "sw power cap"),
+    (0x8, "hw slowdown"),
+    (0x10, "sync boost"),
+    (0x20, "sw thermal slowdown"),
+    (0x40, "hw thermal slowdown"),
+    (0x80, "hw power brake slowdown"),
+    (0x100, "display clocks setting"),
+)
+_MASK = re.compile(r"^0x[0-9a-fA-F]{1,16}$")
+
+
+def throttle_reasons(mask: Any) -> list[str] | None:
+    """``clocks_throttle_reasons.active`` (``0x0000000000000004``) -> its reasons in
+    words (``['sw power cap']``; ``[]``: none); None when it is not such a mask. A
+    bit without a name is said as its value."""
+    if not isinstance(mask, str) or not _MASK.match(mask.strip()):
+        return None
+    bits = int(mask.strip(), 16)
+    named = [name for bit, name in THROTTLE_REASONS if bits & bit]
+    rest = bits & ~sum(bit for bit, _ in THROTTLE_REASONS)
+    return named + ([f"0x{rest:x}"] if rest else [])
+
+
+def read_clocks(text: str) -> Parsed[GpuReading]:
+    """``nvidia-smi --query-gpu=index,clocks.max.sm,clocks.mem,clocks_throttle_reasons.active``
+    -> per GPU its index and those fields (in ``extra``); rows as ``read_gpu_query``."""
+    return read_gpu_query(text, CLOCK_FIELDS)
+
+
+def merge_clocks(gpus: list[GpuReading], clocks: list[GpuReading]) -> None:
+    """Each GPU's clock fields (``read_clocks``) into its reading's ``extra``, by index."""
+    by_index = {c.index: c for c in clocks if c.index is not None}
+    for g in gpus:
+        found = by_index.get(g.index)
+        if found is not None:
+            g.extra.update(found.extra)
+
+
+def read_pmon(text: str) -> Parsed[tuple[int, int, float | None]]:
+    """``nvidia-smi pmon -c 1 -s u`` -> (GPU index, pid, SM %) per process row; ``#``
+    lines are its header, ``-`` an SM share it did not sample (None). A row whose GPU
+    or pid is not a whole number, or whose SM share is outside 0..100, is refused."""
+    parsed: Parsed[tuple[int, int, float | None]] = Parsed()
+    for number, line in enumerate((text or "").splitlines(), 1):
+        cells = line.split()
+        if not cells or line.lstrip().startswith("#"):
+            continue
+        if len(cells) < 4 or not cells[0].isdigit() or not cells[1].isdigit():
+            if len(cells) >= 2 and cells[1] == "-":  # a GPU without a process
+                continue
+            parsed.rejected.append(_rejected(number, "not a pmon row (gpu pid type sm ...)", line))
+            continue
+        sm = None if cells[3] == "-" else smi_number(cells[3])
+        if cells[3] != "-" and (sm is None or not 0 <= sm <= 100):
+            parsed.rejected.append(_rejected(number, f"sm is not a share ({cells[3][:20]!r})", line))
+            continue
+        parsed.rows.append((int(cells[0]), int(cells[1]), sm))
+    return parsed
+
+
+# --------------------------------------------------------------------------- a host's processes
+
+PROC_MAX_ROWS = 64
+PROC_CMD_CHARS = 512
+
+
+@dataclass
+class ProcessRow:
+    """One process of a host as the probe read it (/proc): its parent, user, CPU share
+    over the probe's short sample, resident memory, time since it started, command
+    line, and the SM share nvidia-smi pmon gave it (None: not a GPU process or not
+    sampled)."""
+
+    pid: int
+    ppid: int | None = None
+    user: str | None = None
+    cpu_pct: float | None = None
+    rss_kib: int | None = None
+    elapsed_s: float | None = None
+    cmd: str | None = None
+    sm_pct: float | None = None
+    top: bool = False  # one of the host's top CPU consumers
+
+
+def read_processes(raw: Any) -> tuple[list[ProcessRow], list[str]]:
+    """The probe's ``procs`` (``{"rows": [...], "top": [pids]}``) -> rows, and what was
+    refused: a row that is not an object or whose pid is not a whole number is left
+    out; a field of the wrong type or out of range is None; text is cut and kept
+    printable by the caller. Never raises."""
+    if raw is None:
+        return [], []
+    if not isinstance(raw, dict) or not isinstance(raw.get("rows"), list):
+        return [], ["procs is not an object with rows"]
+    top = {p for p in raw.get("top") or [] if isinstance(p, int)} if isinstance(raw.get("top"), list) else set()
+    rows, problems = [], []
+
+    def number(value: Any, low: float, high: float, whole: bool = False) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and not isinstance(value, int)):
+            return None
+        return value if low <= value <= high and math.isfinite(value) else None
+
+    for i, row in enumerate(raw["rows"][:PROC_MAX_ROWS]):
+        pid = row.get("pid") if isinstance(row, dict) else None
+        if number(pid, 1, 2**31 - 1, whole=True) is None:
+            problems.append(f"procs row {i}: no pid")
+            continue
+        text = {k: row.get(k)[:PROC_CMD_CHARS] if isinstance(row.get(k), str) else None for k in ("user", "cmd")}
+        rows.append(ProcessRow(pid, number(row.get("ppid"), 0, 2**31 - 1, whole=True), text["user"],
+                               number(row.get("cpu_pct"), 0, 100_000), number(row.get("rss_kib"), 0, 2**50, whole=True),
+                               number(row.get("elapsed_s"), 0, 10**10), text["cmd"], top=pid in top))
+    if len(raw["rows"]) > PROC_MAX_ROWS:
+        problems.append(f"procs: {len(raw['rows'])} rows, the first {PROC_MAX_ROWS} kept")
+    return rows, problems
+
+
 # --------------------------------------------------------------------------- host CPU and memory
 
 # What the probe reads of the host itself (dflashctl/hosts/remote/probe.py ``host_stats``).
@@ -380,6 +505,7 @@ class HostReading:
     mem_available_kib: int | None = None  # MemAvailable: what can be had without swapping
     mem_cgroup: int | None = None  # 1: the two above are a cgroup's limit and what is left under it (a container)
     cpu_cgroup: float | None = None  # a cgroup's CPU quota, in CPUs, when cpu_total/cpu_idle are its time against it
+    processes: list[dict[str, Any]] | None = None  # ProcessRow's fields: GPU and run processes, top CPU consumers
 
 
 def _host_text(name: str, text: Any, problems: list[str]) -> str | None:

@@ -32,9 +32,13 @@ from dflashctl.hosts.parsers import (
     ComputeApp,
     GpuReading,
     HostReading,
+    merge_clocks,
+    read_clocks,
     read_compute_apps,
     read_gpu_query,
     read_host_stats,
+    read_pmon,
+    read_processes,
 )
 
 PROBE_VERSION = 1
@@ -243,7 +247,10 @@ def _parse_host(stdout: str) -> HostProbe | ProbeError:
     hostname, python = check.text("hostname"), check.text("python")
     elapsed = check.number("elapsed", -MAX_CLOCK, MAX_CLOCK)  # below 0 when the host's clock was stepped back
     gpus, apps = _smi(raw.get("smi"), errors)
+    _clocks(raw.get("gpu_clocks"), gpus, errors)
     host = _host_stats(raw.get("host"), errors)
+    if host is not None:
+        host.processes = _processes(raw.get("procs"), raw.get("pmon"), errors)
     oom = _oom(raw.get("host"), errors)
     runs = []
     for i, run in enumerate(raw["runs"]):
@@ -378,6 +385,41 @@ def _smi(raw: Any, errors: list[str]) -> tuple[list[GpuReading] | None, list[Com
         apps = parsed_apps.rows
         errors.extend(f"nvidia-smi --query-compute-apps: {r}" for r in parsed_apps.rejected)
     return gpus, apps
+
+
+def _clocks(raw: Any, gpus: list[GpuReading] | None, errors: list[str]) -> None:
+    """Each GPU's clocks and throttle reasons (the probe's ``gpu_clocks`` CSV) into its
+    reading's ``extra``."""
+    if raw is None or gpus is None:
+        return
+    if not isinstance(raw, str) or len(raw) > MAX_TAIL_CHARS:
+        errors.append(f"probe answer: gpu_clocks is not text ({_kind(raw)})")
+        return
+    parsed = read_clocks(raw)
+    errors.extend(f"nvidia-smi clocks: {r}" for r in parsed.rejected)
+    merge_clocks(gpus, parsed.rows)
+
+
+def _processes(raw: Any, pmon: Any, errors: list[str]) -> list[dict[str, Any]] | None:
+    """The host's processes (the probe's ``procs``), each GPU one with the SM share
+    ``nvidia-smi pmon`` gave it; text made safe for a terminal. None: not read."""
+    if raw is None:
+        return None
+    rows, problems = read_processes(raw)
+    errors.extend(f"probe answer: {p}" for p in problems)
+    if isinstance(pmon, str) and len(pmon) <= MAX_TAIL_CHARS:
+        parsed = read_pmon(pmon)
+        errors.extend(f"nvidia-smi pmon: {r}" for r in parsed.rejected)
+        sm: dict[int, float] = {}
+        for _, pid, share in parsed.rows:
+            if share is not None:
+                sm[pid] = sm.get(pid, 0.0) + share  # a process on several GPUs: its shares summed
+        for row in rows:
+            row.sm_pct = sm.get(row.pid)
+    for row in rows:
+        row.user = contract.printable(row.user) if row.user is not None else None
+        row.cmd = contract.printable(row.cmd) if row.cmd is not None else None
+    return [asdict(row) for row in rows]
 
 
 def _host_stats(raw: Any, errors: list[str]) -> HostReading | None:

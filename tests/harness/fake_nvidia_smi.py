@@ -27,6 +27,7 @@ GPU_FIELDS = (
 NA_FIELDS = "index,ecc.errors.uncorrected.volatile.total,fan.speed,pstate,clocks_throttle_reasons.active"
 SEED_FIELDS = "index,memory.used,utilization.gpu"
 APP_FIELDS = "pid,process_name,used_memory,gpu_uuid"
+CLOCK_NAMES = ("clocks.max.sm", "clocks.mem")  # read from the -q -x capture
 
 # (query option, fields, format) -> capture file name ("{mode}" is idle or load).
 EXACT = {
@@ -44,6 +45,8 @@ UNITS = {
     "power.draw": "W",
     "power.limit": "W",
     "clocks.sm": "MHz",
+    "clocks.max.sm": "MHz",
+    "clocks.mem": "MHz",
     "fan.speed": "%",
     "used_memory": "MiB",
 }
@@ -84,7 +87,26 @@ def table(option: str) -> list[dict[str, str]]:
     merged = rows(GPU_FIELDS, "h200-{mode}-query.csv")
     for row, extra in zip(merged, rows(NA_FIELDS, "h200-{mode}-na-fields.csv")):
         row.update({k: v for k, v in extra.items() if k not in row})
+    for row, clocks in zip(merged, xml_clocks()):
+        row.update({k: v for k, v in clocks.items() if k not in row})
     return merged
+
+
+def xml_clocks() -> list[dict[str, str]]:
+    """Per GPU of the ``-q -x`` capture: clocks.max.sm and clocks.mem, in MHz."""
+    import re
+
+    text = capture("h200-{mode}-q.xml") or ""
+    out = []
+    for gpu in text.split("<gpu id=")[1:]:
+        found = {}
+        for field, pattern in (("clocks.max.sm", r"<max_clocks>.*?<sm_clock>(\d+) MHz"),
+                               ("clocks.mem", r"<clocks>.*?<mem_clock>(\d+) MHz")):
+            m = re.search(pattern, gpu, re.S)
+            if m:
+                found[field] = m.group(1)
+        out.append(found)
+    return out
 
 
 def query(option: str, fields: str, fmt: str) -> int:
@@ -99,7 +121,7 @@ def query(option: str, fields: str, fmt: str) -> int:
         return 2
     wanted = fields.split(",")
     data = table(option)
-    known = set(GPU_FIELDS.split(",") + NA_FIELDS.split(",") + APP_FIELDS.split(","))
+    known = set(GPU_FIELDS.split(",") + NA_FIELDS.split(",") + APP_FIELDS.split(",") + list(CLOCK_NAMES))
     for name in wanted:
         if name not in known:
             print(f'Field "{name}" is not a valid field to query.', file=sys.stderr)

@@ -4,6 +4,7 @@ stand-in `nvidia-smi` on PATH that prints the H200 captures."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -82,6 +83,9 @@ case "$(cat {mode} 2>/dev/null)" in
 esac
 case "$*" in
   *--query-compute-apps=pid,process_name,used_memory,gpu_uuid*) cat {SMI / "h200-load-apps.csv"} ;;
+  *--query-gpu=index,clocks.max.sm,clocks.mem,clocks_throttle_reasons.active*)
+    # The load capture's values: max SM and memory clocks from its -q -x, the mask from its na-fields query.
+    echo "0, 1980, 3201, $(cut -d, -f5 {SMI / "h200-load-na-fields.csv"} | tr -d ' ')" ;;
   *--query-gpu=*) cat {SMI / "h200-load-query.csv"} ;;
   *) exit 2 ;;
 esac
@@ -177,6 +181,14 @@ def test_live_run(tmp_path, tmux_socket, fake_smi, procs) -> None:
     assert r.exit_code is None
     assert [(g.index, g.uuid, g.memory_used_mib, g.utilization_pct) for g in r.gpus] == [(0, LOAD_UUID, 1011.0, 100.0)]
     assert [(a.pid, a.process_name, a.used_memory_mib) for a in r.compute_apps] == [(416, "python3", 1002.0)]
+    assert r.gpus[0].extra == {"clocks.max.sm": 1980.0, "clocks.mem": 3201.0,
+                               "clocks_throttle_reasons.active": "0x0000000000000004"}
+    rows = {p["pid"]: p for p in r.host.processes}
+    mine = rows[trainer.pid]  # the run's trainer: who, how much, since when, what
+    assert mine["user"] == getpass.getuser() and mine["cmd"] == "sleep 600" and mine["ppid"] == os.getpid()
+    assert mine["rss_kib"] > 0 and 0 <= mine["elapsed_s"] < 600 and mine["cpu_pct"] is not None
+    assert os.getpid() in rows  # its parent: how it was started
+    assert sum(p["top"] for p in r.host.processes) >= 1  # and the host's top CPU consumers
     assert sent - 1 <= r.host_time <= received + 1  # same machine: one clock
     assert abs(estimate_skew(r.host_time, sent, received)) < received - sent + 1
 
@@ -272,7 +284,8 @@ def test_several_runs_one_round_trip_one_nvidia_smi(tmp_path, fake_smi) -> None:
     assert [r.status.step for r in host.runs] == [2, 5, 2]
     assert all(r.gpus == host.gpus and len(r.gpus) == 1 for r in host.runs)
     calls = fake_smi["calls"].read_text().splitlines()
-    assert len(calls) == 2 and "--query-gpu=" in calls[0] and "--query-compute-apps=" in calls[1]
+    assert "--query-gpu=index,uuid" in calls[0] and "--query-compute-apps=" in calls[1]  # once for the host
+    assert len(calls) == 4 and "clocks_throttle_reasons" in calls[2] and "pmon" in calls[3]  # and its extras
     assert host.python == "%d.%d.%d" % sys.version_info[:3]
 
     gpus_only = parse_probe_host(probe_output(probe_command(sys.executable, [], nvidia_smi=True), fake_smi["path"]))
@@ -362,3 +375,20 @@ def test_the_standbys_pid_is_read_from_standby_json(tmp_path) -> None:
     (tmp_path / "a" / contract.STANDBY_FILE).write_text('{"token": "x"}')
     r = probe_one(ProbeArgs(run_dir=str(tmp_path / "a")))
     assert r.standby_pid is None and any("standby.json" in e and "no pid" in e for e in r.errors), r.errors
+
+
+def test_a_busy_process_is_among_the_hosts_top_cpu_consumers(tmp_path, procs) -> None:
+    """What eats the host's CPU, as htop would show it: measured over the probe's
+    own short sample, not the process's lifetime."""
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 60\nwhile time.time() < t: pass"])
+    procs.append(busy)
+    time.sleep(0.5)
+    from dflashctl.hosts.probe import PROBE_SOURCE
+
+    # The 40 busiest: on a machine others load too, this one may not be in the top 5.
+    host = parse_probe_host(probe_output([sys.executable, "-I", "-S", "-c", PROBE_SOURCE,
+                                          json.dumps({"runs": [], "processes": 40})]))
+    row = next((p for p in host.host.processes if p["pid"] == busy.pid), None)
+    assert row is not None and row["top"], [(p["pid"], p["cpu_pct"]) for p in host.host.processes]
+    assert row["cpu_pct"] > 5 and "while time.time()" in row["cmd"]
+

@@ -18,6 +18,12 @@ metrics.jsonl bytes appended since the offset, the tail of trainer.log, the
 trainer's process state and its exit_code file, the free and total bytes of the
 run directory's filesystem (``disk``), and the run's own ``errors``.
 ``smi`` (nvidia-smi's GPU and compute-process rows, as CSV) is read once per host,
+with ``gpu_clocks`` (clocks and throttle reasons, CSV) and ``pmon`` (each GPU
+process's SM share, ``nvidia-smi pmon``'s text); ``procs``: the GPU processes, the
+runs' trainers and standbys with their parents, and the top CPU consumers (user,
+CPU share, RSS, elapsed, command line; ``"processes": false`` leaves it out, a
+number asks for that many top consumers); ``smi_notes``: why the clocks or pmon
+could not be read (extras: the GPU rows stand without them),
 and so is ``host`` (its CPU and memory: /proc/loadavg, /proc/stat's cpu line,
 /proc/meminfo as text, and the CPUs this process may use), and ``oom``: the
 kernel's count of OOM kills, the host's (/proc/vmstat) and this cgroup's
@@ -65,6 +71,17 @@ GPU_QUERY_FIELDS = (
     "clocks.sm",
 )
 COMPUTE_APPS_FIELDS = ("pid", "process_name", "used_memory", "gpu_uuid")
+# Asked apart from the GPU rows (a driver without one of them leaves those whole).
+CLOCK_FIELDS = ("index", "clocks.max.sm", "clocks.mem", "clocks_throttle_reasons.active")
+PMON_ARGV = ("nvidia-smi", "pmon", "-c", "1", "-s", "u")  # one sample of each GPU process's SM share
+
+# The host's processes sent back: the GPU processes, the runs' trainers and standbys,
+# their parents up to the tmux server, and the top CPU consumers.
+PROC_TOP = 5
+PROC_ANCESTORS = 6
+PROC_SAMPLE_S = 0.25  # CPU shares are over this long
+PROC_CMD_CHARS = 160
+PROC_MAX_ROWS = 48
 
 # Bounds on what is read and sent back.
 STATUS_MAX_BYTES = 65536  # a status.json is a few hundred bytes; larger is not one
@@ -344,6 +361,107 @@ def nvidia_smi(timeout):
     return out
 
 
+def smi_clocks(timeout):
+    rc, text, err = run(["nvidia-smi", "--query-gpu=" + ",".join(CLOCK_FIELDS), "--format=csv,noheader,nounits"],
+                        timeout)
+    if rc != 0:
+        raise RuntimeError("exit %d: %s" % (rc, first_line(err) or first_line(text)))
+    return text
+
+
+def smi_pmon(timeout):
+    rc, text, err = run(list(PMON_ARGV), timeout)
+    if rc != 0:
+        raise RuntimeError("exit %d: %s" % (rc, first_line(err) or first_line(text)))
+    return text
+
+
+# --------------------------------------------------------------------------- the host's processes
+
+
+def proc_stats():
+    """pid -> the fields of /proc/PID/stat after its command (field 3 first)."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, "rb") as f:
+                data = f.read(2048)
+            out[int(name)] = data[data.rindex(b")") + 2:].split()
+        except (OSError, ValueError):
+            pass  # ended meanwhile
+    return out
+
+
+def proc_row(pid, fields, cpu_pct, hz, uptime, page_kib):
+    import pwd
+
+    row = {"pid": pid, "ppid": int(fields[1]), "cpu_pct": cpu_pct,
+           "elapsed_s": max(0.0, uptime - int(fields[19]) / float(hz))}
+    try:
+        uid = os.stat("/proc/%d" % pid).st_uid
+        try:
+            row["user"] = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            row["user"] = str(uid)
+    except OSError:
+        row["user"] = None
+    try:
+        with open("/proc/%d/statm" % pid, "rb") as f:
+            row["rss_kib"] = int(f.read(256).split()[1]) * page_kib
+    except (OSError, ValueError, IndexError):
+        row["rss_kib"] = None
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            cmd = f.read(PROC_CMD_CHARS * 4)
+    except OSError:
+        cmd = b""
+    row["cmd"] = cmd.replace(b"\0", b" ").decode("utf-8", "replace").strip()[:PROC_CMD_CHARS] or None
+    return row
+
+
+def processes(wanted, top=PROC_TOP):
+    """The processes ``wanted`` (pids), their parents, and the top CPU consumers:
+    each one's user, CPU share over ``PROC_SAMPLE_S``, RSS, time since it started
+    and command line."""
+    hz = os.sysconf("SC_CLK_TCK")
+    page_kib = os.sysconf("SC_PAGE_SIZE") // 1024
+    first, started = proc_stats(), time.monotonic()
+    time.sleep(PROC_SAMPLE_S)
+    second = proc_stats()
+    span = max(1e-3, time.monotonic() - started)
+    with open("/proc/uptime") as f:
+        uptime = float(f.read(64).split()[0])
+    cpu = {}
+    for pid, fields in second.items():
+        before = first.get(pid)
+        if before is not None:
+            ticks = int(fields[11]) + int(fields[12]) - int(before[11]) - int(before[12])
+            cpu[pid] = round(max(0, ticks) * 100.0 / hz / span, 1)
+    chosen = [p for p in wanted if p in second]
+    for pid in list(chosen):
+        parent = int(second[pid][1])
+        for _ in range(PROC_ANCESTORS):
+            if parent <= 1 or parent not in second or parent in chosen:
+                break
+            chosen.append(parent)
+            parent = int(second[parent][1])
+    busiest = sorted(cpu, key=lambda p: -cpu[p])[:top]
+    chosen += [p for p in busiest if p not in chosen]
+    rows = [proc_row(pid, second[pid], cpu.get(pid), hz, uptime, page_kib) for pid in chosen[:PROC_MAX_ROWS]]
+    return {"interval": span, "rows": rows, "top": busiest}
+
+
+def app_pids(apps_text):
+    out = []
+    for line in (apps_text or "").splitlines():
+        head = line.split(",", 1)[0].strip()
+        if head.isdigit():
+            out.append(int(head))
+    return out
+
+
 # --------------------------------------------------------------------------- the host's CPU and memory
 
 HOST_FILE_MAX_BYTES = 16384  # /proc/meminfo is about 1.5 KB; /proc/stat's first line is read alone
@@ -570,6 +688,10 @@ def main(argv):
             want_smi = any(r.get("nvidia_smi", True) for r in runs if isinstance(r, dict))
         if want_smi:
             result["smi"] = step(result["errors"], "nvidia-smi", timeout, nvidia_smi, timeout)
+            if result["smi"] is not None:  # extras: what fails here is a note, the GPU rows stand
+                notes = result["smi_notes"] = []
+                result["gpu_clocks"] = step(notes, "nvidia-smi clocks", timeout, smi_clocks, timeout)
+                result["pmon"] = step(notes, "nvidia-smi pmon", timeout, smi_pmon, timeout)
         result["host"] = step(result["errors"], "host stats", timeout, host_stats)
         for spec in runs:
             try:
@@ -579,6 +701,15 @@ def main(argv):
                 result["runs"].append({"run_dir": where if isinstance(where, str) else repr(where)[:300],
                                        "session": spec.get("session") if isinstance(spec, dict) else None,
                                        "errors": ["probe: " + describe(e)]})
+        want_procs = args.get("processes", True)  # true, false, or how many top CPU consumers
+        if want_procs:
+            top = PROC_TOP if isinstance(want_procs, bool) else \
+                spec_number(args, "processes", PROC_TOP, 0, PROC_MAX_ROWS, result["errors"])
+            wanted = app_pids((result.get("smi") or {}).get("apps"))
+            for r in result["runs"]:
+                wanted += [p for p in ((r.get("process") or {}).get("pid"), r.get("standby_pid"))
+                           if isinstance(p, int) and 0 < p <= MAX_PID and p not in wanted]
+            result["procs"] = step(result["errors"], "processes", timeout, processes, wanted, top)
     except Exception as e:
         result["errors"].append("probe: " + describe(e))
     result["host_time"] = time.time()
