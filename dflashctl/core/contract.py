@@ -2,7 +2,9 @@
 
 Stdlib only, never torch: the trainer imports it on the GPU host and the
 controller imports it on the operator's machine. Everything either side reads
-from the other's files is defined here.
+from the other's files is defined here, and what both sides need besides:
+directories only their user can write (``private_dir``), text made safe for a
+terminal (``printable``).
 
 Run directory layout (written by the trainer):
 
