@@ -200,7 +200,7 @@ class Fixer:
                         "torch's wheels lists it)")
             why += ("; " if why else "") + (
                 f"{n} is detached, not uninstalled: its RECORD lists {what}, and "
-                f"`pip uninstall {n}` would delete them; only its dist-info ({d.metadata}) is removed, its other "
+                f"`pip uninstall {n}` would delete {'them' if sharers or len(loaded) > 1 else 'it'}; only its dist-info ({d.metadata}) is removed, its other "
                 "files stay on disk, listed by no distribution")
         return Removal(ok + detached, kept, blocked, repaired, argv, why, detached)
 

@@ -90,3 +90,18 @@ def test_a_library_overwritten_by_another_wheel_in_a_middle_step_is_refused():
                    argv=[[s.python, "-m", "pip", "install", "nvidia-cudnn-cu13==9.14.0"]])
     proof = prove([f], s, keep)
     assert id(f) in proof.refused and "libcudnn.so.9" in proof.refused[id(f)]
+
+
+@pytest.mark.parametrize("pip_spec, ensurepip, severity, argv0, says", [
+    (None, ea.ModuleSpec("ensurepip", "/usr/lib/python3.11/ensurepip/__init__.py"), "info",
+     ["/venv/bin/python", "-m", "ensurepip"], "put pip back with ensurepip"),
+    (None, None, "warning", None, "carry pip's wheel (pip-VERSION-py3-none-any.whl from PyPI) to the host as "
+                                  "/tmp/pip-VERSION-py3-none-any.whl, and run `/venv/bin/python "
+                                  "/tmp/pip-VERSION-py3-none-any.whl/pip install --no-index"),
+])
+def test_pip_missing_with_and_without_ensurepip(pip_spec, ensurepip, severity, argv0, says):
+    s = snapshot()
+    s.modules = {"torch": ea.ModuleSpec("torch", f"{SITE}/torch/__init__.py"), "pip": pip_spec, "ensurepip": ensurepip}
+    (found,) = [f for f in ea.audit(s) if f.code == "pip-unusable"]
+    assert found.severity == severity and says in found.fix, found.fix
+    assert (found.argv[0] if found.argv else None) == argv0
