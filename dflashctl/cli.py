@@ -40,7 +40,7 @@ EXAMPLES = {
 def _load_commands() -> None:
     """Register every command on ``app`` (each module's decorators do it on import),
     each with its examples."""
-    from dflashctl.commands import advise, audit, cache, hosts, runs, status, supervise  # noqa: F401
+    from dflashctl.commands import advise, audit, cache, hosts, runs, status, store, supervise  # noqa: F401
 
     for command in app.registered_commands:
         name = command.name or command.callback.__name__.replace("_", "-")

@@ -279,13 +279,15 @@ def _run_columns():
         Col("duration", "took", 7, 3, "right"),
         Col("host", "host", 12, 3),
         Col("created", "created", 11, 4),
+        Col("store", "store", 9, 5, "right"),
         Col("exit", "exit", 12, 5, grow=48),
         Col("gpus", "GPUs", 7, 6),
     )
 
 
-def _run_summary(r, outcome: dict, evaluation: dict | None, now: float) -> dict:
-    """What ``runs --json`` adds to a run's record: what it achieved."""
+def _run_summary(r, outcome: dict, evaluation: dict | None, now: float, store_bytes: int | None = None) -> dict:
+    """What ``runs --json`` adds to a run's record: what it achieved, and what it holds
+    of the store (``store_bytes``: its rows' share of the file)."""
     from dflashctl.core.contract import tau_estimate
     from dflashctl.status.reader import total_steps
 
@@ -293,11 +295,12 @@ def _run_summary(r, outcome: dict, evaluation: dict | None, now: float) -> dict:
     return {"step": outcome["step"], "total_steps": total_steps(r), "loss": outcome["loss"],
             "accept_len": outcome["accept_len"], "tau_est": tau_estimate(outcome["accept_len"]),
             "tau": (evaluation or {}).get("tau"),
-            "restarts": outcome["restarts"], "duration_s": max(0.0, (r.ended or now) - start) if start else None}
+            "restarts": outcome["restarts"], "duration_s": max(0.0, (r.ended or now) - start) if start else None,
+            "store_bytes": store_bytes}
 
 
 def _run_cells(r, s: dict) -> dict:
-    from dflashctl.core.units import fmt_duration
+    from dflashctl.core.units import fmt_bytes, fmt_duration
 
     step = "-" if s["step"] is None else f"{s['step']:,}" + (f"/{s['total_steps']:,}" if s["total_steps"] else "")
     return {
@@ -311,6 +314,7 @@ def _run_cells(r, s: dict) -> dict:
         "duration": "-" if s["duration_s"] is None else fmt_duration(s["duration_s"]).replace(" ", ""),
         "host": ",".join(r.host_names),  # a multi-host run: every host, rank 0 first
         "created": _when(r.created, short=True),
+        "store": "-" if s.get("store_bytes") is None else fmt_bytes(s["store_bytes"]),
         "exit": r.exit_reason or ("-" if r.exit_code is None else str(r.exit_code)),
         "gpus": ",".join(map(str, r.gpus)) or "-",
     }
@@ -359,8 +363,9 @@ def runs_command(
     The columns that fit the terminal are shown, each cell cut to its column (never
     folded); a failed run's whole exit reason is on the line below it; `--json` has
     every field (`summary`: step, total_steps, loss, accept_len, tau_est, tau, restarts,
-    duration_s; `tau_note`; `eval`: id, attempt, prompts, new_tokens, complete, tau_sd,
-    speedup_range, evals, newer)."""
+    duration_s, store_bytes; `tau_note`; `eval`: id, attempt, prompts, new_tokens, complete, tau_sd,
+    speedup_range, evals, newer). `store`: the run's share of the run store
+    (`dflashctl store info` has the file's)."""
     import time
 
     from dflashctl.status.tables import lines
@@ -372,7 +377,8 @@ def runs_command(
     evals = {run: _eval_summary(row) for run, row in store.preferred_evals([r.id for r in runs]).items()}
     outcomes = store.run_outcomes([r.id for r in runs])
     now = time.time()
-    summaries = [_run_summary(r, outcomes[r.id], evals.get(r.id), now) for r in runs]
+    sizes = store.run_bytes([r.id for r in runs])
+    summaries = [_run_summary(r, outcomes[r.id], evals.get(r.id), now, sizes.get(r.id)) for r in runs]
     if as_json:
         print(json.dumps([{**r.to_dict(), "summary": s, "tau_est": s["tau_est"], "tau": s["tau"],
                            "tau_note": tau_gap(s["tau_est"], s["tau"]), "eval": evals.get(r.id)}

@@ -45,7 +45,7 @@ from dflashctl.config.load import (
     load_playbook,
     playbook_dirs,
 )
-from dflashctl.config.playbook import Alerts, EvalSettings, Expect, Playbook, Rendezvous, RestartPolicy
+from dflashctl.config.playbook import Alerts, EvalSettings, Expect, Playbook, Rendezvous, RestartPolicy, Retention
 from dflashctl.config.sshconfig import (
     SSH_CONFIG_FILES,
     SSH_CONFIG_OPTIONS,
@@ -71,6 +71,7 @@ __all__ = [
     "Playbook",
     "Rendezvous",
     "RestartPolicy",
+    "Retention",
     "SSH_CONFIG_FILES",
     "SSH_CONFIG_OPTIONS",
     "find_inventory",

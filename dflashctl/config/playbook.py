@@ -94,6 +94,27 @@ class Expect(BaseModel):
     back into the controller's cache store (``dflashctl cache ls``)."""
 
 
+class Retention(BaseModel):
+    """How much of a run's history the store keeps at each resolution (store/history.py).
+    The defaults keep a 30-day run on 8 GPUs, polled every 5 s, under 64 MiB."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    full: Duration = Field(6 * 3600.0, gt=0)
+    """Every sample (metrics line), for this long before the newest."""
+    readings: Duration = Field(3600.0, gt=0)
+    """Every poll's readings of the run's hosts (GPUs, CPU, memory), for this long before the newest."""
+    fine: Duration = Field(7 * 86400.0, gt=0)
+    """One-minute rollups (min, mean, max) for this long; 15-minute ones for the run's life."""
+
+    @model_validator(mode="after")
+    def _fine_covers_full(self) -> "Retention":
+        if self.fine < max(self.full, self.readings):
+            raise ValueError(f"fine ({self.fine:g} s) must be at least full and readings "
+                             f"({max(self.full, self.readings):g} s)")
+        return self
+
+
 class RestartPolicy(BaseModel):
     """When and how a crashed run is restarted (the policy module applies it)."""
 
@@ -250,6 +271,8 @@ class Playbook(BaseModel):
     """Checked before the built-in signature table."""
     alerts: Annotated[Alerts, _none_is_empty(dict)] = Field(default_factory=Alerts)
     eval: Annotated[EvalSettings, _none_is_empty(dict)] = Field(default_factory=EvalSettings)
+    retention: Annotated[Retention, _none_is_empty(dict)] = Field(default_factory=Retention)
+    """What the store keeps of the run's history, at which resolution."""
     env_audit: Annotated[dict, _none_is_empty(dict)] = {}
     """Environment-audit policy (free-form for now)."""
     source: str = ""

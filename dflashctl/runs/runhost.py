@@ -630,8 +630,8 @@ def _seen_gpu_name(store: Store, run: Run, config: dict[str, Any]) -> str | None
     supervisor last stored them (None: not known)."""
     from dflashctl.runs import compile_cache
 
-    last = store.gpu_samples(run.id, 1)
-    return compile_cache.gpu_name(last[0].gpu if last and isinstance(last[0].gpu, list) else [],
+    last = store.readings(run.host, 1)
+    return compile_cache.gpu_name(last[0]["gpu"] if last and isinstance(last[0]["gpu"], list) else [],
                                   config.get("gpus") or [])
 
 

@@ -1,6 +1,6 @@
 """GPU and host line views: each GPU's readings and processes, a host's CPU and memory.
 
-From the newest sample that read them; a field a host's answer did not give is
+From the newest poll that read them (``Store.readings``); a field a host's answer did not give is
 None (unknown), and a reading older than three polls is stale.
 """
 
@@ -12,9 +12,7 @@ from typing import Any
 
 from dflashctl.core.units import NA, fmt_duration
 from dflashctl.hosts.parsers import HostReading, cpu_busy_pct
-from dflashctl.status.samples import _sample_clock
 from dflashctl.status.styles import _ago
-from dflashctl.store import Sample
 
 
 @dataclass
@@ -26,13 +24,15 @@ class AppView:
     name: str | None
     used_memory_mib: float | None
     role: str | None = None  # trainer | standby | None (foreign)
+    run_id: str | None = None  # the run whose process it is (None: foreign, or read by an older supervisor)
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "AppView":
         pid = row.get("pid") if isinstance(row.get("pid"), int) else None
         name = row.get("name") if isinstance(row.get("name"), str) else None
         role = row.get("role") if row.get("role") in ("trainer", "standby") else None
-        return cls(pid, name, _float(row.get("used_memory_mib")), role)
+        run_id = row.get("run_id") if isinstance(row.get("run_id"), str) else None
+        return cls(pid, name, _float(row.get("used_memory_mib")), role, run_id)
 
     @property
     def foreign(self) -> bool:
@@ -50,7 +50,7 @@ def reading_stale(time: float | None, stale_after_s: float | None, now: float) -
 
 @dataclass
 class HostLoad:
-    """A host's CPU and memory, from the newest sample that read them (the same poll
+    """A host's CPU and memory, from the newest poll that read them (the same poll
     as its GPU readings). A field the host's answer did not give is None: unknown."""
 
     time: float  # of the reading (local clock)
@@ -64,14 +64,15 @@ class HostLoad:
     cpu_cgroup: float | None = None  # a container's CPU quota (CPUs) when the busy share is of it
 
     @classmethod
-    def from_samples(cls, newer: Sample, older: Sample | None, stale_after_s: float) -> "HostLoad":
-        """The newest reading; the CPU's busy share from the one before it when the
-        two are at most three polls apart (over longer it is not this moment's)."""
-        now_reading = stored_host_reading(newer.host_reading)
+    def from_readings(cls, newer: dict[str, Any], older: dict[str, Any] | None, stale_after_s: float) -> "HostLoad":
+        """The newest reading (``Store.readings``: time, host_reading); the CPU's busy
+        share from the one before it when the two are at most three polls apart (over
+        longer it is not this moment's)."""
+        now_reading = stored_host_reading(newer.get("host_reading"))
         busy = None
-        if older is not None and 0 < _sample_clock(newer) - _sample_clock(older) <= stale_after_s:
-            busy = cpu_busy_pct(stored_host_reading(older.host_reading), now_reading)
-        return cls(_sample_clock(newer), now_reading.cpus, now_reading.load1, busy, now_reading.mem_total_kib,
+        if older is not None and 0 < newer["time"] - older["time"] <= stale_after_s:
+            busy = cpu_busy_pct(stored_host_reading(older.get("host_reading")), now_reading)
+        return cls(newer["time"], now_reading.cpus, now_reading.load1, busy, now_reading.mem_total_kib,
                    now_reading.mem_available_kib, stale_after_s, now_reading.mem_cgroup, now_reading.cpu_cgroup)
 
     def age_s(self, now: float) -> float | None:
@@ -119,7 +120,7 @@ _HOST_INTS = ("cpus", "cpu_total", "cpu_idle", "mem_total_kib", "mem_available_k
 
 
 def stored_host_reading(value: Any) -> HostReading:
-    """A sample's ``host_reading`` column -> ``HostReading``; a field that is not a
+    """A reading's ``host_reading`` -> ``HostReading``; a field that is not a
     number (or not a whole one where it must be) is None, unknown."""
     value = value if isinstance(value, dict) else {}
     reading = HostReading()
@@ -136,7 +137,7 @@ def stored_host_reading(value: Any) -> HostReading:
 
 @dataclass
 class GpuView:
-    """One GPU of a host, from the newest sample that read it."""
+    """One GPU of a host, from the newest poll that read it."""
 
     host: str
     index: int | None
@@ -189,7 +190,7 @@ class GpuView:
 
 @dataclass
 class HostView:
-    """A host with active runs: how fresh its readings are, and its GPUs."""
+    """A host with active runs, or one a supervisor polls: how fresh its readings are, and its GPUs."""
 
     host: str
     runs: list[str]
@@ -209,7 +210,7 @@ class HostView:
 
 
 def gpu_readings(value: Any) -> list[dict[str, Any]]:
-    """A sample's ``gpu`` column -> a list of reading dicts. The supervisor stores
+    """A reading's ``gpu`` -> a list of reading dicts. The supervisor stores
     ``parsers.GpuReading`` objects as dicts (a list, or ``{"gpus": [...]}``);
     anything else reads as no readings."""
     if isinstance(value, dict):

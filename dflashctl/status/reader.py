@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 from dflashctl.core.states import RUNNING
@@ -18,7 +19,7 @@ from dflashctl.status.gpus import AppView, GpuView, HostLoad, HostView, _float, 
 from dflashctl.status.heartbeats import heartbeats_now
 from dflashctl.status.phase import derive_phase
 from dflashctl.status.runs import RunHostView, RunView, attention_of, notices_of, sort_runs
-from dflashctl.status.samples import _sample_clock, current_process, smooth
+from dflashctl.status.samples import current_process, smooth
 from dflashctl.status.thresholds import Thresholds, _thresholds_of
 from dflashctl.status.views import DetailView, EnvSummary, StatusView
 from dflashctl.store import Run, Store, preferred_eval
@@ -32,6 +33,8 @@ DETAIL_EVENTS = 500  # events in a run's detail view
 RECENT_RUNS = 20  # finished runs shown besides the active ones
 SERIES_POINTS = 240  # buckets of a run's whole history in its charts
 BASELINE_TTL_S = 60.0  # a learned baseline is read again after this long
+SIZE_TTL_S = 60.0  # a run's share of the store is read again after this long
+DEFAULT_POLL_S = 15.0  # a host's readings are stale after three of these when nothing says its poll interval
 
 
 def total_steps(run: Run) -> int | None:
@@ -79,6 +82,7 @@ class StatusReader:
         self.playbooks_dir = playbooks_dir
         self._thresholds: dict[tuple, Thresholds] = {}
         self._baselines: dict[str, tuple[float, float | None]] = {}
+        self._sizes: dict[str, tuple[float, int | None]] = {}
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- slow-changing inputs
@@ -168,62 +172,72 @@ class StatusReader:
 
     # ----------------------------------------------------------------- GPUs
 
-    def hosts(self, runs: list[Run], heartbeats: list[dict], now: float) -> list[HostView]:
+    def hosts(self, runs: list[Run], heartbeats: list[dict], now: float, polled: bool = True) -> list[HostView]:
+        """Every host with an active run and (``polled``) every host a live supervisor
+        polls: its GPUs and its CPU and memory from its newest polls (``Store.readings``)."""
         by_host: dict[str, list[Run]] = {}
         for r in runs:
             by_host.setdefault(r.host, []).append(r)
+        live = [b for b in heartbeats if not b.get("stopped")
+                and now - (b.get("last_tick") or 0) <= 3 * max(1.0, b.get("interval") or 1)]
+        for b in live if polled else []:
+            for host in sorted(b.get("hosts") or {}):
+                by_host.setdefault(host, [])
         views = []
         for host, host_runs in by_host.items():
             beat = next((b for b in heartbeats if host in (b.get("hosts") or {})), None)
             info = ((beat or {}).get("hosts") or {}).get(host) or {}
-            ticking = [b for b in heartbeats if set(b.get("runs") or []) & {r.id for r in host_runs}
-                       and not b.get("stopped") and now - (b.get("last_tick") or 0) <= 3 * max(1.0, b.get("interval") or 1)]
+            ticking = [b for b in live if host in (b.get("hosts") or {})
+                       or set(b.get("runs") or []) & {r.id for r in host_runs}]
             hv = HostView(host, [r.id for r in host_runs], info.get("last_ok"), info.get("down_since"),
                           info.get("error"), bool(ticking))
-            readings = [(r, self.store.gpu_samples(r.id, GPU_HISTORY)) for r in host_runs]
-            readings = [(r, s) for r, s in readings if s]
-            holders = {}
-            for r in host_runs:
-                roles = roles_of(r)
-                for g in r.gpus:
-                    holders.setdefault(g, (r.id, roles.get(g)))
-            if readings:
-                run, samples = max(readings, key=lambda rs: _sample_clock(rs[1][-1]))
-                history: dict[Any, list[dict]] = {}
-                for s in samples:
-                    for g in gpu_readings(s.gpu):
-                        history.setdefault(g.get("index"), []).append(g)
-                stale_after = 3 * self.thresholds(run).poll_interval_s
-                for g in gpu_readings(samples[-1].gpu):
-                    index = g.get("index") if isinstance(g.get("index"), int) else None
-                    holder, role = holders.get(index, (None, None))
-                    past = history.get(g.get("index"), [])
-                    apps = g.get("apps") if isinstance(g.get("apps"), list) else None
-                    hv.gpus.append(GpuView(
-                        host, index, g.get("name") if isinstance(g.get("name"), str) else None, role, holder,
-                        _sample_clock(samples[-1]), _float(g.get("utilization_pct")), _float(g.get("memory_used_mib")),
-                        _float(g.get("memory_total_mib")), _float(g.get("temperature_c")),
-                        _float(g.get("power_draw_w")), _float(g.get("power_limit_w")),
-                        [v for v in (_float(p.get("utilization_pct")) for p in past) if v is not None],
-                        [u / t for u, t in ((_float(p.get("memory_used_mib")), _float(p.get("memory_total_mib")))
-                                            for p in past) if u is not None and t],
-                        [AppView.from_row(a) for a in apps or [] if isinstance(a, dict)], apps is not None,
-                        stale_after))
-            else:
-                for index, (holder, role) in sorted(holders.items()):
-                    hv.gpus.append(GpuView(host, index, role=role, run_id=holder))
-            hv.load = self.host_load(host_runs)
+            stale_after = 3 * (self.thresholds(host_runs[0]).poll_interval_s if host_runs
+                               else max([b.get("interval") or 0 for b in ticking] or [DEFAULT_POLL_S]))
+            hv.gpus = self.gpu_views(host, host_runs, stale_after)
+            hv.load = self.host_load(host, stale_after)
             views.append(hv)
         return views
 
-    def host_load(self, host_runs: list[Run]) -> HostLoad | None:
-        """The host's newest CPU and memory reading, of whichever of its runs was read last."""
-        readings = [(r, s) for r, s in ((r, self.store.host_samples(r.id, 2)) for r in host_runs) if s]
+    def gpu_views(self, host: str, host_runs: list[Run], stale_after: float) -> list[GpuView]:
+        """Each GPU of the host from its newest poll, with its history; the GPUs its
+        runs hold but no poll has read yet, as unknown."""
+        readings = self.store.readings(host, GPU_HISTORY, "gpu")
+        holders: dict[int, tuple[str, str | None]] = {}
+        for r in host_runs:
+            roles = roles_of(r)
+            for g in r.gpus:
+                holders.setdefault(g, (r.id, roles.get(g)))
+        if not readings:
+            return [GpuView(host, index, role=role, run_id=holder) for index, (holder, role) in sorted(holders.items())]
+        history: dict[Any, list[dict]] = {}
+        for reading in readings:
+            for g in gpu_readings(reading["gpu"]):
+                history.setdefault(g.get("index"), []).append(g)
+        newest = readings[-1]
+        views = []
+        for g in gpu_readings(newest["gpu"]):
+            index = g.get("index") if isinstance(g.get("index"), int) else None
+            holder, role = holders.get(index, (None, None))
+            past = history.get(g.get("index"), [])
+            apps = g.get("apps") if isinstance(g.get("apps"), list) else None
+            views.append(GpuView(
+                host, index, g.get("name") if isinstance(g.get("name"), str) else None, role, holder,
+                newest["time"], _float(g.get("utilization_pct")), _float(g.get("memory_used_mib")),
+                _float(g.get("memory_total_mib")), _float(g.get("temperature_c")),
+                _float(g.get("power_draw_w")), _float(g.get("power_limit_w")),
+                [v for v in (_float(p.get("utilization_pct")) for p in past) if v is not None],
+                [u / t for u, t in ((_float(p.get("memory_used_mib")), _float(p.get("memory_total_mib")))
+                                    for p in past) if u is not None and t],
+                [AppView.from_row(a) for a in apps or [] if isinstance(a, dict)], apps is not None,
+                stale_after))
+        return views
+
+    def host_load(self, host: str, stale_after: float) -> HostLoad | None:
+        """The host's newest CPU and memory reading (None: no poll has read it)."""
+        readings = self.store.readings(host, 2, "host_reading")
         if not readings:
             return None
-        run, samples = max(readings, key=lambda rs: _sample_clock(rs[1][-1]))
-        return HostLoad.from_samples(samples[-1], samples[-2] if len(samples) > 1 else None,
-                                     3 * self.thresholds(run).poll_interval_s)
+        return HostLoad.from_readings(readings[-1], readings[-2] if len(readings) > 1 else None, stale_after)
 
     # ----------------------------------------------------------------- everything
 
@@ -238,7 +252,7 @@ class StatusReader:
         if selected not in {r.id for r in runs}:
             selected = runs[0].id if runs else None
         shown = [r for r in rows if r.active]
-        hosts = self.hosts(shown, heartbeats, now)
+        hosts = self.hosts(shown, heartbeats, now, polled=run is None)
         recent = [EventView.from_event(e) for e in store.events(selected, limit=events)] if selected else []
         ticking = sum(1 for b in heartbeats if not b.get("stopped")
                       and now - (b.get("last_tick") or 0) <= 3 * max(1.0, b.get("interval") or 1))
@@ -283,9 +297,22 @@ class StatusReader:
                 torch = data.get("torch")
                 env.torch = torch if isinstance(torch, str) else None
         series = store.sample_series(run.id, SERIES_POINTS)
+        share, whole = self.store_size(run.id)
         return DetailView(view, events, series, self.thresholds(run), env,
                           [r.to_dict() for r in store.restarts(run.id)], run.run_dir, run.exit_code,
-                          self.chart(run, now, zoom, whole=series))
+                          self.chart(run, now, zoom, whole=series), share, whole, store.history_from(run.id))
+
+    def store_size(self, run_id: str) -> tuple[int | None, int]:
+        """(the run's share of the store, the file's size); the share read again after
+        ``SIZE_TTL_S`` (it walks the file's pages)."""
+        now = time.monotonic()
+        with self._lock:
+            cached = self._sizes.get(run_id)
+        if cached is None or now - cached[0] > SIZE_TTL_S:
+            cached = (now, self.store.run_bytes([run_id]).get(run_id))
+            with self._lock:
+                self._sizes[run_id] = cached
+        return cached[1], self.store.file_bytes()
 
 
 def measured_tau(evals: list[dict[str, Any]]) -> tuple[float | None, dict[str, Any] | None]:

@@ -88,8 +88,12 @@ class DetailView:
     run_dir: str | None = None
     exit_code: int | None = None
     chart: ChartView | None = None  # the history at the screen's zoom
+    store_bytes: int | None = None  # the run's share of the store (Store.run_bytes)
+    file_bytes: int | None = None  # the whole store's file
+    history_from: float | None = None  # every sample kept from here on; before, rollups (None: all kept)
 
     def to_dict(self) -> dict[str, Any]:
         return {"run": self.run.to_dict(), "events": [asdict(e) for e in self.events], "series": self.series,
                 "thresholds": asdict(self.thresholds), "env": asdict(self.env), "restarts": self.restarts,
-                "run_dir": self.run_dir, "exit_code": self.exit_code}
+                "run_dir": self.run_dir, "exit_code": self.exit_code, "store_bytes": self.store_bytes,
+                "file_bytes": self.file_bytes, "history_from": self.history_from}

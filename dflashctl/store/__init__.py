@@ -1,4 +1,4 @@
-"""The run store: runs, events, samples, restarts and environment snapshots in SQLite.
+"""The run store: runs, events, samples, hosts' readings, restarts and environment snapshots in SQLite.
 
 One file (``paths.store_path()``) shared by every dflashctl process on the
 operator's machine: the CLI, each run's supervisor, the TUI. So:
@@ -19,7 +19,8 @@ validated and written together with an event in the same transaction.
 The modules: ``rows`` (the row dataclasses, their JSON columns), ``schema`` (the
 migrations), ``ids`` (run ids), ``connection`` (the file, connections and write
 transactions), the parts of the Store by what they store (``runs``: runs, transitions
-and events; ``samples``: samples, series, evaluations; ``supervision``: heartbeats and
+and events; ``samples``: samples, series, evaluations; ``history``: hosts' readings
+on every poll, rollups, retention and sizes; ``supervision``: heartbeats and
 restarts; ``snapshots``: environment snapshots), and ``store`` (the Store they make).
 """
 

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Sequence
 
 from dflashctl.core.contract import PHASE_TRAINING, Metrics
 from dflashctl.core.states import DONE, FINAL_STATES, STOPPED
-from dflashctl.store.connection import StoreConnection
+from dflashctl.store.history import HistoryMixin, sample_values
 from dflashctl.store.rows import (
     _SAMPLE_COLUMNS,
     _SAMPLE_EXTRAS,
@@ -23,6 +23,7 @@ from dflashctl.store.rows import (
     _number,
     _row_to,
 )
+from dflashctl.store.schema import ROLLUP_WIDTHS, SAMPLE_METRICS
 
 
 def eval_figures(row: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +70,7 @@ BASELINE_MIN_RUNS = 3
 machine's, a shorter one's) is an anecdote, and regressions judged by it flap."""
 
 
-class SamplesMixin(StoreConnection):
+class SamplesMixin(HistoryMixin):
     """The store's samples and evaluations: written as the supervisor reads them,
     read back as histories, chart series, throughput baselines and outcomes."""
 
@@ -86,14 +87,15 @@ class SamplesMixin(StoreConnection):
         observed: float | None = None,
         host_reading: Any = None,
     ) -> int:
-        """Store metrics lines as samples; with ``metrics_offset`` (and the file's
-        inode), advance the run's read position in the same transaction, so a crash
-        between the two never stores a line twice or skips one. ``gpu`` and
-        ``host_reading`` (the host's CPU and memory) are the poll's readings."""
-        rows = []
+        """Store metrics lines as samples, rolled up as they are stored; with
+        ``metrics_offset`` (and the file's inode), advance the run's read position in
+        the same transaction, so a crash between the two never stores a line twice or
+        skips one. ``gpu`` and ``host_reading`` (the host's CPU and memory), when
+        given, are a poll's readings of the run's host (``add_readings``, at
+        ``observed``)."""
+        rows, rolled = [], []
         for s in samples:
             d = asdict(s) if isinstance(s, Metrics) else dict(s)
-            d.setdefault("host_reading", None)
             extra = d.get("extra") if isinstance(d.get("extra"), dict) else {}
             d["mfu"] = d.get("mfu", extra.get("mfu"))
             for c in _SAMPLE_EXTRAS:
@@ -103,20 +105,25 @@ class SamplesMixin(StoreConnection):
                 continue  # no time or step: not a sample (the contract rejects such lines first)
             phase = d.get("phase") if isinstance(d.get("phase"), str) else None
             rows.append([run_id, time_, step, *(_number(d.get(c)) for c in _SAMPLE_NUMBERS[:5]), phase,
-                         _json(d.get("gpu", gpu)), _number(d.get("mfu")), _number(observed),
-                         *(_number(d.get(c)) for c in _SAMPLE_EXTRAS), _json(d["host_reading"])])
-        if rows and rows[-1][-1] is None:
-            rows[-1][-1] = _json(host_reading)  # one reading per poll: on its newest line, not on each
+                         None, _number(d.get("mfu")), _number(observed),
+                         *(_number(d.get(c)) for c in _SAMPLE_EXTRAS), None])
+            rolled.append((time_, sample_values({**d, "phase": phase})))
         with self._write() as db:
             db.conn.executemany(
                 f"INSERT INTO samples ({', '.join(_SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(_SAMPLE_COLUMNS))})",
                 rows,
             )
+            self._roll(run_id, rolled)
             if metrics_offset is not None:
                 db.execute(
                     "UPDATE runs SET metrics_offset = ?, metrics_inode = ? WHERE id = ?",
                     [metrics_offset, metrics_inode, run_id],
                 )
+            if gpu is not None or host_reading is not None:
+                host = db.execute("SELECT host FROM runs WHERE id = ?", [run_id]).fetchone()
+                at = observed if observed is not None else (rows[-1][1] if rows else None)
+                if host is not None and at is not None:
+                    self.add_readings(host[0], at, gpu, host_reading)
         return len(rows)
 
     def samples(self, run_id: str, since: float | None = None, limit: int | None = None) -> list[Sample]:
@@ -139,37 +146,40 @@ class SamplesMixin(StoreConnection):
                                  "ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
         return [Sample(**dict(zip(names, row))) for row in reversed(cursor.fetchall())]
 
-    def gpu_samples(self, run_id: str, limit: int) -> list[Sample]:
-        """The newest ``limit`` samples that carry GPU readings, in time order."""
-        rows = self._query("SELECT * FROM samples WHERE run_id = ? AND gpu IS NOT NULL AND gpu != 'null' "
-                           "ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
-        return [_row_to(Sample, r) for r in reversed(rows)]
-
-    def host_samples(self, run_id: str, limit: int = 2) -> list[Sample]:
-        """The newest ``limit`` samples that carry their host's CPU and memory
-        reading, in time order (two give the CPU's busy share between them)."""
-        rows = self._query("SELECT * FROM samples WHERE run_id = ? AND host_reading IS NOT NULL "
-                           "AND host_reading != 'null' ORDER BY time DESC, id DESC LIMIT ?", [run_id, int(limit)])
-        return [_row_to(Sample, r) for r in reversed(rows)]
-
     def sample_series(self, run_id: str, points: int = 240, since: float | None = None) -> list[dict[str, Any]]:
-        """The run's whole history (its samples from ``since`` on, when given) in at
-        most ``points`` buckets of equal time, oldest first: per bucket its last time
-        (``start``: its first) and step, the mean tok/s, loss, accuracy and
-        acceptance length, and how many samples it holds. A chart over days of
-        samples reads one row per bucket, never every sample."""
-        since = float("-inf") if since is None else float(since)
-        span = self._query("SELECT min(time) AS t0, max(time) AS t1 FROM samples WHERE run_id = ? AND time >= ?",
-                           [run_id, since])[0]
-        if span["t0"] is None:
+        """The run's whole history (from ``since`` on, when given) in at most ``points``
+        buckets of equal time, oldest first: per bucket its last time (``start``: its
+        first) and step, the mean tok/s, loss, accuracy and acceptance length (and
+        each one's ``_min`` and ``_max``), and how many samples it holds. Read from
+        the samples while a bucket is under a minute and they are all kept, else from
+        the rollups: a chart over days reads a few rows per point, never every sample."""
+        points = max(1, int(points))
+        raw = self._query("SELECT min(time) AS t0, max(time) AS t1 FROM samples WHERE run_id = ?", [run_id])[0]
+        pruned = self.history_from(run_id) is not None
+        rolled = self.rollup_span(run_id) if pruned or raw["t0"] is None else None
+        firsts = [t for t in (raw["t0"], rolled[0] if rolled else None) if t is not None]
+        if not firsts:
             return []
-        width = max((span["t1"] - span["t0"]) / max(1, int(points)), 1e-9)
+        t1 = raw["t1"] if raw["t1"] is not None else rolled[1]  # type: ignore[index]
+        t0 = max(min(firsts), float("-inf") if since is None else float(since))
+        if t0 > t1:
+            return []
+        width = max((t1 - t0) / points, 1e-9)
+        if raw["t0"] is not None and raw["t0"] <= t0 and width < ROLLUP_WIDTHS[0]:
+            return self._raw_series(run_id, t0, width, points)
+        series = self.rollup_series(run_id, (*SAMPLE_METRICS, "train_tok_s"), t0, t1, points)
+        for p in series:
+            p["step"] = p.get("step_max")
+        return [p for p in series if p["step"] is not None]
+
+    def _raw_series(self, run_id: str, t0: float, width: float, points: int) -> list[dict[str, Any]]:
+        figures = ", ".join(f"avg({c}) AS {c}, min({c}) AS {c}_min, max({c}) AS {c}_max"
+                            for c in ("tok_s", "loss", "acc", "accept_len", "mfu"))
         return self._query(
             "SELECT min(CAST((time - ?) / ? AS INTEGER), ?) AS bucket, max(time) AS time, min(time) AS start, "
-            "max(step) AS step, avg(tok_s) AS tok_s, avg(loss) AS loss, avg(acc) AS acc, "
-            "avg(accept_len) AS accept_len, count(*) AS samples "
+            f"max(step) AS step, {figures}, count(*) AS samples "
             "FROM samples WHERE run_id = ? AND time >= ? GROUP BY bucket ORDER BY bucket",
-            [span["t0"], width, max(1, int(points)) - 1, run_id, since])
+            [t0, width, points - 1, run_id, t0])
 
     def metrics_position(self, run_id: str) -> tuple[int, int | None]:
         """(byte offset, inode) of metrics.jsonl up to which samples are stored."""
@@ -203,13 +213,14 @@ class SamplesMixin(StoreConnection):
         )
         history = []
         for row in rows:
-            values = [
-                r["tok_s"]
-                for r in self._query(
+            if self.history_from(row["id"]) is None:  # every sample kept: their median
+                values = [r["tok_s"] for r in self._query(
                     "SELECT tok_s FROM samples WHERE run_id = ? AND phase = ? AND tok_s IS NOT NULL",
-                    [row["id"], PHASE_TRAINING],
-                )
-            ]
+                    [row["id"], PHASE_TRAINING])]
+            else:  # pruned: the median of its coarse buckets' means
+                values = [r["mean"] for r in self._query(
+                    "SELECT mean FROM rollups WHERE owner = ? AND metric = 'train_tok_s' AND width = ?",
+                    [row["id"], ROLLUP_WIDTHS[-1]])]
             if values:
                 history.append(float(statistics.median(values)))
             if len(history) >= limit:

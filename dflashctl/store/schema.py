@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 from dflashctl.store.rows import _SAMPLE_NUMBERS
 
+ROLLUP_WIDTHS = (60, 900)  # seconds: the fine rollups, then the coarse ones kept for good
+SAMPLE_METRICS = ("step", "tok_s", "loss", "acc", "accept_len", "mfu")  # a sample's figures rolled up
+
 
 class _Schema:
     """The named migrations, in order. sqlite-utils' ``Migrations`` is built when a
@@ -217,4 +220,36 @@ def _m0011(db: Database) -> None:
     db["evals"].add_column("attempt", str)
 
 
-SCHEMA_VERSION = 11  # the number of migrations above; recorded as PRAGMA user_version
+@migrations(name="0012_host_readings_rollups")
+def _m0012(db: Database) -> None:
+    # A host's readings on every poll, whatever its runs wrote (they were stored on each
+    # sample, with every metrics line: blind while a run started, compiled or stalled).
+    db.execute("CREATE TABLE host_readings (id INTEGER PRIMARY KEY, host TEXT NOT NULL, time REAL NOT NULL, "
+               "gpu TEXT, host_reading TEXT)")
+    db.execute("CREATE INDEX host_readings_time ON host_readings (host, time)")
+    db.execute("CREATE INDEX host_readings_gpu ON host_readings (host, time) WHERE gpu IS NOT NULL")
+    db.execute("CREATE INDEX host_readings_host ON host_readings (host, time) WHERE host_reading IS NOT NULL")
+    # Min, mean and max per bucket of every metric of a run or a host (store/history.py).
+    db.execute("CREATE TABLE rollups (owner TEXT NOT NULL, metric TEXT NOT NULL, width INTEGER NOT NULL, "
+               "bucket INTEGER NOT NULL, n INTEGER NOT NULL, min REAL, mean REAL, max REAL, "
+               "PRIMARY KEY (owner, metric, width, bucket)) WITHOUT ROWID")
+    db["runs"].add_column("history_from", float)  # samples before this time were pruned to rollups
+    # What earlier versions stored on samples moves: each run's newest readings to its
+    # host, its samples' figures into rollups.
+    db.execute("INSERT INTO host_readings (host, time, gpu, host_reading) "
+               "SELECT r.host, coalesce(s.observed, s.time), s.gpu, s.host_reading FROM samples s JOIN runs r "
+               "ON r.id = s.run_id WHERE s.id IN (SELECT id FROM samples t WHERE t.run_id = s.run_id "
+               "AND (t.gpu IS NOT NULL OR t.host_reading IS NOT NULL) ORDER BY t.time DESC LIMIT 32) "
+               "ORDER BY coalesce(s.observed, s.time)")
+    for width in ROLLUP_WIDTHS:
+        for metric, column, where in [*((m, m, "1") for m in SAMPLE_METRICS),
+                                      ("train_tok_s", "tok_s", "coalesce(phase, 'training') = 'training'")]:
+            db.execute(f"INSERT INTO rollups (owner, metric, width, bucket, n, min, mean, max) "
+                       f"SELECT run_id, '{metric}', {width}, CAST(time / {width} AS INTEGER) * {width}, "
+                       f"count({column}), min({column}), avg({column}), max({column}) FROM samples "
+                       f"WHERE {column} IS NOT NULL AND {where} GROUP BY run_id, CAST(time / {width} AS INTEGER)")
+    db.execute("DROP INDEX IF EXISTS samples_host_reading")
+    db.execute("UPDATE samples SET gpu = NULL, host_reading = NULL WHERE gpu IS NOT NULL OR host_reading IS NOT NULL")
+
+
+SCHEMA_VERSION = 12  # the number of migrations above; recorded as PRAGMA user_version

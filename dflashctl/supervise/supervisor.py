@@ -160,7 +160,7 @@ class TickReport:
 class _Tick:
     """What one tick will store and do, gathered before anything is written."""
 
-    writes: list[tuple[str, Any]] = field(default_factory=list)  # (run id, core write)
+    writes: list[tuple[str | None, Any]] = field(default_factory=list)  # (run id, core write); None: a host's readings
     actions: list[tuple[Watched, Any]] = field(default_factory=list)
     claims: list[Run] = field(default_factory=list)
     metrics: list[tuple[str, contract.Metrics]] = field(default_factory=list)
@@ -225,6 +225,7 @@ class Supervisor:
         self._store_down: float | None = None  # since when the store refuses writes
         self._store_alerted: float | None = None
         self._hurry = False
+        self._pruned = float("-inf")  # when the retention was last applied
         self.ticks = 0
         self.last_report: TickReport | None = None
 
@@ -440,9 +441,10 @@ class Supervisor:
                 self._step(w, core.Clock(host_up=host_up), now, t)
         by_host: dict[str, list[tuple[Watched, int]]] = {}  # (run, rank): every process of every run
         for w in self.active():
-            if w.job is None and w.state.job is None:  # a restart or kill in flight: look again when it is done
-                for host, rank in w.probes():
-                    by_host.setdefault(host, []).append((w, rank))
+            for host, rank in w.probes():
+                entries = by_host.setdefault(host, [])  # a host is read even while its runs are not looked at
+                if w.job is None and w.state.job is None:  # a restart or kill in flight: look again when it is done
+                    entries.append((w, rank))
         answers = fanout(list(by_host), lambda tr: self._probe(tr, by_host[tr.name]), inventory=self.inventory)
         report = TickReport(now, 0.0, {}, {})
         # Each answer parsed and paired with what was asked once; the other ranks of
@@ -499,9 +501,15 @@ class Supervisor:
         limit = self.probe_timeout or min(float(transport.host.command_timeout), max(10.0, 3 * self.interval))
         args = [w.args_of(rank) for w, rank in watched]
         sent = self.clock()
-        result = transport.run(probe_command(transport.host.python, args), timeout=limit, check=False,
-                               limit=limits.probe(args))
+        result = transport.run(probe_command(transport.host.python, args, nvidia_smi=self._reads_gpus(transport.host)),
+                               timeout=limit, check=False, limit=limits.probe(args))
         return result, sent, self.clock()
+
+    def _reads_gpus(self, host: Any) -> bool:
+        """Whether a poll of ``host`` asks nvidia-smi: the inventory gives it GPUs, or a
+        watched run holds some there (a host whose runs are CPU runs still shows its GPUs)."""
+        return bool(getattr(host, "gpus", None)) or any(
+            w.run.gpus for w in self.active() if host.name in {h for h, _ in w.probes()})
 
     def _members(self, host: str, entries: list[tuple[Watched, int]], answer: Any, parsed: Any,
                  paired: list | None, members: dict[str, list[core.Member]]) -> None:
@@ -541,6 +549,10 @@ class Supervisor:
         back = (hs.down_since, hs.polls) if hs.down_since is not None else None
         hs.down_since, hs.polls, hs.severity = None, 0, None
         now = self.clock()
+        readings = core.host_readings(host, parsed, [(w.id, pr) for (w, _), pr in zip(entries, paired)
+                                                     if isinstance(pr, ProbeResult)], received)
+        if readings is not None:
+            t.writes.append((None, readings))
         for (w, rank), pr in zip(entries, paired):
             if rank != 0:
                 continue
@@ -615,6 +627,9 @@ class Supervisor:
                         self._claim(self.runs[run.id])
                 for run_id, x in t.writes:
                     self._write(run_id, x, now)
+                if self.claim and now - self._pruned >= PRUNE_EVERY_S:
+                    self._pruned = now
+                    apply_retention(self.store, [(w.run, w.policy) for w in self.active()])
         except (sqlite3.Error, StoreError) as e:
             self._store_failed(self.store.error(e), t)
             return
@@ -649,7 +664,7 @@ class Supervisor:
                 w.alerter.send(alerts_mod.make_event("store", "critical", message, run_id=w.id, host=w.run.host,
                                                      detail={"hint": error.hint}, now=now))
 
-    def _write(self, run_id: str, x: Any, now: float) -> None:
+    def _write(self, run_id: str | None, x: Any, now: float) -> None:
         if isinstance(x, core.Event):
             self.store.add_event(run_id, x.kind, x.message, now, x.severity, x.detail)
         elif isinstance(x, core.Transition):
@@ -659,8 +674,10 @@ class Supervisor:
             except InvalidTransition:
                 pass  # changed meanwhile (an operator's stop): the next tick reads the run again
         elif isinstance(x, core.Samples):
-            self.store.add_samples(run_id, x.lines, gpu=x.gpu, metrics_offset=x.offset, metrics_inode=x.inode,
-                                   observed=x.observed, host_reading=x.host)
+            self.store.add_samples(run_id, x.lines, metrics_offset=x.offset, metrics_inode=x.inode,
+                                   observed=x.observed)
+        elif isinstance(x, core.Readings):
+            self.store.add_readings(x.host, x.observed, x.gpu, x.reading)
         elif isinstance(x, core.RestartRow):
             self.store.add_restart(run_id, x.time, x.reason, signature=x.signature, action=x.action,
                                    step_before=x.step_before, detect_delay_s=x.detect_delay_s, outcome=x.outcome)
@@ -860,13 +877,42 @@ EVENT_LOOKBACK_S = 60.0  # an event stored this much later than a newer one's ti
 MAX_CARRIED_SAMPLES = 2000  # sample batches kept in memory while the store refuses writes
 
 
-def _bounded_carry(writes: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def _bounded_carry(writes: list[tuple[str | None, Any]]) -> list[tuple[str | None, Any]]:
     """The writes to keep while the store refuses them: all events, transitions and
     restart rows; of the sample batches the newest (each carries the metrics offset
-    after its lines, so a dropped older batch loses its lines, never the position)."""
+    after its lines, so a dropped older batch loses its lines, never the position);
+    of each host's readings the newest."""
     samples = [i for i, (_, x) in enumerate(writes) if isinstance(x, core.Samples)]
     dropped = set(samples[:-MAX_CARRIED_SAMPLES]) if len(samples) > MAX_CARRIED_SAMPLES else set()
+    newest = {x.host: i for i, (_, x) in enumerate(writes) if isinstance(x, core.Readings)}
+    dropped |= {i for i, (_, x) in enumerate(writes) if isinstance(x, core.Readings) and newest[x.host] != i}
     return [w for i, w in enumerate(writes) if i not in dropped]
+
+
+PRUNE_EVERY_S = 60.0  # the retention is applied in a tick this often: a minute's rows at a time
+
+
+def apply_retention(store: Store, runs: Sequence[tuple[Run, RunPolicy]]) -> dict[str, int]:
+    """Each run's playbook retention on its samples and rollups, and on its hosts'
+    readings (a host shared by runs keeps the longest of theirs); the rows deleted, by table."""
+    from dflashctl.config import Retention
+
+    default = Retention()
+    by_policy: dict[tuple[float, float], list[str]] = {}
+    hosts: dict[str, tuple[float, float]] = {}  # host -> (readings, fine) kept
+    for run, pol in runs:
+        keep = pol.retention or default
+        by_policy.setdefault((float(keep.full), float(keep.fine)), []).append(run.id)
+        for host in run.host_names:
+            mine = (float(keep.readings), float(keep.fine))
+            hosts[host] = (max(hosts.get(host, mine)[0], mine[0]), max(hosts.get(host, mine)[1], mine[1]))
+    deleted: dict[str, int] = {}
+    jobs = [dict(runs=ids, full_s=full, fine_s=fine) for (full, fine), ids in by_policy.items()]
+    jobs += [dict(hosts=[host], full_s=readings, fine_s=fine) for host, (readings, fine) in hosts.items()]
+    for job in jobs:
+        for table, n in store.prune(**job).items():
+            deleted[table] = deleted.get(table, 0) + n
+    return deleted
 
 
 def _tmux_socket() -> str:

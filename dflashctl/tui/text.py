@@ -14,7 +14,7 @@ import textwrap
 from rich.text import Text
 
 from dflashctl.core.terminal import printable
-from dflashctl.core.units import NA, fmt_clock, fmt_duration, fmt_tok_s, short_duration, short_rate
+from dflashctl.core.units import NA, fmt_bytes, fmt_clock, fmt_duration, fmt_tok_s, short_duration, short_rate
 from dflashctl.status.charts import ChartView
 from dflashctl.status.columns import fit, fit_middle
 from dflashctl.status.events import EventView
@@ -409,6 +409,10 @@ def detail_text(d: DetailView, width: int, now: float, height: int | None = None
         out.append(d.run.last_event_text(), style=SEVERITY_STYLE.get(d.run.last_event.severity, ""))
     if d.run_dir:
         out.append(f"\nrun directory: {d.run_dir}" + (f" · exit code {d.exit_code}" if d.exit_code is not None else ""))
+    if d.store_bytes is not None:
+        kept = "every sample kept" if d.history_from is None else \
+            f"every sample since {fmt_clock(d.history_from)}, rollups before"
+        out.append(f"\nstore: {fmt_bytes(d.store_bytes)} of the run store ({kept})", style="dim")
     if d.run.hosts:
         out.append(f"\n\nhosts ({len(d.run.hosts)})\n", style="bold underline")
         out.append_text(run_hosts_text(d.run.hosts, width))

@@ -109,7 +109,10 @@ def build(scene: str, root: Path) -> Store:
         store.create_run("prod", "gpu1", run_config(prod_pb), NOW - 800, run_id=PROD)
         store.transition(PROD, "running", "trainer started (pid 4343, phase compiling)", NOW - 720)
         beat(store, [PROD], NOW - 3, up)
-        # The probe's GPU readings arrive with samples only: none while compiling.
+        # No metrics line yet, but every poll reads the host: its GPUs hold the
+        # compiling trainer's memory, barely busy.
+        for ago in (18.0, 3.0):
+            store.add_readings("gpu1", NOW - ago, gpus(8, util=2.0, used=20480.0, power=120.0))
         return store
 
     store.create_run("prod", "gpu1", run_config(prod_pb), NOW - 1300, run_id=PROD)

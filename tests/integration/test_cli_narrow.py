@@ -69,7 +69,9 @@ def test_runs_fits_the_width_and_says_what_each_run_achieved(store, columns):
     payload = json.loads(_cli("runs", "--json", columns=columns, DFLASHCTL_STORE=store.path).stdout)
     by_id = {r["id"]: r for r in payload}
     summary = by_id[RUN_A]["summary"]
-    assert set(summary) == {"step", "total_steps", "loss", "accept_len", "tau_est", "tau", "restarts", "duration_s"}
+    assert set(summary) == {"step", "total_steps", "loss", "accept_len", "tau_est", "tau", "restarts", "duration_s",
+                            "store_bytes"}
+    assert summary["store_bytes"] > 0
     assert (summary["step"], summary["total_steps"], summary["restarts"], summary["tau"]) == (1350, 120000, 1, 3.41)
     assert summary["loss"] == pytest.approx(1.8) and summary["accept_len"] == pytest.approx(3.7)
     assert 400 < summary["duration_s"] < 600

@@ -49,9 +49,9 @@ def test_fresh_file_gets_wal_and_named_migrations(tmp_path):
     assert applied == [m.name for m in migrations._migrations] == [
         "0001_core_tables", "0002_env_snapshots", "0003_sample_mfu", "0004_restart_outcome_numeric_samples",
         "0005_supervisor_heartbeats", "0006_evals", "0007_run_hosts", "0008_sample_host_reading",
-        "0009_sample_rates", "0010_sample_mfu_measured", "0011_eval_attempts"]
+        "0009_sample_rates", "0010_sample_mfu_measured", "0011_eval_attempts", "0012_host_readings_rollups"]
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    assert {"runs", "events", "samples", "restarts", "env_snapshots"} <= tables
+    assert {"runs", "events", "samples", "restarts", "env_snapshots", "host_readings", "rollups"} <= tables
     conn.close()
     # Reopening applies nothing twice and keeps the data.
     s = Store(path)
@@ -240,13 +240,14 @@ def test_samples_and_metrics_position_move_together(store):
     assert store.add_samples(run.id, lines, metrics_offset=300, metrics_inode=77, gpu=[{"index": 0}]) == 3
     store.add_sample(run.id, {"time": T0 + 9, "step": 90, "tok_s": None, "phase": "checkpointing"})
     got = store.samples(run.id)
-    assert [s.step for s in got] == [10, 20, 30, 90] and got[0].gpu == [{"index": 0}] and got[3].tok_s is None
+    assert [s.step for s in got] == [10, 20, 30, 90] and got[0].gpu is None and got[3].tok_s is None
+    assert store.readings(run.host, 2) == [{"time": T0 + 3, "gpu": [{"index": 0}], "host_reading": None}]
     assert [s.step for s in store.samples(run.id, since=T0 + 2)] == [30, 90]
     assert [s.step for s in store.samples(run.id, limit=2)] == [30, 90]
     assert store.metrics_position(run.id) == (300, 77) and store.metrics_offset(run.id) == 300
     # A failing batch stores nothing and leaves the offset alone (one transaction).
-    with pytest.raises(TypeError):  # its second line cannot be stored
-        store.add_samples(run.id, [{"time": T0, "step": 1}, {"time": T0, "step": 2, "gpu": object()}],
+    with pytest.raises(TypeError):  # its host's readings cannot be stored
+        store.add_samples(run.id, [{"time": T0, "step": 1}, {"time": T0, "step": 2}], gpu=object(),
                           metrics_offset=999)
     assert len(store.samples(run.id)) == 4 and store.metrics_offset(run.id) == 300
     store.set_metrics_offset(run.id, 0, None)

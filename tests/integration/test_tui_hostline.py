@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl.hosts.parsers import HostReading, read_host_stats
-from dflashctl.hosts.probe import PROBE_SOURCE, parse_probe_host
+from dflashctl.hosts.probe import PROBE_SOURCE, HostProbe, parse_probe_host
 from dflashctl.status.model import load_status
 from dflashctl.store import Store
 from dflashctl.supervise import supervisor_core as core
@@ -172,20 +172,20 @@ def _kib_now(name: str) -> int:
 # --------------------------------------------------------------------------- stored with the poll's sample
 
 
-def test_the_supervisor_stores_one_reading_per_poll_with_its_samples(tmp_path):
+def test_the_supervisor_stores_one_reading_per_poll_whatever_the_lines(tmp_path):
     reading = _captured()[0]
     obs = core.Probed(replace(probe(NOW, step=12), metrics_offset=300, host=reading),
                       lines=(metrics(NOW - 2, 10), metrics(NOW - 1, 11), metrics(NOW, 12)))
     _, writes, _ = core.step(make_state("running"), obs, NOW, make_policy())
     (samples,) = [w for w in writes if isinstance(w, core.Samples)]
-    assert samples.host == asdict(reading)
+    answer = HostProbe(NOW, "gpu1", None, None, None, None, [], [obs.result], host=reading)
+    readings = core.host_readings("gpu1", answer, [("pb-run", obs.result)], NOW)  # as Supervisor._host_answer does
     store = Store(str(tmp_path / "runs.db"))
     run_id = store.create_run("pb", "gpu1", {}, NOW - 60).id
-    store.add_samples(run_id, samples.lines, gpu=samples.gpu, metrics_offset=samples.offset, observed=samples.observed,
-                      host_reading=samples.host)  # as Supervisor._write does
-    assert [s.host_reading for s in store.samples(run_id)] == [None, None, asdict(reading)]
-    (stored,) = store.host_samples(run_id, 2)
-    assert stored.step == 12 and stored.host_reading == asdict(reading)
+    store.add_samples(run_id, samples.lines, metrics_offset=samples.offset, observed=samples.observed)
+    store.add_readings(readings.host, readings.observed, readings.gpu, readings.reading)
+    assert [s.host_reading for s in store.samples(run_id)] == [None, None, None]
+    assert store.readings("gpu1", 2, "host_reading") == [{"time": NOW, "gpu": None, "host_reading": asdict(reading)}]
 
 
 def test_a_real_supervisor_stores_this_machines_cpu_and_memory_and_the_pane_draws_them(local_env):
@@ -196,44 +196,51 @@ def test_a_real_supervisor_stores_this_machines_cpu_and_memory_and_the_pane_draw
     sup.attach(run_id)
     store = local_env.store
     try:
-        wait_for(lambda: len(store.host_samples(run_id, 2)) == 2, 20, "two polls' host readings", tick=sup.tick)
+        wait_for(lambda: len(store.readings("local", 2, "host_reading")) == 2, 20, "two polls' host readings",
+                 tick=sup.tick)
     finally:
         local_env.tmux.kill(run_id)
         sup.close()
-    older, newer = store.host_samples(run_id, 2)
-    assert newer.host_reading["cpus"] == len(os.sched_getaffinity(0))
-    assert newer.host_reading["mem_total_kib"] == _memory_now()
-    assert newer.host_reading["cpu_total"] >= older.host_reading["cpu_total"]
-    read = [s.observed for s in store.samples(run_id) if s.host_reading is not None]
-    assert len(set(read)) == len(read)  # one reading per poll (a poll's lines share its time), not one per line
-    now = newer.observed
+    older, newer = store.readings("local", 2, "host_reading")
+    assert newer["host_reading"]["cpus"] == len(os.sched_getaffinity(0))
+    assert newer["host_reading"]["mem_total_kib"] == _memory_now()
+    assert newer["host_reading"]["cpu_total"] >= older["host_reading"]["cpu_total"] and newer["time"] > older["time"]
+    now = newer["time"]
     (host,) = [h for h in load_status(store, now).hosts if h.host == "local"]
-    assert host.load is not None and host.load.cpus == newer.host_reading["cpus"]
+    assert host.load is not None and host.load.cpus == newer["host_reading"]["cpus"]
     line = next(ln for ln in gpu_text([host], 160, now).plain.splitlines() if "host" in ln and " cpu " in ln)
     assert f"{len(os.sched_getaffinity(0))} CPUs" in line and "load " in line
 
 
-def test_a_store_from_before_host_readings_upgrades_and_keeps_its_samples(tmp_path):
+def test_a_store_from_before_host_readings_upgrades_moving_its_readings_and_keeps_its_samples(tmp_path):
     import sqlite3
 
     path = str(tmp_path / "runs.db")
     store = Store(path)
     run_id = store.create_run("pb", "gpu1", {}, NOW - 60).id
     store.close()
-    conn = sqlite3.connect(path)  # back to schema 7: no samples.host_reading, no record of 0008
-    conn.execute("DROP INDEX samples_host_reading")
-    conn.execute("ALTER TABLE samples DROP COLUMN host_reading")
-    conn.execute("DELETE FROM _sqlite_migrations WHERE name = '0008_sample_host_reading'")
-    conn.execute("PRAGMA user_version = 7")
-    conn.execute("INSERT INTO samples (run_id, time, step, tok_s) VALUES (?, ?, 5, 100.0)", [run_id, NOW - 30])
+    conn = sqlite3.connect(path)  # back to schema 11: readings on samples, no rollups
+    conn.execute("DROP TABLE host_readings")
+    conn.execute("DROP TABLE rollups")
+    conn.execute("ALTER TABLE runs DROP COLUMN history_from")
+    conn.execute("CREATE INDEX samples_host_reading ON samples (run_id, time) WHERE host_reading IS NOT NULL")
+    conn.execute("DELETE FROM _sqlite_migrations WHERE name = '0012_host_readings_rollups'")
+    conn.execute("PRAGMA user_version = 11")
+    for i, step in enumerate((5, 6)):
+        conn.execute("INSERT INTO samples (run_id, time, step, tok_s, observed, gpu, host_reading) "
+                     "VALUES (?, ?, ?, 100.0, ?, ?, ?)", [run_id, NOW - 30 + 10 * i, step, NOW - 29 + 10 * i,
+                                                          '[{"index": 0, "utilization_pct": 90}]', '{"cpus": 8}'])
     conn.commit()
     conn.close()
     store = Store(path)
-    store.add_samples(run_id, [{"time": NOW - 10, "step": 6}], host_reading={"cpus": 8})
-    assert [(s.step, s.host_reading) for s in store.samples(run_id)] == [(5, None), (6, {"cpus": 8})]
-    plan = store.conn.execute("EXPLAIN QUERY PLAN SELECT * FROM samples WHERE run_id = ? AND host_reading IS NOT NULL "
-                              "ORDER BY time DESC LIMIT 2", [run_id]).fetchall()
-    assert "samples_host_reading" in str(plan)  # a refresh finds the newest readings without a scan
+    assert [(s.step, s.gpu, s.host_reading) for s in store.samples(run_id)] == [(5, None, None), (6, None, None)]
+    assert [r["time"] for r in store.readings("gpu1", 5, "host_reading")] == [NOW - 29, NOW - 19]
+    assert store.readings("gpu1", 1)[0]["gpu"] == [{"index": 0, "utilization_pct": 90}]
+    (p,) = store.rollup_series(run_id, ["tok_s"], NOW - 60, NOW, 1)
+    assert p["tok_s"] == 100.0 and p["samples"] == 2
+    plan = store.conn.execute("EXPLAIN QUERY PLAN SELECT time FROM host_readings WHERE host = ? AND host_reading "
+                              "IS NOT NULL ORDER BY time DESC LIMIT 2", ["gpu1"]).fetchall()
+    assert "host_readings_host" in str(plan)  # a refresh finds the newest readings without a scan
 
 
 # --------------------------------------------------------------------------- drawn in the GPU pane

@@ -39,7 +39,8 @@ What ``step`` does, in order, and where each part lives:
 
 Every state change goes through one guarded transition (``machine``). The rest:
 ``run_policy`` (``RunPolicy``, ``Policy``), ``state`` (``RunState`` and its parts),
-``observations`` (the four kinds), ``writes`` (writes and actions), ``limits``
+``observations`` (the four kinds), ``writes`` (writes and actions), ``readings``
+(a host's readings of one poll, stored by the shell on every answer), ``limits``
 (fixed numbers), ``wording`` (text helpers). A restart's cost: see ``decide``.
 """
 
@@ -59,7 +60,7 @@ from dflashctl.supervise.supervisor_core.limits import (
     SETTLE_S,
     WINDOW,
 )
-from dflashctl.supervise.supervisor_core.metrics import gpu_rows
+from dflashctl.supervise.supervisor_core.readings import host_gpu_rows, host_readings
 from dflashctl.supervise.supervisor_core.observations import Clock, JobDone, Member, Observation, Probed, Unreachable
 from dflashctl.supervise.supervisor_core.ranks import distributed_timeout
 from dflashctl.supervise.supervisor_core.run_policy import Policy, RunPolicy
@@ -76,6 +77,7 @@ from dflashctl.supervise.supervisor_core.writes import (
     KillSession,
     RestartRow,
     RestartUpdate,
+    Readings,
     RunEval,
     Samples,
     StartStandby,
@@ -122,6 +124,7 @@ __all__ = [
     "RunEval",
     "RunPolicy",
     "RunState",
+    "Readings",
     "Samples",
     "StartStandby",
     "StopParts",
@@ -130,7 +133,8 @@ __all__ = [
     "Write",
     "attempt_output",
     "distributed_timeout",
-    "gpu_rows",
+    "host_gpu_rows",
+    "host_readings",
     "jsonable",
     "new_attempt",
     "policy",

@@ -6,7 +6,7 @@ current process's progress, its restart's cost, compile cache and phase are note
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 from dflashctl.core import contract
@@ -52,26 +52,10 @@ def _ingest_metrics(s: RunState, obs: Probed, local: float, pol: Policy, out: _O
         _bad_times(s, [m for m, ok in zip(obs.lines, believed) if not ok], obs.skew, local, out)
     lines = _new_lines(s, lines, out)
     if obs.lines or (pr.metrics_offset, pr.metrics_inode) != (s.args.metrics_offset, s.args.metrics_inode):
-        gpu = gpu_rows(pr) if s.run.gpus else None
-        host = asdict(pr.host) if pr.host is not None else None  # CPU runs too: the trainer's host is busy or not
-        out.writes.append(Samples(lines, gpu, pr.metrics_offset, pr.metrics_inode, local, host))
+        out.writes.append(Samples(lines, pr.metrics_offset, pr.metrics_inode, local))
     s.args = pr.next_args(s.args)
     s.samples = (s.samples + tuple(Sample.from_metrics(m) for m in lines))[-WINDOW:]
     _progress(s, lines, obs.skew, out)
-
-
-def gpu_rows(pr: ProbeResult) -> list[dict] | None:
-    """What a sample stores of nvidia-smi: every GPU of the host (the status console
-    shows them all, idle ones too), each with its compute processes (pid, name, MiB;
-    ``role`` trainer for the run's own process, standby for its standby, else None)."""
-    trainer = {p for p in ((pr.status.pid if pr.status else None), (pr.process.pid if pr.process else None)) if p}
-    rows = []
-    for g in pr.gpus or []:
-        apps = [{"pid": a.pid, "name": a.process_name, "used_memory_mib": a.used_memory_mib,
-                 "role": "trainer" if a.pid in trainer else "standby" if a.pid == pr.standby_pid else None}
-                for a in pr.compute_apps or [] if a.gpu_uuid and a.gpu_uuid == g.uuid]
-        rows.append({**g.__dict__, "apps": apps})
-    return rows or None
 
 
 def _new_lines(s: RunState, lines: tuple, out: _Out) -> tuple:

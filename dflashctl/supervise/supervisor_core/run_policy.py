@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dflashctl.config import Alerts, EvalSettings, Expect, Playbook, RestartPolicy
+    from dflashctl.config import Alerts, EvalSettings, Expect, Playbook, RestartPolicy, Retention
 
 
 @dataclass
@@ -26,17 +26,18 @@ class RunPolicy:
     signatures: list = field(default_factory=list)
     poll_interval: float = 15.0
     eval: "EvalSettings | None" = None  # evaluate the drafter when the run ends done (eval.after_done)
+    retention: "Retention | None" = None  # what the store keeps of its history (None: the defaults)
 
     @classmethod
     def from_playbook(cls, pb: "Playbook") -> "RunPolicy":
         return cls(pb.name, pb.expect, pb.restart, pb.alerts, list(pb.signatures), float(pb.poll_interval),
-                   pb.eval)
+                   pb.eval, pb.retention)
 
     @classmethod
     def defaults(cls, playbook: str) -> "RunPolicy":
-        from dflashctl.config import Alerts, Expect, RestartPolicy
+        from dflashctl.config import Alerts, Expect, RestartPolicy, Retention
 
-        return cls(playbook, Expect(), RestartPolicy(), Alerts())
+        return cls(playbook, Expect(), RestartPolicy(), Alerts(), retention=Retention())
 
 
 @dataclass

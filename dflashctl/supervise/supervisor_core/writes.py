@@ -35,11 +35,19 @@ class Samples:
     """New metrics lines, stored with the metrics.jsonl position after them."""
 
     lines: tuple[contract.Metrics, ...]
-    gpu: list | None
     offset: int
     inode: int | None
     observed: float | None = None  # local time the lines were received
-    host: dict | None = None  # the host's CPU and memory at that poll (parsers.HostReading's fields)
+
+
+@dataclass(frozen=True)
+class Readings:
+    """One poll's readings of a host, stored whatever its runs wrote (``readings``)."""
+
+    host: str
+    observed: float  # local time of the answer
+    gpu: list | None  # every GPU with its compute processes
+    reading: dict | None  # its CPU and memory (parsers.HostReading's fields)
 
 
 @dataclass(frozen=True)
@@ -120,7 +128,7 @@ class Alert:
     detail: dict | None = None
 
 
-Write = Union[Event, Transition, Samples, RestartRow, RestartUpdate, HostRows]
+Write = Union[Event, Transition, Samples, Readings, RestartRow, RestartUpdate, HostRows]
 Action = Union[IssueRestart, KillSession, StopParts, RunEval, FetchCompileCache, StartStandby, EndStandby, Alert]
 
 
