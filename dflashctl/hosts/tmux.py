@@ -129,11 +129,22 @@ class Tmux:
         raise TransportError(self.host.name, f"tmux -L {self.socket} has-session -t ={name}",
                              f"cannot ask tmux on {self.host.name}: {detail}", result.exit_code)
 
+    def start_argv(self, name: str, command: str, cwd: str | None = None) -> list[str]:
+        """The host command ``start`` runs (for a script that runs it among others)."""
+        return ["tmux", "-L", self.socket, "new-session", "-d", "-s", name, "-x", str(PANE_SIZE[0]),
+                "-y", str(PANE_SIZE[1]), *(["-c", cwd] if cwd else []), command]
+
+    def kill_argv(self, name: str) -> list[str]:
+        """The host command ``kill`` runs: prints 'absent' or 'killed'."""
+        return ["sh", "-c", _KILL, "dflashctl-tmux-kill", self.socket, name]
+
+    def rename_argv(self, name: str, new: str) -> list[str]:
+        return ["tmux", "-L", self.socket, "rename-session", "-t", f"={name}", new]
+
     def start(self, name: str, command: str, cwd: str | None = None) -> None:
         """A detached session ``name`` whose one window runs ``command`` (a shell line).
         The window closes, and the session with it, when the command ends."""
-        result = self._cmd("new-session", "-d", "-s", name, "-x", str(PANE_SIZE[0]), "-y", str(PANE_SIZE[1]),
-                           *(["-c", cwd] if cwd else []), command)
+        result = self._run(self.start_argv(name, command, cwd))
         if result.exit_code == 0:
             return
         if "duplicate session" in result.stderr:
@@ -153,13 +164,13 @@ class Tmux:
     def kill(self, name: str) -> bool:
         """Kill the session (its processes get SIGHUP); False if it did not exist. One
         round trip."""
-        result = self._run(["sh", "-c", _KILL, "dflashctl-tmux-kill", self.socket, name])
+        result = self._run(self.kill_argv(name))
         if result.exit_code == 0 and result.stdout.strip() in ("absent", "killed"):
             return result.stdout.strip() == "killed"
         raise self._fail(f"kill-session {name}", result)
 
     def rename(self, name: str, new: str) -> None:
-        result = self._cmd("rename-session", "-t", f"={name}", new)
+        result = self._run(self.rename_argv(name, new))
         if result.exit_code:
             raise self._fail(f"rename-session {name} {new}", result)
 

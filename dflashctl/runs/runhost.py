@@ -41,7 +41,7 @@ from dflashctl.core.logtext import RESTART_MARKER
 from dflashctl.core.states import DONE, FAILED, FINAL_STATES, LOST, RESTARTING, RUNNING, STOPPED, TRANSITIONS
 from dflashctl.hosts import deploy
 from dflashctl.hosts.bundle import build_bundle
-from dflashctl.hosts.tmux import Tmux, TmuxError, socket_name
+from dflashctl.hosts.tmux import UTF8_ENV, Tmux, TmuxError, socket_name
 from dflashctl.runs.access import (
     POLL_SECONDS,
     LaunchError,
@@ -75,7 +75,9 @@ from dflashctl.runs.standby import (
     _ready_standby,
     _release_standby,
     end_standby,
+    standby_go_argv,
     standby_session,
+    standby_state_argv,
     start_standby,
     wake_standby,
 )
@@ -487,14 +489,30 @@ class RestartResult:
 
 
 def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "Inventory",
-                progress: Progress | None = None, *, clock: Callable[[], float] = time.time) -> RestartResult:
+                progress: Progress | None = None, *, clock: Callable[[], float] = time.time,
+                marker: str | None = None, hung: bool = False) -> RestartResult:
     """Start a new trainer process in the run's directory (for the supervisor).
 
     The previous session is killed if it is still there (a hung trainer). The
     trainer resumes from its last checkpoint (``--resume auto``) with the same
     compile cache; a held compile artifact that fits goes into the run directory
     first when it lacks one (``dflashctl.runs.compile_cache``). ``serialized_warmup`` sets compile.serialized_warmup in
-    config.json. The run's state is the caller's business (it does not change here)."""
+    config.json. The run's state is the caller's business (it does not change here).
+    ``marker``: a line for trainer.log before the new process starts; ``hung``: the
+    old process's stacks are asked for first (SIGUSR1, then ``STACK_DUMP_WAIT_S``).
+
+    A run on one host whose bundle is in place restarts in one round trip: one host
+    script does the whole sequence (``_restart_on_host``) and answers once. A run on
+    several hosts (every old process gone before any new one starts, rank 0's port
+    free) or one whose bundle must be deployed again goes step by step."""
+    say = progress or quiet
+    run = store.get_run(run_id)
+    if not run.hosts:
+        done = _restart_on_host(run, serialized_warmup, store, inventory, say, clock, marker, hung)
+        if done is not None:
+            return done
+        marker, hung = None, False  # done on the host already
+    _before_restart(_on_hosts(run, inventory), marker, hung)
     say = progress or quiet
     run = store.get_run(run_id)
     socket = run.tmux_socket or socket_name()
@@ -533,6 +551,12 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     if not standby:
         for part, transport, tmux in parts:
             tmux.start(part.tmux_session, start_command(part.run_dir))
+    _record_restart(store, run, say, clock, serialized_warmup, killed, standby, unanswered)
+    return RestartResult(run.id, run.tmux_session, bundle_hash, bool(serialized_warmup), killed, redeployed)
+
+
+def _record_restart(store: Store, run: Run, say: Progress, clock: Callable[[], float], serialized_warmup: bool,
+                    killed: bool, standby: str | None, unanswered: str | None) -> None:
     # The restart is issued from here on: a store that cannot take its record (disk
     # full) must not make the caller believe it was not, and issue a second one.
     message = "trainer started again (resume from the last checkpoint" + (
@@ -548,7 +572,125 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
         say("restart", f"{message}; not recorded in the run store: {first_line(e)}")
     say("restart", f"tmux session {run.tmux_session} started again" + (
         f" (and on {', '.join(run.host_names[1:])})" if run.hosts else ""))
-    return RestartResult(run.id, run.tmux_session, bundle_hash, bool(serialized_warmup), killed, redeployed)
+
+
+STACK_DUMP_WAIT_S = 2.0  # faulthandler writes within milliseconds; the log may be on a shared disk
+_APPEND_LINE = 'cd "$1" && printf "%s\\n" "$2" >> "$3"'  # trainer.log's restart marker
+
+
+def _before_restart(parts: list, marker: str | None, hung: bool) -> None:
+    """Step by step: a hung process's stacks asked for (SIGUSR1: they go into trainer.log,
+    where it hung is the diagnosis), then the restart's marker appended to trainer.log."""
+    if hung:
+        for part, transport, _ in parts:
+            transport.run(signal_trainer_argv(part.run_dir, "USR1", part.rank), timeout=15, check=False)
+        time.sleep(STACK_DUMP_WAIT_S)
+    if marker:
+        for part, transport, _ in parts:
+            transport.run(["sh", "-c", _APPEND_LINE, "dflashctl-mark", part.run_dir, marker, contract.LOG_FILE],
+                          timeout=30, check=False)
+
+
+# One host's whole restart as one script, each step the host command the step-by-step
+# path runs: one line per step, "STEP<TAB>EXIT<TAB>its output on one line". It stops
+# after a step that fails, or when the bundle is not in place (the controller then goes
+# on step by step, deploying it). $1: the tar of the run files arrives on stdin.
+_STEP = r"""
+step() { n=$1; shift; o=$("$@" 2>&1); r=$?
+  printf '%s	%s	%s
+' "$n" "$r" "$(printf %s "$o" | tr '	
+' '  ' | cut -c1-400)"; return $r; }
+"""
+
+
+def _restart_script(part: Run, tmux: Tmux, marker: str | None, hung: bool, workdir: str, bundle_hash: str) -> str:
+    q, go, went = shlex.join, contract.standby_go("@TOKEN@"), contract.standby_went("@TOKEN@")
+    utf8 = ["env", *(f"{k}={v}" for k, v in UTF8_ENV.items())]
+    standby = standby_session(part.tmux_session)
+    lines = [_STEP, f"d={shlex.quote(part.run_dir)}"]
+    if hung:
+        lines += [f"step usr1 {q(signal_trainer_argv(part.run_dir, 'USR1', part.rank))} </dev/null",
+                  f"sleep {STACK_DUMP_WAIT_S:g}"]
+    if marker:
+        lines.append(f"step mark {q(['sh', '-c', _APPEND_LINE, 'dflashctl-mark', part.run_dir, marker, contract.LOG_FILE])}"
+                     " </dev/null")
+    lines += [
+        # A standby ready to take over: its pid really that standby, its session there.
+        f"sb=$({q(standby_state_argv(part.run_dir))} </dev/null 2>&1); set -- $sb; tok=",
+        f'if [ "$1" = ready ] && {q(utf8 + ["tmux", "-L", tmux.socket, "has-session", "-t", "=" + standby])} '
+        '2>/dev/null </dev/null; then tok=$3; fi',
+        r"""printf 'standby\t0\t%s\n' "${tok:-none}" """,
+        f"step kill {q(tmux.kill_argv(part.tmux_session))} </dev/null || exit 0",
+        f"step reap {q(reap_trainer_argv(part.run_dir, part.rank))} </dev/null || exit 0",
+        f"step check {q(deploy.check_argv(workdir, bundle_hash))} </dev/null || exit 0",
+        'case "$o" in *bundle=present*) ;; *) exit 0 ;; esac',
+        f'[ -n "$tok" ] || step endstandby {q(tmux.kill_argv(standby))} </dev/null',
+        f"step files {q(deploy.run_files_argv(part.run_dir, [contract.EXIT_CODE_FILE, contract.status_file(part.rank)]))}"
+        " || exit 0",
+        'if [ -n "$tok" ]; then',
+        f'  step rename {q(utf8 + tmux.rename_argv(standby, part.tmux_session))} </dev/null || exit 0',
+        f'  g=$(printf %s {shlex.quote(go)} | sed "s/@TOKEN@/$tok/"); w=$(printf %s {shlex.quote(went)} | sed "s/@TOKEN@/$tok/")',
+        f'  step go {q(standby_go_argv(part.run_dir, go)[:4])} "$d" "$g" </dev/null || exit 0',
+        f'  i=0; while [ ! -e "$d/$w" ] && [ $i -lt {int(STANDBY_ANSWER_S * 10)} ]; do sleep 0.1; i=$((i + 1)); done',
+        r"""  if [ -e "$d/$w" ]; then printf 'woke\t0\t%s\n' "$tok"; exit 0; fi""",
+        r"""  printf 'woke\t1\t%s\n' "$tok" """,
+        f"""  {q(tmux.kill_argv(part.tmux_session))} >/dev/null 2>&1 </dev/null; rm -f "$d/$g" """,
+        "fi",
+        f"step start {q(utf8 + tmux.start_argv(part.tmux_session, start_command(part.run_dir)))} </dev/null",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _restart_on_host(run: Run, serialized_warmup: bool, store: Store, inventory: "Inventory", say: Progress,
+                     clock: Callable[[], float], marker: str | None, hung: bool) -> RestartResult | None:
+    """``restart_run`` of a run on one host in one round trip (see ``_restart_script``);
+    None when its bundle is gone from the host (after the old process was ended):
+    the caller then goes step by step, deploying it."""
+    [(part, transport, tmux)] = _on_hosts(run, inventory)
+    config, socket = run.config, run.tmux_socket or socket_name()
+    wanted = bool(serialized_warmup) or config["trainer"]["compile"].get("serialized_warmup", True)
+    files = run_files(run.id, part.run_dir, config, socket, serialized_warmup=wanted, rank=part.rank,
+                      session=part.tmux_session)
+    # A held compile artifact that fits goes in first (a look at the host only when one is held).
+    _provide_compile_cache(store, part, transport, json.loads(files[contract.CONFIG_FILE]), part_config(config, 0),
+                           run.bundle_hash, say, clock)
+    script = _restart_script(part, tmux, marker, hung, part_config(config, 0).get("workdir") or transport.host.workdir,
+                             run.bundle_hash or "")
+    answer = transport.run(["sh", "-c", script, "dflashctl-restart"], input=deploy.tar_of(files), timeout=60,
+                           check=False)
+    steps = {}
+    for line in answer.stdout.splitlines():
+        name, _, rest = line.partition("\t")
+        code, _, text = rest.partition("\t")
+        if code.lstrip("-").isdigit():
+            steps[name] = (int(code), text.strip())
+    for name in ("kill", "reap", "check", "files", "rename", "go", "start"):
+        code, text = steps.get(name, (0, ""))
+        if code != 0:
+            if name == "reap":
+                raise LaunchError(f"the previous trainer of {run.id} on {part.host} does not die ({text}); not "
+                                  "starting a second one",
+                                  hint="look at the process on the host (uninterruptible I/O? a stuck GPU driver?)")
+            raise LaunchError(f"{part.host}: the restart's step {name} failed (exit {code}): {text or answer.stderr[-300:]}")
+    if "kill" not in steps:
+        raise LaunchError(f"{part.host}: the restart script gave no answer (exit {answer.exit_code}): "
+                          f"{(answer.stderr.strip() or answer.stdout.strip())[-300:]}")
+    killed = steps["kill"][1] == "killed"
+    if killed:
+        say("restart", f"killed the previous tmux session {part.tmux_session}")
+    if steps.get("reap", (0, ""))[1].startswith("killed"):
+        say("restart", f"the previous trainer on {part.host} outlived its session: {steps['reap'][1]}")
+    if "files" not in steps:
+        return None  # the bundle is gone: deployed step by step
+    token = steps["standby"][1] if steps.get("standby", (0, "none"))[1] != "none" else None
+    woke = steps.get("woke")
+    standby = token if woke is not None and woke[0] == 0 else None
+    unanswered = token if woke is not None and woke[0] != 0 else None
+    if unanswered:
+        say("restart", f"standby {unanswered} did not take over within {STANDBY_ANSWER_S:g} s: ended, a fresh "
+                       "start in its place")
+    _record_restart(store, run, say, clock, serialized_warmup, killed, standby, unanswered)
+    return RestartResult(run.id, run.tmux_session, run.bundle_hash, bool(serialized_warmup), killed, False)
 
 
 PORT_RELEASE_S = 5.0  # a killed rank 0's listening socket is closed when its process is reaped

@@ -57,7 +57,7 @@ def wake_standby(parts: list, token: str, *, answer_s: float = STANDBY_ANSWER_S)
     then ended and its go file removed, for a fresh start in its place."""
     for part, transport, tmux in parts:
         tmux.rename(standby_session(part.tmux_session), part.tmux_session)
-        transport.run(["sh", "-c", _STANDBY_GO, "dflashctl-go", part.run_dir, contract.standby_go(token)], timeout=30)
+        transport.run(standby_go_argv(part.run_dir, token), timeout=30)
     deadline = time.monotonic() + answer_s
     waiting = list(parts)
     while waiting:
@@ -104,11 +104,21 @@ def end_standby(run: Run, inventory: "Inventory") -> None:
         part_tmux(part, inventory).kill(standby_session(part.tmux_session))
 
 
+def standby_state_argv(run_dir: str) -> list[str]:
+    """The host command saying 'ready PID TOKEN', 'gone' or 'none' of the run directory's standby."""
+    return ["sh", "-c", _STANDBY_STATE, "dflashctl-standby", run_dir]
+
+
+def standby_go_argv(run_dir: str, token: str) -> list[str]:
+    """The host command that wakes the standby ``token`` (its go file, made whole in one rename)."""
+    return ["sh", "-c", _STANDBY_GO, "dflashctl-go", run_dir, contract.standby_go(token)]
+
+
 def _ready_standby(run: Run, parts: list) -> str | None:
     """The token of a standby ready on every host of the run (one token), else None."""
     tokens = set()
     for part, transport, tmux in parts:
-        answer = transport.run(["sh", "-c", _STANDBY_STATE, "dflashctl-standby", part.run_dir], timeout=30, check=False)
+        answer = transport.run(standby_state_argv(part.run_dir), timeout=30, check=False)
         words = answer.stdout.split()
         if len(words) != 3 or words[0] != "ready" or not tmux.has_session(standby_session(part.tmux_session)):
             return None

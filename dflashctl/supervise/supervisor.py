@@ -71,10 +71,6 @@ MEMBER_METRICS_BYTES = 64 * 1024  # per poll, of another rank's metrics file (on
 # be read as the next one's, and trainer.log (appended to by every process of the
 # run) gets a marker, so the next crash is classified from its own output only.
 PENDING_STOP_TIMEOUT_S = 30.0  # a stop that reaches a host late waits this long for its checkpoint
-STACK_DUMP_WAIT_S = 2.0  # faulthandler writes within milliseconds; the log is on a shared disk
-_PREPARE_RESTART = 'cd "$1" || exit 1; rm -f "$2"; printf "%s\\n" "$4" >> "$5"'  # $3: status.json, kept:
-# the restart reads the old trainer's pid from it to make sure that process is gone
-# (runhost.restart_run), then removes it before the new process starts.
 
 Emit = Callable[[str, Any], None]  # ('event', store.Event) | ('metrics', (run_id, Metrics)) | ('info', str)
 # | ('observation', dict): with claim=False, what one tick saw of each run
@@ -714,28 +710,16 @@ class Supervisor:
     # ----------------------------------------------------------------- restarts and kills, on a worker
 
     def _restart(self, run: Run, serialized: bool, marker: str, hung: bool = False) -> float:
-        from dflashctl.hosts.transport import connect
-        from dflashctl.runs.runhost import restart_run, signal_trainer_argv
+        from dflashctl.runs.runhost import restart_run
 
         current = self.store.get_run(run.id)
         if current.state in FINAL_STATES:  # `dflashctl stop` won the race: never start what was stopped
             raise RestartCancelled(f"restart not issued: the run is {current.state} meanwhile")
-        parts = [(part, connect(part.host, self.inventory)) for part in run.parts()]  # every host's process
-        if hung:
-            # Before the hung process is killed, its threads' stacks go into trainer.log
-            # (the trainer's faulthandler on SIGUSR1): where it hung is the diagnosis.
-            for part, transport in parts:
-                transport.run(signal_trainer_argv(part.run_dir, "USR1", part.rank), timeout=15, check=False)
-            time.sleep(STACK_DUMP_WAIT_S)
-        for part, transport in parts:
-            transport.run(
-                ["sh", "-c", _PREPARE_RESTART, "dflashctl-restart", part.run_dir, contract.EXIT_CODE_FILE,
-                 contract.status_file(part.rank), marker, contract.LOG_FILE], timeout=30)
         issued = self.clock()
-        if self.restart_fn is not None:
-            self.restart_fn(run.id, serialized, self.store, self.inventory)
-        else:
-            restart_run(run.id, serialized, self.store, self.inventory, clock=self.clock)
+        # The marker goes into trainer.log first; a hung process's stacks before it is
+        # ended (SIGUSR1: where it hung is the diagnosis). On one host, one round trip.
+        (self.restart_fn or restart_run)(run.id, serialized, self.store, self.inventory, clock=self.clock,
+                                         marker=marker, hung=hung)
         return issued
 
     def _eval(self, run: Run, settings: Any) -> None:
