@@ -571,7 +571,8 @@ def private_dir(path: str, what: str = "directory") -> str:
                               f"this: another user could have put code in it; {fix}")
     if st.st_mode & 0o022:
         raise UnsafeDirectory(f"{what} {path} is writable by its group or others (mode {st.st_mode & 0o7777:o}): "
-                              f"another user could put code in it; {fix}")
+                              f"another user could put code in it; {fix} (or, if no one else can have written in "
+                              f"it, as with a group of your own: chmod go-w {real})")
     above = os.path.dirname(real)
     while True:
         up = os.stat(above)

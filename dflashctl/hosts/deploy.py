@@ -62,7 +62,8 @@ private_dir() {
   if [ -z "$(find -H "$1" -prune -type d -user "$(id -u)" ! -perm -g=w ! -perm -o=w 2>/dev/null)" ]; then
     echo "dflashctl: the $2 $1 is not private: $(ls -ldn "$1" | awk '{print "mode " $1 ", owner uid " $3}'),"\
       "this user is uid $(id -u); another user could put code or data in it: use a directory of your own, or" \
-      "remove it (what another user left in it stays otherwise) and let it be created again, mode 0700" >&2
+      "remove it (what another user left in it stays otherwise) and let it be created again, mode 0700;" \
+      "if it is yours and no one else can have written in it (a group of your own): chmod go-w $1" >&2
     exit 76
   fi
 }

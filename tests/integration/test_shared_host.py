@@ -63,3 +63,18 @@ def test_a_run_directory_another_user_made_first_is_refused_and_ours_are_private
     assert stat.S_IMODE(os.stat(ours).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(os.path.join(ours, "run.sh")).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(os.path.join(ours, "config.json")).st_mode) == 0o600
+
+
+def test_a_directory_of_ours_others_may_write_is_refused_with_both_fixes(tmp_path):
+    """Ours, but group-writable (a umask of 002): what the group's members put there
+    would be used, so it is refused; the fix says how to make it private when the
+    group is the user's own."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    os.chmod(workdir, 0o775)
+    with pytest.raises(TransportError) as refused:
+        deploy.check(_transport(tmp_path, str(workdir)), str(workdir))
+    said = str(refused.value)
+    assert "is not private: mode drwxrwxr-x" in said and f"chmod go-w {workdir}" in said, said
+    os.chmod(workdir, 0o755)
+    assert deploy.check(_transport(tmp_path, str(workdir)), str(workdir))["workdir"] == str(workdir)
