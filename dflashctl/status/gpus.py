@@ -12,6 +12,7 @@ from typing import Any
 
 from dflashctl.core.units import NA, fmt_duration
 from dflashctl.hosts.parsers import HostReading, cpu_busy_pct
+from dflashctl.status.processes import Clocks, ProcessView, processes_of
 from dflashctl.status.styles import _ago
 
 
@@ -25,6 +26,7 @@ class AppView:
     used_memory_mib: float | None
     role: str | None = None  # trainer | standby | None (foreign)
     run_id: str | None = None  # the run whose process it is (None: foreign, or read by an older supervisor)
+    process: ProcessView | None = None  # its user, SM and CPU share, RSS, elapsed, command (the host's reading)
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "AppView":
@@ -62,6 +64,7 @@ class HostLoad:
     stale_after_s: float | None = None  # three polls of the run whose supervisor read it
     mem_cgroup: int | None = None  # 1: the memory is a container's cgroup limit, not the machine's
     cpu_cgroup: float | None = None  # a container's CPU quota (CPUs) when the busy share is of it
+    processes: list[ProcessView] = field(default_factory=list)  # the GPU and run processes, the busiest
 
     @classmethod
     def from_readings(cls, newer: dict[str, Any], older: dict[str, Any] | None, stale_after_s: float) -> "HostLoad":
@@ -73,7 +76,8 @@ class HostLoad:
         if older is not None and 0 < newer["time"] - older["time"] <= stale_after_s:
             busy = cpu_busy_pct(stored_host_reading(older.get("host_reading")), now_reading)
         return cls(newer["time"], now_reading.cpus, now_reading.load1, busy, now_reading.mem_total_kib,
-                   now_reading.mem_available_kib, stale_after_s, now_reading.mem_cgroup, now_reading.cpu_cgroup)
+                   now_reading.mem_available_kib, stale_after_s, now_reading.mem_cgroup, now_reading.cpu_cgroup,
+                   processes_of(newer.get("host_reading")))
 
     def age_s(self, now: float) -> float | None:
         return reading_age(self.time, now)
@@ -156,6 +160,7 @@ class GpuView:
     apps: list[AppView] = field(default_factory=list)  # its compute processes (nvidia-smi --query-compute-apps)
     apps_read: bool = False  # the reading listed compute processes (an older supervisor's did not)
     stale_after_s: float | None = None  # three polls of the run whose supervisor read it
+    clocks: Clocks | None = None  # SM and memory clocks, throttle reasons (None: not read)
 
     IDLE_PCT = 5.0  # at most this busy, no process and no run holding it: idle (drawn dim)
 
@@ -200,6 +205,13 @@ class HostView:
     supervised: bool = False
     gpus: list[GpuView] = field(default_factory=list)
     load: HostLoad | None = None  # its CPU and memory (None: no supervisor has read them)
+
+    def join_processes(self) -> None:
+        """Each GPU process with its row of the host's reading (same pid)."""
+        by_pid = {p.pid: p for p in (self.load.processes if self.load else [])}
+        for g in self.gpus:
+            for a in g.apps:
+                a.process = by_pid.get(a.pid) if a.pid is not None else None
 
     def status_text(self, now: float) -> str:
         if not self.supervised:

@@ -18,6 +18,7 @@ from dflashctl.status.freshness import freshness
 from dflashctl.status.gpus import AppView, GpuView, HostLoad, HostView, _float, gpu_readings
 from dflashctl.status.heartbeats import heartbeats_now
 from dflashctl.status.phase import derive_phase
+from dflashctl.status.processes import Clocks
 from dflashctl.status.runs import RunHostView, RunView, attention_of, notices_of, sort_runs
 from dflashctl.status.samples import current_process, smooth
 from dflashctl.status.thresholds import Thresholds, _thresholds_of
@@ -195,6 +196,7 @@ class StatusReader:
                                else max([b.get("interval") or 0 for b in ticking] or [DEFAULT_POLL_S]))
             hv.gpus = self.gpu_views(host, host_runs, stale_after)
             hv.load = self.host_load(host, stale_after)
+            hv.join_processes()
             views.append(hv)
         return views
 
@@ -229,7 +231,7 @@ class StatusReader:
                 [u / t for u, t in ((_float(p.get("memory_used_mib")), _float(p.get("memory_total_mib")))
                                     for p in past) if u is not None and t],
                 [AppView.from_row(a) for a in apps or [] if isinstance(a, dict)], apps is not None,
-                stale_after))
+                stale_after, Clocks.from_row(g)))
         return views
 
     def host_load(self, host: str, stale_after: float) -> HostLoad | None:

@@ -19,6 +19,7 @@ from dflashctl.status.charts import ChartView
 from dflashctl.status.columns import fit, fit_middle
 from dflashctl.status.events import EventView
 from dflashctl.status.gpus import HostLoad, HostView
+from dflashctl.status.processes import busiest
 from dflashctl.status.runs import DirectProbe, Notice, RunHostView, RunView, eval_source
 from dflashctl.status.samples import SMOOTH_WINDOW_S
 from dflashctl.status.styles import PHASE_STYLE, SEVERITY_STYLE, STATE_STYLE, bar, spark
@@ -84,9 +85,31 @@ def _gpu_row(g, width: int, compact: bool, now: float) -> Text:
         row.append(f" {g.memory_text():>8}  {temp:>5}  {g.power_text():>9}  ")
         row.append(f"{age:>5} ", style=age_style)
         row.append(spark(g.utilization_history, hist, high=100.0), style="green")
+    if g.clocks is not None and g.clocks.slowdowns:  # why its clocks are held down (the pane clips what has no room)
+        for reason in g.clocks.slowdowns:
+            row.append(f" {SLOWDOWN_SHORT.get(reason, reason)}", style="bold red" if reason.startswith("hw") else "yellow")
     if g.idle:
         row.stylize("dim")
     return row
+
+
+# A throttle reason as a GPU row says it (the detail, and `nvidia-smi -q -d PERFORMANCE`, say it whole).
+SLOWDOWN_SHORT = {"sw power cap": "pwr-cap", "hw slowdown": "HW-SLOW", "hw thermal slowdown": "HW-HOT",
+                  "sw thermal slowdown": "hot", "hw power brake slowdown": "HW-PWR-BRAKE", "sync boost": "sync",
+                  "applications clocks setting": "app-clocks", "display clocks setting": "disp-clocks"}
+
+
+def busiest_text(load: HostLoad, width: int, n: int = 3) -> Text:
+    """The host's busiest processes in one line: CPU share, user, command."""
+    out = Text("   busiest: ", style="dim")
+    for i, p in enumerate(busiest(load.processes, n)):
+        if i:
+            out.append(" · ", style="dim")
+        out.append(f"{p.cpu_pct:.0f}% ", style="bold" if (p.cpu_pct or 0) >= 90 else "")
+        out.append(f"{p.user or '?'} ", style="dim")
+        out.append(_one_line(fit(p.cmd or f"pid {p.pid}", 40)))
+    out.truncate(width, overflow="ellipsis")
+    return out
 
 
 def _host_row(load: HostLoad, width: int, compact: bool, now: float) -> Text:
@@ -130,7 +153,11 @@ def _app_rows(g, width: int) -> Text:
             line.append(f"{a.role} ", style="bold green")
             if g.run_id:
                 line.append(f"of {g.run_id} ", style="dim")
-        line.append(_one_line(a.name or ""), style="dim")
+        if a.process is not None:  # who, how much, since when, what: as htop and nvitop show it
+            line.append(f"{a.process.figures()}  ")
+            line.append(_one_line(a.process.cmd or a.name or ""), style="dim")
+        else:
+            line.append(_one_line(a.name or ""), style="dim")
         line.truncate(width, overflow="ellipsis")
         out.append_text(line)
     return out
@@ -152,6 +179,9 @@ def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = Fals
         if h.load is not None:
             out.append("\n")
             out.append_text(_host_row(h.load, width, compact, now))
+            if not compact and busiest(h.load.processes):
+                out.append("\n")
+                out.append_text(busiest_text(h.load, width))
         if not h.gpus:
             out.append("\n  no GPU readings (CPU run, or nvidia-smi not read yet)", style="dim")
         for g in h.gpus:

@@ -54,3 +54,57 @@ def test_a_reading_older_than_three_polls_is_red_with_its_age(tmp_path):
         at = text.plain.index(row) + row.index(f" {age} ") + 1
         styles = [str(s.style) for s in text.spans if s.start <= at < s.end]
         assert any("red" in s for s in styles) == red, (age, styles)
+
+
+def _with_processes(tmp_path):
+    """host_store, and a newer poll whose host reading holds the processes the probe
+    reads (dflashctl.hosts.parsers.read_processes' rows: GPU processes, the busiest)
+    and whose GPU 0 is held at its power cap (the H200 capture's throttle mask)."""
+    from tests.harness.scenes import gpus
+
+    store = host_store(tmp_path, observed_ago=5.0)
+    mask = (CAPTURES / "h200-load-na-fields.csv").read_text().split(",")[4].strip()
+    rows = gpus(8)
+    for g in rows:
+        g["apps"] = []
+    rows[0].update(clocks_sm_mhz=1440.0, extra={"clocks.max.sm": 1980.0, "clocks.mem": 3201.0,
+                                                "clocks_throttle_reasons.active": mask})
+    rows[0]["apps"] = [{"pid": 4343, "name": "python3", "used_memory_mib": 88000.0, "role": "trainer"}]
+    rows[5]["apps"] = [{"pid": 777, "name": "python3", "used_memory_mib": 20480.0, "role": None}]
+    processes = [
+        {"pid": 4343, "ppid": 4300, "user": "alice", "cpu_pct": 101.0, "rss_kib": 12_900_000, "elapsed_s": 180000.0,
+         "cmd": "python -m trainer.train --run-dir /runs/x", "sm_pct": 97.0, "top": True},
+        {"pid": 777, "ppid": 1, "user": "bob", "cpu_pct": 3.0, "rss_kib": 800_000, "elapsed_s": 3600.0,
+         "cmd": "/usr/bin/python3 notebook.py", "sm_pct": 40.0, "top": False},
+        {"pid": 999, "ppid": 1, "user": "carol", "cpu_pct": 350.0, "rss_kib": 2_000_000, "elapsed_s": 60.0,
+         "cmd": "tar czf backup.tgz /data", "sm_pct": None, "top": True},
+    ]
+    host = {"cpus": 192, "load1": 40.0, "cpu_total": 10_000, "cpu_idle": 5_000, "mem_total_kib": 2_000_000_000,
+            "mem_available_kib": 1_000_000_000, "processes": processes}
+    store.add_samples(PROD, [{"time": NOW - 4, "step": 5001, "tok_s": 12800.0, "loss": 2.0, "phase": "training"}],
+                      gpu=rows, observed=NOW - 4, host_reading=host)
+    return store
+
+
+def test_each_gpu_process_says_who_how_much_since_when_and_what_and_the_busiest_are_named(tmp_path):
+    """What an operator opened nvitop and htop for: per GPU process its user, SM and
+    CPU share, RSS, elapsed time and command line; why a GPU's clocks are held down;
+    which processes eat the host's CPU."""
+    store = _with_processes(tmp_path)
+    lines = gpu_text(load_status(store, NOW).hosts, 200, NOW).plain.splitlines()
+    trainer = next(line for line in lines if "pid    4343" in line)
+    assert "alice sm 97% cpu 101% rss 12.3G up 2.1 d" in trainer and "python -m trainer.train" in trainer
+    foreign = next(line for line in lines if "pid     777" in line)
+    assert "foreign bob sm 40% cpu 3% rss 781M up 1 h" in foreign and "notebook.py" in foreign
+    assert next(line for line in lines if line.startswith("  0 ")).endswith("pwr-cap")
+    busiest = next(line for line in lines if "busiest:" in line)
+    assert busiest.index("350% carol tar czf") < busiest.index("101% alice")  # most CPU first
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(200, 60)) as pilot:
+            await loaded(pilot, app)
+            shown = screen_text(app)
+            assert "alice sm 97% cpu 101%" in shown and "busiest: 350% carol" in shown
+
+    run(scenario())
