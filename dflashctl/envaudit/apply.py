@@ -182,8 +182,9 @@ def apply_plan(target: str, inventory: "Inventory", playbooks_dir: str | None = 
         report.wheels_from = wheels_from
         return report
 
-    before = current = audit()
-    imports[:] = import_modules(before)
+    # Which modules to import comes from the packages (a quick audit, nothing imported), then the
+    # audit every step is compared with imports them all.
+    imports[:] = import_modules(audit_host(host_name, inventory, playbook, target=target, timeout=timeout))
     before = current = audit()
     transport = connect(host_name, inventory)
     host = transport.host
