@@ -455,7 +455,10 @@ class DetailScreen(Screen):
                               (run.display_state, STATE_STYLE.get(run.display_state, "")),
                               ("   o overview · e events · c charts · l log · / filter · Esc back", "dim"))
         self.query_one("#detail-title", Static).update(title)
-        self.query_one("#overview-text", Pane).redraw(lambda width, height: detail_text(view, width, now, height))
+        hosts = self.app.view.hosts if getattr(self.app, "view", None) is not None else []
+        host = next((h for h in hosts if h.host == run.host), None)  # the main screen's newest read of it
+        self.query_one("#overview-text", Pane).redraw(lambda width, height: detail_text(view, width, now, height,
+                                                                                        host))
         self.query_one(EventsTable).show(filter_events(view.events, self.filter_text))
         if self.query_one(TabbedContent).active == "charts" and self.plotted != self.app.zoom:
             self.show_plots()

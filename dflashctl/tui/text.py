@@ -19,7 +19,7 @@ from dflashctl.status.charts import ChartView
 from dflashctl.status.columns import fit, fit_middle
 from dflashctl.status.events import EventView
 from dflashctl.status.gpus import HostLoad, HostView
-from dflashctl.status.processes import busiest
+from dflashctl.status.processes import busiest, lineage
 from dflashctl.status.runs import DirectProbe, Notice, RunHostView, RunView, eval_source
 from dflashctl.status.samples import SMOOTH_WINDOW_S
 from dflashctl.status.styles import PHASE_STYLE, SEVERITY_STYLE, STATE_STYLE, bar, spark
@@ -429,7 +429,51 @@ def detail_chart_rows(height: int | None) -> int:
     return 4 if height >= 30 else 2
 
 
-def detail_text(d: DetailView, width: int, now: float, height: int | None = None) -> Text:
+def relations_text(run: RunView, host: HostView | None, width: int, now: float) -> Text:
+    """How a run's processes hang together: its supervisor (this machine's pid, its
+    tmux session), its trainer and standby on the run's host (each with who, how much,
+    since when, what) and the trainer's parents there (run.sh, the tmux server), from
+    the host's newest reading."""
+    from dflashctl.launch import supervisor_session
+
+    out = Text()
+    f = run.freshness
+    line = Text("  supervisor  ", style="bold")
+    if f.supervisor_pid:
+        line.append(f"pid {f.supervisor_pid}" + (f", tick {fmt_duration(max(0.0, now - f.last_tick))} ago"
+                                                 if f.last_tick else "") + f" · tmux session {supervisor_session(run.id)}")
+    else:
+        line.append("none", style="bold red")
+    out.append_text(line)
+    apps = [a for g in (host.gpus if host else []) for a in g.apps
+            if a.role and (a.run_id == run.id or (a.run_id is None and g.run_id == run.id))]
+    shown: set[int] = set()
+    processes = host.load.processes if host and host.load else []
+    for role in ("trainer", "standby"):
+        for a in apps:
+            if a.role != role or a.pid is None or a.pid in shown:
+                continue
+            shown.add(a.pid)
+            out.append("\n")
+            row = Text(f"  {role:<10}  ", style="bold")
+            row.append(f"pid {a.pid}  " + (a.process.figures() + "  " if a.process else ""))
+            row.append(_one_line((a.process.cmd if a.process else None) or a.name or ""), style="dim")
+            row.truncate(width, overflow="ellipsis")
+            out.append_text(row)
+            for depth, parent in enumerate(lineage(processes, a.pid)[1:], 1):
+                out.append("\n")
+                up = Text(f"  {'':<10}  {'  ' * depth}↑ pid {parent.pid} {parent.user or '?'}  ", style="dim")
+                up.append(_one_line(parent.cmd or ""))
+                up.truncate(width, overflow="ellipsis")
+                out.append_text(up)
+    if not shown:
+        out.append("\n  trainer     no GPU process of it in the host's newest reading"
+                   + (" (a CPU run)" if not run.gpus else ""), style="dim")
+    return out
+
+
+def detail_text(d: DetailView, width: int, now: float, height: int | None = None,
+                host: HostView | None = None) -> Text:
     """The overview tab of a run's detail view: the run, its history as charts (at the
     screen's zoom, ``detail_chart_rows(height)`` rows each), its thresholds, its
     environment and restarts."""
@@ -446,6 +490,9 @@ def detail_text(d: DetailView, width: int, now: float, height: int | None = None
     if d.run.hosts:
         out.append(f"\n\nhosts ({len(d.run.hosts)})\n", style="bold underline")
         out.append_text(run_hosts_text(d.run.hosts, width))
+    if d.run.active:
+        out.append(f"\n\nprocesses on {d.run.host}\n", style="bold underline")
+        out.append_text(relations_text(d.run, host, width, now))
     span = ""
     if d.series:
         span = f" ({fmt_duration(d.series[-1]['time'] - d.series[0]['time'])} of history, " \

@@ -12,7 +12,7 @@ from dflashctl.status.model import load_status
 from dflashctl.tui.text import gpu_text
 from tests import harness
 from tests.harness.scenes import INTERVAL, NOW, PROD, host_store, utc
-from tests.harness.tui import app_for, loaded, run, screen_text
+from tests.harness.tui import app_for, loaded, run, screen_text, until
 
 CAPTURES = harness.FIXTURES / "nvidia-smi"
 
@@ -78,6 +78,10 @@ def _with_processes(tmp_path):
          "cmd": "/usr/bin/python3 notebook.py", "sm_pct": 40.0, "top": False},
         {"pid": 999, "ppid": 1, "user": "carol", "cpu_pct": 350.0, "rss_kib": 2_000_000, "elapsed_s": 60.0,
          "cmd": "tar czf backup.tgz /data", "sm_pct": None, "top": True},
+        {"pid": 4300, "ppid": 4200, "user": "alice", "cpu_pct": 0.0, "rss_kib": 4_000, "elapsed_s": 180100.0,
+         "cmd": "bash run.sh", "top": False},  # the trainer's parents, as the probe sends them
+        {"pid": 4200, "ppid": 1, "user": "alice", "cpu_pct": 0.0, "rss_kib": 5_000, "elapsed_s": 180200.0,
+         "cmd": "tmux -L dflash new-session -d -s prod", "top": False},
     ]
     host = {"cpus": 192, "load1": 40.0, "cpu_total": 10_000, "cpu_idle": 5_000, "mem_total_kib": 2_000_000_000,
             "mem_available_kib": 1_000_000_000, "processes": processes}
@@ -108,3 +112,28 @@ def test_each_gpu_process_says_who_how_much_since_when_and_what_and_the_busiest_
             assert "alice sm 97% cpu 101%" in shown and "busiest: 350% carol" in shown
 
     run(scenario())
+
+
+def test_the_detail_view_shows_how_the_runs_processes_hang_together(tmp_path):
+    """supervisor -> trainer (who, how much, since when, what) -> its parents on the
+    host: run.sh, the tmux server."""
+    from dflashctl.tui.screens import DetailScreen
+
+    store = _with_processes(tmp_path)
+
+    async def scenario():
+        app = app_for(store, tmp_path)
+        async with app.run_test(size=(200, 60)) as pilot:
+            await loaded(pilot, app)
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads, "the detail")
+            await pilot.pause()
+            lines = screen_text(app).splitlines()
+            at = next(i for i, line in enumerate(lines) if "processes on gpu1" in line)
+            block = "\n".join(lines[at:at + 5])
+            assert f"supervisor  pid 4242" in block and "tmux session watch-" in block
+            assert "trainer     pid 4343  alice sm 97% cpu 101% rss 12.3G" in block
+            assert "↑ pid 4300 alice  bash run.sh" in block and "↑ pid 4200 alice  tmux -L dflash" in block
+
+    run(scenario())
+
