@@ -317,6 +317,29 @@ class StatusReader:
         return cached[1], self.store.file_bytes()
 
 
+CURVE_POINTS = 240  # points per extra curve of the charts tab
+
+
+def more_curves(store: Store, run: Run, t0: float, t1: float,
+                points: int = CURVE_POINTS) -> dict[str, list[tuple[float, float]]]:
+    """The charts tab's curves beyond the run's series, between ``t0`` and ``t1``, each
+    at most ``points`` long, as (time, value): ``lr`` and ``grad_norm`` (the run's
+    rollups of its metrics lines), ``gpu_mem`` (GiB: the most any of the run's GPUs
+    used, the host's rollups), ``tau`` (measured by each eval)."""
+    from dflashctl.store.history import host_owner
+
+    rows = store.rollup_series(run.id, ("lr", "grad_norm"), t0, t1, points)
+    out = {key: [(p["time"], float(p[key])) for p in rows if p.get(key) is not None] for key in ("lr", "grad_norm")}
+    names = [f"gpu{i}.mem" for i in run.gpus]
+    mem = store.rollup_series(host_owner(run.host), names, t0, t1, points) if names else []
+    out["gpu_mem"] = [(p["time"], max(p[n] for n in names if p.get(n) is not None) / 1024) for p in mem
+                      if any(p.get(n) is not None for n in names)]
+    out["tau"] = [(float(e["time"]), float(e["tau"])) for e in store.evals(run.id)
+                  if isinstance(e.get("tau"), (int, float)) and isinstance(e.get("time"), (int, float))
+                  and t0 <= e["time"] <= t1]
+    return out
+
+
 def measured_tau(evals: list[dict[str, Any]]) -> tuple[float | None, dict[str, Any] | None]:
     """The tau a run shows, from its evaluations (``Store.evals``, oldest first): the
     largest complete eval's (``store.preferred_eval``), with its figures (attempt,

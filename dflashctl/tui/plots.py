@@ -24,9 +24,13 @@ from dflashctl.core.units import fmt_clock
 from dflashctl.status.charts import ChartView
 from dflashctl.tui.charts import robust_range
 
-# The curves the store's series holds, as (key in ChartView.points, title, line style).
-CURVES = (("tok_s", "tok/s", "green"), ("loss", "loss", "yellow"), ("tau_est", "τ est", "cyan"),
-          ("acc", "acc", "magenta"))
+# The curves, as (key, title, line style): the run's series (ChartView.points), then
+# those read apart (status.reader.more_curves). Measured τ (each eval) is drawn as
+# points over the τ est curve.
+CURVES = (("tok_s", "tok/s", "green"), ("loss", "loss", "yellow"), ("tau_est", "τ est · τ measured (white)", "cyan"),
+          ("acc", "acc", "magenta"), ("lr", "lr", "blue"), ("grad_norm", "grad norm", "red"),
+          ("gpu_mem", "GPU memory GiB (the run's fullest GPU)", "cyan"))
+MORE = ("lr", "grad_norm", "gpu_mem")
 MARK_STYLE = {"restart": "red", "stall": "yellow"}
 HOUR = 3600.0
 
@@ -46,16 +50,18 @@ class CurvePlot(PlotWidget):
         self.points: list[tuple[float, float]] = []
         self.t1 = 0.0
         self.chart: ChartView | None = None
+        self.more: dict[str, list[tuple[float, float]]] = {}
         self.under = ""  # what the cursor is over: "tok/s 137 at 08:00:00"
 
     def on_mount(self) -> None:
         # PlotWidget's own on_mount (called after this one) resets the limits and
         # clears: a chart given before it is drawn after it.
-        self.call_after_refresh(lambda: self.chart is not None and self.show(self.chart))
+        self.call_after_refresh(lambda: self.chart is not None and self.show(self.chart, self.more))
 
-    def show(self, chart: ChartView) -> None:
-        self.chart = chart
-        self.points, self.t1 = chart.points(self.key), chart.t1
+    def show(self, chart: ChartView, more: dict[str, list[tuple[float, float]]] | None = None) -> None:
+        self.chart, self.more = chart, more or {}
+        self.points = self.more.get(self.key, []) if self.key in MORE else chart.points(self.key)
+        self.t1 = chart.t1
         self.clear()
         self.set_ylabel(self.title)
         self.set_xlabel("hours before " + fmt_clock(chart.t1))
@@ -64,6 +70,11 @@ class CurvePlot(PlotWidget):
         xs = [hours_before(t, chart.t1) for t, _ in self.points]
         ys = [v for _, v in self.points]
         self.plot(xs, ys, line_style=self.style, hires_mode=HiResMode.BRAILLE)
+        measured = self.more.get("tau", []) if self.key == "tau_est" else []
+        if measured:
+            self.scatter([hours_before(t, chart.t1) for t, _ in measured], [v for _, v in measured],
+                         marker_style="bold white", marker="●")
+            ys = ys + [v for _, v in measured]
         lo, hi = robust_range(ys)
         pad = (hi - lo) * 0.05 or abs(hi) * 0.05 or 1.0
         self.set_ylimits(lo - pad, hi + pad)
@@ -113,11 +124,11 @@ class RunPlots(VerticalScroll):
         for key, title, style in CURVES:
             yield CurvePlot(key, title, style, id=f"plot-{key}")
 
-    def show(self, chart: ChartView | None) -> None:
+    def show(self, chart: ChartView | None, more: dict[str, list[tuple[float, float]]] | None = None) -> None:
         if chart is None:
             return
         for plot in self.query(CurvePlot):
-            plot.show(chart)
+            plot.show(chart, more)
 
     def on_cursor_moved(self, message: CursorMoved) -> None:
         message.stop()

@@ -315,6 +315,7 @@ class DetailScreen(Screen):
         self.log_start: int | None = None  # byte offset of the first line held (None: not known)
         self.filter_text = ""
         self.plotted: str | None = None  # the zoom the charts tab was drawn at (None: not yet)
+        self.plots_drawn = 0
 
     def compose(self) -> ComposeResult:
         yield Static(Text(f"run {self.run_id}"), id="detail-title")
@@ -428,9 +429,32 @@ class DetailScreen(Screen):
             box.mount(RunPlots(id="plots"))
             self.call_after_refresh(self.show_plots)
             return
-        if self.view is not None:
-            box.query_one(RunPlots).show(self.view.chart)
+        if self.view is not None and self.view.chart is not None:
             self.plotted = self.app.zoom
+            self.read_curves(self.view.chart)
+
+    @work(thread=True, exclusive=True, group="curves")
+    def read_curves(self, chart) -> None:
+        """The curves beyond the run's series (lr, grad norm, GPU memory, measured τ),
+        read for the chart's span, then every plot drawn."""
+        from dflashctl.status.reader import more_curves
+
+        app = self.app
+        try:
+            more = more_curves(app.reader.store, app.reader.store.get_run(self.run_id), chart.t0, chart.t1)
+        except DflashError as e:
+            app.call_from_thread(app.notify, f"charts: {first_line(e)}", severity="warning", timeout=8)
+            more = {}
+        finally:
+            app.reader.store.close()
+        if not get_current_worker().is_cancelled:
+            app.call_from_thread(self._draw_plots, chart, more)
+
+    def _draw_plots(self, chart, more) -> None:
+        from dflashctl.tui.plots import RunPlots
+
+        self.query_one(RunPlots).show(chart, more)
+        self.plots_drawn += 1
 
     def reload(self) -> None:
         self.load(self.app.clock())
