@@ -171,7 +171,8 @@ class Group:
         g = cls(rank=joined.rank, world=joined.world, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                 backend=backend, timeout_s=cfg.distributed.timeout, device=device, session_key=joined.session_key,
                 authenticated=joined.authenticated, store=joined.store,
-                signed=rendezvous.Signed(joined.store, joined.session_key, joined.rank, joined.where))
+                signed=rendezvous.Signed(joined.store, joined.session_key, joined.rank, joined.where,
+                                         authenticated=joined.authenticated))
         g._meet()
         g._beat()
         threading.Thread(target=g._heartbeat_loop, name=f"heartbeat-rank{g.rank}", daemon=True).start()

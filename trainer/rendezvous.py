@@ -9,7 +9,8 @@ failure, a stale process of an earlier start) does not know it.
 The proof runs on the store before the process group exists, so nothing has been
 received from a peer yet: every rank writes a fresh nonce, then, once it has every
 nonce, ``HMAC(key, "proof" | rank | every nonce)``; each checks every other rank's
-proof. A store that is not this run's (it answers with no proof, a wrong one, or
+proof. Both live under names derived from the key (``proof_prefix``): a stranger on
+the port cannot write over them. A store that is not this run's (it answers with no proof, a wrong one, or
 replays an old one: the nonces are new) is refused with a message naming the address
 and what to do. Both derive a session key from the same transcript; every frame one
 rank sends another is tagged with it (trainer/wire.py).
@@ -124,13 +125,21 @@ def _wait(store, keys: list[str], deadline: float, what: str, addr: str) -> None
                               f"refusing to join, nothing was accepted from it ({type(e).__name__})") from e
 
 
+def proof_prefix(key: Optional[bytes]) -> str:
+    """Where the proof's nonces and proofs live: under a name derived from the run's
+    secret, which a stranger on the port cannot guess (so cannot write over); the
+    plain prefix without a key."""
+    return f"{_PREFIX}/{hmac.new(key, b'proof names', hashlib.sha256).hexdigest()[:24]}" if key else _PREFIX
+
+
 def prove(store, rank: int, world: int, key: Optional[bytes], timeout_s: float) -> tuple[bytes, bool]:
     """Every rank proves ``key`` to every other (see the module docstring); returns
     (session key, authenticated). Raises RendezvousError naming the rank whose proof failed."""
     addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     deadline = time.monotonic() + timeout_s
-    store.set(f"{_PREFIX}/nonce/{rank}", secrets.token_hex(16))
-    nonce_keys = [f"{_PREFIX}/nonce/{r}" for r in range(world)]
+    prefix = proof_prefix(key)
+    store.set(f"{prefix}/nonce/{rank}", secrets.token_hex(16))
+    nonce_keys = [f"{prefix}/nonce/{r}" for r in range(world)]
     _wait(store, nonce_keys, deadline, "nonce from every rank", addr)
     nonces = [store.get(k) for k in nonce_keys]
     if any(len(n) != 32 for n in nonces):
@@ -142,11 +151,11 @@ def prove(store, rank: int, world: int, key: Optional[bytes], timeout_s: float) 
     def proof(r: int) -> bytes:
         return hmac.new(key, b"proof|%d|" % r + transcript, hashlib.sha256).hexdigest().encode()
 
-    store.set(f"{_PREFIX}/proof/{rank}", proof(rank))
-    proof_keys = [f"{_PREFIX}/proof/{r}" for r in range(world) if r != rank]
+    store.set(f"{prefix}/proof/{rank}", proof(rank))
+    proof_keys = [f"{prefix}/proof/{r}" for r in range(world) if r != rank]
     _wait(store, proof_keys, deadline, "proof of the run's secret from every rank", addr)
     for r in range(world):
-        if r != rank and not hmac.compare_digest(store.get(f"{_PREFIX}/proof/{r}"), proof(r)):
+        if r != rank and not hmac.compare_digest(store.get(f"{prefix}/proof/{r}"), proof(r)):
             raise RendezvousError(
                 f"rank {r} at the rendezvous {addr} did not prove this start's secret ({contract.RENDEZVOUS_KEY_FILE}): "
                 f"it is not this run's process (another process may hold the port, or an older start); "
@@ -175,8 +184,9 @@ class Signed:
     another's: (counter, value), or None when it is absent or a stranger's. Thread-safe."""
 
     def __init__(self, store, session_key: bytes, rank: int, where: str = "",
-                 say: Optional[Callable[[str], None]] = None):
+                 say: Optional[Callable[[str], None]] = None, authenticated: bool = False):
         self.store, self.rank, self.where = store, rank, where
+        self.authenticated = authenticated  # the proof ran under secret names: the plain ones are strangers' too
         self._mac_key = hmac.new(session_key, b"values", hashlib.sha256).digest()
         self._tag = hmac.new(session_key, b"names", hashlib.sha256).hexdigest()[:24]
         self._counter = 0
@@ -225,8 +235,10 @@ class Signed:
         rank of this run writes them, so whoever did is a stranger on the port."""
         store = store or self.store
         for r in ranks:
-            for kind in KINDS:
-                name = f"dflash/{kind}/{r}"
+            names = [f"dflash/{kind}/{r}" for kind in KINDS]
+            if self.authenticated:
+                names += [f"{_PREFIX}/nonce/{r}", f"{_PREFIX}/proof/{r}"]
+            for name in names:
                 if name not in self.strangers and store.check([name]):
                     self.stranger(name, "no rank of this run writes it")
 

@@ -266,8 +266,8 @@ def test_a_stranger_on_the_rendezvous_port_is_named_and_refused(ranks, tmp_path,
     assert f"rendezvous port {run.port} on this host is in use by another process (EADDRINUSE)" in out0, out0[-2000:]
     assert classify(out0, run.status(0)["error"], codes[0]).name == "rendezvous_port_in_use"
     # Rank 1 refuses the stranger's store clearly; nothing came from it.
-    if who == "same-user":  # a store that plays rank 0 without the secret
-        assert "did not prove this start's secret" in out1 and "refusing to join" in out1, out1[-2000:]
+    if who == "same-user":  # a store that plays rank 0 without the secret: it cannot even name the proof's keys
+        assert "gave no nonce from every rank" in out1 and "refusing to join" in out1, out1[-2000:]
     else:  # a listener that is no store at all
         assert f"could not join the rendezvous at 127.0.0.1:{run.port}" in out1, out1[-2000:]
     assert classify(out1, run.status(1)["error"], codes[1]).name == "rendezvous_refused"
@@ -392,6 +392,54 @@ def test_a_value_not_signed_with_the_starts_key_or_replayed_is_refused_and_named
     assert len(said) == 1 and said[0].startswith(f"warning: rendezvous store at 127.0.0.1:{port}: {name} holds a "
                                                  "value not signed with this start's key"), said
     assert set(rank0.strangers) == {name}
+
+
+# Writes over the proof's names torch's users would guess, as fast as it can, from the
+# moment rank 0's store listens, before rank 1 joins: on the code before, a rank read the
+# stranger's nonce or proof and refused its healthy peer ("did not prove"), a signature
+# that stops the run.
+PROOF_WRITER = textwrap.dedent("""
+    import datetime, secrets, sys, time
+    import torch.distributed as dist
+    print("ready", flush=True)
+    end = time.time() + float(sys.argv[2])
+    client = None
+    while client is None and time.time() < end:
+        try:
+            client = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=2))
+        except Exception:
+            time.sleep(0.05)
+    print("connected", flush=True)
+    while time.time() < end:
+        for r in (0, 1):
+            client.set(f"dflash/auth/nonce/{r}", secrets.token_hex(16))
+            client.set(f"dflash/auth/proof/{r}", secrets.token_hex(32))
+        time.sleep(0.005)
+""")
+
+
+@pytest.mark.slow
+def test_a_stranger_writing_over_the_proof_is_ignored_named_and_stops_nothing(ranks, tmp_path):
+    run = ranks(timeout=240)  # rank 0's store waits this long for rank 1, started only once the writer is in
+    writer = subprocess.Popen([sys.executable, "-c", PROOF_WRITER, str(run.port), "150"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=rank_env())
+    try:
+        assert writer.stdout.readline().strip() == b"ready"
+        run.start(0)
+        assert writer.stdout.readline().strip() == b"connected"  # to rank 0's store, writing before rank 1 joins
+        run.start(1)
+        run.wait_training(steps=5, timeout=240)
+        deadline = time.monotonic() + 30
+        while "dflash/auth/proof/1 holds no rank of this run writes it" not in run.output(0):
+            assert time.monotonic() < deadline, run.output(0)[-3000:]
+            time.sleep(0.5)
+        assert writer.poll() is None  # it was writing all along
+        assert all(run.procs[r].poll() is None for r in (0, 1))
+        assert "did not prove" not in run.output(0) + run.output(1)
+    finally:
+        writer.kill()  # the process this test started
+        writer.wait(30)
 
 
 # --------------------------------------------------------------------------- a hung peer
