@@ -119,14 +119,14 @@ def probe_unwatched(view, store) -> None:
     """Each active run no supervisor watches, probed on its host now, in parallel and
     bounded by ``ONCE_PROBE_TIMEOUT_S`` (nothing stored), as the live console does:
     its row shows the phase and step its host answers, never the store's last guess."""
+    runs = [r for r in view.runs if r.active and not r.freshness.supervised]
+    if not runs:
+        return  # nothing to probe: no inventory read (pydantic stays unimported)
     from concurrent.futures import ThreadPoolExecutor
 
     from dflashctl.config import load_inventory
     from dflashctl.status.runs import DirectProbe
 
-    runs = [r for r in view.runs if r.active and not r.freshness.supervised]
-    if not runs:
-        return
     with ThreadPoolExecutor(max_workers=min(8, len(runs))) as pool:
         found = pool.map(lambda r: DirectProbe.of(r.id, store, lambda: load_inventory(G.inventory),
                                                   _now, ONCE_PROBE_TIMEOUT_S), runs)

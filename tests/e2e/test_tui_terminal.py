@@ -113,7 +113,7 @@ def test_status_in_tmux_follows_a_real_run(tmp_path):
             # In the detail view `/` `r` `y` is text in the filter box, never a restart.
             restarts = len(store.restarts(run_id))
             tmux("send-keys", "-t", "tui", "Enter")
-            wait_pane("tui", lambda t: "o overview · e events · l log · / filter" in t, 30, "the detail view")
+            wait_pane("tui", lambda t: "o overview · e events" in t and "l log · / filter" in t, 30, "the detail view")
             tmux("send-keys", "-t", "tui", "/", "r", "y")
             wait_pane("tui", lambda t: "ry" in t.splitlines()[1], 10, "the typed text in the filter box")
             time.sleep(2 * POLL_S)
