@@ -30,9 +30,9 @@ from dflashctl.tui.text import detail_text, event_text
 from dflashctl.tui.widgets import EventsTable, FilterBox, LogLines, LogView, Pane
 
 KEYS = [
-    ("↑ ↓  PgUp PgDn", "move between runs; the panels below follow the cursor"),
-    ("Home / End", "first / last run"),
-    ("Enter", "the run's detail: overview, history charts, thresholds, environment"),
+    ("↑ ↓  PgUp PgDn", "move between runs (j k too); the panels below follow the cursor"),
+    ("Home / End", "first / last run (g G too)"),
+    ("Enter", "the run's detail: overview, c charts (zoom, the value under the cursor)"),
     ("e / E", "the run's events, each with its class (Enter on one: in full, with the trainer's first error line) / "
               "the events of every run"),
     ("l", "the log, followed: scroll up pauses (End follows), t wrap, h earlier, / m n N find"),
