@@ -76,7 +76,12 @@ class StatusFile:
 
 
 class StopRequest:
-    """SIGTERM/SIGINT: the first asks for checkpoint-then-exit, a second exits at once."""
+    """SIGTERM/SIGINT: the first asks for checkpoint-then-exit, a second exits at once.
+
+    During the start-up (imports, models, the compile warm-up: ``at_once``) there is
+    nothing of this process to save, so the first already exits, within a second,
+    with no checkpoint; not while the target writes the data (its shards are kept
+    whole) and not in a distributed run (its ranks stop together)."""
 
     def __init__(self, status: StatusFile):
         self.event = threading.Event()
@@ -85,6 +90,7 @@ class StopRequest:
         self.status = status
         self.pipeline = None  # stopped by run() when training ends in an exception
         self.group = None  # the torch.distributed group, when there is one (trainer/distributed.py)
+        self.at_once = True  # a first signal exits now: no step made, nothing to save
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -92,7 +98,9 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         self.signals += 1
-        if self.signals > 1:  # this process's second signal (a stop asked by another rank is no signal)
+        if self.signals > 1 or (self.at_once and self.group is None):  # a second signal, or during start-up
+            print(f"{signal.Signals(signum).name} received: stopping now (no checkpoint: "
+                  f"{'a second signal' if self.signals > 1 else 'no step made yet'})", file=sys.stderr, flush=True)
             self.status.set(contract.PHASE_STOPPED, blocking=False,
                             detail={"signal": signal.Signals(signum).name, "checkpoint": False})
             os._exit(contract.EXIT_STOPPED)
@@ -196,10 +204,10 @@ def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals:
 
     os.makedirs(run_dir, exist_ok=True)
     status = StatusFile(run_dir, distributed.status_file(distributed.env_rank()))
-    status.set(contract.PHASE_STARTING)
     stop = StopRequest(status)
     if install_signals and threading.current_thread() is threading.main_thread():
-        stop.install()
+        stop.install()  # before the first status: a stop from then on is handled (and said)
+    status.set(contract.PHASE_STARTING)
     try:
         return train(cfg, run_dir, resume, status, stop)
     except Exception as e:  # noqa: BLE001 - every failure ends as status + exit code, never a hang
@@ -323,6 +331,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
 
         cfg.run_dir = run_dir
         status.set(contract.PHASE_REGENERATING)
+        stop.at_once = False  # the shards are written whole: a stop waits for the one being written
         written = ensure_regenerated(cfg, str(first.device), log, target=first, should_stop=stop.is_set,
                                      on_progress=lambda p: status.set(
                                          detail={**(status.status.detail or {}), "regenerate": p}, blocking=False))
@@ -330,6 +339,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             status.set(contract.PHASE_STOPPED, detail={"signal": stop.signal_name, "checkpoint": False,
                                                        "regenerate": "stopped"})
             return contract.EXIT_STOPPED
+        stop.at_once = True
         status.set(contract.PHASE_STARTING)  # the startup budget counts again from here
         startup.mark("regenerate")
     # After the regeneration: its decoding (a KV cache one token longer every step) would
@@ -438,6 +448,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     handed_from = min((h.started for h in pipe.handoff.values()), default=None)
     if pipe.handoff:
         log(f"warm-up: replica(s) {sorted(pipe.handoff)} ran their first batch: step {start_step + 1} uses it")
+    stop.at_once = False  # steps are made from here on: a stop checkpoints them first
     if not stop.is_set() or group:  # a signal during start-up or warm-up: straight to the checkpoint
         pipe.start()  # (distributed: after one step that every rank takes)
     window = pl.Window() if handed_from is None else pl.Window(start=handed_from)
@@ -560,7 +571,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     stragglers = pipe.stop(timeout=5.0)
     if stragglers:
         log(f"warning: threads still running at shutdown: {stragglers}")
-    if last_saved != steps_done:
+    if steps_done != (last_saved if last_saved is not None else start_step):  # no step since: nothing to save
         save(steps_done)
     if stop.is_set():
         status.set(contract.PHASE_STOPPED, step=steps_done, detail={"signal": stop.signal_name, "checkpoint": steps_done})

@@ -114,6 +114,9 @@ def _stops(run: StoppedRun, times: int) -> None:
     for _ in range(times):
         run.stop_and_continue(pid)
     time.sleep(2 * INTERVAL)  # one more poll or two after the last continue
+    # Running again once it makes a step past the one it stopped at (status.json may be
+    # ahead of the stored lines): "making progress again" is never said before that.
+    wait_for(lambda: run.store.get_run(run.run_id).state == "running", run.window * 3, "running again", every=0.2)
     assert run.store.restarts(run.run_id) == []
     assert "restarting" not in states(run.store, run.run_id)
     assert read_status(run.run_dir).pid == pid  # the same process trained on

@@ -109,6 +109,34 @@ def test_sigterm_checkpoints_and_stops_then_resumes(tmp_path, trainers):
 
 
 @pytest.mark.slow
+def test_sigterm_during_the_start_up_stops_within_seconds_with_no_checkpoint(tmp_path, trainers):
+    """Defect: a stop during the start-up waited for the whole start-up (models, the
+    compile warm-up) and then wrote a checkpoint of step 0."""
+    cfg = tiny_config(train={"steps": 100000, "log_every": 1, "checkpoint_every": 0})
+    t = Trainer(cfg, tmp_path / "run")
+    trainers.append(t)
+    deadline = time.monotonic() + 180
+    def phase():
+        try:
+            return t.status().get("phase")
+        except (OSError, ValueError):  # not written yet, or being replaced
+            return None
+
+    while phase() not in (contract.PHASE_STARTING, contract.PHASE_COMPILING):
+        assert time.monotonic() < deadline and t.proc.poll() is None, t.output[-3000:]
+        time.sleep(0.05)
+    t.proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert t.wait(60) == contract.EXIT_STOPPED, t.output[-3000:]
+    assert time.monotonic() - sent < 5.0 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    status = t.status()
+    assert status["phase"] == contract.PHASE_STOPPED and status["detail"]["checkpoint"] is False
+    checkpoints = os.path.join(t.run_dir, "checkpoints")
+    assert not (os.path.isdir(checkpoints) and os.listdir(checkpoints))  # no step made: nothing saved
+    assert "no step made yet" in t.output
+
+
+@pytest.mark.slow
 def test_corrupt_shard_lines_are_skipped_within_budget(tmp_path):
     shards = write_synthetic_shards(tmp_path / "shards", bad_lines=2)
     cfg = tiny_config(data={"shards": shards, "error_budget": 5, "batch_size": 1},

@@ -90,7 +90,7 @@ def test_a_crash_is_classified_and_restarted_and_the_restart_row_follows_its_suc
     assert [w.to for w in writes if isinstance(w, core.Transition)] == ["running"]
     update = next(w for w in writes if isinstance(w, core.RestartUpdate))
     # issued at T0+11, first step at T0+15; down since the last healthy poll at T0
-    assert update.changes == {"step_after": 11, "time_to_first_step_s": 4.0, "downtime_s": 15.0}
+    assert update.changes == {"step_after": 11, "outcome": "resumed", "time_to_first_step_s": 4.0, "downtime_s": 15.0}
 
 
 def test_a_sigkill_after_the_kernel_counted_an_oom_kill_is_host_oom():
@@ -238,7 +238,9 @@ def test_a_stop_longer_than_the_stall_window_then_continue_gets_a_whole_window_f
     assert seen[1][0] == ["stalled"]
     assert not any("IssueRestart" in actions for _, _, actions in seen), seen
     assert not any(to == ["restarting"] for to, _, _ in seen)
-    assert seen[4][0] == ["running"] and "stall" in seen[4][1]  # cleared when it runs again
+    assert seen[4][0] == [] and "stall" in seen[4][1]  # cleared when it runs again; not yet progress
+    assert all(to == [] for to, _, _ in seen[5:7])  # running, but no new step: still stalled
+    assert seen[7][0] == ["running"]  # "making progress again" once a new step is made
     assert state.run.state == "running" and state.step_max == 2 and not state.holding
     # Resumed and then silent for a whole window: that is a stall, and it is restarted.
     state, seen = run_table(rows[:5] + [(T0 + 161, running(T0 + 161))])
@@ -304,7 +306,7 @@ def test_after_a_re_attach_downtime_counts_from_the_last_sign_of_life_not_the_pr
     state, _, _ = core.step(state, core.JobDone(core.RESTART, issued=T0 + 11), T0 + 11, make_policy())
     state, writes, _ = core.step(state, healthy(T0 + 15, 901), T0 + 15, make_policy())
     update = next(w for w in writes if isinstance(w, core.RestartUpdate))
-    assert update.changes == {"step_after": 901, "time_to_first_step_s": 4.0, "downtime_s": 20.0}
+    assert update.changes == {"step_after": 901, "outcome": "resumed", "time_to_first_step_s": 4.0, "downtime_s": 20.0}
     [event] = [w for w in writes if isinstance(w, core.Event) and w.kind == "restart"]
     assert "(20.0 s down in all)" in event.message
 
@@ -881,3 +883,15 @@ def test_a_routine_checkpoint_is_no_event_unless_it_lasts_longer_than_expected()
     assert [(t, sev) for t, sev, _ in seen] == [(10 + slow, "warning"), (30 + slow, "info")]
     assert seen[0][2].startswith("phase checkpointing for 2.5 m (a routine checkpointing takes under 2 m)")
     assert seen[1][2] == "phase training"
+
+
+def test_a_restart_row_says_how_its_process_did():
+    """Its row is `issued`, then `resumed` at the process's first step; a process that
+    fails before any step leaves its row `failed before its first step`."""
+    state = after_a_restart()
+    crash = core.Probed(probe(T0 + 20, session=False, alive=False, exit_code=1, started=T0 + 12))
+    _, writes, _ = core.step(state, crash, T0 + 20, make_policy())
+    updates = [w.changes for w in writes if isinstance(w, core.RestartUpdate)]
+    rows = [w for w in writes if isinstance(w, core.RestartRow)]
+    assert updates == [{"outcome": "failed before its first step"}] and len(rows) == 1
+    assert writes.index(next(w for w in writes if isinstance(w, core.RestartUpdate))) < writes.index(rows[0])

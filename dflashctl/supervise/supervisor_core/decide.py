@@ -75,7 +75,8 @@ def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, sk
             out.event(f.kind, f.severity, f.message, f.detail)
     if trigger is not None:
         _decided(s, pr, trigger, decision, local, skew, pol, out)
-    elif s.run.state == STALLED and pol.act:
+    elif s.run.state == STALLED and pol.act and (s.step_max or 0) > (s.stalled_at_step or -1):
+        # A new step, not only the finding gone (a process continued, not yet training).
         _transition(s, out, RUNNING, "making progress again" + (f": step {s.step_max}" if s.step_max else ""))
     for a in alerts:
         one_shot = trigger is not None and a.finding == trigger.kind and decision.kind != policy.NONE
@@ -122,6 +123,7 @@ def _decided(s: RunState, pr: ProbeResult, trigger: Finding, decision: policy.Ac
     if decision.kind == policy.NONE:  # e.g. a process someone stopped on purpose
         if s.run.state != STALLED:
             _transition(s, out, STALLED, decision.reason, detail, severity=decision.severity)
+            s.stalled_at_step = s.step_max
         return
     s.findings.pop(trigger.kind, None)  # acted on: the next one is news again
     if decision.kind == signatures.STOP:
@@ -131,6 +133,10 @@ def _decided(s: RunState, pr: ProbeResult, trigger: Finding, decision: policy.Ac
         _transition(s, out, FAILED, decision.reason, detail, severity=decision.severity,
                     exit_code=pr.exit_code, exit_reason=_stop_why(trigger, decision))
         return
+    if s.latest is not None and s.latest.first_step_at is None and s.history:
+        # The previous restart's process failed before its first step: its row says so
+        # (written before this restart's row, so it is still the latest).
+        out.writes.append(RestartUpdate({"outcome": "failed before its first step"}))
     s.pending = Pending(
         due=local + decision.delay, action=decision.kind, reason=decision.reason, signature=decision.signature,
         detected_at=s.crash_seen or local, failed_at=_failure_time(s, pr, trigger, skew),

@@ -138,6 +138,7 @@ def _progress(s: RunState, lines, skew: float, out: _Out) -> None:
     changes: dict[str, Any] = {"step_after": s.step_max}
     if r.first_step_at is None:
         r = replace(r, first_step_at=first)
+        changes["outcome"] = "resumed"  # its process made a step: the restart worked
         changes["time_to_first_step_s"] = round(max(0.0, first - r.issued_at), 3)
         if r.failed_at is not None:
             changes["downtime_s"] = round(max(0.0, first - r.failed_at), 3)

@@ -74,6 +74,7 @@ class RunState:
     last_ok: float | None = None  # local: the last poll that saw the trainer healthy
     oom_seen: OomKills | None = None  # the kernel's OOM-kill counts at that poll
     healthy_since: float | None = None  # local: first step of the current process
+    stalled_at_step: int | None = None  # step_max when the run went stalled: "progress again" needs a newer one
     pending: Pending | None = None
     job: str | None = None  # restart | kill in flight: the run is not probed until it is done
     latest: Latest | None = None
