@@ -309,7 +309,10 @@ class LogLines(ScrollView, can_focus=True):
         if rows.upto is None:
             rows.upto = first
         if not worker.is_cancelled:
-            self.app.call_from_thread(self._install, generation, rows)
+            try:
+                self.app.call_from_thread(self._install, generation, rows)
+            except RuntimeError:  # the app ended meanwhile (a quit racing this worker): nothing to show
+                pass
 
     def _install(self, generation: int, rows: Rows) -> None:
         if generation != self._generation:
