@@ -125,7 +125,13 @@ class Restart:
     time_to_first_step_s: float | None = None
     step_before: int | None = None
     step_after: int | None = None
-    outcome: str | None = None  # issuing | issued | not issued: why | cancelled: why
+    outcome: str | None = None  # issuing | issued, then resumed or failed before its first step | not issued: why
+    # | cancelled: why
+
+    @property
+    def issued(self) -> bool:
+        """Whether its restart was issued: its process started (and maybe trained since)."""
+        return self.outcome in ("issued", "resumed", "failed before its first step")
 
     @property
     def counts(self) -> bool:

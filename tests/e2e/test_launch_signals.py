@@ -83,7 +83,7 @@ def test_a_signal_to_launch_foreground_hands_the_run_to_a_background_supervisor(
         # ... and it acts: a killed trainer is restarted by that supervisor.
         first = wait_for(lambda: trainer_pid(run.run_dir), 20, "the trainer's pid")
         os.kill(first, signal.SIGKILL)
-        wait_for(lambda: [r for r in store.restarts(run.id) if r.outcome == "issued"], 30, "a restart issued")
+        wait_for(lambda: [r for r in store.restarts(run.id) if r.issued], 30, "a restart issued")
         second_pid = wait_for(lambda: trainer_pid(run.run_dir, other_than=first), 30, "the restarted trainer")
         assert second_pid != first
         wait_for(lambda: store.get_run(run.id).state == "running", 30, "the run running again")

@@ -49,8 +49,9 @@ __all__ = ["REPO", "SOCKET", "Background", "LocalEnv", "Webhook", "end_trainer",
 
 
 def issued(store: Store, run_id: str) -> list:
-    """Restart rows whose restart was issued (a row is written before, as "issuing")."""
-    return [r for r in store.restarts(run_id) if r.outcome == "issued"]
+    """Restart rows whose restart was issued (a row is written before, as "issuing"; then
+    issued, resumed at its first step or failed before it)."""
+    return [r for r in store.restarts(run_id) if r.issued]
 
 
 def kinds(store: Store, run_id: str, kind: str | None = None) -> list:
