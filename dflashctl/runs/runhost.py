@@ -297,8 +297,14 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
     if not unreached:
         stop_supervisor(run, inventory)  # else it stays, to stop what runs where this could not
     ended_before = parts[0][0].rank == 0 and _ended(probes[0])  # rank 0's process says how the run ended
+    on_host = False  # a run on one host is stopped by one host script (``_stop_on_host``)
     if all(_ended(p) for p in probes):
         say("stop", "the trainer is not running" + (" on the hosts that answer" if unreached else ""))
+    elif not run.hosts and parts[0][0].tmux_session:
+        part, transport, tmux = parts[0]
+        on_host = True
+        killed_on_host = _stop_on_host(part, transport, tmux, timeout, keep_standby, say)
+        probes[0] = probe_run(transport, part)
     else:
         for (part, transport, tmux), probe in zip(parts, probes):
             if _ended(probe):
@@ -321,8 +327,10 @@ def stop(run_id: str, store: Store, inventory: "Inventory", timeout: float = STO
                 except DflashError as e:
                     unreached.append((part, first_line(e)))
                     gone.add(id(part))
-    killed = False
+    killed = on_host and killed_on_host
     for (part, _, tmux), probe in zip(parts, probes):
+        if on_host:
+            break  # its session (and standby) ended on the host already
         try:
             if probe.session_alive:
                 killed = tmux.kill(part.tmux_session) or killed
@@ -427,6 +435,59 @@ def _part_outcome(probe: "ProbeResult", killed: bool) -> str:
     if probe.exit_code is not None:
         return f"ended: {contract.describe_exit(probe.exit_code)}"
     return "tmux session killed" if killed else "ended"
+
+
+def _stop_script(part: Run, tmux: Tmux, timeout: float, keep_standby: bool) -> str:
+    """One host's stop as one script: SIGTERM to the trainer (else Ctrl-C in its pane),
+    a wait on the host for its end (its exit code, or its session gone) up to
+    ``timeout``, then its session killed if still there, and its standby's unless kept;
+    a line per step, as ``_STEP`` writes them."""
+    q = shlex.join
+    utf8 = ["env", *(f"{k}={v}" for k, v in UTF8_ENV.items())]
+    has = q(utf8 + ["tmux", "-L", tmux.socket, "has-session", "-t", "=" + part.tmux_session])
+    return "\n".join([
+        _STEP, f"d={shlex.quote(part.run_dir)}",
+        f"step signal {q(signal_trainer_argv(part.run_dir, rank=part.rank))} </dev/null",
+        'case "$o" in signalled*) ;; *) ' + f"step ctrlc {q(utf8 + ['tmux', '-L', tmux.socket, 'send-keys', '-t', '=' + part.tmux_session + ':', 'C-c'])} </dev/null ;; esac",
+        f"i=0; while [ ! -e \"$d/{contract.EXIT_CODE_FILE}\" ] && {has} 2>/dev/null </dev/null "
+        f"&& [ $i -lt {int(timeout * 10)} ]; do sleep 0.1; i=$((i + 1)); done",
+        # Its exit code written: run.sh's tee ends its session within moments (the log's last lines).
+        f"j=0; while [ -e \"$d/{contract.EXIT_CODE_FILE}\" ] && {has} 2>/dev/null </dev/null && [ $j -lt 20 ]; "
+        "do sleep 0.1; j=$((j + 1)); done",
+        f"step kill {q(tmux.kill_argv(part.tmux_session))} </dev/null",
+        *([] if keep_standby else [f"step standby {q(tmux.kill_argv(standby_session(part.tmux_session)))} </dev/null"]),
+    ]) + "\n"
+
+
+def _step_answers(stdout: str) -> dict[str, tuple[int, str]]:
+    """A host script's answer (``_STEP``'s lines): step -> (its exit status, its output)."""
+    steps = {}
+    for line in stdout.splitlines():
+        name, _, rest = line.partition("\t")
+        code, _, text = rest.partition("\t")
+        if code.lstrip("-").isdigit():
+            steps[name] = (int(code), text.strip())
+    return steps
+
+
+def _stop_on_host(part: Run, transport: "Transport", tmux: Tmux, timeout: float, keep_standby: bool,
+                  say: Progress) -> bool:
+    """Stop the one host's trainer in one round trip (``_stop_script``); True when its
+    session had to be killed (it did not end within ``timeout``)."""
+    answer = transport.run(["sh", "-c", _stop_script(part, tmux, timeout, keep_standby), "dflashctl-stop"],
+                           timeout=timeout + 60, check=False)
+    steps = _step_answers(answer.stdout)
+    if "kill" not in steps or steps["kill"][0] != 0:
+        raise TmuxError(f"{part.host}: the stop gave no answer (exit {answer.exit_code}): "
+                        f"{(answer.stderr.strip() or answer.stdout.strip())[-300:]}")
+    signal_text = steps.get("signal", (0, ""))[1]
+    if signal_text.startswith("signalled"):
+        say("stop", f"sent SIGTERM to the trainer ({signal_text.split()[-1]}); waited for its checkpoint")
+    elif "ctrlc" in steps and steps["ctrlc"][0] == 0:
+        say("stop", "sent Ctrl-C to the trainer's tmux pane; waited for its checkpoint")
+    else:
+        say("stop", "the trainer had already ended (its tmux session is gone)")
+    return steps["kill"][1] == "killed"
 
 
 def _signal_stop(part: Run, transport: "Transport", tmux: Tmux, where: str, say: Progress) -> None:
@@ -597,9 +658,7 @@ def _before_restart(parts: list, marker: str | None, hung: bool) -> None:
 # on step by step, deploying it). $1: the tar of the run files arrives on stdin.
 _STEP = r"""
 step() { n=$1; shift; o=$("$@" 2>&1); r=$?
-  printf '%s	%s	%s
-' "$n" "$r" "$(printf %s "$o" | tr '	
-' '  ' | cut -c1-400)"; return $r; }
+  printf '%s\t%s\t%s\n' "$n" "$r" "$(printf %s "$o" | tr '\t\n' '  ' | cut -c1-400)"; return $r; }
 """
 
 
@@ -658,12 +717,7 @@ def _restart_on_host(run: Run, serialized_warmup: bool, store: Store, inventory:
                              run.bundle_hash or "")
     answer = transport.run(["sh", "-c", script, "dflashctl-restart"], input=deploy.tar_of(files), timeout=60,
                            check=False)
-    steps = {}
-    for line in answer.stdout.splitlines():
-        name, _, rest = line.partition("\t")
-        code, _, text = rest.partition("\t")
-        if code.lstrip("-").isdigit():
-            steps[name] = (int(code), text.strip())
+    steps = _step_answers(answer.stdout)
     for name in ("kill", "reap", "check", "files", "rename", "go", "start"):
         code, text = steps.get(name, (0, ""))
         if code != 0:
