@@ -64,12 +64,20 @@ def hosts_command(
         "host": r["name"], "transport": r["transport"], "address": r["address"] or "-", "route": r["route_text"],
         "wrapper": shlex.join(r["wrapper"]) or "-", "gpus": "-" if r["gpus"] is None else str(r["gpus"])}.items()}
         for r in rows]
-    origins = [Text(printable(f"{r['name']}: from the ssh config for {r['ssh']} (read by "
-                              f"{r['ssh_config']['read_by']}): " + ", ".join(
-                                  f"{k} {' '.join(v) if isinstance(v, list) else v}"
-                                  for k, v in r["ssh_config"]["options"].items())))
-               for r in rows if r.get("ssh_config")]
+    origins = [Text(line) for line in map(_ssh_origin, inventory.hosts.values()) if line]
     _say_lines([Text(f"hosts in {printable(inventory.source)}"), *lines(columns, cells, out.width), *origins])
+
+
+def _ssh_origin(host) -> str | None:
+    """'gpu: from the ssh config for ALIAS (read by ssh -G): hostname ..., port ...': where
+    an ``ssh:`` host's options came from (None: the inventory says everything)."""
+    from dflashctl.config import ssh_config_origin
+
+    if host is None or not host.ssh:
+        return None
+    read_by, options = ssh_config_origin(host.ssh_config)
+    said = ", ".join(f"{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in options.items())
+    return printable(f"{host.name}: from the ssh config for {host.ssh} (read by {read_by}): {said}")
 
 
 @app.command("check")
@@ -92,11 +100,15 @@ def check_command(
     Exit code 1 when any host failed."""
     from dflashctl.hosts.facts import check_hosts
 
-    checks = check_hosts(_inventory(), names or None, timeout=parse_duration_option(timeout, "--timeout"))
+    inventory = _inventory()
+    checks = check_hosts(inventory, names or None, timeout=parse_duration_option(timeout, "--timeout"))
     if as_json:
         print(json.dumps({"ok": all(c.ok for c in checks), "hosts": [c.to_dict() for c in checks]}, indent=2))
     else:
         _print_checks(checks)
+        origins = [Text(line) for line in (_ssh_origin(inventory.hosts.get(c.name)) for c in checks) if line]
+        if origins:
+            _say_lines(origins)
     if not all(c.ok for c in checks):
         raise typer.Exit(1)
 

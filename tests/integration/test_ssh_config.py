@@ -207,6 +207,9 @@ def test_an_alias_from_an_included_file_and_a_match_block_resolves_as_ssh_g_does
     assert f"{ALIAS_JUMP} -> gpu" in shown.stdout
     assert f"gpu: from the ssh config for gpu-inc (read by ssh -G): hostname {aliased.address}" in shown.stdout
     assert f"proxyjump {ALIAS_JUMP}" in shown.stdout and "serveraliveinterval 9" in shown.stdout
+    checked = cli.invoke("check", "gpu", env=env, columns=200)  # `check` says it too, after reaching it
+    assert f"gpu: from the ssh config for gpu-inc (read by ssh -G): hostname {aliased.address}" in checked.stdout, \
+        checked.stdout + checked.stderr
     doc = json.loads(cli.invoke("hosts", "--json", env=env).stdout)
     [row] = doc["hosts"]
     assert row["ssh_config"]["read_by"] == "ssh -G" and row["ssh_config"]["options"]["port"] == str(aliased.port)
