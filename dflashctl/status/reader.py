@@ -84,6 +84,8 @@ class StatusReader:
         self._thresholds: dict[tuple, Thresholds] = {}
         self._baselines: dict[str, tuple[float, float | None]] = {}
         self._sizes: dict[str, tuple[float, int | None]] = {}
+        self._series: dict[tuple, tuple[float | None, list[dict[str, Any]]]] = {}
+        self._readings: dict[tuple, tuple[float | None, list[dict[str, Any]]]] = {}
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------- slow-changing inputs
@@ -203,7 +205,7 @@ class StatusReader:
     def gpu_views(self, host: str, host_runs: list[Run], stale_after: float) -> list[GpuView]:
         """Each GPU of the host from its newest poll, with its history; the GPUs its
         runs hold but no poll has read yet, as unknown."""
-        readings = self.store.readings(host, GPU_HISTORY, "gpu")
+        readings = self.readings(host, GPU_HISTORY, "gpu")
         holders: dict[int, tuple[str, str | None]] = {}
         for r in host_runs:
             roles = roles_of(r)
@@ -234,9 +236,21 @@ class StatusReader:
                 stale_after, Clocks.from_row(g)))
         return views
 
+    def readings(self, host: str, limit: int, kind: str) -> list[dict[str, Any]]:
+        """``Store.readings``, decoded again only when the host has a newer poll."""
+        newest = self.store.newest_reading_time(host, kind)
+        key = (host, limit, kind)
+        with self._lock:
+            cached = self._readings.get(key)
+        if cached is None or cached[0] != newest:
+            cached = (newest, self.store.readings(host, limit, kind))
+            with self._lock:
+                self._readings[key] = cached
+        return cached[1]
+
     def host_load(self, host: str, stale_after: float) -> HostLoad | None:
         """The host's newest CPU and memory reading (None: no poll has read it)."""
-        readings = self.store.readings(host, 2, "host_reading")
+        readings = self.readings(host, 2, "host_reading")
         if not readings:
             return None
         return HostLoad.from_readings(readings[-1], readings[-2] if len(readings) > 1 else None, stale_after)
@@ -271,13 +285,13 @@ class StatusReader:
         """The run's history at ``zoom``: its samples in ``SERIES_POINTS`` buckets over the
         zoom's span (``whole``: the whole run's, already read), its restarts and stalls
         in that span. None without samples."""
-        series = whole if whole is not None else self.store.sample_series(run.id, SERIES_POINTS)
+        series = whole if whole is not None else self.series(run.id)
         if not series:
             return None
         first = series[0].get("start", series[0]["time"])  # a bucket's time is its newest sample's
         t0, t1 = chart_window(first, series[-1]["time"], now, run.active, zoom)
         if t0 > first:  # zoomed in: the span's own buckets, as fine as the whole run's
-            series = self.store.sample_series(run.id, SERIES_POINTS, since=t0)
+            series = self.series(run.id, since=t0)
         marks = marks_of(self.store.restarts(run.id), self.store.events(run.id, kind="state"), t0, t1)
         return ChartView(zoom, t0, t1, series, marks, first)
 
@@ -298,11 +312,26 @@ class StatusReader:
             if isinstance(data, dict):
                 torch = data.get("torch")
                 env.torch = torch if isinstance(torch, str) else None
-        series = store.sample_series(run.id, SERIES_POINTS)
+        series = self.series(run.id)
         share, whole = self.store_size(run.id)
         return DetailView(view, events, series, self.thresholds(run), env,
                           [r.to_dict() for r in store.restarts(run.id)], run.run_dir, run.exit_code,
                           self.chart(run, now, zoom, whole=series), share, whole, store.history_from(run.id))
+
+    def series(self, run_id: str, since: float | None = None) -> list[dict[str, Any]]:
+        """``Store.sample_series`` in ``SERIES_POINTS`` buckets, read again only when the
+        run has a newer sample (a refresh of a run whose data did not move reads one row)."""
+        newest = self.store.newest_sample_time(run_id)
+        key = (run_id, since)
+        with self._lock:
+            cached = self._series.get(key)
+        if cached is None or cached[0] != newest:
+            cached = (newest, self.store.sample_series(run_id, SERIES_POINTS, since=since))
+            with self._lock:
+                if len(self._series) > 64:  # runs and zooms looked at lately; never more
+                    self._series.clear()
+                self._series[key] = cached
+        return cached[1]
 
     def store_size(self, run_id: str) -> tuple[int | None, int]:
         """(the run's share of the store, the file's size); the share read again after

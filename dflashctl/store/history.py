@@ -21,6 +21,8 @@ chart read all of it. So:
 from __future__ import annotations
 
 import math
+import os
+import sqlite3
 from typing import Any, Iterable
 
 from dflashctl.store.connection import StoreConnection
@@ -106,10 +108,12 @@ class HistoryMixin(StoreConnection):
                            "ORDER BY time DESC, id DESC LIMIT ?", [host, int(limit)])
         return [_decode(r) for r in reversed(rows)]
 
-    def reading_hosts(self, since: float) -> list[str]:
-        """Hosts read since ``since``, by name."""
-        return [r["host"] for r in self._query(
-            "SELECT DISTINCT host FROM host_readings WHERE time > ? ORDER BY host", [since])]
+    def newest_reading_time(self, host: str, kind: str = "gpu") -> float | None:
+        """The time of the host's newest reading holding ``kind`` (None: none); one index lookup."""
+        if kind not in ("gpu", "host_reading"):
+            raise ValueError(f"readings: unknown kind {kind!r}")
+        return self.conn.execute(f"SELECT max(time) FROM host_readings WHERE host = ? AND {kind} IS NOT NULL",
+                                 [host]).fetchone()[0]
 
     def rollup_series(self, owner: str, metrics: Iterable[str], t0: float, t1: float,
                       points: int) -> list[dict[str, Any]]:
@@ -191,8 +195,6 @@ class HistoryMixin(StoreConnection):
     def vacuum(self) -> None:
         """Give the pages of deleted rows back to the file system (VACUUM, then the
         write-ahead log emptied); it waits for the write lock like any writer."""
-        import sqlite3
-
         try:
             self.conn.execute("VACUUM")
             self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -201,8 +203,6 @@ class HistoryMixin(StoreConnection):
 
     def file_bytes(self) -> int:
         """The store's size on disk: its file and its write-ahead log."""
-        import os
-
         return sum(os.path.getsize(p) for p in (self.path, self.path + "-wal") if os.path.exists(p))
 
     def table_bytes(self) -> dict[str, int]:
@@ -210,7 +210,7 @@ class HistoryMixin(StoreConnection):
         try:
             rows = self.conn.execute("SELECT coalesce(m.tbl_name, d.name) AS t, sum(d.pgsize) FROM dbstat AS d "
                                      "LEFT JOIN sqlite_master AS m ON m.name = d.name GROUP BY t").fetchall()
-        except Exception:  # noqa: BLE001  (an SQLite built without dbstat: sizes unknown, not an error)
+        except sqlite3.OperationalError:  # an SQLite built without dbstat: sizes unknown, not an error
             return {}
         return {t: int(n) for t, n in rows}
 

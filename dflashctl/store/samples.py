@@ -172,6 +172,10 @@ class SamplesMixin(HistoryMixin):
             p["step"] = p.get("step_max")
         return [p for p in series if p["step"] is not None]
 
+    def newest_sample_time(self, run_id: str) -> float | None:
+        """The time of the run's newest sample (None: it has none); one index lookup."""
+        return self.conn.execute("SELECT max(time) FROM samples WHERE run_id = ?", [run_id]).fetchone()[0]
+
     def _raw_series(self, run_id: str, t0: float, width: float, points: int) -> list[dict[str, Any]]:
         figures = ", ".join(f"avg({c}) AS {c}, min({c}) AS {c}_min, max({c}) AS {c}_max"
                             for c in ("tok_s", "loss", "acc", "accept_len", "mfu"))

@@ -96,3 +96,28 @@ def test_the_gpu_pane_stays_fresh_while_the_trainer_writes_nothing_for_60_s(gpu_
     finally:
         sup.close()
         env.tmux.kill(run_id)
+
+
+def test_a_host_is_read_on_every_poll_while_its_only_run_restarts(gpu_host):
+    """Defect: a run whose restart was in flight was not probed at all, so neither
+    was its host: the pane went blind exactly while the run restarted."""
+    import threading
+
+    env = gpu_host
+    pb = env.playbook("crashy", {"fault": {"kind": "exit", "after_steps": 4, "message": "boom"}}, poll_interval=0.5)
+    run_id = env.start(pb)
+    release = threading.Event()
+    sup = env.supervisor(interval=0.5, restart_fn=lambda *args, **kw: release.wait(60))  # a restart that takes long
+    sup.attach(run_id)
+    try:
+        wait_for(lambda: sup.runs[run_id].job is not None, 60, "the restart in flight", tick=sup.tick)
+        before = len(env.store.readings("local", 1000))
+        for _ in range(3):
+            sup.tick()
+            assert sup.runs[run_id].job is not None  # still restarting: the run itself is not looked at
+        polls = env.store.readings("local", 1000)[before:]
+        assert len(polls) == 3 and all(len(p["gpu"]) == 8 and p["host_reading"]["cpus"] for p in polls)
+    finally:
+        release.set()
+        sup.close()
+        env.tmux.kill(run_id)

@@ -132,3 +132,20 @@ def test_each_runs_share_of_the_store_and_the_store_command(store, tmp_path):
     assert {r["id"]: r["summary"]["store_bytes"] > 0 for r in runs}[run_id]
     for sub in ("info", "prune", "vacuum"):
         assert "--json" in dflashctl.invoke("store", sub, "--help").stdout
+
+
+def test_a_refresh_of_a_run_whose_data_did_not_move_reads_its_series_once(store, monkeypatch):
+    from dflashctl.status.model import StatusReader
+
+    run_id, lines = _run(store, 1)
+    reader = StatusReader(store)
+    reads = []
+    real = store.sample_series
+    # A spy on the real store's method (it still reads): how often a refresh goes to the series.
+    monkeypatch.setattr(store, "sample_series", lambda *a, **kw: reads.append(a) or real(*a, **kw))
+    assert reader.series(run_id) == reader.series(run_id) and len(reads) == 1
+    store.add_samples(run_id, [{"time": lines[-1]["time"] + POLL, "step": 10**6}])
+    assert reader.series(run_id)[-1]["step"] == 10**6 and len(reads) == 2
+    newest = reader.readings("gpu1", 2, "gpu")
+    store.add_readings("gpu1", lines[-1]["time"] + POLL, gpus(8, util=1.0))
+    assert reader.readings("gpu1", 2, "gpu")[-1]["time"] > newest[-1]["time"]
