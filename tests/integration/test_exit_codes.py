@@ -161,6 +161,9 @@ SCENARIOS = {
     ("advise", 2): lambda w: _cli(w, "advise", "nosuch"),
     ("eval", 1): lambda w: _cli(w, "eval", w["dead"]),
     ("eval", 2): lambda w: _cli(w, "eval", "nosuch"),
+    ("store", 0): lambda w: _cli(w, "store", "info"),
+    ("store", 1): lambda w: _damaged(w, "store", "info"),
+    ("store", 2): lambda w: _cli(w, "store", "prune", "--no-such-option"),
 }
 
 
