@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -24,25 +23,16 @@ from dflashctl.hosts import deploy
 from dflashctl.hosts.bundle import Bundle, build_bundle
 from dflashctl.hosts.transport import connect
 from tests import harness
+from tests.harness.bundle import source_copy
 
 REPO = harness.REPO
 
 
-def _source_copy(tmp_path: Path) -> Path:
-    """The bundle's sources copied somewhere they can be changed."""
-    root = tmp_path / "src"
-    for rel in ("trainer", "dflashctl/__init__.py", "dflashctl/core/__init__.py", "dflashctl/core/contract.py"):
-        src, dst = REPO / rel, root / rel
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(src, dst)
-    return root
+
 
 
 def _changed_bundle(tmp_path: Path, text: str = "CHANGED = True\n") -> Bundle:
-    root = _source_copy(tmp_path)
+    root = source_copy(tmp_path)
     (root / "trainer" / "_variant.py").write_text(text)
     return build_bundle(str(root))
 

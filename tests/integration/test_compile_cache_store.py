@@ -10,7 +10,6 @@ Every tmux server here is on a socket private to this test process, ended by its
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -23,9 +22,10 @@ from dflashctl.core.errors import TransportError
 from dflashctl.hosts.tmux import SOCKET_ENV, Tmux
 from dflashctl.hosts.transport import connect
 from dflashctl.runs import compile_cache as cc
-from dflashctl.runs.runhost import restart_run, run_files
+from dflashctl.runs.runhost import restart_run
 from dflashctl.store import Store
 from tests.harness import environ
+from tests.harness.artifacts import TRAINER, artifact, run_config, written
 from tests.harness.fake_trainer import start_fake_run
 from tests.harness.local import kill_tmux_servers, wait_for, write_playbook
 from trainer import compile_cache as trainer_cache
@@ -35,8 +35,7 @@ SOCKET = f"dflash-cc-{os.getpid()}"
 def local(cache: cc.LocalCache) -> dict:
     """The origin of an entry copied back from the local host: its domain, as issued."""
     return {"domain": cache.domain_for(load_inventory(None).get("local"), load_inventory(None)).id, "host": "local"}
-TRAINER = {"model": {"preset": "tiny"}, "data": {"buckets": [256], "batch_size": 1, "max_anchors": 16},
-           "placement": {"device": "cpu", "target": [0], "drafter": [0]}}
+
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,28 +51,6 @@ def home(tmp_path, monkeypatch):
     """A controller data directory of this test's own: the default cache store lives there."""
     monkeypatch.setenv("DFLASHCTL_HOME", str(tmp_path / "home"))
     return tmp_path / "home"
-
-
-def run_config(trainer: dict | None = None, gpus=(), bundle_dir: str = "/w/bundles/" + "b" * 64) -> dict:
-    env = {"PYTHONPATH": bundle_dir}
-    if gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-    return {"trainer": trainer_config.from_dict(trainer or TRAINER).to_dict(), "gpus": list(gpus), "env": env,
-            "python": "python3", "compile_cache": None}
-
-
-def written(config: dict) -> dict:
-    """The trainer configuration as the run's config.json holds it."""
-    return json.loads(run_files("r", "/r", config, "s")["config.json"])
-
-
-def artifact(config: str, bundle: str = "b" * 64, gpu: str = "cpu", torch: str = "2.13.0",
-             data: bytes = b"compiled kernels " * 4096) -> tuple[dict, bytes]:
-    fields = {"torch": torch, "triton": "3.5", "cuda": "12.8", "gpu": gpu, "python": "3.12.3", "bundle": bundle,
-              "config": config}
-    key = trainer_cache.key_of(fields)
-    return {"v": 1, "key": key, "fields": fields, "shape": {}, "file": f"{key}.bin", "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(), "created": time.time(), "artifacts": {"inductor": 3}}, data
 
 
 # --------------------------------------------------------------------------- into and out of a run directory

@@ -26,44 +26,8 @@ from dflashctl.hosts.transport import (
     fanout,
 )
 from tests.harness import free_port
+from tests.harness.hostile import HOSTILE
 
-# Everything a shell would love to interpret, and a few things ssh/env/pct might.
-HOSTILE = [
-    "plain",
-    "two words",
-    "'single'",
-    '"double"',
-    "$(echo pwned)",
-    "`echo pwned`",
-    "$HOME",
-    "${PATH}",
-    "new\nline",
-    "tab\there",
-    "carriage\rreturn",
-    "ünïcødé ✓ 日本語",
-    "",
-    "-n",
-    "--",
-    "-c",
-    "*",
-    "?",
-    "a;b",
-    "a&&b",
-    "a|b",
-    "back\\slash",
-    "~",
-    "~/x",
-    "%s %d",
-    "trailing\n",
-    "!bang",
-    "#hash",
-    " leading space",
-    "'\"'\"'",
-    ">redirect",
-    "<in",
-    "{a,b}",
-    "A=B",
-]
 ECHO_ARGV = "import json, sys; sys.stdout.write(json.dumps(sys.argv[1:]))"
 ROUTED = ["local", "direct", "jump2", "target", "target2"]
 

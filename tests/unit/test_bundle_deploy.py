@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import tarfile
-from pathlib import Path
 
 from dflashctl.hosts.bundle import Bundle, build_bundle
 from tests import harness
+from tests.harness.bundle import source_copy
 
 REPO = harness.REPO
 
@@ -20,17 +19,7 @@ def _members(bundle: Bundle) -> list[tarfile.TarInfo]:
     return tarfile.open(fileobj=io.BytesIO(bundle.data)).getmembers()
 
 
-def _source_copy(tmp_path: Path) -> Path:
-    """The bundle's sources copied somewhere they can be changed."""
-    root = tmp_path / "src"
-    for rel in ("trainer", "dflashctl/__init__.py", "dflashctl/core/__init__.py", "dflashctl/core/contract.py"):
-        src, dst = REPO / rel, root / rel
-        if src.is_dir():
-            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(src, dst)
-    return root
+
 
 
 def test_bundle_is_reproducible_and_holds_only_the_trainer_side(tmp_path):
@@ -45,7 +34,7 @@ def test_bundle_is_reproducible_and_holds_only_the_trainer_side(tmp_path):
         assert m.mode == (0o755 if m.isdir() else 0o644)
     assert [m.name for m in _members(a) if m.isfile()] == sorted(a.files)
     # Caches and stray mtimes do not change the hash; content does.
-    root = _source_copy(tmp_path)
+    root = source_copy(tmp_path)
     (root / "trainer" / "__pycache__").mkdir(exist_ok=True)
     (root / "trainer" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"junk")
     os.utime(root / "trainer" / "config.py", (1, 1))

@@ -14,46 +14,6 @@ from dflashctl.hosts.transport import (
     command_line,
 )
 
-# Everything a shell would love to interpret, and a few things ssh/env/pct might.
-HOSTILE = [
-    "plain",
-    "two words",
-    "'single'",
-    '"double"',
-    "$(echo pwned)",
-    "`echo pwned`",
-    "$HOME",
-    "${PATH}",
-    "new\nline",
-    "tab\there",
-    "carriage\rreturn",
-    "ünïcødé ✓ 日本語",
-    "",
-    "-n",
-    "--",
-    "-c",
-    "*",
-    "?",
-    "a;b",
-    "a&&b",
-    "a|b",
-    "back\\slash",
-    "~",
-    "~/x",
-    "%s %d",
-    "trailing\n",
-    "!bang",
-    "#hash",
-    " leading space",
-    "'\"'\"'",
-    ">redirect",
-    "<in",
-    "{a,b}",
-    "A=B",
-]
-ECHO_ARGV = "import json, sys; sys.stdout.write(json.dumps(sys.argv[1:]))"
-ROUTED = ["local", "direct", "jump2", "target", "target2"]
-
 
 def test_command_line_is_one_shell_word_per_argument_after_the_wrapper():
     line = command_line(["printf", "%s", "a b", "$(x)"], wrapper=["pct", "exec", "200", "--"], timeout=5)
