@@ -84,16 +84,6 @@ def fmt_duration(seconds: float | None) -> str:
     return f"{seconds:.0f} s"
 
 
-def fmt_bytes(size: int | None) -> str:
-    """512 -> '512 B', 3 << 20 -> '3 MiB', 1.5 * 2**30 -> '1.5 GiB'."""
-    if size is None:
-        return "n/a"
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{_trim(size / scale)} {unit}"
-    return f"{size} B"
-
-
 def _trim(value: float) -> str:
     text = f"{value:.1f}"
     return text[:-2] if text.endswith(".0") else text
