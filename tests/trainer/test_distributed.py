@@ -134,6 +134,7 @@ def test_a_stop_asked_by_another_rank_is_no_signal_the_operators_first_still_che
         "import signal, sys\n"
         "from trainer.train import StatusFile, StopRequest\n"
         f"stop = StopRequest(StatusFile({str(tmp_path)!r}, 'status.rank1.json'))\n"
+        "stop.at_once = False  # training has made steps: a first signal checkpoints\n"
         "stop.event.set()  # as train() does when the all-reduced stop count says so\n"
         "stop._handle(signal.SIGTERM, None)\n"
         "print('still here', stop.signal_name)\n"
