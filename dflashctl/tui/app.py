@@ -32,7 +32,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, VerticalScroll
-from textual.widgets import DataTable, Footer, Static
+from textual.widgets import DataTable, Footer
 from textual.worker import get_current_worker
 
 from dflashctl.core.errors import DflashError, first_line
@@ -164,9 +164,9 @@ class StatusApp(App):
     # ----------------------------------------------------------------- layout
 
     def compose(self) -> ComposeResult:
-        yield Static(id="title")
-        yield Static(id="banner")
-        yield Static(id="notices")
+        yield Pane(id="title")
+        yield Pane(id="banner")
+        yield Pane(id="notices")
         # Above the runs it filters, never under the footer: what is typed is seen.
         yield FilterBox(placeholder="filter: words in id, playbook, host, state, phase (Enter keeps, Esc clears)",
                         id="filter")
@@ -196,6 +196,10 @@ class StatusApp(App):
 
     def on_mount(self) -> None:
         self.store = Store(self.store_path)
+        # This thread's connection, held until the screen ends: each worker closes its own
+        # after its read, and the last connection to close checkpoints the WAL and deletes
+        # it (a few ms of each refresh, and of the supervisor's next write).
+        self.store.conn
         self.reader = StatusReader(self.store, self.playbooks_dir)
         self._apply_mode(*self.size)
         self.query_one(RunsTable).focus()
@@ -301,14 +305,14 @@ class StatusApp(App):
         view = self.view
         width = width or self.size.width
         runs = self.shown_runs()
-        self.query_one("#title", Static).update(self.title_text(view, len(runs), width))
-        banner = self.query_one("#banner", Static)
+        self.query_one("#title", Pane).show(self.title_text(view, len(runs), width))
+        banner = self.query_one("#banner", Pane)
         banner.set_class(self.banner is not None, "-shown")
         if self.banner is not None:
-            banner.update(banner_text(self.banner, width - 2, lines=1 if self.mode == "compact" else 3))
-        notices = self.query_one("#notices", Static)
+            banner.show(banner_text(self.banner, width - 2, lines=1 if self.mode == "compact" else 3))
+        notices = self.query_one("#notices", Pane)
         notices.set_class(bool(view.notices), "-shown")
-        notices.update(notice_text(view.notices, width - 2, lines=1 if self.mode == "compact" else 2))
+        notices.show(notice_text(view.notices, width - 2, lines=1 if self.mode == "compact" else 2))
         table = self.query_one(RunsTable)
         table.show(runs, width)
         if table.current is not None:

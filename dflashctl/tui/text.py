@@ -380,7 +380,26 @@ def run_pane_layout(height: int, compact: bool) -> tuple[int, int, int]:
     return rows, count, max(MIN_EVENT_LINES, height - CHART_HEADER_LINES - lines)
 
 
+HISTORY_KEPT = 8  # drawn charts kept (the main screen's and the detail view's, a few widths)
+_history_drawn: dict[tuple, tuple[list, Text]] = {}
+
+
 def history_text(chart: ChartView, width: int, rows: int, count: int = len(CHARTS)) -> Text:
+    """``_history_text``, drawn again only when what it draws changed: the series (the
+    reader keeps its list until newer data comes), the window, the marks or the size.
+    A refresh that brings nothing new (most of them: a supervisor polls every 4-15 s,
+    the screen reads every 2 s) costs a lookup."""
+    key = (chart.zoom, chart.t0, chart.t1, chart.first, id(chart.series), len(chart.series),
+           tuple(chart.marks), width, rows, count)
+    drawn = _history_drawn.get(key)
+    if drawn is None or drawn[0] is not chart.series:  # an id is only unique while its list lives
+        drawn = _history_drawn[key] = (chart.series, _history_text(chart, width, rows, count))
+        while len(_history_drawn) > HISTORY_KEPT:
+            _history_drawn.pop(next(iter(_history_drawn)))
+    return drawn[1].copy()
+
+
+def _history_text(chart: ChartView, width: int, rows: int, count: int = len(CHARTS)) -> Text:
     """The run's tok/s, loss and τ est (the first ``count`` of them) from ``chart.t0``
     to ``chart.t1``. ``rows`` 1: a line each (name, cells, the newest value; the zoom
     after the first); taller: per chart a title (newest, lowest and highest value,

@@ -205,10 +205,14 @@ class Pane(Static):
             self.draw = draw
         if self.draw is not None:
             box = self.parent if self.parent is not None else self
-            text = self.draw(max(20, self.size.width or self.app.size.width), box.size.height)
-            if text != self.shown:
-                self.shown = text
-                self.update(text)
+            self.show(self.draw(max(20, self.size.width or self.app.size.width), box.size.height))
+
+    def show(self, text: Text) -> None:
+        """``text`` in the pane, unless it is what the pane shows (an update lays the
+        screen out again)."""
+        if text != self.shown:
+            self.shown = text
+            self.update(text)
 
     def on_resize(self) -> None:
         self.redraw()
