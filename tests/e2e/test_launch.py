@@ -133,11 +133,14 @@ def test_launch_demo_on_the_local_host_with_the_cli(tmp_path):
         while "resumed from" not in (Path(run.run_dir) / contract.LOG_FILE).read_text():
             assert time.monotonic() < deadline, "the restarted trainer did not resume"
             time.sleep(0.5)
-        assert _cli(["stop", run_id], cwd=tmp_path).stdout.split() == [run_id, "stopped"]
+        # The resumed demo has few steps left: on a slow machine it may finish them
+        # before the stop comes, and a finished run is said to be done, not stopped.
+        answer = _cli(["stop", run_id], cwd=tmp_path).stdout.split()
+        assert answer in ([run_id, "stopped"], [run_id, "done"]), answer
 
         events = json.loads(_cli(["events", run_id, "--json"], cwd=tmp_path).stdout)
         states = [e["detail"]["to"] for e in events if e["kind"] == "state"]
-        assert states == ["launching", "running", "stopped", "restarting", "running", "stopped"]
+        assert states == ["launching", "running", "stopped", "restarting", "running", answer[1]]
     finally:
         os.environ.pop("DFLASHCTL_STORE")
 
