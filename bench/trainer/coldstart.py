@@ -5,6 +5,9 @@ for both mask variants, forward and backward.
 
     python -m bench.trainer.coldstart                     # 3 cold starts + 1 warm, 50 steps each
     python -m bench.trainer.coldstart --unsafe --timeout 180
+    python -m bench.trainer.coldstart --preset qwen3-0.6b --layer-types sliding,full,sliding \
+        --block 8 --buckets 512,1024 --cold 5 --warm 0 --steps 6
+        # the drill's reference shapes: a qwen3-0.6b target, 3 drafter layers, two buckets
         # the same with the compile discipline switched off (compile.unsafe_parallel_warmup):
         # on a cold cache the drafter threads compile flex_attention forward+backward at once;
         # a start that reaches no training step before --timeout is reported as a hang, with
@@ -30,9 +33,9 @@ from bench.common import cold_then_warm, finish, run_once, write_shard
 
 def config(args) -> dict:
     return {
-        "model": {"preset": args.preset, "drafter_layers": len(args.layer_types), "block_size": 16,
+        "model": {"preset": args.preset, "drafter_layers": len(args.layer_types), "block_size": args.block,
                   "layer_types": args.layer_types, "sliding_window": args.window},
-        "data": {"buckets": [args.bucket], "max_anchors": args.anchors, "batch_size": 2},
+        "data": {"buckets": args.buckets, "max_anchors": args.anchors, "batch_size": 2},
         "train": {"steps": args.steps, "log_every": 1, "checkpoint_every": 0},
         "placement": {"device": "cuda", "target": [0], "drafter": [0, 0, 0], "queue_depth": 4},
         "compile": {"enabled": "on", "unsafe_parallel_warmup": bool(args.unsafe),
@@ -43,7 +46,9 @@ def config(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="small", help="target preset (default small)")
-    p.add_argument("--bucket", type=int, default=1024)
+    p.add_argument("--buckets", type=lambda v: [int(b) for b in v.split(",")], default=[1024],
+                   help="sequence buckets, a comma list (default 1024; each is its own compiled shape)")
+    p.add_argument("--block", type=int, default=16, help="the drafter's block size (default 16)")
     p.add_argument("--anchors", type=int, default=64)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--layer-types", type=lambda v: v.split(","), default=["full", "sliding"],
@@ -60,7 +65,8 @@ def main(argv=None) -> int:
 
     cfg = config(args)
     work = args.work_dir or tempfile.mkdtemp(prefix="bench-coldstart-")
-    cfg["data"]["shards"] = write_shard(os.path.join(work, "shards"), cfg, samples=64)
+    cfg["data"]["shards"] = write_shard(os.path.join(work, "shards"), cfg, samples=64,
+                                        spread=len(args.buckets) > 1)  # each bucket gets batches
     print(json.dumps({"bench": "coldstart", "unsafe": args.unsafe, "config": cfg}), flush=True)
     results = []
     for kind, i, cache in cold_then_warm(work, args.cold, args.warm):
