@@ -433,7 +433,8 @@ class Supervisor:
         self._collect_jobs(t)
         for w in self.active():
             if w.job is None:
-                host_up = self.hosts.get(w.run.host, _HostState()).down_since is None  # else: when it is back
+                # Every host of the run (a multi-host restart runs on each): else when they are back.
+                host_up = all(self.hosts.get(host, _HostState()).down_since is None for host, _ in w.probes())
                 self._step(w, core.Clock(host_up=host_up), now, t)
         by_host: dict[str, list[tuple[Watched, int]]] = {}  # (run, rank): every process of every run
         for w in self.active():

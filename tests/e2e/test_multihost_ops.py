@@ -194,3 +194,35 @@ def test_each_hosts_outage_is_said_and_the_ranks_that_answer_stay_fresh(ssh_env,
             os.kill(pid, signal.SIGCONT)
     finally:
         background.close()
+
+
+def test_a_restart_waits_for_a_rank_hosts_return_instead_of_failing_on_it(ssh_env, pair):  # noqa: F811
+    """Defect: with rank 1's host down, the restart after rank 0's crash was tried on
+    every host, failed on that one three times and the run failed; it now waits for
+    every host of the run to answer (as a one-host run waits for its host), then runs."""
+    store, playbook, playbooks_dir = pair
+    run, dirs, _ = _started(ssh_env, store, _long(ssh_env, playbook, playbooks_dir)[0], past=0)
+    sup = Supervisor(store, ssh_env.inventory, interval=INTERVAL, playbooks_dir=playbooks_dir)
+    sup.attach(run.id)
+    background = Background(sup)
+    try:
+        wait_for(lambda: checkpoint_steps(dirs[0]), 180, "a checkpoint")
+        pids = [rank_status(d, r)["pid"] for r, d in enumerate(dirs)]
+        ssh_env.stop("target")  # rank 1's host
+        try:
+            wait_for(lambda: [e for e in kinds(store, run.id, "unreachable") if (e.detail or {}).get("rank") == 1],
+                     60, "rank 1's host said unreachable")
+            os.kill(pids[0], signal.SIGKILL)
+            wait_for(lambda: store.get_run(run.id).state == "restarting", 60, "the restart decided")
+            time.sleep(30 * INTERVAL)  # dozens of the restart's backoffs: each would have been a try
+            assert store.get_run(run.id).state == "restarting"
+            assert not [e for e in kinds(store, run.id, "restart") if "not issued" in e.message]
+        finally:
+            ssh_env.start("target")
+        wait_for(lambda: store.restarts(run.id) and store.restarts(run.id)[0].time_to_first_step_s is not None, 180,
+                 "the restarted run's first step")
+        assert store.get_run(run.id).state == "running"
+        assert all(_alive((rank_status(d, r) or {}).get("pid")) and (rank_status(d, r) or {}).get("pid") != pids[r]
+                   for r, d in enumerate(dirs))  # a new process on each host
+    finally:
+        background.close()

@@ -654,6 +654,38 @@ def test_another_hosts_rank_ending_is_written_once_and_restarts_nothing_until_ra
     assert [(r["rank"], r["host"], r["exit_code"]) for r in rows_written.rows] == [(0, "gpu1", 1), (1, "gpu2", 137)]
 
 
+@pytest.mark.parametrize("peer", [dict(exit_code=contract.EXIT_DISK_FULL),  # its own word: a write refused
+                                  dict(exit_code=1, disk_free=0, disk_total=1 << 20)])  # its host's word
+def test_a_peers_full_disk_stops_the_run_named_instead_of_restarting_every_host(peer):
+    """Rank 0's word alone ("rank 1 failed first") is a restart of every host; the
+    failed rank's full disk makes it disk_full, the run stopped and the rank named."""
+    failed = core.Probed(probe(T0 + 12, "failed", step=10, session=False, alive=False, exit_code=1,
+                               error="DistributedError: rank 1 (gpu2) failed first"))
+    failed = replace(failed, result=replace(failed.result, status=replace(
+        failed.result.status, detail={"failed_rank": 1, "failed_host": "gpu2"})))
+    gone = dict(step=10, session=False, alive=False, exit_code=peer["exit_code"])
+
+    def member(t, **kw):
+        obs = with_member(failed if t == T0 + 12 else healthy(t, 10), t, **gone)
+        full = {k: v for k, v in peer.items() if k.startswith("disk_")}
+        return replace(obs, members=(replace(obs.members[0], result=replace(obs.members[0].result, **full)),))
+
+    rows = [(T0, with_member(healthy(T0, 10), T0, step=10)), (T0 + 1, member(T0 + 1)), (T0 + 12, member(T0 + 12))]
+    state, seen = run_table(rows, two_host_state())
+    assert seen[2][0] == ["failed"] and "IssueRestart" not in seen[2][2], seen
+    _, writes, _ = core.step(run_table(rows[:2], two_host_state())[0], rows[2][1], T0 + 12, make_policy())
+    [crash] = [w for w in writes if isinstance(w, core.Event) and w.kind == "crash"]
+    assert crash.detail["signature"] == "disk_full" and crash.detail["matched_line"].startswith("rank 1 on gpu2")
+    [ended] = [w for w in writes if isinstance(w, core.Transition)]
+    assert "rank 1 on gpu2" in ended.message and "full" in ended.message, ended.message
+
+    # The same end with the peer's disk not full stays rank 0's restart of every host.
+    healthy_peer = [(t, replace(o, members=(replace(o.members[0], result=replace(
+        o.members[0].result, exit_code=1, disk_free=None, disk_total=None)),))) for t, o in rows]
+    _, seen = run_table(healthy_peer, two_host_state())
+    assert seen[2][0] == ["restarting"] and "IssueRestart" in seen[2][2]
+
+
 @pytest.mark.parametrize("letter, why", [("T", "its process is stopped"),
                                          ("D", "its process waits in uninterruptible I/O")])
 def test_a_stall_of_a_run_on_two_hosts_names_the_host_whose_process_is_stuck(letter, why):

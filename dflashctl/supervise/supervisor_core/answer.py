@@ -79,7 +79,7 @@ def _observe(s: RunState, obs: Probed, local: float, pol: Policy, out: _Out) -> 
         hung = _hung_peer(s, pr, obs.members, local)
         if hung is not None and not any(f.kind == detectors.CRASH for f in findings):
             findings = [hung, *findings]
-    _act(s, pr, findings, local, skew, pol, out)
+    _act(s, pr, findings, local, skew, pol, out, obs.members if s.run.hosts else ())
     _fetch_compile_cache(s, local, pol, out)
     _standby(s, status, pol, out, obs.result.standby_pid)
 

@@ -28,7 +28,7 @@ from dflashctl.supervise import detectors, policy
 from dflashctl.supervise.detectors import Finding
 from dflashctl.supervise.supervisor_core.limits import REPEAT_FINDING_S, RESTART_MARKER, RESTART_TRIES, SETTLE_S
 from dflashctl.supervise.supervisor_core.machine import _transition
-from dflashctl.supervise.supervisor_core.observations import JobDone
+from dflashctl.supervise.supervisor_core.observations import JobDone, Member
 from dflashctl.supervise.supervisor_core.run_policy import Policy
 from dflashctl.supervise.supervisor_core.state import KILL, RESTART, Latest, Open, Pending, RunState
 from dflashctl.supervise.supervisor_core.stopping import _lost_with_stop_pending
@@ -44,7 +44,7 @@ from dflashctl.supervise.supervisor_core.writes import (
 
 
 def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, skew: float, pol: Policy,
-         out: _Out) -> None:
+         out: _Out, members: tuple[Member, ...] = ()) -> None:
     finished = next((f for f in findings if f.kind == detectors.FINISHED), None)
     if finished is not None:
         _finished(s, pr, finished, pol, out)
@@ -62,6 +62,8 @@ def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, sk
             record if record else attempt_output(pr), None if record else (pr.status.error if pr.status else None),
             None if record else pr.exit_code, pol.run.signatures, _evidence(s, pr)
         )
+        if classification.action != signatures.STOP:
+            classification = _full_peer(members) or classification
         crash = replace(crash, detail={**crash.detail, "signature": classification.name,
                                        "matched_line": classification.matched_line})
         findings = [crash if f.kind == detectors.CRASH else f for f in findings]
@@ -82,6 +84,24 @@ def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, sk
         one_shot = trigger is not None and a.finding == trigger.kind and decision.kind != policy.NONE
         if one_shot or a.finding in fresh:
             out.alert(a.finding or "finding", a.severity, a.reason, a.detail)
+
+
+def _full_peer(members: tuple[Member, ...]) -> signatures.Classification | None:
+    """A multi-host run's crash that another rank's full disk explains (its host's free
+    space, or its own exit code or output): ``disk_full``, named after that rank, not
+    the ``rank_failed`` restart rank 0's word alone would give (every host would be
+    restarted into the same full disk)."""
+    for m in members:
+        pr = m.result
+        if pr is None:
+            continue
+        found = signatures.classify(attempt_output(pr), pr.status.error if pr.status else None, pr.exit_code,
+                                    evidence=signatures.Evidence(run_dir=pr.run_dir, disk_free=pr.disk_free,
+                                                                 disk_total=pr.disk_total))
+        if found.name == "disk_full":
+            return replace(found, hint=f"rank {m.rank} on {m.host}: {found.hint}",
+                           matched_line=f"rank {m.rank} on {m.host}: {found.matched_line or 'disk full'}")
+    return None
 
 
 def _evidence(s: RunState, pr: ProbeResult) -> signatures.Evidence:
