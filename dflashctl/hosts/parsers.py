@@ -21,6 +21,11 @@ from typing import Any, Callable, Generic, TypeVar
 
 from dflashctl.core import contract
 
+# What the host-side probe asks nvidia-smi for is what these parsers read by default:
+# one definition, the probe's (a stdlib script, imported here as a module). The clock
+# fields are asked apart from the GPU rows (a driver without one leaves those whole).
+from dflashctl.hosts.remote.probe import CLOCK_FIELDS, COMPUTE_APPS_FIELDS, GPU_QUERY_FIELDS  # noqa: F401
+
 T = TypeVar("T")
 
 # --------------------------------------------------------------------------- rejections
@@ -55,20 +60,6 @@ def _rejected(number: int, reason: str, line: str) -> Rejected:
 
 # --------------------------------------------------------------------------- nvidia-smi
 
-# The probe's queries. Changing them changes what the parsers expect by default.
-GPU_QUERY_FIELDS = (
-    "index",
-    "uuid",
-    "name",
-    "memory.used",
-    "memory.total",
-    "utilization.gpu",
-    "temperature.gpu",
-    "power.draw",
-    "power.limit",
-    "clocks.sm",
-)
-COMPUTE_APPS_FIELDS = ("pid", "process_name", "used_memory", "gpu_uuid")
 
 # nvidia-smi field name (as queried, or as printed in the header) -> GpuReading attribute.
 _GPU_ATTRS = {
@@ -345,8 +336,6 @@ def parse_compute_apps(text: str, fields: tuple[str, ...] | list[str] = COMPUTE_
 
 # --------------------------------------------------------------------------- clocks, throttling, SM share
 
-# Asked apart from GPU_QUERY_FIELDS (an older driver without one of them leaves the GPU rows whole).
-CLOCK_FIELDS = ("index", "clocks.max.sm", "clocks.mem", "clocks_throttle_reasons.active")
 
 # nvmlClocksThrottleReasons bits, as nvidia-smi -q words them.
 THROTTLE_REASONS = (

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 from dflashctl.hosts import parsers
-from dflashctl.hosts.remote import probe as remote_probe
 from tests.harness import FIXTURES
 
 SMI = FIXTURES / "nvidia-smi"
@@ -34,7 +33,6 @@ def test_clocks_are_merged_into_each_gpus_reading_by_index():
     parsers.merge_clocks(gpus, clocks)
     assert gpus[0].clocks_sm_mhz == 1440.0 and gpus[0].extra["clocks_throttle_reasons.active"] == "0x0000000000000004"
     assert gpus[0].extra["fan.speed"] is None  # [N/A]
-    assert remote_probe.CLOCK_FIELDS == parsers.CLOCK_FIELDS  # the probe asks what the parser reads
 
 
 def test_pmon_rows_give_each_processes_sm_share():

@@ -150,8 +150,6 @@ def test_the_scripts_ship_as_their_files_text_and_agree_with_the_contract() -> N
     assert remote_probe.METRICS_FILE == contract.METRICS_FILE
     assert remote_probe.LOG_FILE == contract.LOG_FILE
     assert remote_probe.EXIT_CODE_FILE == contract.EXIT_CODE_FILE
-    assert remote_probe.GPU_QUERY_FIELDS == parsers.GPU_QUERY_FIELDS
-    assert remote_probe.COMPUTE_APPS_FIELDS == parsers.COMPUTE_APPS_FIELDS
     assert remote_probe.TMUX_SOCKET == probe.TMUX_SOCKET
     assert remote_probe.STATUS_MAX_DEPTH == contract.MAX_DEPTH  # what the probe sends, the contract reads
     assert remote_probe.STATUS_MAX_BYTES <= contract.MAX_LINE_CHARS
