@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import dflashctl.hosts.remote
 from dflashctl.core import contract
-from dflashctl.hosts import facts, parsers, probe
+from dflashctl.hosts import facts, probe
 from dflashctl.hosts.probe import HostProbe, ProbeError, ProbeResult, parse_probe_host, parse_probe_output
 
 REMOTE = Path(dflashctl.hosts.remote.__file__).parent
