@@ -16,7 +16,9 @@ The console (``StatusApp``) driven headless over that store (Textual's
 its first read is drawn), opening the run's detail view (Enter until its first load
 is drawn), a refresh (the worker's read and the draw) on the main screen and in the
 detail view, the console's idle CPU over ``--idle-seconds`` of refreshes every 2 s
-(the default), its peak RSS. htop's CPU in a pseudo-terminal over the same time
+(the default), twice: nothing new in the store (the clock fixed at the run's end),
+then a live run (another process writes a poll every 4 s, as a supervisor, and the
+console's clock runs), its peak RSS. htop's CPU in a pseudo-terminal over the same time
 when htop is installed. Goals: detail view <= 1 s, refresh <= 50 ms, idle CPU no
 more than htop's; the store's size for the run is printed with the retention's.
 """
@@ -29,6 +31,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,20 +79,48 @@ def build(root: Path, days: float, poll: float) -> tuple[Store, str, float, floa
     pruned, t0 = float("-inf"), time.perf_counter()
     for i in range(polls):
         t = start + i * poll
-        line = {"time": t, "step": int(i * poll * STEPS_PER_S), "tok_s": 12800.0 + 150 * ((i * 7) % 5 - 2),
-                "loss": 2.4 - 1e-6 * i, "acc": 0.61, "accept_len": 3.1 + 1e-6 * i, "eta_s": 86400.0,
-                "phase": "training", "mfu": 0.41, "extra": {"lr": 3e-4, "grad_norm": 0.8 + (i % 13) / 100}}
-        with store.batch():  # one transaction per tick, as Supervisor._store_tick
-            store.add_samples(run_id, [line], metrics_offset=200 * (i + 1), observed=t + 0.5)
-            store.add_readings(HOST, t + 0.5, _gpu_reading(i), _host_reading(i, poll))
-            if t - pruned >= 60.0:
-                pruned = t
-                apply_retention(store, [(run, policy)])
+        pruned = tick(store, run, policy, i, t, poll, pruned)
         if i % 20000 == 0 and i:
             print(f"  {i:,} polls written ({time.perf_counter() - t0:.0f} s)", flush=True)
-    store.heartbeat("bench:1", pid=os.getpid(), host="bench", started=start, interval=poll, now=start + polls * poll,
-                    runs=[run_id], hosts={HOST: {"last_ok": start + polls * poll, "error": None, "down_since": None}})
+    beat(store, run_id, start, poll, start + polls * poll)
     return store, run_id, start + polls * poll, time.perf_counter() - t0
+
+
+def tick(store: Store, run, policy: RunPolicy, i: int, t: float, poll: float, pruned: float) -> float:
+    """Poll ``i`` of the run at ``t``, as Supervisor._store_tick writes it: its metrics
+    line and the host's reading in one transaction, the retention once a minute of the
+    run's clock. The time of the last pruning."""
+    line = {"time": t, "step": int(i * poll * STEPS_PER_S), "tok_s": 12800.0 + 150 * ((i * 7) % 5 - 2),
+            "loss": 2.4 - 1e-6 * i, "acc": 0.61, "accept_len": 3.1 + 1e-6 * i, "eta_s": 86400.0,
+            "phase": "training", "mfu": 0.41, "extra": {"lr": 3e-4, "grad_norm": 0.8 + (i % 13) / 100}}
+    with store.batch():
+        store.add_samples(run.id, [line], metrics_offset=200 * (i + 1), observed=t + 0.5)
+        store.add_readings(HOST, t + 0.5, _gpu_reading(i), _host_reading(i, poll))
+        if t - pruned >= 60.0:
+            pruned = t
+            apply_retention(store, [(run, policy)])
+    return pruned
+
+
+def beat(store: Store, run_id: str, start: float, poll: float, now: float) -> None:
+    store.heartbeat("bench:1", pid=os.getpid(), host="bench", started=start, interval=poll, now=now,
+                    runs=[run_id], hosts={HOST: {"last_ok": now, "error": None, "down_since": None}})
+
+
+def feed(path: str, run_id: str, poll: float, seconds: float) -> None:
+    """A supervisor's writes to a live run for ``seconds``: a poll every ``poll`` s at
+    the wall clock (run in its own process: its CPU is not the console's)."""
+    store = Store(path)
+    run, policy = store.get_run(run_id), RunPolicy.defaults("prod")
+    i = store.conn.execute("SELECT count(*) FROM samples").fetchone()[0] + 1_000_000
+    start, pruned = time.time(), float("-inf")
+    while time.time() - start < seconds:
+        t = time.time()
+        pruned = tick(store, run, policy, i, t, poll, pruned)
+        beat(store, run_id, start, poll, t)
+        i += 1
+        time.sleep(max(0.0, poll - (time.time() - t)))
+    store.close()
 
 
 def _ms(seconds: float) -> str:
@@ -119,9 +150,17 @@ def bench_console(store: Store, run_id: str, now: float, playbooks: str, idle_s:
             times.append(time.perf_counter() - t0)
         return times
 
+    async def idle(seconds: float) -> float:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        await asyncio.sleep(seconds)  # the app refreshes itself every 2 s meanwhile
+        return (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+
+    clock = {"live": False}
+
     async def scenario() -> None:
         t0 = time.perf_counter()
-        app = StatusApp(store.path, interval=2.0, clock=lambda: now, playbooks_dir=playbooks,
+        app = StatusApp(store.path, interval=2.0, clock=lambda: time.time() if clock["live"] else now,
+                        playbooks_dir=playbooks,
                         probe_unsupervised=False)
         async with app.run_test(size=(200, 60)) as pilot:
             await until(pilot, lambda: app.loads)
@@ -129,9 +168,18 @@ def bench_console(store: Store, run_id: str, now: float, playbooks: str, idle_s:
             figures["first_paint_s"] = time.perf_counter() - t0
             figures["refresh_s"] = await reloads(pilot, app, app)
             if idle_s > 0:
-                cpu0, wall0 = time.process_time(), time.perf_counter()
-                await asyncio.sleep(idle_s)  # the app refreshes itself every 2 s meanwhile
-                figures["idle_cpu"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+                figures["idle_cpu"] = await idle(idle_s)
+                # A live run: another process writes a poll every 4 s, the console's clock runs.
+                clock["live"] = True
+                feeder = subprocess.Popen([sys.executable, "-m", "bench.controller.longrun", "--feed", store.path,
+                                           run_id, str(idle_s + 10)], cwd=Path(__file__).resolve().parents[2])
+                try:
+                    await asyncio.sleep(6)  # its first polls in, the chart's new span drawn
+                    figures["live_cpu"] = await idle(idle_s)
+                finally:
+                    feeder.terminate()
+                    feeder.wait()
+                clock["live"] = False
             t0 = time.perf_counter()
             await pilot.press("enter")
             await until(pilot, lambda: isinstance(app.screen, DetailScreen) and app.screen.loads)
@@ -178,7 +226,10 @@ def main() -> None:
     parser.add_argument("--poll", type=float, default=4.0, help="seconds between polls (default 4)")
     parser.add_argument("--idle-seconds", type=float, default=30.0, metavar="S",
                         help="how long the idle CPU is measured, the console's and htop's (0: not measured)")
+    parser.add_argument("--feed", nargs=3, metavar=("STORE", "RUN", "SECONDS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.feed:
+        return feed(args.feed[0], args.feed[1], args.poll, float(args.feed[2]))
     keep = Retention()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -208,7 +259,10 @@ def main() -> None:
               f"{_ms(max(detail_refresh))} max")
         print(f"  peak RSS:               {figures['rss_kib'] / 1024:.0f} MiB")
         if "idle_cpu" in figures:
-            print(f"  idle CPU (refresh every 2 s, {args.idle_seconds:g} s): {figures['idle_cpu'] * 100:.2f} % of one core")
+            print(f"  idle CPU (refresh every 2 s, {args.idle_seconds:g} s), nothing new in the store: "
+                  f"{figures['idle_cpu'] * 100:.2f} % of one core")
+            print(f"  idle CPU, a live run (a poll every 4 s from another process, the clock running): "
+                  f"{figures['live_cpu'] * 100:.2f} % of one core")
             htop = htop_cpu(args.idle_seconds)
             print(f"  htop, same machine, next {args.idle_seconds:g} s: "
                   + (f"{htop * 100:.2f} % of one core" if htop is not None else "not installed: not measured"))
