@@ -196,10 +196,10 @@ class StatusApp(App):
 
     def on_mount(self) -> None:
         self.store = Store(self.store_path)
-        # This thread's connection, held until the screen ends: each worker closes its own
-        # after its read, and the last connection to close checkpoints the WAL and deletes
-        # it (a few ms of each refresh, and of the supervisor's next write).
-        self.store.conn
+        # One connection for the workers' reads, open until the screen ends: one opened
+        # and closed per read cost more than the read (its schema read again, and the
+        # last close checkpointed the WAL and deleted it). The screen only reads.
+        self.store.share()
         self.reader = StatusReader(self.store, self.playbooks_dir)
         self._apply_mode(*self.size)
         self.query_one(RunsTable).focus()
@@ -212,7 +212,7 @@ class StatusApp(App):
 
     def on_unmount(self) -> None:
         gc.unfreeze()
-        self.store.close()
+        self.store.unshare()
 
     # ----------------------------------------------------------------- reading
 
@@ -617,15 +617,16 @@ class StatusApp(App):
         from dflashctl.launch import start_supervisor
 
         run_id = args[1]
+        store = Store(self.store_path)  # it records the supervisor: a write, on a connection of its own
         try:
-            session = start_supervisor(run_id, False, self.reader.store, self.inventory(),
+            session = start_supervisor(run_id, False, store, self.inventory(),
                                        inventory_path=self.inventory_path, playbooks_dir=self.playbooks_dir,
                                        environ={**os.environ, "DFLASHCTL_STORE": os.path.abspath(self.store_path)})
             code, output = 0, f"supervisor started in tmux session {session}"
         except DflashError as e:
             code, output = 1, first_line(e)
         finally:
-            self.reader.store.close()
+            store.close()
         self.actions_done.append((args, code, output))
         self.call_from_thread(self.notify, f"dflashctl watch {run_id}: {output}",
                               severity="information" if code == 0 else "error", timeout=8)

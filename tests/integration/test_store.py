@@ -374,3 +374,33 @@ def test_a_run_that_ended_shows_the_step_it_stopped_at_not_its_last_metrics_line
     store.transition(running.id, "running", "", T0 + 1, detail={"step": 99})  # not an end: its samples say
     outcomes = store.run_outcomes([run.id, running.id])
     assert outcomes[run.id]["step"] == 37 and outcomes[running.id]["step"] == 5
+
+
+def test_a_shared_connection_serves_every_thread_until_unshared_and_refuses_writes(store):
+    """The console's readers: one connection for threads that come and go (each read
+    used to open its own, which cost more than the read)."""
+    run_id = store.create_run("prod", "gpu1", {}, 1000.0).id
+    store.share()
+    try:
+        seen = []
+
+        def read():
+            seen.append((store.conn, store.get_run(run_id).host))
+            store.close()  # what each worker does after its read: the shared one stays open
+
+        threads = [threading.Thread(target=read) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [host for _, host in seen] == ["gpu1"] * 4 and len({id(c) for c, _ in seen}) == 1
+        with pytest.raises(RuntimeError, match="for reads"):
+            store.transition(run_id, "running", "started", 1001.0)
+        assert store.get_run(run_id).state != "running"
+        shared = store.conn
+    finally:
+        store.unshare()
+    with pytest.raises(sqlite3.ProgrammingError):
+        shared.execute("SELECT 1")  # closed
+    store.transition(run_id, "running", "started", 1001.0)  # its own connection again: writes
+    assert store.get_run(run_id).state == "running" and store.conn is not shared
