@@ -49,6 +49,17 @@ def test_pmon_rows_give_each_processes_sm_share():
     assert [r.line for r in parsed.rejected] == [6, 7]
 
 
+def test_captured_pmon_and_clocks_of_an_h200_under_load_and_idle():
+    load = parsers.read_pmon((SMI / "h200-pmon-load.txt").read_text())
+    assert load.rows == [(0, 477, 97.0)] and not load.rejected
+    idle = parsers.read_pmon((SMI / "h200-pmon-idle.txt").read_text())
+    assert idle.rows == [] and not idle.rejected  # a GPU with no process: its row of '-' is no process
+    busy, quiet = (parsers.read_clocks((SMI / f"h200-clocks-{k}.csv").read_text()).rows for k in ("load", "idle"))
+    assert [g.extra["clocks_throttle_reasons.active"] for g in busy + quiet] == ["0x0000000000000004",
+                                                                                "0x0000000000000000"]
+    assert busy[0].extra["clocks.max.sm"] == 1980.0 and busy[0].extra["clocks.mem"] == 3201.0
+
+
 def test_hostile_process_rows_are_refused_field_by_field():
     rows, problems = parsers.read_processes({"rows": [
         {"pid": 7, "ppid": 1, "user": "alice", "cpu_pct": 12.5, "rss_kib": 2048, "elapsed_s": 60.0, "cmd": "x" * 9000},

@@ -421,14 +421,16 @@ def proc_row(pid, fields, cpu_pct, hz, uptime, page_kib):
     return row
 
 
-def processes(wanted, top=PROC_TOP):
+def processes(wanted, top=PROC_TOP, early=None):
     """The processes ``wanted`` (pids), their parents, and the top CPU consumers:
-    each one's user, CPU share over ``PROC_SAMPLE_S``, RSS, time since it started
-    and command line."""
+    each one's user, CPU share over at least ``PROC_SAMPLE_S``, RSS, time since it
+    started and command line. ``early``: (``proc_stats()``, its monotonic time) taken
+    at the probe's start, so its own work (nvidia-smi's calls, on a GPU host longer
+    than the sample) is the sample's time instead of a wait added to every poll."""
     hz = os.sysconf("SC_CLK_TCK")
     page_kib = os.sysconf("SC_PAGE_SIZE") // 1024
-    first, started = proc_stats(), time.monotonic()
-    time.sleep(PROC_SAMPLE_S)
+    first, started = early if early is not None else (proc_stats(), time.monotonic())
+    time.sleep(max(0.0, PROC_SAMPLE_S - (time.monotonic() - started)))
     second = proc_stats()
     span = max(1e-3, time.monotonic() - started)
     with open("/proc/uptime") as f:
@@ -683,6 +685,9 @@ def main(argv):
                   for r in runs if isinstance(r, dict)]
         timeout = spec_number(args, "step_timeout", max(limits or [DEFAULT_STEP_TIMEOUT]), 0.01, MAX_STEP_TIMEOUT,
                               result["errors"], float)
+        want_procs = args.get("processes", True)  # true, false, or how many top CPU consumers
+        # The CPU sample's start (its errors, if any, are the later call's to say).
+        early = step([], "processes", timeout, lambda: (proc_stats(), time.monotonic())) if want_procs else None
         want_smi = args.get("nvidia_smi")
         if want_smi is None:
             want_smi = any(r.get("nvidia_smi", True) for r in runs if isinstance(r, dict))
@@ -701,7 +706,6 @@ def main(argv):
                 result["runs"].append({"run_dir": where if isinstance(where, str) else repr(where)[:300],
                                        "session": spec.get("session") if isinstance(spec, dict) else None,
                                        "errors": ["probe: " + describe(e)]})
-        want_procs = args.get("processes", True)  # true, false, or how many top CPU consumers
         if want_procs:
             top = PROC_TOP if isinstance(want_procs, bool) else \
                 spec_number(args, "processes", PROC_TOP, 0, PROC_MAX_ROWS, result["errors"])
@@ -709,7 +713,7 @@ def main(argv):
             for r in result["runs"]:
                 wanted += [p for p in ((r.get("process") or {}).get("pid"), r.get("standby_pid"))
                            if isinstance(p, int) and 0 < p <= MAX_PID and p not in wanted]
-            result["procs"] = step(result["errors"], "processes", timeout, processes, wanted, top)
+            result["procs"] = step(result["errors"], "processes", timeout, processes, wanted, top, early)
     except Exception as e:
         result["errors"].append("probe: " + describe(e))
     result["host_time"] = time.time()
