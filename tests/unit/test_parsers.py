@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from dflashctl.core import contract
 from dflashctl.core.logtext import last_error_start, last_traceback, tail_lines
 from dflashctl.hosts.parsers import (
+    CLOCK_FIELDS,
     GPU_QUERY_FIELDS,
     ComputeApp,
     GpuReading,
@@ -91,6 +92,19 @@ EXPECTED = {
                     700.0, 1980.0),
          GpuReading(1, "GPU-02d99c92-d576-2ccf-61fe-8d67e57e6956", "NVIDIA H200", 19863.0, 143771.0, 0.0, 41.0, 426.78,
                     700.0, 1980.0)],
+    ),
+    # The probe's clock query, under a bf16 matmul loop (throttled: SW power cap) and idle.
+    "h200-clocks-load.csv": (
+        parse_gpu_query,
+        CLOCK_FIELDS,
+        [GpuReading(0, extra={"clocks.max.sm": 1980.0, "clocks.mem": 3201.0,
+                              "clocks_throttle_reasons.active": "0x0000000000000004"})],
+    ),
+    "h200-clocks-idle.csv": (
+        parse_gpu_query,
+        CLOCK_FIELDS,
+        [GpuReading(0, extra={"clocks.max.sm": 1980.0, "clocks.mem": 3201.0,
+                              "clocks_throttle_reasons.active": "0x0000000000000000"})],
     ),
     "h200-trainer-apps.csv": (
         parse_compute_apps,
