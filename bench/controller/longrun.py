@@ -112,6 +112,7 @@ def feed(path: str, run_id: str, poll: float, seconds: float) -> None:
     the wall clock (run in its own process: its CPU is not the console's)."""
     store = Store(path)
     run, policy = store.get_run(run_id), RunPolicy.defaults("prod")
+    # Poll numbers past every one the build wrote: steps and metrics offsets only grow.
     i = store.conn.execute("SELECT count(*) FROM samples").fetchone()[0] + 1_000_000
     start, pruned = time.time(), float("-inf")
     while time.time() - start < seconds:

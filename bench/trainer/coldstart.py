@@ -5,13 +5,13 @@ for both mask variants, forward and backward.
 
     python -m bench.trainer.coldstart                     # 3 cold starts + 1 warm, 50 steps each
     python -m bench.trainer.coldstart --unsafe --timeout 180
-    python -m bench.trainer.coldstart --preset qwen3-0.6b --layer-types sliding,full,sliding \
-        --block 8 --buckets 512,1024 --cold 5 --warm 0 --steps 6
-        # the drill's reference shapes: a qwen3-0.6b target, 3 drafter layers, two buckets
         # the same with the compile discipline switched off (compile.unsafe_parallel_warmup):
         # on a cold cache the drafter threads compile flex_attention forward+backward at once;
         # a start that reaches no training step before --timeout is reported as a hang, with
         # every thread's stack (SIGUSR1 -> faulthandler) from the trainer log.
+    python -m bench.trainer.coldstart --preset qwen3-0.6b --layer-types sliding,full,sliding \
+        --block 8 --buckets 512,1024 --cold 5 --warm 0 --steps 6
+        # the drill's reference shapes: a qwen3-0.6b target, 3 drafter layers, two buckets
 
 Prints one JSON line per start (time to first step, steps, dynamo counters, attention
 path) and a summary line: starts, finished, failed (the trainer exited with an error),

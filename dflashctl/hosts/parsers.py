@@ -60,7 +60,6 @@ def _rejected(number: int, reason: str, line: str) -> Rejected:
 
 # --------------------------------------------------------------------------- nvidia-smi
 
-
 # nvidia-smi field name (as queried, or as printed in the header) -> GpuReading attribute.
 _GPU_ATTRS = {
     "index": "index",
@@ -335,7 +334,6 @@ def parse_compute_apps(text: str, fields: tuple[str, ...] | list[str] = COMPUTE_
 
 
 # --------------------------------------------------------------------------- clocks, throttling, SM share
-
 
 # nvmlClocksThrottleReasons bits, as nvidia-smi -q words them.
 THROTTLE_REASONS = (

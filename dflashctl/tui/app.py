@@ -226,8 +226,6 @@ class StatusApp(App):
         except DflashError as e:
             self.call_from_thread(self.notify, first_line(e), severity="error", timeout=10)
             return
-        finally:
-            self.store.close()  # this worker thread's connection; the next read opens its own
         if not get_current_worker().is_cancelled:
             self.call_from_thread(self.show, view)
 
@@ -279,10 +277,7 @@ class StatusApp(App):
 
     @work(thread=True, group="probe")
     def probe(self, run_id: str) -> None:
-        try:
-            result = DirectProbe.of(run_id, self.reader.store, self.inventory, self.clock, PROBE_TIMEOUT_S)
-        finally:
-            self.reader.store.close()
+        result = DirectProbe.of(run_id, self.reader.store, self.inventory, self.clock, PROBE_TIMEOUT_S)
         self.call_from_thread(self._probed, run_id, result)
 
     def _probed(self, run_id: str, result: DirectProbe) -> None:
@@ -514,8 +509,6 @@ class StatusApp(App):
         except DflashError as e:
             self.call_from_thread(self.notify, f"attach {run_id}: {first_line(e)}", severity="error", timeout=8)
             return
-        finally:
-            self.reader.store.close()
         self.attached.append(argv)
         what = f"{run_id}{f' rank {rank}' if len(parts) > 1 else ''} on {run.host}"
         if os.environ.get("TMUX"):

@@ -227,8 +227,6 @@ class FeedScreen(Screen):
         except DflashError as e:
             app.call_from_thread(app.notify, first_line(e), severity="error", timeout=10)
             return
-        finally:
-            app.reader.store.close()
         if not get_current_worker().is_cancelled:
             app.call_from_thread(self.show, events)
 
@@ -445,8 +443,6 @@ class DetailScreen(Screen):
         except DflashError as e:
             app.call_from_thread(app.notify, f"charts: {first_line(e)}", severity="warning", timeout=8)
             more = {}
-        finally:
-            app.reader.store.close()
         if not get_current_worker().is_cancelled:
             app.call_from_thread(self._draw_plots, chart, more)
 
@@ -467,8 +463,6 @@ class DetailScreen(Screen):
         except DflashError as e:
             app.call_from_thread(app.notify, first_line(e), severity="error", timeout=10)
             return
-        finally:
-            app.reader.store.close()
         if not get_current_worker().is_cancelled:
             app.call_from_thread(self.show, view, now)
 
@@ -516,8 +510,6 @@ class DetailScreen(Screen):
             app.call_from_thread(log.add, [f"cannot read the log: {first_line(e)}"])
         except Exception as e:  # noqa: BLE001  (a host answer we cannot read: shown, never a crash of the screen)
             app.call_from_thread(log.add, [f"cannot read the log: {type(e).__name__}: {e}"])
-        finally:
-            app.reader.store.close()
         if not worker.is_cancelled:
             app.call_from_thread(log.add, ["(the trainer has ended: end of log)"])
 
@@ -559,8 +551,6 @@ class DetailScreen(Screen):
         except Exception as e:  # noqa: BLE001  (shown, never a crash of the screen)
             app.call_from_thread(self._history_note, f"earlier lines: {first_line(e)}")
             return
-        finally:
-            app.reader.store.close()
         app.call_from_thread(self._prepend, got, printable(got.text).rstrip("\n").split("\n") if got.text else [])
 
     def _prepend(self, got, lines: list[str]) -> None:
