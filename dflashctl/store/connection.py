@@ -142,8 +142,8 @@ class StoreConnection:
     def share(self) -> None:
         """From now on one connection for every thread, kept open until ``unshare``: for
         a reader whose threads come and go (the console's workers), where a connection
-        opened per read cost more than the read (4.3 ms of a 4.9 ms refresh at a
-        five-day store: the schema read again, the WAL opened). Reads only: SQLite
+        opened per read cost more than the read (the schema read again, the WAL opened,
+        and the last close checkpointing it). Reads only: SQLite
         serializes one connection's statements, but not two threads' transactions."""
         if self._shared is None:
             self.close()
