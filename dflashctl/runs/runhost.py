@@ -62,6 +62,7 @@ from dflashctl.runs.files import (
     STANDBY_SCRIPT,
     new_rendezvous_key,
     part_config,
+    posixpath_join,
     render_run_script,
     renumber_placement,
     run_environment,
@@ -609,6 +610,7 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
         unanswered, standby = standby, None  # stopped or hung since it was found ready: started afresh instead
         say("restart", f"standby {unanswered} did not take over within {STANDBY_ANSWER_S:g} s: ended, a fresh "
                        "start in its place")
+        _end_woken(run, parts, say)
     if not standby:
         for part, transport, tmux in parts:
             tmux.start(part.tmux_session, start_command(part.run_dir))
@@ -760,6 +762,17 @@ def _wait_port_free(host: str, transport: "Transport", python: str, port: int, s
             raise port_in_use_error(host, port, problem)
         say("restart", f"rendezvous port {port} on {host} not free yet ({problem}); checking again")
         time.sleep(0.5)
+
+
+def _end_woken(run: Run, parts: list, say: Progress) -> None:
+    """After a standby that did not take over on every host: one that took its go file
+    on a host began there as the trainer (its status names its pid). Each is gone, and
+    its status and exit code removed, before the fresh start: else the supervisor reads
+    them, between the restart and the new process's own, as that process's end."""
+    for part, transport, tmux in parts:
+        _end_previous(run, part, transport, tmux, say)
+        transport.run(["rm", "-f", *(posixpath_join(part.run_dir, name) for name in
+                                     (contract.EXIT_CODE_FILE, contract.status_file(part.rank)))], timeout=30)
 
 
 def _end_previous(run: Run, part: Run, transport: "Transport", tmux: Tmux, say: Progress) -> bool:

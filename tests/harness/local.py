@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 __all__ = ["REPO", "SOCKET", "Background", "LocalEnv", "Webhook", "end_trainer", "issued", "kill_tmux_servers",
            "kinds", "local_env", "metrics_lines", "private_tmux_socket", "read_status", "states", "wait_for",
-           "webhook", "write_playbook"]
+           "timeline", "webhook", "write_playbook"]
 
 
 # --------------------------------------------------------------------------- store rows and run files
@@ -56,6 +56,11 @@ def issued(store: Store, run_id: str) -> list:
 
 def kinds(store: Store, run_id: str, kind: str | None = None) -> list:
     return store.events(run_id, kind=kind)
+
+
+def timeline(store: Store, run_id: str) -> str:
+    """Every event of the run, a line each: what a failed assertion prints to say why."""
+    return "\n".join(f"{e.time:.2f} {e.kind} {e.severity}: {e.message} {e.detail}" for e in store.events(run_id))
 
 
 def states(store: Store, run_id: str) -> list[str]:

@@ -107,3 +107,52 @@ def test_a_stopped_standby_is_not_ready_and_one_that_does_not_answer_is_replaced
     finally:
         standby.kill()
         standby.wait()
+
+
+# A standby's stand-in that takes its go file at once and begins as the trainer would:
+# its status names its pid (its command line names the run directory, as the
+# trainer's does). It outlives its session's end, as a process that ignores SIGHUP.
+_TAKES_ITS_GO = r"""
+import json, os, signal, sys, time
+run_dir, status, go, went = sys.argv[1:5]
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+while not os.path.exists(os.path.join(run_dir, go)):
+    time.sleep(0.05)
+os.rename(os.path.join(run_dir, go), os.path.join(run_dir, went))
+with open(os.path.join(run_dir, status + ".tmp"), "w") as f:
+    json.dump({"phase": "starting", "pid": os.getpid(), "step": 0}, f)
+os.rename(os.path.join(run_dir, status + ".tmp"), os.path.join(run_dir, status))
+time.sleep(120)
+"""
+
+
+def test_a_standby_that_took_over_on_one_host_only_is_ended_with_its_status_before_a_fresh_start(local_env, tmp_path):
+    """Rank 1's standby takes its go file and begins as the trainer; rank 0's never
+    answers. The restart starts afresh on both hosts: rank 1's process must be gone
+    first and its status with it, or the supervisor, probing between the restart and
+    the fresh process's own status, reads that process's end as the new one's."""
+    import shlex
+    import sys
+
+    from dflashctl.runs.runhost import _end_woken, _on_hosts
+    from dflashctl.runs.standby import wake_standby
+    from dflashctl.store import Run
+
+    env, token = local_env, "ab12"
+    dirs = [str(tmp_path / "runs" / f"r{rank}") for rank in (0, 1)]
+    for d in dirs:
+        os.makedirs(d)
+    run = Run(id="r", playbook="pb", host="local", state="restarting", created=0.0, run_dir=dirs[0],
+              tmux_session="r", tmux_socket=SOCKET,
+              hosts=[{"rank": r, "host": "local", "run_dir": dirs[r], "tmux_session": f"r-r{r}"} for r in (0, 1)])
+    env.tmux.start(standby_session("r-r0"), "sleep 120")  # never looks for its go file
+    status = contract.status_file(1)
+    env.tmux.start(standby_session("r-r1"), shlex.join(
+        [sys.executable, "-c", _TAKES_ITS_GO, dirs[1], status, contract.standby_go(token), contract.standby_went(token)]))
+    parts = _on_hosts(run, env.inventory)
+    assert wake_standby(parts, token, answer_s=2.0) is False
+    taken = json.loads(Path(dirs[1], status).read_text())  # it began as rank 1's trainer, and outlived its session
+    assert os.path.exists(f"/proc/{taken['pid']}")
+    _end_woken(run, parts, lambda *a: None)
+    assert not os.path.exists(f"/proc/{taken['pid']}") or "Z" in Path(f"/proc/{taken['pid']}/stat").read_text().split()[2]
+    assert not Path(dirs[1], status).exists() and not Path(dirs[1], contract.EXIT_CODE_FILE).exists()
