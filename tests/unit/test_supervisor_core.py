@@ -429,6 +429,21 @@ def test_a_finished_trainer_ends_the_run(phase, code, final):
     assert [a.kind for a in actions] == ["finished"]
 
 
+def test_a_finish_seen_before_run_sh_wrote_the_exit_code_is_recorded_with_it():
+    """The trainer wrote ``done`` and exited; its zombie is not reaped yet, so run.sh has
+    not written the exit code: the end waits for it (a run is not recorded done with no
+    exit code because one poll came a moment early), and for SETTLE_S at most."""
+    early = core.Probed(replace(probe(T0 + 1, "done", step=100, session=True),
+                                process=ProcessState(PID, False, "Z")))
+    written = core.Probed(probe(T0 + 2, "done", step=100, session=False, alive=False, exit_code=0))
+    state, seen = run_table([(T0, healthy(T0, 99)), (T0 + 1, early), (T0 + 2, written)])
+    assert seen[1] == ([], [], [])
+    _, writes, _ = core.step(run_table([(T0, healthy(T0, 99)), (T0 + 1, early)])[0], written, T0 + 2, make_policy())
+    assert [(w.to, w.exit_code) for w in writes if isinstance(w, core.Transition)] == [("done", 0)]
+    never = run_table([(T0, healthy(T0, 99)), (T0 + 1, early), (T0 + 1 + core.SETTLE_S, early)])[1]
+    assert never[2][0] == ["done"]
+
+
 # --------------------------------------------------------------------------- evidence, not claims
 
 

@@ -47,15 +47,13 @@ def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, sk
          out: _Out, members: tuple[Member, ...] = ()) -> None:
     finished = next((f for f in findings if f.kind == detectors.FINISHED), None)
     if finished is not None:
-        _finished(s, pr, finished, pol, out)
+        if not _exit_code_due(s, pr, local):
+            _finished(s, pr, finished, pol, out)
         return
     crash = next((f for f in findings if f.kind == detectors.CRASH), None)
     classification = None
     if crash is not None:
-        s.crash_seen = s.crash_seen or local
-        proc = pr.process
-        if pr.exit_code is None and pr.session_alive and proc is not None and not proc.alive \
-                and local - s.crash_seen < SETTLE_S:
+        if _exit_code_due(s, pr, local):
             return  # run.sh is writing the exit code: classify with it at the next poll
         record = crash.detail.get("record")  # a hung peer: the surviving rank's failure names it
         classification = signatures.classify(
@@ -84,6 +82,17 @@ def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, sk
         one_shot = trigger is not None and a.finding == trigger.kind and decision.kind != policy.NONE
         if one_shot or a.finding in fresh:
             out.alert(a.finding or "finding", a.severity, a.reason, a.detail)
+
+
+def _exit_code_due(s: RunState, pr: ProbeResult, local: float) -> bool:
+    """Whether the trainer's process has ended (gone, or a zombie not yet reaped) while
+    its pane lives and no exit code is written yet: run.sh writes it in a moment, so
+    the end is judged at the next poll, with it (for at most ``SETTLE_S``: a wrapper
+    that never writes one does not hold the run)."""
+    s.crash_seen = s.crash_seen or local
+    proc = pr.process
+    return pr.exit_code is None and bool(pr.session_alive) and proc is not None and not proc.alive \
+        and local - s.crash_seen < SETTLE_S
 
 
 def _full_peer(members: tuple[Member, ...]) -> signatures.Classification | None:

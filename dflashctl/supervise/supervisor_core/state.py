@@ -79,7 +79,7 @@ class RunState:
     job: str | None = None  # restart | kill in flight: the run is not probed until it is done
     latest: Latest | None = None
     restart_issued: bool = False  # a restart we issued whose process was not yet seen running
-    crash_seen: float | None = None
+    crash_seen: float | None = None  # local: when the trainer's end (a crash or a finish) was first seen
     conflict_seen: float | None = None  # local: since when the evidence disagrees (reported after SETTLE_S)
     metrics_line: int | None = None  # lines of metrics.jsonl read so far (None: attached mid-file)
     last_line: tuple[float, int] | None = None  # (time, step) of the newest line stored
