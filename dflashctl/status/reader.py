@@ -23,7 +23,7 @@ from dflashctl.status.runs import RunHostView, RunView, attention_of, notices_of
 from dflashctl.status.samples import current_process, smooth
 from dflashctl.status.thresholds import Thresholds, _thresholds_of
 from dflashctl.status.views import DetailView, EnvSummary, StatusView
-from dflashctl.store import Run, Store, preferred_eval
+from dflashctl.store import Run, SeriesGrid, Store, preferred_eval
 
 HISTORY = 60  # newest samples per active run read on each refresh (smoothing, sparkline)
 FINISHED_HISTORY = 12  # of a finished run
@@ -84,7 +84,7 @@ class StatusReader:
         self._thresholds: dict[tuple, Thresholds] = {}
         self._baselines: dict[str, tuple[float, float | None]] = {}
         self._sizes: dict[str, tuple[float, int | None]] = {}
-        self._series: dict[tuple, tuple[float | None, list[dict[str, Any]]]] = {}
+        self._series: dict[tuple, tuple[float | None, SeriesGrid | None, list[dict[str, Any]]]] = {}
         self._readings: dict[tuple, tuple[float | None, list[dict[str, Any]]]] = {}
         self._lock = threading.Lock()
 
@@ -320,18 +320,28 @@ class StatusReader:
 
     def series(self, run_id: str, since: float | None = None) -> list[dict[str, Any]]:
         """``Store.sample_series`` in ``SERIES_POINTS`` buckets, read again only when the
-        run has a newer sample (a refresh of a run whose data did not move reads one row)."""
+        run has a newer sample (a refresh of a run whose data did not move reads one
+        row), and then, while the grid is the same, only from its newest bucket on."""
         newest = self.store.newest_sample_time(run_id)
         key = (run_id, since)
         with self._lock:
             cached = self._series.get(key)
-        if cached is None or cached[0] != newest:
-            cached = (newest, self.store.sample_series(run_id, SERIES_POINTS, since=since))
-            with self._lock:
-                if len(self._series) > 64:  # runs and zooms looked at lately; never more
-                    self._series.clear()
-                self._series[key] = cached
-        return cached[1]
+        if cached is not None and cached[0] == newest:
+            return cached[2]
+        grid = self.store.series_grid(run_id, SERIES_POINTS, since)
+        if grid is None:
+            points = []
+        elif cached is not None and cached[1] is not None and cached[2] and _same_grid(cached[1], grid):
+            newest_bucket = cached[2][-1]["bucket"]  # it may have grown since: read again with what came after
+            points = [p for p in cached[2] if p["bucket"] < newest_bucket] + \
+                self.store.sample_buckets(run_id, grid, newest_bucket)
+        else:
+            points = self.store.sample_buckets(run_id, grid)
+        with self._lock:
+            if len(self._series) > 64:  # runs and zooms looked at lately; never more
+                self._series.clear()
+            self._series[key] = (newest, grid, points)
+        return points
 
     def store_size(self, run_id: str) -> tuple[int | None, int]:
         """(the run's share of the store, the file's size); the share read again after
@@ -344,6 +354,12 @@ class StatusReader:
             with self._lock:
                 self._sizes[run_id] = cached
         return cached[1], self.store.file_bytes()
+
+
+def _same_grid(a: SeriesGrid, b: SeriesGrid) -> bool:
+    """Whether ``b`` is ``a``'s grid grown by newer samples: the same buckets from the
+    same start (a bucket's figures before the newest one read stay what they were)."""
+    return (a.origin, a.width, a.t0, a.raw) == (b.origin, b.width, b.t0, b.raw) and b.count >= a.count
 
 
 CURVE_POINTS = 240  # points per extra curve of the charts tab

@@ -27,7 +27,7 @@ restarts; ``snapshots``: environment snapshots), and ``store`` (the Store they m
 from dflashctl.store.ids import new_run_id
 from dflashctl.store.rows import EVENT_REGRESSION, EVENT_STATE, Event, Restart, Run, Sample
 from dflashctl.store.runs import GpuConflict, InvalidTransition
-from dflashctl.store.samples import eval_figures, preferred_eval
+from dflashctl.store.samples import SeriesGrid, eval_figures, preferred_eval
 from dflashctl.store.schema import SCHEMA_VERSION, migrations
 from dflashctl.store.store import Store
 
@@ -41,6 +41,7 @@ __all__ = [
     "Restart",
     "Run",
     "Sample",
+    "SeriesGrid",
     "Store",
     "eval_figures",
     "migrations",

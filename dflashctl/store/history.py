@@ -122,24 +122,31 @@ class HistoryMixin(StoreConnection):
         bucket: per bucket its ``start``, ``time`` (its end, at most ``t1``), the
         number of values, and per metric its mean, ``_min`` and ``_max``."""
         points = max(1, int(points))
-        span = max(t1 - t0, 1e-9)
-        bucket = span / points
-        width = max([w for w in ROLLUP_WIDTHS if w <= bucket] or [ROLLUP_WIDTHS[0]])
+        return self.rollup_buckets(owner, metrics, t0, max(t1 - t0, 1e-9) / points, points, t0, t1)
+
+    def rollup_buckets(self, owner: str, metrics: Iterable[str], origin: float, width: float, count: int,
+                       t0: float, t1: float, first: int = 0) -> list[dict[str, Any]]:
+        """``rollup_series`` on a given grid: ``count`` buckets of ``width`` seconds from
+        ``origin`` (the last one takes what lies beyond), those from bucket ``first`` on,
+        each numbered (``bucket``); what lies before ``t0`` or after ``t1`` is not read."""
+        rollup = max([w for w in ROLLUP_WIDTHS if w <= width] or [ROLLUP_WIDTHS[0]])
         names = list(dict.fromkeys(metrics))
         if not names:
             return []
+        # A rollup is counted in the bucket where it begins (one begun before ``t0``, in the first).
+        low = (">=", origin + first * width) if first else (">", t0 - rollup)
         marks = ", ".join("?" * len(names))
         rows = self._query(
             f"SELECT min(CAST((bucket - ?) / ? AS INTEGER), ?) AS b, metric, min(bucket) AS first, "
             f"max(bucket) AS last, sum(n) AS n, min(min) AS lo, sum(mean * n) / sum(n) AS mean, max(max) AS hi "
-            f"FROM rollups WHERE owner = ? AND width = ? AND bucket > ? AND bucket <= ? AND metric IN ({marks}) "
-            "GROUP BY b, metric ORDER BY b",
-            [t0, bucket, points - 1, owner, width, t0 - width, t1, *names])
+            f"FROM rollups WHERE owner = ? AND width = ? AND bucket {low[0]} ? AND bucket <= ? "
+            f"AND metric IN ({marks}) GROUP BY b, metric ORDER BY b",
+            [origin, width, count - 1, owner, rollup, low[1], t1, *names])
         out: dict[int, dict[str, Any]] = {}
         for r in rows:
             p = out.setdefault(r["b"], {"bucket": r["b"], "start": max(t0, r["first"]),
-                                        "time": min(t1, r["last"] + width), "samples": 0})
-            p["start"], p["time"] = min(p["start"], max(t0, r["first"])), max(p["time"], min(t1, r["last"] + width))
+                                   "time": min(t1, r["last"] + rollup), "samples": 0})
+            p["start"], p["time"] = min(p["start"], max(t0, r["first"])), max(p["time"], min(t1, r["last"] + rollup))
             p["samples"] = max(p["samples"], r["n"])
             p[r["metric"]], p[f"{r['metric']}_min"], p[f"{r['metric']}_max"] = r["mean"], r["lo"], r["hi"]
         return [out[b] for b in sorted(out)]

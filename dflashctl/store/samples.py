@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterable, Sequence
 
 from dflashctl.core.contract import PHASE_TRAINING, Metrics
@@ -24,6 +24,51 @@ from dflashctl.store.rows import (
     _row_to,
 )
 from dflashctl.store.schema import ROLLUP_WIDTHS, SAMPLE_METRICS
+
+
+def _series_widths() -> tuple[int, ...]:
+    """Bucket widths of a history's charts, seconds: at most 2x apart,
+    whole minutes from a minute on and whole quarter-hours from a quarter-hour on, so a
+    bucket holds whole rollups of the width it reads (``ROLLUP_WIDTHS``)."""
+    out = set()
+    for e in range(8):
+        for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8):
+            w = m * 10**e
+            unit = ROLLUP_WIDTHS[1] if w >= ROLLUP_WIDTHS[1] else ROLLUP_WIDTHS[0] if w >= ROLLUP_WIDTHS[0] else 1
+            out.add(max(unit, round(w / unit) * unit))
+    return tuple(sorted(out))
+
+
+SERIES_WIDTHS = _series_widths()
+
+
+@dataclass(frozen=True)
+class SeriesGrid:
+    """The buckets of a run's history chart: ``count`` of ``width`` seconds from
+    ``origin``, over the history between ``t0`` and ``t1``; ``raw``: read from the
+    samples (else the rollups)."""
+
+    origin: float
+    width: float
+    count: int
+    t0: float
+    t1: float
+    raw: bool
+
+
+def series_grid(t0: float, t1: float, points: int) -> tuple[float, float, int]:
+    """(origin, width, count) of at most ``points`` buckets over ``t0``..``t1``: the
+    finest width of the ladder that fits, the origin a multiple of it. Edges fixed in
+    absolute time: a new sample changes only the newest bucket (a live chart reads
+    that one again, not the run), and the span's growth only adds buckets."""
+    points = max(1, int(points))
+    for width in SERIES_WIDTHS:
+        origin = math.floor(t0 / width) * width
+        count = int((t1 - origin) // width) + 1
+        if count <= points:
+            return origin, float(width), count
+    width = float(SERIES_WIDTHS[-1])
+    return math.floor(t0 / width) * width, width, points
 
 
 def eval_figures(row: dict[str, Any]) -> dict[str, Any]:
@@ -148,26 +193,39 @@ class SamplesMixin(HistoryMixin):
 
     def sample_series(self, run_id: str, points: int = 240, since: float | None = None) -> list[dict[str, Any]]:
         """The run's whole history (from ``since`` on, when given) in at most ``points``
-        buckets of equal time, oldest first: per bucket its last time (``start``: its
-        first) and step, the mean tok/s, loss, accuracy and acceptance length (and
-        each one's ``_min`` and ``_max``), and how many samples it holds. Read from
-        the samples while a bucket is under a minute and they are all kept, else from
-        the rollups: a chart over days reads a few rows per point, never every sample."""
-        points = max(1, int(points))
+        buckets of equal time on the grid ``series_grid`` chooses, oldest first: per
+        bucket its number (``bucket``), last time (``start``: its first) and step, the
+        mean tok/s, loss, accuracy and acceptance length (and each one's ``_min`` and
+        ``_max``), and how many samples it holds. Read from the samples while a bucket
+        is under a minute and they are all kept, else from the rollups: a chart over
+        days reads a few rows per point, never every sample."""
+        grid = self.series_grid(run_id, points, since)
+        return self.sample_buckets(run_id, grid) if grid is not None else []
+
+    def series_grid(self, run_id: str, points: int = 240, since: float | None = None) -> SeriesGrid | None:
+        """The buckets ``sample_series`` reads for the run's history from ``since`` on
+        (three index lookups; None: no history there)."""
         raw = self._query("SELECT min(time) AS t0, max(time) AS t1 FROM samples WHERE run_id = ?", [run_id])[0]
         pruned = self.history_from(run_id) is not None
         rolled = self.rollup_span(run_id) if pruned or raw["t0"] is None else None
         firsts = [t for t in (raw["t0"], rolled[0] if rolled else None) if t is not None]
         if not firsts:
-            return []
+            return None
         t1 = raw["t1"] if raw["t1"] is not None else rolled[1]  # type: ignore[index]
         t0 = max(min(firsts), float("-inf") if since is None else float(since))
         if t0 > t1:
-            return []
-        width = max((t1 - t0) / points, 1e-9)
-        if raw["t0"] is not None and raw["t0"] <= t0 and width < ROLLUP_WIDTHS[0]:
-            return self._raw_series(run_id, t0, width, points)
-        series = self.rollup_series(run_id, (*SAMPLE_METRICS, "train_tok_s"), t0, t1, points)
+            return None
+        origin, width, count = series_grid(t0, t1, points)
+        return SeriesGrid(origin, width, count, t0, t1,
+                          raw["t0"] is not None and raw["t0"] <= t0 and width < ROLLUP_WIDTHS[0])
+
+    def sample_buckets(self, run_id: str, grid: SeriesGrid, first: int = 0) -> list[dict[str, Any]]:
+        """The buckets of ``grid`` (``series_grid``) from bucket ``first`` on, as
+        ``sample_series`` gives them."""
+        if grid.raw:
+            return self._raw_series(run_id, grid, first)
+        series = self.rollup_buckets(run_id, (*SAMPLE_METRICS, "train_tok_s"), grid.origin, grid.width, grid.count,
+                                     grid.t0, grid.t1, first)
         for p in series:
             p["step"] = p.get("step_max")
         return [p for p in series if p["step"] is not None]
@@ -176,14 +234,14 @@ class SamplesMixin(HistoryMixin):
         """The time of the run's newest sample (None: it has none); one index lookup."""
         return self.conn.execute("SELECT max(time) FROM samples WHERE run_id = ?", [run_id]).fetchone()[0]
 
-    def _raw_series(self, run_id: str, t0: float, width: float, points: int) -> list[dict[str, Any]]:
+    def _raw_series(self, run_id: str, grid: SeriesGrid, first: int) -> list[dict[str, Any]]:
         figures = ", ".join(f"avg({c}) AS {c}, min({c}) AS {c}_min, max({c}) AS {c}_max"
                             for c in ("tok_s", "loss", "acc", "accept_len", "mfu"))
         return self._query(
             "SELECT min(CAST((time - ?) / ? AS INTEGER), ?) AS bucket, max(time) AS time, min(time) AS start, "
             f"max(step) AS step, {figures}, count(*) AS samples "
             "FROM samples WHERE run_id = ? AND time >= ? GROUP BY bucket ORDER BY bucket",
-            [t0, width, points - 1, run_id, t0])
+            [grid.origin, grid.width, grid.count - 1, run_id, max(grid.t0, grid.origin + first * grid.width)])
 
     def metrics_position(self, run_id: str) -> tuple[int, int | None]:
         """(byte offset, inode) of metrics.jsonl up to which samples are stored."""

@@ -61,6 +61,8 @@ def test_rollups_hold_each_buckets_count_min_mean_and_max(store):
 
 
 def test_a_chart_of_a_long_run_reads_rollups_bounded_by_its_points(store):
+    from dflashctl.status.model import StatusReader
+
     run_id, lines = _run(store, 8)  # 7,200 samples
     pol = RunPolicy.defaults("prod")
     pol.retention = Retention(full=3600.0)
@@ -69,12 +71,21 @@ def test_a_chart_of_a_long_run_reads_rollups_bounded_by_its_points(store):
     assert kept and kept[0].time >= lines[-1]["time"] - 3600
     assert store.history_from(run_id) == pytest.approx(lines[-1]["time"] - 3600)
     series = store.sample_series(run_id, 240)  # 2-minute buckets: from the one-minute rollups
-    assert 200 <= len(series) <= 240
+    # The grid's widths are at most 2x apart (``SERIES_WIDTHS``): at least half the points.
+    assert 120 <= len(series) <= 240 and {p["bucket"] for p in series} <= set(range(240))
     assert series[0]["start"] <= T0 + 60 and series[-1]["step"] == lines[-1]["step"]
     assert all(p["tok_s_min"] <= p["tok_s"] <= p["tok_s_max"] for p in series)
     # A zoom on the newest hour reads the samples still kept, finer than a minute.
     hour = store.sample_series(run_id, 240, since=lines[-1]["time"] - 3600)
-    assert len(hour) == 240 and hour[-1]["samples"] >= 1
+    assert 120 <= len(hour) <= 240 and hour[-1]["samples"] >= 1
+    grid = store.series_grid(run_id, 240, since=lines[-1]["time"] - 3600)
+    assert grid.raw and grid.width < 60 and grid.count == max(p["bucket"] for p in hour) + 1
+    # A live chart of it: a new sample reads the newest bucket again, and gives what reading it all gives.
+    reader, newer = StatusReader(store), lines[-1]["time"] + 1.0
+    assert reader.series(run_id) == series
+    store.add_samples(run_id, [{**lines[-1], "time": newer, "step": lines[-1]["step"] + 1, "tok_s": 9e3}], observed=newer)
+    grown = reader.series(run_id)
+    assert grown == store.sample_series(run_id, 240) and grown[-1]["tok_s_max"] == 9e3 and grown[:-1] == series[:-1]
     # Each read goes by an index: the rollups' key, the samples' (run, time).
     plan = str(store.conn.execute("EXPLAIN QUERY PLAN SELECT * FROM rollups WHERE owner = ? AND width = ? AND "
                                   "bucket > ? AND bucket <= ? AND metric IN ('tok_s')", [run_id, 900, 0, 1]).fetchall())
@@ -135,17 +146,20 @@ def test_each_runs_share_of_the_store_and_the_store_command(store, tmp_path):
 
 
 def test_a_refresh_of_a_run_whose_data_did_not_move_reads_its_series_once(store, monkeypatch):
-    from dflashctl.status.model import StatusReader
+    from dflashctl.status.model import SERIES_POINTS, StatusReader
 
     run_id, lines = _run(store, 1)
     reader = StatusReader(store)
     reads = []
-    real = store.sample_series
-    # A spy on the real store's method (it still reads): how often a refresh goes to the series.
-    monkeypatch.setattr(store, "sample_series", lambda *a, **kw: reads.append(a) or real(*a, **kw))
-    assert reader.series(run_id) == reader.series(run_id) and len(reads) == 1
-    store.add_samples(run_id, [{"time": lines[-1]["time"] + POLL, "step": 10**6}])
-    assert reader.series(run_id)[-1]["step"] == 10**6 and len(reads) == 2
+    real = store.sample_buckets
+    # A spy on the real store's method (it still reads): how often a refresh goes to the series, and from where.
+    monkeypatch.setattr(store, "sample_buckets", lambda *a, **kw: reads.append(a) or real(*a, **kw))
+    assert reader.series(run_id) == reader.series(run_id) and len(reads) == 1 and reads[0][2:] == ()
+    store.add_samples(run_id, [{"time": lines[-1]["time"] + 1.0, "step": 10**6}])  # the grid stays: 240 buckets
+    grown = reader.series(run_id)
+    assert grown[-1]["step"] == 10**6 and len(reads) == 2
+    assert reads[1][2] == grown[-1]["bucket"] > 0  # only the newest bucket read again
+    assert grown == store.sample_series(run_id, SERIES_POINTS)  # what reading it all gives
     newest = reader.readings("gpu1", 2, "gpu")
     store.add_readings("gpu1", lines[-1]["time"] + POLL, gpus(8, util=1.0))
     assert reader.readings("gpu1", 2, "gpu")[-1]["time"] > newest[-1]["time"]
