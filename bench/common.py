@@ -264,6 +264,18 @@ def queue_depth(run_dir: str) -> int:
         return 2
 
 
+def add_share_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--share", choices=["auto", "shared", "per_thread"],
+                   help="how threads call compiled code (compile.share; default: the trainer's, auto)")
+
+
+def apply_share(cfg: dict, args) -> dict:
+    """``cfg`` with ``--share`` (``add_share_argument``) in its compile section, if given."""
+    if getattr(args, "share", None):
+        cfg.setdefault("compile", {})["share"] = args.share
+    return cfg
+
+
 def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     """The options that shape the trainer config (reference_config); bench.trainer.reference
     and bench.trainer.multigpu take them."""
@@ -293,6 +305,7 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
                    help="the drafter's residual stream dtype (model.residual; default: the trainer's)")
     p.add_argument("--flex-kernel", choices=["auto", "default", "flash"],
                    help="flex_attention's kernel configuration (compile.flex_kernel; default: the trainer's, auto)")
+    add_share_argument(p)
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")
     p.add_argument("--timeout", type=float, default=1500, help="seconds per run before it is killed")
     p.add_argument("--cpu-smoke", action="store_true", help="a tiny CPU run of the whole bench")
@@ -343,7 +356,7 @@ def reference_config(args) -> dict:
             cfg.setdefault("placement", {})[role] = [int(g) for g in getattr(args, f"{role}_gpus").split(",")]
     if args.profile:
         cfg["train"].update({"profile_steps": args.profile, "profile_after": 5})
-    return cfg
+    return apply_share(cfg, args)
 
 
 def write_shard(directory: str, cfg: dict, samples: int, *, spread: bool = False, name: str = "bench.jsonl") -> str:

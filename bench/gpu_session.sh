@@ -19,6 +19,7 @@ help() {
 usage: bash bench/gpu_session.sh RECIPE [ARGS]   (logs in $OUT/RECIPE/, default OUT=gpu-out)
   reference [WARM]                1 GPU: reference size, a cold start then WARM warm ones (default 1), 30 steps: tok/s, MFU, first step; nvidia-smi under load
   coldstart-drill [SAFE] [UNSAFE] 1 GPU: threaded cold start (1 target + 3 drafter threads), SAFE fresh caches with the discipline (default 5), UNSAFE without (default 3)
+  coldstart-share [SHARED] [PER]  1 GPU: the drill at the qwen3-0.6b shapes (3 drafter threads, 2 buckets, block 8), SHARED fresh-cache starts with compile.share shared (default 3), PER with per_thread (default 2); the start-up probe of torch's private uses first
   soak [MIN] [OLD]                1 GPU: the small and qwen3-0.6b soaks at once for MIN minutes (default 8.5); with OLD (a checkout), the small one on OLD's trainer too
   ab OLD                          1 GPU: this tree against OLD (another checkout) on one compile cache: a cold start, then 40 warm steps each, alternated, twice
   artifacts                       1 GPU: a cold start, then warm and artifact starts alternated (three each, 30 steps, one cache); the bytecode unpack alone
@@ -42,7 +43,7 @@ recipe=${1:-}
 case "$recipe" in
   help|-h|--help) help; exit 0 ;;
   ab) [ $# -ge 1 ] || { echo "usage: bash bench/gpu_session.sh ab OLD (another checkout of this repository)" >&2; exit 2; } ;;
-  reference|coldstart-drill|soak|artifacts|variants|timeline|imports|restart|quality|loss|masks|regenerate|\
+  reference|coldstart-drill|coldstart-share|soak|artifacts|variants|timeline|imports|restart|quality|loss|masks|regenerate|\
   multigpu|placement|e2e) ;;
   *) help >&2; exit 2 ;;
 esac
@@ -118,6 +119,22 @@ case "$recipe" in
     fi
     pack
     tail -n 1 "$w"/coldstart*.log
+    ;;
+  coldstart-share)
+    shared=${1:-3} per=${2:-2}
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/trainer/test_torch_api.py > "$w/torch-api.log" 2>&1
+    tail -n 1 "$w/torch-api.log"
+    drill() {  # drill MODE STARTS
+      [ "$2" -gt 0 ] || return 0
+      timeout $((150 * $2)) python3 -m bench.trainer.coldstart --preset qwen3-0.6b --layer-types sliding,full,sliding \
+        --block 8 --buckets 512,1024 --cold "$2" --warm 0 --steps 6 --timeout 140 --share "$1" \
+        --work-dir "$tmp/$1" > "$w/coldstart-$1.log" 2>&1
+    }
+    drill shared "$shared"
+    drill per_thread "$per"
+    grep -h "compile:" "$tmp"/*/cold*.log | sort | uniq -c | head -n 20 > "$w/compile-lines.txt"
+    pack
+    tail -n 1 "$w"/coldstart-*.log
     ;;
   soak)
     min=${1:-8.5} old=

@@ -19,12 +19,15 @@ forward and backward in several threads deadlock with no error. So:
    same three only); what the warm-up compiled also travels with the run directory
    (trainer/compile_cache.py), loaded before the warm-up on a host whose key matches.
 
-7. every thread (a "lane": one target or drafter thread, named as the thread) calls
-   compiled code of its own (``PerLane``): Dynamo keeps its cache entries in a list on
-   the code object and reorders it on every hit, with no lock, so two threads looking
-   up one code object can each skip the entry the other just moved and recompile (then
-   ``fail_on_recompile`` raises) long after the warm-up. One code object per lane means
-   no two threads ever share that list.
+7. no two threads share Dynamo's cache of one code object: Dynamo keeps its cache
+   entries in a list on the code object and reorders it on every hit, with no lock, so
+   two threads looking up one code object can each skip the entry the other just moved
+   and recompile (then ``fail_on_recompile`` raises) long after the warm-up. Either
+   every graph is compiled once, ahead of its call, and called without Dynamo by every
+   thread (``Shared``, ``compile.share: auto`` where torch has ``aot_compile``: a cold
+   start compiles each graph once instead of once per thread), or every thread (a
+   "lane": one target or drafter thread, named as the thread) calls a compiled copy of
+   its own (``PerLane``: one code object per lane).
 
 ``compile.unsafe_parallel_warmup`` replaces 2 with every thread's first forward +
 backward at the same moment, skips 4, and exists to reproduce the deadlock on a
@@ -40,11 +43,13 @@ import threading
 import time
 import types
 import warnings
-from typing import Any, Callable, Iterator, Optional
+import weakref
+from typing import Any, Callable, Hashable, Iterator, Optional
 
 import torch
 
 from dflashctl.core import contract
+from trainer import torch_api
 from trainer.torch_api import dynamo_config, dynamo_counters, set_everywhere  # noqa: F401 - re-exported
 
 EAGER_FLEX_WARNING = "flex_attention called without torch.compile"
@@ -146,6 +151,142 @@ class PerLane:
         return sorted(self._compiled)
 
 
+# ---------------------------------------------------------------------------- one compile shared by every thread
+
+_SCALARS = (str, int, float, bool, type(None), torch.dtype, torch.device)
+_shared: "weakref.WeakSet[Shared]" = weakref.WeakSet()
+_shared_by_fn: dict[tuple, "Shared"] = {}
+_shared_lock = threading.Lock()
+_sharing = "per_thread"
+
+
+class RecompileAfterWarmup(RuntimeError):
+    """A call after the warm-up that no compiled variant serves (``fail_on_recompile``'s
+    error for ``Shared``): a new shape or mode would compile while other threads run."""
+
+
+def signature(value: Any, depth: int = 0) -> Hashable:
+    """What tells two calls' variants apart before their guards are checked: each
+    tensor's shape, dtype, device and grad flag, scalars by value, a function by its
+    code object (an identity guard, which ``aot_compile`` drops), a module by its type
+    and its plain attributes (``layer_type``), and the fields of other objects (a
+    BlockMask: its tensors, its mask function), a few levels deep."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.dtype, value.device, value.requires_grad)
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, torch.nn.Module):
+        return (type(value), tuple(sorted((k, v) for k, v in vars(value).items()
+                                          if not k.startswith("_") and isinstance(v, _SCALARS))))
+    if depth > 4:
+        return type(value)
+    if isinstance(value, (tuple, list)):
+        return (type(value), *(signature(v, depth + 1) for v in value))
+    if isinstance(value, dict):
+        return (dict, *((k, signature(v, depth + 1)) for k, v in value.items()))
+    code = getattr(value, "__code__", None)
+    if code is not None:
+        return ("fn", id(code))
+    if callable(value) and not hasattr(value, "__dict__"):  # a builtin (torch.sin)
+        return ("fn", id(value))
+    if hasattr(value, "__dict__"):
+        return (type(value), *((k, signature(v, depth + 1)) for k, v in vars(value).items()))
+    return type(value)
+
+
+class Shared:
+    """``torch.compile(fn, fullgraph=True, **options)`` compiled once per variant, its
+    forward and backward together, ahead of the call (``torch_api.aot_compile``), and
+    called by every thread without Dynamo: threads share no per-code-object cache, and a
+    cold start compiles each graph once instead of once per thread.
+
+    A call takes the first variant of its ``signature`` whose guards pass; a call that
+    none serves compiles one (under a lock) or, once ``freeze_shared`` ran after the
+    warm-up, raises ``RecompileAfterWarmup``. The variants of a signature are a tuple
+    replaced whole, never reordered: threads read them without a lock."""
+
+    def __init__(self, fn: Callable, **options):
+        self.name = getattr(fn, "__qualname__", None) or repr(fn)
+        self.__name__ = getattr(fn, "__name__", "compiled")  # a method's name, as Dynamo's pickler asks it
+        self._fn, self._options = fn, options
+        self._variants: dict[Hashable, tuple[Callable, ...]] = {}
+        self._lock = threading.Lock()
+        self.frozen = False
+        self.compiles = 0
+        _shared.add(self)
+
+    def __call__(self, *args, **kwargs):
+        key = (signature(args), signature(kwargs), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        for variant in self._variants.get(key, ()):
+            if torch_api.aot_guards_pass(variant, args, kwargs):
+                return variant(*args, **kwargs)
+        return self._compile(key, args, kwargs)(*args, **kwargs)
+
+    def _compile(self, key: Hashable, args: tuple, kwargs: dict) -> Callable:
+        with self._lock:
+            known = self._variants.get(key, ())
+            for variant in known:  # another thread compiled it meanwhile
+                if torch_api.aot_guards_pass(variant, args, kwargs):
+                    return variant
+            if self.frozen:
+                why = torch_api.aot_guard_failure(known[0], args, kwargs) if known else "no variant of these shapes"
+                raise RecompileAfterWarmup(f"{self.name}: a call after the warm-up that no compiled variant "
+                                           f"serves: {why}")
+            variant = torch_api.aot_compile(self._fn, self._options, args, kwargs)
+            self._variants[key] = (*known, variant)
+            self.compiles += 1
+            return variant
+
+    def __reduce__(self):
+        # Dynamo pickles the guarded objects' state while it compiles; a layer whose
+        # forward is this object is among them. Its name stands for it there.
+        return (str, (f"<compiled once: {self.name}>",))
+
+
+def set_sharing(mode: str) -> str:
+    """How ``per_thread_compile`` compiles from now on (``compile.share``): 'shared' or
+    'per_thread'; 'auto' is 'shared' where this torch has ``aot_compile``. Returns the
+    mode in force."""
+    global _sharing
+    if mode == "auto":
+        mode = "per_thread" if torch_api.check_one("aot_compile") else "shared"
+    if mode not in ("shared", "per_thread"):
+        raise ValueError(f"compile.share: {mode!r} is not one of auto, shared, per_thread")
+    _sharing = mode
+    return mode
+
+
+def sharing() -> str:
+    """The mode ``set_sharing`` put in force ('shared' or 'per_thread')."""
+    return _sharing
+
+
+def per_thread_compile(fn: Callable, **options) -> Callable:
+    """A compiled ``fn`` safe to call from every thread: ``Shared`` or ``PerLane``, as
+    ``set_sharing`` chose. One ``Shared`` per function and options in the process: the
+    replicas of every drafter thread call the same one, so each graph compiles once."""
+    if _sharing != "shared":
+        return PerLane(fn, **options)
+    key = (fn, tuple(sorted(options.items())))
+    with _shared_lock:
+        compiled = _shared_by_fn.get(key)
+        if compiled is None:
+            compiled = _shared_by_fn[key] = Shared(fn, **options)
+    return compiled
+
+
+def freeze_shared(frozen: bool = True) -> None:
+    """After the warm-up (True): every ``Shared`` raises instead of compiling. A new
+    run in this process (False): they may compile again."""
+    for compiled in list(_shared):
+        compiled.frozen = frozen
+
+
+def shared_compiles() -> int:
+    """Variants the ``Shared`` functions alive hold: one per graph, not per thread."""
+    return sum(c.compiles for c in list(_shared))
+
+
 # ---------------------------------------------------------------------------- settings in every thread
 
 
@@ -179,6 +320,7 @@ class Discipline:
         self._pending: set[tuple[str, int]] = set()  # (thread, bucket) not yet through fwd+bwd
         self.frames_ok_after_warmup: Optional[int] = None
         self.warmup_s = 0.0
+        freeze_shared(False)  # a run before this one in the process froze what it compiled
 
     def settings(self) -> dict[str, Any]:
         """The Dynamo settings the discipline relies on, by name."""
@@ -213,6 +355,7 @@ class Discipline:
         self.frames_ok_after_warmup = dynamo_counters()["frames_ok"]
         if self.enabled and self.mode != "unsafe_parallel":
             torch.compiler.set_stance("fail_on_recompile")
+            freeze_shared()
 
     # ---- serialized warm-up
 
@@ -316,4 +459,5 @@ def counters_report(discipline: Optional[Discipline]) -> dict:
     c = dynamo_counters()
     base = discipline.frames_ok_after_warmup if discipline else None
     c["recompiles"] = None if base is None else c["frames_ok"] - base
+    c["shared_compiles"] = shared_compiles()
     return c

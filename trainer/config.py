@@ -195,6 +195,8 @@ class CompileConfig:
     """How BlockMasks are built on GPU: 'direct' computes the tile tables from the anchors (a few tensor ops on int32 [B,Q,KV/128] temporaries; nothing to compile, no [B,Q,KV] mask), 'compiled' runs torch.compile(create_block_mask) (fast per step once compiled, but its cold compile takes minutes at 3072-token buckets, per bucket and layer type) or 'eager' runs create_block_mask (about 0.2 s per call; materialises a boolean [B,Q,KV] mask, 1.5 GB at B=16, Q=8192, KV=11264)."""
     flex_kernel: Literal["auto", "default", "flash"] = "auto"
     """flex_attention's kernel configuration on the compiled GPU path: 'auto' uses the backward tiles measured fastest on the DFlash mask on Hopper GPUs (compute capability 9, 16-bit inputs, head dim <= 128; about -10 % backward on an H200, bench/RESULTS.md) and torch's defaults elsewhere; 'default' uses torch's defaults everywhere; 'flash' runs flash-attention 4's CuTe kernels through torch's experimental FLASH backend (needs the flash-attn-4 package)."""
+    share: Literal["auto", "shared", "per_thread"] = "auto"
+    """How threads call compiled code. 'shared': each graph (a drafter layer's forward and backward, the loss chunk) compiled once, ahead of its first call, and called by every thread without Dynamo (a cold start compiles it once, not once per drafter thread); 'per_thread': each thread compiles a copy of its own; 'auto': 'shared' where this torch has ``aot_compile`` (said at start-up), else 'per_thread'."""
     recompile_margin: int = 4
     """Dynamo recompile limit = devices x buckets x 2 + this; hitting it raises (never a silent eager fallback)."""
 

@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from trainer.compile import PerLane
+from trainer.compile import per_thread_compile, sharing
 
 
 def default_gamma(block_size: int) -> float:
@@ -103,17 +103,18 @@ def _triton_chunk_cross_entropy(logits_CV, labels_C, weight_C, need_grad):
     return loss_kernel.chunk_cross_entropy(logits_CV, labels_C, weight_C, need_grad)
 
 
-_compiled_chunk_cross_entropy: dict[str, object] = {}
+_compiled_chunk_cross_entropy: dict[tuple[str, str], object] = {}
 
 
 def compiled_chunk_cross_entropy(kernel: str = "inductor"):
     """torch.compile of one chunk's loss with ``kernel`` (``resolve_kernel``), created
-    once per kernel and thread (static shapes: one entry per chunk shape and device, compiled in
-    the trainer's warm-up like the attention)."""
-    if kernel not in _compiled_chunk_cross_entropy:
+    once per kernel and sharing mode and safe in every thread (static shapes: one entry
+    per chunk shape and device, compiled in the trainer's warm-up like the attention)."""
+    key = (kernel, sharing())
+    if key not in _compiled_chunk_cross_entropy:
         fn = _triton_chunk_cross_entropy if kernel == "triton" else _fusable_chunk_cross_entropy
-        _compiled_chunk_cross_entropy[kernel] = PerLane(fn, dynamic=False)  # a compiled copy per thread
-    return _compiled_chunk_cross_entropy[kernel]
+        _compiled_chunk_cross_entropy[key] = per_thread_compile(fn, dynamic=False)
+    return _compiled_chunk_cross_entropy[key]
 
 
 class _ChunkedLinearCE(torch.autograd.Function):

@@ -214,10 +214,11 @@ class Drafter(nn.Module):
         """Compile each decoder layer whole (norms, projections, rotary, attention, MLP:
         one graph forward, one backward), static shapes. Layers share compiled graphs
         (their weights are inputs, not constants): one per layer type, plus one for
-        the first layer, whose input needs no gradient. Each thread calls a compiled
-        copy of its own (``compile.PerLane``: threads never share Dynamo's cache)."""
-        from trainer.compile import PerLane
+        the first layer, whose input needs no gradient. Threads never share Dynamo's
+        cache (``compile.per_thread_compile``: compiled once and called without Dynamo,
+        or a copy per thread)."""
+        from trainer.compile import per_thread_compile
 
-        forward = PerLane(DrafterLayer.forward, dynamic=False, **options)
+        forward = per_thread_compile(DrafterLayer.forward, dynamic=False, **options)
         for layer in self.layers:
             layer.forward = types.MethodType(forward, layer)

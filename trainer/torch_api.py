@@ -20,6 +20,11 @@ at start-up (trainer.log: ``torch api: ...``), naming any that moved.
 |                   | ``.deserialize``, ``.populate_caches``             | writing; entries carry ``.key``             |
 | flex_warnings     | ``torch.nn.attention.flex_attention``              | the eager-fallback warning is shown once    |
 |                   | ``._WARNINGS_SHOWN`` (a set)                       | per process, recorded in that set           |
+| aot_compile       | ``torch.compile(fn, fullgraph=True).aot_compile``  | compiles forward AND backward at once for   |
+|                   | (experimental; else ``torch._dynamo.aot_compile``  | the example inputs; the result is called    |
+|                   | ``.aot_compile_fullgraph``), ``AOTCompiledFunction``|                                             |
+|                   | ``.guard_check``, ``.disable_guard_check``,        | without Dynamo (no frame cache), checks its |
+|                   | ``._artifacts.guard_manager.check_verbose``        | guards only when asked                      |
 
 Not private but relied on the same way (and tested beside them): Dynamo keeps its
 cache entries per code object, unlocked (``trainer.compile``: one code object per
@@ -126,6 +131,64 @@ def forget_flex_fallback_warning() -> bool:
     return False
 
 
+def aot_compile(fn: Callable, options: dict, args: tuple, kwargs: dict) -> Callable:
+    """``torch.compile(fn, fullgraph=True, **options)`` compiled now for these inputs:
+    Dynamo traces once, AOTAutograd lowers the forward and the backward at once (no lazy
+    backward compile at the first ``backward()``, on autograd's thread), and the result
+    runs without Dynamo: no frame evaluation, no per-code-object cache. Its guards
+    (shapes, dtypes, devices, grad mode, constants) are checked only by
+    ``aot_guards_pass``; identity guards (which function, which object) are not kept at
+    all (they cannot be serialised): the caller's key must tell those apart.
+
+    Through ``torch.compile(...).aot_compile`` where torch has it, else through the
+    function that method calls (``torch._dynamo.aot_compile.aot_compile_fullgraph``,
+    the inductor backend only)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        # Dynamo reads every tensor's .grad while it saves the guards: a warning per
+        # non-leaf input (an activation), about nothing the trainer does.
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        method = getattr(torch.compile(fn, fullgraph=True, **options), "aot_compile", None)
+        compiled = method((tuple(args), dict(kwargs))) if method is not None \
+            else _aot_compile_fullgraph(fn, options, args, kwargs)
+    compiled.disable_guard_check()
+    return compiled
+
+
+def _aot_compile_fullgraph(fn: Callable, options: dict, args: tuple, kwargs: dict) -> Callable:
+    import inspect
+
+    import torch
+    from torch._dynamo.aot_compile import aot_compile_fullgraph
+    from torch._dynamo.hooks import Hooks
+
+    if options.get("backend", "inductor") != "inductor":
+        raise ValueError(f"an ahead-of-time compile on torch {torch.__version__} takes the inductor backend only, "
+                         f"not {options['backend']!r}")
+    backend = torch._TorchCompileInductorWrapper(options.get("mode"), options.get("options"), options.get("dynamic"))
+    extra = {"dynamic": options["dynamic"]} \
+        if "dynamic" in options and "dynamic" in inspect.signature(aot_compile_fullgraph).parameters else {}
+    return aot_compile_fullgraph(fn, (tuple(args), dict(kwargs)), hooks=Hooks(), backend=backend, **extra)
+
+
+def aot_guards_pass(fn: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether the inputs pass the guards ``aot_compile``'s ``fn`` was compiled under."""
+    return bool(fn.guard_check(*args, **kwargs))
+
+
+def aot_guard_failure(fn: Callable, args: tuple, kwargs: dict) -> str:
+    """Which of ``fn``'s guards the inputs fail, in Dynamo's words (best effort)."""
+    try:
+        info = fn._artifacts.guard_manager.check_verbose(fn.prepare_f_locals(*args, **kwargs))
+        parts = getattr(info, "verbose_code_parts", None)
+        return ("; ".join(map(str, parts)) if parts else str(info))[:500]
+    except Exception as e:  # noqa: BLE001 - only words for an error message
+        return f"(the guards' failure could not be read: {type(e).__name__})"
+
+
 # ---------------------------------------------------------------------------- the start-up probe
 
 
@@ -158,13 +221,40 @@ def _probe_flex_warnings() -> None:
         raise AttributeError("torch.nn.attention.flex_attention has no _WARNINGS_SHOWN set")
 
 
+def _probe_aot_compile() -> None:
+    import torch
+    from torch._dynamo import aot_compile as module
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    if not callable(getattr(torch.compile(lambda x: x, fullgraph=True), "aot_compile", None)):
+        from torch._dynamo.hooks import Hooks  # noqa: F401 - what the direct call needs
+
+        if not callable(getattr(module, "aot_compile_fullgraph", None)) or \
+                not isinstance(getattr(torch, "_TorchCompileInductorWrapper", None), type):
+            raise AttributeError("torch.compile(...) has no aot_compile, and torch._dynamo.aot_compile "
+                                 "no aot_compile_fullgraph")
+    for name in ("guard_check", "disable_guard_check", "prepare_f_locals"):
+        if not callable(getattr(AOTCompiledFunction, name, None)):
+            raise AttributeError(f"AOTCompiledFunction has no {name}")
+
+
 PROBES: dict[str, Callable[[], None]] = {
     "config_everywhere": _probe_config,
     "counters": _probe_counters,
     "inductor_cache": _probe_cache_dir,
     "cache_artifacts": _probe_artifacts,
     "flex_warnings": _probe_flex_warnings,
+    "aot_compile": _probe_aot_compile,
 }
+
+
+def check_one(name: str) -> Optional[str]:
+    """What is missing of private use ``name`` on the torch installed (None: present)."""
+    try:
+        PROBES[name]()
+    except Exception as e:  # noqa: BLE001 - any failure means the use moved
+        return f"{type(e).__name__}: {e}"[:200]
+    return None
 
 
 def check() -> dict:
@@ -172,12 +262,7 @@ def check() -> dict:
     ``moved`` maps a use's name to what is missing (empty: all present)."""
     import torch
 
-    moved = {}
-    for name, probe in PROBES.items():
-        try:
-            probe()
-        except Exception as e:  # noqa: BLE001 - any failure means the use moved
-            moved[name] = f"{type(e).__name__}: {e}"[:200]
+    moved = {name: why for name in PROBES if (why := check_one(name)) is not None}
     return {"torch": torch.__version__, "checked": checked_on(torch.__version__), "moved": moved}
 
 

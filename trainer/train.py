@@ -317,6 +317,12 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
 
     # ---------------------------------------------------------------- target(s) and drafter replicas
     targets, replicas = pl.build_models(cfg, target_devs, drafter_devs, compute_dtype)
+    if path.name == FLEX_COMPILED:
+        # Unsafe on purpose: every thread compiles its own copy at the same moment.
+        share = compile_mod.set_sharing("per_thread" if cfg.compile.unsafe_parallel_warmup else cfg.compile.share)
+        why = torch_api.check_one("aot_compile") if cfg.compile.share == "auto" and share == "per_thread" else None
+        log(f"compile: {'each graph compiled once, shared by every thread' if share == 'shared' else 'a compiled copy per thread'}"
+            f" (compile.share {cfg.compile.share}{f'; aot_compile: {why}' if why else ''})")
     if path.name == FLEX_COMPILED and cfg.compile.drafter_layers:
         for replica in replicas:
             replica.compile_layers()
@@ -420,7 +426,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     status.set(contract.PHASE_COMPILING, detail={"mode": discipline.mode, "compile_cache": artifacts.status})
     discipline.warmup(pl.warmup_jobs(pipe), lambda progress: status.set(
         detail={"mode": discipline.mode, "compile_cache": artifacts.status, **progress}), should_stop=stop.is_set)
-    log(f"compile: {discipline.mode} warm-up {discipline.warmup_s:.1f}s, {compile_mod.dynamo_counters()}")
+    log(f"compile: {discipline.mode} warm-up {discipline.warmup_s:.1f}s, {compile_mod.dynamo_counters()}, "
+        f"{compile_mod.shared_compiles()} graph(s) compiled once for every thread")
     startup.mark("warmup")
     save_pending = artifacts.status != "off" and rank == 0
 

@@ -28,11 +28,11 @@ import os
 import sys
 import tempfile
 
-from bench.common import cold_then_warm, finish, run_once, write_shard
+from bench.common import add_share_argument, apply_share, cold_then_warm, finish, run_once, write_shard
 
 
 def config(args) -> dict:
-    return {
+    return apply_share({
         "model": {"preset": args.preset, "drafter_layers": len(args.layer_types), "block_size": args.block,
                   "layer_types": args.layer_types, "sliding_window": args.window},
         "data": {"buckets": args.buckets, "max_anchors": args.anchors, "batch_size": 2},
@@ -40,7 +40,7 @@ def config(args) -> dict:
         "placement": {"device": "cuda", "target": [0], "drafter": [0, 0, 0], "queue_depth": 4},
         "compile": {"enabled": "on", "unsafe_parallel_warmup": bool(args.unsafe),
                     **({"mask_builder": args.mask_builder} if args.mask_builder else {})},
-    }
+    }, args)
 
 
 def main(argv=None) -> int:
@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=512, help="sliding window (default 512)")
     p.add_argument("--cold", type=int, default=3, help="starts with a fresh compile cache (default 3)")
     p.add_argument("--warm", type=int, default=1, help="starts on the last cold start's cache (default 1)")
+    add_share_argument(p)
     p.add_argument("--unsafe", action="store_true", help="switch the compile discipline off (debug flag)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per start before it counts as a hang")
     p.add_argument("--work-dir", help="keep run directories and logs here")

@@ -28,20 +28,20 @@ import sys
 import tempfile
 import time
 
-from bench.common import REPO, write_shard
+from bench.common import REPO, add_share_argument, apply_share, write_shard
 
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit|Hit|Interrupt))(?::\s?(.*))?$")
 
 
 def config(args) -> dict:
     buckets = [int(b) for b in args.buckets.split(",")]
-    return {
+    return apply_share({
         "model": {"preset": args.preset, "drafter_layers": args.drafter_layers, "block_size": 16},
         "data": {"buckets": buckets, "batch_size": args.batch_size, "max_anchors": args.anchors},
         "train": {"steps": 100_000_000, "log_every": args.log_every, "checkpoint_every": args.checkpoint_every},
         "placement": {"device": args.device, "target": [0], "drafter": [0] * args.drafters, "queue_depth": 4},
         "compile": {"enabled": "on" if args.device == "cuda" else "off", "cache_dir": args.cache_dir},
-    }
+    }, args)
 
 
 def first_error(log_path: str) -> str | None:
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--checkpoint-every", type=int, default=1000)
     p.add_argument("--device", default="cuda")
+    add_share_argument(p)
     p.add_argument("--repo", default=REPO, help="the checkout whose trainer runs (default this one)")
     p.add_argument("--work-dir", help="run directory, logs and compile cache (default a new temporary one)")
     p.add_argument("--max-processes", type=int, default=50, help="give up after this many starts (a crash loop)")

@@ -47,6 +47,83 @@ def test_threads_sharing_one_compiled_code_object_recompile_and_lanes_do_not(tmp
     assert lanes == {**lanes, "failures": 0, "iterations": 4000}, lanes
 
 
+
+@pytest.mark.slow
+def test_a_shared_compile_serves_every_thread_from_one_compile_per_variant(tmp_path):
+    # The same layers, shapes and threads as above, each variant compiled once ahead of
+    # its call and called by every thread without Dynamo: no recompile, one compile per
+    # (shape, grad flag) whatever the number of threads, and every 50th step of each
+    # thread equal to the eager step on the same weights and input.
+    shared = race("aot", tmp_path, iters=2000)
+    assert shared == {**shared, "failures": 0, "iterations": 4000, "compiles": 4}, shared
+
+
+def _make_scale(k):
+    def scale(x):
+        return x * k
+    return scale
+
+
+def _times(t):
+    def times(x):
+        return x * t
+    return times
+
+
+def _apply(x, op):
+    return op(x) + 1
+
+
+@pytest.mark.slow
+def test_a_shared_compile_tells_apart_what_its_guards_do_not_keep(tmp_path, monkeypatch):
+    # An ahead-of-time compile keeps no identity guard (which function, which object):
+    # a function passed in must still get its own variant, a closure's constant too,
+    # while a tensor a closure holds is an input (one variant serves every tensor).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    shared = compile_mod.Shared(_apply, dynamic=False)
+    x = torch.ones(4)
+    assert shared(x, torch.sin).tolist() == (torch.sin(x) + 1).tolist()
+    assert shared(x, torch.cos).tolist() == (torch.cos(x) + 1).tolist()
+    assert shared(x, _make_scale(2.0)).tolist() == [3.0] * 4
+    assert shared(x, _make_scale(3.0)).tolist() == [4.0] * 4
+    compiles = shared.compiles
+    assert shared(x, _times(torch.full((4,), 5.0))).tolist() == [6.0] * 4
+    assert shared(x, _times(torch.full((4,), 7.0))).tolist() == [8.0] * 4
+    assert shared.compiles == compiles + 1
+    assert shared(x, torch.sin).tolist() == (torch.sin(x) + 1).tolist() and shared.compiles == compiles + 1
+    compile_mod.freeze_shared()
+    try:
+        with pytest.raises(compile_mod.RecompileAfterWarmup, match="_apply: a call after the warm-up"):
+            shared(torch.ones(5), torch.sin)
+    finally:
+        compile_mod.freeze_shared(False)
+
+
+def test_the_signature_names_what_a_variant_depends_on():
+    a, b = torch.zeros(2, 3), torch.zeros(2, 3, requires_grad=True)
+    sig = compile_mod.signature
+    assert sig((a,)) != sig((b,)) and sig((a,)) == sig((torch.ones(2, 3),)) and sig((a,)) != sig((torch.zeros(3, 2),))
+    assert sig((_make_scale(2.0),)) == sig((_make_scale(3.0),))  # one code: the guards tell the constants apart
+    assert sig((_make_scale(2.0),)) != sig((_times(a),)) and sig((torch.sin,)) != sig((torch.cos,))
+    layer, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    other.layer_type = "sliding"
+    assert sig((layer,)) == sig((torch.nn.Linear(2, 2),)) and sig((layer,)) != sig((other,))
+
+
+def test_the_sharing_mode_picks_the_compiled_kind():
+    try:
+        assert compile_mod.set_sharing("per_thread") == "per_thread"
+        assert isinstance(compile_mod.per_thread_compile(_apply), compile_mod.PerLane)
+        assert compile_mod.set_sharing("auto") == "shared"  # this torch has aot_compile
+        assert isinstance(compile_mod.per_thread_compile(_apply), compile_mod.Shared)
+        # every replica's layers call one compiled function: each graph compiles once
+        assert compile_mod.per_thread_compile(_apply) is compile_mod.per_thread_compile(_apply)
+        assert compile_mod.per_thread_compile(_apply, dynamic=False) is not compile_mod.per_thread_compile(_apply)
+        with pytest.raises(ValueError, match="compile.share: 'sometimes'"):
+            compile_mod.set_sharing("sometimes")
+    finally:
+        compile_mod.set_sharing("per_thread")
+
 def test_a_lane_gets_a_compiled_copy_of_its_own_and_keeps_it():
     def forward(x, scale=2):
         return x * scale

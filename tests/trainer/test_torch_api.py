@@ -98,3 +98,26 @@ def test_the_eager_fallback_warning_is_shown_once_until_forgotten():
         flex_attention(q, q, q)
         shown = [w for w in seen if "without torch.compile" in str(w.message)]
         assert len(shown) == 2
+
+
+def test_an_ahead_of_time_compile_runs_forward_and_backward_and_names_a_failed_guard(tmp_path, monkeypatch):
+    # Both ways in: torch.compile(...).aot_compile where this torch has it, and the
+    # function it calls (what torch 2.11, which has no such method, is given).
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def f(x, w):
+        return torch.relu(x @ w) * 2
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    f(x, w).sum().backward()
+    expected, w.grad = w.grad.clone(), None
+    for compile_with in (torch_api.aot_compile, lambda *a: torch_api._aot_compile_fullgraph(*a)):
+        compiled = compile_with(f, {"dynamic": False}, (x, w), {})
+        y = compiled(x, w)
+        y.sum().backward()
+        assert torch.allclose(y, f(x, w)) and torch.allclose(w.grad, expected)
+        w.grad = None
+        assert torch_api.aot_guards_pass(compiled, (x, w), {})
+        assert not torch_api.aot_guards_pass(compiled, (torch.randn(5, 8), w), {})
+        assert "size mismatch at index 0. expected 4, actual 5" in torch_api.aot_guard_failure(
+            compiled, (torch.randn(5, 8), w), {})
