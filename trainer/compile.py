@@ -23,11 +23,12 @@ forward and backward in several threads deadlock with no error. So:
    entries in a list on the code object and reorders it on every hit, with no lock, so
    two threads looking up one code object can each skip the entry the other just moved
    and recompile (then ``fail_on_recompile`` raises) long after the warm-up. Either
+   every thread (a "lane": one target or drafter thread, named as the thread) calls a
+   compiled copy of its own (``PerLane``: one code object per lane; the default), or
    every graph is compiled once, ahead of its call, and called without Dynamo by every
-   thread (``Shared``, ``compile.share: auto`` where torch has ``aot_compile``: a cold
-   start compiles each graph once instead of once per thread), or every thread (a
-   "lane": one target or drafter thread, named as the thread) calls a compiled copy of
-   its own (``PerLane``: one code object per lane).
+   thread (``Shared``, ``compile.share: shared``: a cold start compiles each graph once
+   instead of once per thread, but torch's on-disk AOTAutograd cache is bypassed for
+   it, so a warm start compiles again).
 
 ``compile.unsafe_parallel_warmup`` replaces 2 with every thread's first forward +
 backward at the same moment, skips 4, and exists to reproduce the deadlock on a
