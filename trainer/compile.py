@@ -51,7 +51,6 @@ import torch
 
 from dflashctl.core import contract
 from trainer import torch_api
-from trainer.torch_api import dynamo_config, dynamo_counters, set_everywhere  # noqa: F401 - re-exported
 
 EAGER_FLEX_WARNING = "flex_attention called without torch.compile"
 # Each compiled function sees at most 3 variants per bucket and device: a drafter
@@ -333,16 +332,16 @@ class Discipline:
         """Apply the settings for every thread, this one and those torch starts itself
         (autograd's backward threads); call in main before any thread starts. Calling it
         again in a thread is harmless."""
-        cfg = dynamo_config()
+        cfg = torch_api.dynamo_config()
         for name, value in self.settings().items():
-            set_everywhere(cfg, name, value)
+            torch_api.set_everywhere(cfg, name, value)
         if self.guard_eager_flex:
             warnings.filterwarnings("error", message=EAGER_FLEX_WARNING)  # the filter list is process-wide
 
     def check_in_force(self) -> dict[str, Any]:
         """The settings as a thread that set nothing itself sees them; raises if any is
         not the discipline's (a worker would silently run with torch's defaults)."""
-        cfg = dynamo_config()
+        cfg = torch_api.dynamo_config()
         wanted = self.settings()
         seen = seen_in_new_thread(lambda: {name: getattr(cfg, name) for name in wanted}) or {}
         wrong = {k: seen.get(k) for k, v in wanted.items() if seen.get(k) != v}
@@ -353,7 +352,7 @@ class Discipline:
 
     def lock_recompiles(self) -> None:
         """After the warm-up: any new compile raises instead of racing other threads."""
-        self.frames_ok_after_warmup = dynamo_counters()["frames_ok"]
+        self.frames_ok_after_warmup = torch_api.dynamo_counters()["frames_ok"]
         if self.enabled and self.mode != "unsafe_parallel":
             torch.compiler.set_stance("fail_on_recompile")
             freeze_shared()
@@ -457,7 +456,7 @@ class _StepGuard:
 
 def counters_report(discipline: Optional[Discipline]) -> dict:
     """Counters plus ``recompiles``: frames compiled after the warm-up ended (should stay 0)."""
-    c = dynamo_counters()
+    c = torch_api.dynamo_counters()
     base = discipline.frames_ok_after_warmup if discipline else None
     c["recompiles"] = None if base is None else c["frames_ok"] - base
     c["shared_compiles"] = shared_compiles()

@@ -156,8 +156,8 @@ def restart_command(
     run: str = typer.Argument(..., help="Run id (or an unambiguous prefix)."),
     serialized_warmup: bool = typer.Option(False, "--serialized-warmup", help="Warm up compiled kernels one at a time."),
     no_watch: bool = typer.Option(False, "--no-watch", help="Do not start a supervisor for the run."),
-    reload: bool = typer.Option(False, "--reload", help="Take the playbook's trainer section again (validated; "
-                                "refused when the model shapes or the placement differ from the run's)."),
+    reload: bool = typer.Option(False, "--reload", help="Take the playbook's trainer section and secrets again "
+                                "(validated; refused when the model shapes or the placement differ from the run's)."),
 ) -> None:
     """Start a run's trainer again, resuming from its last checkpoint.
 
@@ -165,7 +165,8 @@ def restart_command(
     one, is kept through the stop and becomes the new process (no import paid). The
     trainer starts in the same run directory (compile cache kept) with the config
     recorded at launch: a playbook changed since is said, and `--reload` takes its
-    trainer section (steps, learning rate, data, ...) again. Then a local tmux
+    trainer section (steps, learning rate, data, ...) and its secrets (a rotated
+    token) again; the new process is then a fresh one, not the standby. Then a local tmux
     session supervises it, as after `launch`."""
     import time
 
@@ -176,8 +177,8 @@ def restart_command(
 
     store, inventory, show = _store(), _inventory(), _progress(False)
     record = store.get_run(run)
-    prepare(record, store, inventory, G.playbooks, reload, show, time.time())
-    state = restart(record.id, store, inventory, serialized_warmup=serialized_warmup, progress=show)
+    secrets = prepare(record, store, inventory, G.playbooks, reload, show, time.time())
+    state = restart(record.id, store, inventory, serialized_warmup=serialized_warmup, progress=show, secrets=secrets)
     watching = live_supervisor(store.get_run(run).supervisor)
     if state == "running" and watching is not None:  # a foreground `watch`: it watches the new process too
         show("supervise", f"run {record.id} is supervised by pid {watching['pid']}: no second supervisor")

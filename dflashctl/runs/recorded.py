@@ -115,27 +115,42 @@ def playbook_now(run: "Run", inventory: "Inventory", playbooks_dir: str | None) 
 
 
 def prepare(run: "Run", store: "Store", inventory: "Inventory", playbooks_dir: str | None, reload: bool,
-            say: Callable[[str, str], None], now: float) -> None:
+            say: Callable[[str, str], None], now: float) -> dict[str, str] | None:
     """Before a restart: say whether it reuses the recorded config while the playbook
     changed; with ``reload``, record the playbook's trainer section as the run's
-    config (validated; refused as ``reloaded`` says) and say what changed."""
+    config (validated; refused as ``reloaded`` says), say what changed, and read the
+    playbook's secrets again (returned, for the restart to write; a secret that
+    cannot be read refuses the restart before anything is stopped). None without
+    ``reload``: the secrets written at launch stay."""
     pb, where = playbook_now(run, inventory, playbooks_dir)
     if pb is None:
         if reload:
             raise ConfigError(f"--reload: the playbook of run {run.id} does not load: {where}",
                               hint="fix the playbook, or restart without --reload (the recorded config)")
-        return
+        return None
     if not reload:
         changes = trainer_changes((run.config or {}).get("trainer") or {}, pb.trainer.to_dict())
         if changes:
             say("restart", f"{where} changed since the launch ({describe(changes)}); this restart reuses the config "
                            f"recorded at launch; `dflashctl restart {run.id} --reload` takes the playbook again")
-        return
+        return None
+    secrets = pb.secret_values()
     config, changes = reloaded(run.config or {}, pb.trainer.to_dict())
-    if not changes:
+    names = sorted(pb.secret_env)
+    renamed = names != sorted((run.config or {}).get("secret_env") or [])
+    if renamed:
+        config = {**config, "secret_env": names}
+    if secrets:
+        say("reload", f"secrets read again: {', '.join(names)} (written with the new process, never stored)")
+    if not changes and not renamed:
         say("reload", f"{where}: the trainer section is as recorded; nothing to take again")
-        return
+        return secrets
     store.update_run(run.id, config=config)
-    store.add_event(run.id, "config", f"restart --reload took {where} again: {describe(changes, limit=20)}", now,
-                    detail={"changes": [{"key": k, "from": old, "to": new} for k, old, new in changes]})
-    say("reload", f"took {where} again: {describe(changes)}")
+    said = describe(changes, limit=20) if changes else "the trainer section as recorded"
+    store.add_event(run.id, "config", f"restart --reload took {where} again: {said}"
+                    + (f"; secret names now {', '.join(names) or 'none'}" if renamed else ""), now,
+                    detail={"changes": [{"key": k, "from": old, "to": new} for k, old, new in changes],
+                            **({"secret_env": names} if renamed else {})})
+    if changes:
+        say("reload", f"took {where} again: {describe(changes)}")
+    return secrets

@@ -59,6 +59,7 @@ from dflashctl.runs.access import (
 from dflashctl.runs.evaluate import eval_run, eval_session
 from dflashctl.runs.files import (
     RUN_SCRIPT,
+    SECRETS_FILE,
     STANDBY_SCRIPT,
     new_rendezvous_key,
     part_config,
@@ -552,7 +553,8 @@ class RestartResult:
 
 def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "Inventory",
                 progress: Progress | None = None, *, clock: Callable[[], float] = time.time,
-                marker: str | None = None, hung: bool = False) -> RestartResult:
+                marker: str | None = None, hung: bool = False,
+                secrets: dict[str, str] | None = None) -> RestartResult:
     """Start a new trainer process in the run's directory (for the supervisor).
 
     The previous session is killed if it is still there (a hung trainer). The
@@ -562,6 +564,9 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     config.json. The run's state is the caller's business (it does not change here).
     ``marker``: a line for trainer.log before the new process starts; ``hung``: the
     old process's stacks are asked for first (SIGUSR1, then ``STACK_DUMP_WAIT_S``).
+    ``secrets`` (``restart --reload``): the playbook's secrets read again, written as
+    the run's secrets.env (removed when there are none); a standby, whose environment
+    holds the old ones, is ended and not woken.
 
     A run on one host whose bundle is in place restarts in one round trip: one host
     script does the whole sequence (``_restart_on_host``) and answers once. A run on
@@ -569,7 +574,7 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     free) or one whose bundle must be deployed again goes step by step."""
     say = progress or quiet
     run = store.get_run(run_id)
-    if not run.hosts:
+    if not run.hosts and secrets is None:  # new secrets go step by step (their file may have to go)
         done = _restart_on_host(run, serialized_warmup, store, inventory, say, clock, marker, hung)
         if done is not None:
             return done
@@ -587,8 +592,8 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
     for part, transport, _ in parts:
         config, bundle_hash, again = _bundle_in_place(store, run, part, transport, config, bundle_hash, clock)
         redeployed = redeployed or again
-    if redeployed or not standby:
-        standby = None  # a standby imported the old bundle: it is not the one to wake
+    if redeployed or not standby or secrets is not None:
+        standby = None  # a standby imported the old bundle or holds the old secrets: it is not the one to wake
         end_standby(run, inventory)
     wanted = bool(serialized_warmup) or config["trainer"]["compile"].get("serialized_warmup", True)
     key = None
@@ -598,11 +603,12 @@ def restart_run(run_id: str, serialized_warmup: bool, store: Store, inventory: "
         key = new_rendezvous_key()
     for part, transport, _ in parts:
         files = run_files(run.id, part.run_dir, config, socket, serialized_warmup=wanted, rank=part.rank,
-                          session=part.tmux_session, rendezvous_key=key)
+                          session=part.tmux_session, rendezvous_key=key, secrets=secrets)
         # The previous process's exit code and status go before the new session starts,
         # so nobody reads them as the new process's (run.sh removes them too).
         deploy.write_run_files(transport, part.run_dir, files,
-                               remove=[contract.EXIT_CODE_FILE, contract.status_file(part.rank)])
+                               remove=[contract.EXIT_CODE_FILE, contract.status_file(part.rank),
+                                       *([SECRETS_FILE] if secrets == {} else [])])
         _provide_compile_cache(store, part, transport, json.loads(files[contract.CONFIG_FILE]),
                                part_config(config, part.rank), bundle_hash, say, clock)
     unanswered = None
@@ -860,9 +866,10 @@ def artifact_inputs(store: Store, run: Run) -> tuple[dict[str, Any], str, str | 
 
 def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup: bool = False,
             progress: Progress | None = None, *, clock: Callable[[], float] = time.time,
-            start_timeout: float = START_TIMEOUT) -> str:
+            start_timeout: float = START_TIMEOUT, secrets: dict[str, str] | None = None) -> str:
     """Operator restart (``dflashctl restart``): a run still going is first stopped
-    gracefully (SIGTERM: it checkpoints), then restarting -> new process -> running."""
+    gracefully (SIGTERM: it checkpoints), then restarting -> new process -> running.
+    ``secrets``: read again by ``restart --reload`` (``restart_run``)."""
     run = store.get_run(run_id)
     if run.state == DONE:
         raise LaunchError(f"run {run.id} is done: it finished all its steps and is not restarted",
@@ -880,7 +887,7 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
         # A ready standby (its imports done) is held through the stop and woken by the
         # restart, as the supervisor's restart of a crash does; else it would leave
         # with the stopped trainer and the new process pay every import again.
-        held = _hold_standby(run, inventory)
+        held = _hold_standby(run, inventory) if secrets is None else None  # new secrets: a fresh process
         if held:
             say("restart", f"standby {held} is ready: kept through the stop, woken next")
         run = stop(run.id, store, inventory, progress=progress, clock=clock, keep_standby=bool(held),
@@ -897,7 +904,7 @@ def restart(run_id: str, store: Store, inventory: "Inventory", serialized_warmup
         store.transition(run.id, RESTARTING, "restart requested by the operator", clock())
     try:
         _mark_restart(run, inventory, clock())
-        restart_run(run.id, serialized_warmup, store, inventory, progress, clock=clock)
+        restart_run(run.id, serialized_warmup, store, inventory, progress, clock=clock, secrets=secrets)
     except BaseException as e:
         store.transition(run.id, FAILED, f"restart failed: {first_line(e)}", clock(), exit_reason="restart failed")
         raise

@@ -120,3 +120,36 @@ def _evaluators_environment(local: LocalLaunch, run_id: str, tmp_path: Path) -> 
     store.update_run(run_id, config={**store.get_run(run_id).config, "python": str(python)})
     eval_run(run_id, store, local.inventory, EvalSettings(prompts=1, timeout=30), poll=0.2)
     return seen.read_bytes()
+
+
+def test_restart_reload_reads_a_rotated_secret_again_and_a_plain_restart_keeps_the_launched_one(tmp_path, host_home):
+    """A token rotated in its file after the launch: a plain restart keeps the value
+    written at launch (the store holds none to write again); ``--reload`` reads the
+    playbook's secrets again and the new process has the new value, from a fresh
+    start (a standby's environment would hold the old one). An unreadable secret
+    refuses the reload before anything is stopped."""
+    key = tmp_path / "key"
+    key.write_text("first-token-3a1e\n")
+    local, run_id = _launch(tmp_path, host_home, {"HF_TOKEN": {"from_file": str(key)}})
+    run = Store(local.store_path).get_run(run_id)
+    try:
+        first = wait_for(lambda: trainer_pid(run.run_dir), 60, "the trainer's status.json")
+        key.write_text("rotated-token-88c4\n")
+        kept = _restarted(local, run_id, run.run_dir, first)
+        assert b"HF_TOKEN=first-token-3a1e" in Path(f"/proc/{kept}/environ").read_bytes().split(b"\0")
+
+        key.unlink()
+        refused = local.invoke("restart", run_id, "--reload")
+        assert refused.returncode == 2 and "env.HF_TOKEN: cannot read" in refused.stderr, refused.stderr
+        assert trainer_pid(run.run_dir) == kept  # nothing stopped
+
+        key.write_text("rotated-token-88c4\n")
+        reloaded = local.invoke("restart", run_id, "--reload")
+        assert reloaded.returncode == 0, reloaded.stdout + reloaded.stderr
+        assert "secrets read again: HF_TOKEN" in reloaded.stderr
+        again = wait_for(lambda: trainer_pid(run.run_dir, other_than=kept), 60, "the reloaded trainer")
+        assert b"HF_TOKEN=rotated-token-88c4" in Path(f"/proc/{again}/environ").read_bytes().split(b"\0")
+        _nothing_holds(local, run_id, ["first-token-3a1e", "rotated-token-88c4"])
+    finally:
+        end(trainer_pid(run.run_dir))
+        Tmux(local.inventory.get("local"), local.inventory, SOCKET).kill(run_id)
