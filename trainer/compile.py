@@ -267,7 +267,7 @@ def per_thread_compile(fn: Callable, **options) -> Callable:
     replicas of every drafter thread call the same one, so each graph compiles once."""
     if _sharing != "shared":
         return PerLane(fn, **options)
-    key = (fn, tuple(sorted(options.items())))
+    key = (fn, repr(sorted(options.items())))  # an option's value may be a dict (inductor's options)
     with _shared_lock:
         compiled = _shared_by_fn.get(key)
         if compiled is None:

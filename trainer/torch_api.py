@@ -151,7 +151,7 @@ def aot_compile(fn: Callable, options: dict, args: tuple, kwargs: dict) -> Calla
         # Dynamo reads every tensor's .grad while it saves the guards: a warning per
         # non-leaf input (an activation), about nothing the trainer does.
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-        method = getattr(torch.compile(fn, fullgraph=True, **options), "aot_compile", None)
+        method = getattr(torch.compile(fn, **{**options, "fullgraph": True}), "aot_compile", None)
         compiled = method((tuple(args), dict(kwargs))) if method is not None \
             else _aot_compile_fullgraph(fn, options, args, kwargs)
     compiled.disable_guard_check()

@@ -119,6 +119,8 @@ def test_the_sharing_mode_picks_the_compiled_kind():
         # every replica's layers call one compiled function: each graph compiles once
         assert compile_mod.per_thread_compile(_apply) is compile_mod.per_thread_compile(_apply)
         assert compile_mod.per_thread_compile(_apply, dynamic=False) is not compile_mod.per_thread_compile(_apply)
+        tuned = compile_mod.per_thread_compile(_apply, fullgraph=True, options={"max_autotune": False})
+        assert tuned is compile_mod.per_thread_compile(_apply, fullgraph=True, options={"max_autotune": False})
         with pytest.raises(ValueError, match="compile.share: 'sometimes'"):
             compile_mod.set_sharing("sometimes")
     finally:
