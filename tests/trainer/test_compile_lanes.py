@@ -82,15 +82,17 @@ def test_a_shared_compile_tells_apart_what_its_guards_do_not_keep(tmp_path, monk
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     shared = compile_mod.Shared(_apply, dynamic=False)
     x = torch.ones(4)
-    assert shared(x, torch.sin).tolist() == (torch.sin(x) + 1).tolist()
-    assert shared(x, torch.cos).tolist() == (torch.cos(x) + 1).tolist()
-    assert shared(x, _make_scale(2.0)).tolist() == [3.0] * 4
-    assert shared(x, _make_scale(3.0)).tolist() == [4.0] * 4
+
+    def same(got, want):  # a compiled sin may differ from eager's in its last bit
+        return torch.allclose(got, want if isinstance(want, torch.Tensor) else torch.full((4,), want), atol=1e-6)
+
+    assert same(shared(x, torch.sin), torch.sin(x) + 1) and same(shared(x, torch.cos), torch.cos(x) + 1)
+    assert same(shared(x, _make_scale(2.0)), 3.0) and same(shared(x, _make_scale(3.0)), 4.0)
     compiles = shared.compiles
-    assert shared(x, _times(torch.full((4,), 5.0))).tolist() == [6.0] * 4
-    assert shared(x, _times(torch.full((4,), 7.0))).tolist() == [8.0] * 4
+    assert same(shared(x, _times(torch.full((4,), 5.0))), 6.0)
+    assert same(shared(x, _times(torch.full((4,), 7.0))), 8.0)
     assert shared.compiles == compiles + 1
-    assert shared(x, torch.sin).tolist() == (torch.sin(x) + 1).tolist() and shared.compiles == compiles + 1
+    assert same(shared(x, torch.sin), torch.sin(x) + 1) and shared.compiles == compiles + 1
     compile_mod.freeze_shared()
     try:
         with pytest.raises(compile_mod.RecompileAfterWarmup, match="_apply: a call after the warm-up"):
