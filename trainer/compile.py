@@ -244,7 +244,7 @@ class Shared:
 
 
 def set_sharing(mode: str) -> str:
-    """How ``per_thread_compile`` compiles from now on (``compile.share``): 'shared' or
+    """How ``thread_safe_compile`` compiles from now on (``compile.share``): 'shared' or
     'per_thread'; 'auto' is 'shared' where this torch has ``aot_compile``. Returns the
     mode in force."""
     global _sharing
@@ -261,7 +261,7 @@ def sharing() -> str:
     return _sharing
 
 
-def per_thread_compile(fn: Callable, **options) -> Callable:
+def thread_safe_compile(fn: Callable, **options) -> Callable:
     """A compiled ``fn`` safe to call from every thread: ``Shared`` or ``PerLane``, as
     ``set_sharing`` chose. One ``Shared`` per function and options in the process: the
     replicas of every drafter thread call the same one, so each graph compiles once."""

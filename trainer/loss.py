@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from trainer.compile import per_thread_compile, sharing
+from trainer.compile import thread_safe_compile, sharing
 
 
 def default_gamma(block_size: int) -> float:
@@ -113,7 +113,7 @@ def compiled_chunk_cross_entropy(kernel: str = "inductor"):
     key = (kernel, sharing())
     if key not in _compiled_chunk_cross_entropy:
         fn = _triton_chunk_cross_entropy if kernel == "triton" else _fusable_chunk_cross_entropy
-        _compiled_chunk_cross_entropy[key] = per_thread_compile(fn, dynamic=False)
+        _compiled_chunk_cross_entropy[key] = thread_safe_compile(fn, dynamic=False)
     return _compiled_chunk_cross_entropy[key]
 
 

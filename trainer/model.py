@@ -215,10 +215,10 @@ class Drafter(nn.Module):
         one graph forward, one backward), static shapes. Layers share compiled graphs
         (their weights are inputs, not constants): one per layer type, plus one for
         the first layer, whose input needs no gradient. Threads never share Dynamo's
-        cache (``compile.per_thread_compile``: compiled once and called without Dynamo,
+        cache (``compile.thread_safe_compile``: compiled once and called without Dynamo,
         or a copy per thread)."""
-        from trainer.compile import per_thread_compile
+        from trainer.compile import thread_safe_compile
 
-        forward = per_thread_compile(DrafterLayer.forward, dynamic=False, **options)
+        forward = thread_safe_compile(DrafterLayer.forward, dynamic=False, **options)
         for layer in self.layers:
             layer.forward = types.MethodType(forward, layer)

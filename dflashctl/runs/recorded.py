@@ -121,7 +121,8 @@ def prepare(run: "Run", store: "Store", inventory: "Inventory", playbooks_dir: s
     config (validated; refused as ``reloaded`` says), say what changed, and read the
     playbook's secrets again (returned, for the restart to write; a secret that
     cannot be read refuses the restart before anything is stopped). None without
-    ``reload``: the secrets written at launch stay."""
+    ``reload``, or when the playbook has no secrets and the run had none: nothing to
+    write, and the restart may wake the run's standby."""
     pb, where = playbook_now(run, inventory, playbooks_dir)
     if pb is None:
         if reload:
@@ -142,9 +143,10 @@ def prepare(run: "Run", store: "Store", inventory: "Inventory", playbooks_dir: s
         config = {**config, "secret_env": names}
     if secrets:
         say("reload", f"secrets read again: {', '.join(names)} (written with the new process, never stored)")
+    written = secrets if secrets or renamed else None  # {}: the run's secrets.env goes
     if not changes and not renamed:
         say("reload", f"{where}: the trainer section is as recorded; nothing to take again")
-        return secrets
+        return written
     store.update_run(run.id, config=config)
     said = describe(changes, limit=20) if changes else "the trainer section as recorded"
     store.add_event(run.id, "config", f"restart --reload took {where} again: {said}"
@@ -153,4 +155,4 @@ def prepare(run: "Run", store: "Store", inventory: "Inventory", playbooks_dir: s
                             **({"secret_env": names} if renamed else {})})
     if changes:
         say("reload", f"took {where} again: {describe(changes)}")
-    return secrets
+    return written

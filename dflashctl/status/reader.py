@@ -331,7 +331,7 @@ class StatusReader:
         grid = self.store.series_grid(run_id, SERIES_POINTS, since)
         if grid is None:
             points = []
-        elif cached is not None and cached[1] is not None and cached[2] and _same_grid(cached[1], grid):
+        elif cached is not None and cached[2] and _same_grid(cached[1], grid):  # points read: a grid too
             newest_bucket = cached[2][-1]["bucket"]  # it may have grown since: read again with what came after
             points = [p for p in cached[2] if p["bucket"] < newest_bucket] + \
                 self.store.sample_buckets(run_id, grid, newest_bucket)

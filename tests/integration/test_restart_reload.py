@@ -16,6 +16,7 @@ import yaml
 
 from dflashctl.core import contract
 from dflashctl.hosts.tmux import SOCKET_ENV
+from dflashctl.runs.recorded import prepare
 from tests.harness import cli as dflashctl
 from tests.harness.local import REPO, SOCKET, LocalEnv, kill_tmux_servers, metrics_lines, wait_for
 
@@ -71,6 +72,10 @@ def test_a_restart_after_a_playbook_change_says_so_and_reload_takes_it(local_env
         assert on_host["train"]["steps"] == 200000  # the new process reads it
         [event] = env.store.events(run_id, kind="config")
         assert event.detail["changes"] == [{"key": "train.steps", "from": 100000, "to": 200000}]
+        # No secrets in the playbook nor the run: a reload has none to write, so its
+        # restart keeps the one-round-trip path and may wake the run's standby.
+        assert prepare(env.store.get_run(run_id), env.store, env.inventory, str(env.playbooks), True,
+                       lambda *said: None, 0.0) is None
     finally:
         env.tmux.kill(run_id)
 

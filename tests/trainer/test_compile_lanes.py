@@ -115,14 +115,14 @@ def test_the_signature_names_what_a_variant_depends_on():
 def test_the_sharing_mode_picks_the_compiled_kind():
     try:
         assert compile_mod.set_sharing("per_thread") == "per_thread"
-        assert isinstance(compile_mod.per_thread_compile(_apply), compile_mod.PerLane)
+        assert isinstance(compile_mod.thread_safe_compile(_apply), compile_mod.PerLane)
         assert compile_mod.set_sharing("auto") == "shared"  # this torch has aot_compile
-        assert isinstance(compile_mod.per_thread_compile(_apply), compile_mod.Shared)
+        assert isinstance(compile_mod.thread_safe_compile(_apply), compile_mod.Shared)
         # every replica's layers call one compiled function: each graph compiles once
-        assert compile_mod.per_thread_compile(_apply) is compile_mod.per_thread_compile(_apply)
-        assert compile_mod.per_thread_compile(_apply, dynamic=False) is not compile_mod.per_thread_compile(_apply)
-        tuned = compile_mod.per_thread_compile(_apply, fullgraph=True, options={"max_autotune": False})
-        assert tuned is compile_mod.per_thread_compile(_apply, fullgraph=True, options={"max_autotune": False})
+        assert compile_mod.thread_safe_compile(_apply) is compile_mod.thread_safe_compile(_apply)
+        assert compile_mod.thread_safe_compile(_apply, dynamic=False) is not compile_mod.thread_safe_compile(_apply)
+        tuned = compile_mod.thread_safe_compile(_apply, fullgraph=True, options={"max_autotune": False})
+        assert tuned is compile_mod.thread_safe_compile(_apply, fullgraph=True, options={"max_autotune": False})
         with pytest.raises(ValueError, match="compile.share: 'sometimes'"):
             compile_mod.set_sharing("sometimes")
     finally:

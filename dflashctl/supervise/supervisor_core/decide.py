@@ -87,8 +87,9 @@ def _act(s: RunState, pr: ProbeResult, findings: list[Finding], local: float, sk
 def _exit_code_due(s: RunState, pr: ProbeResult, local: float) -> bool:
     """Whether the trainer's process has ended (gone, or a zombie not yet reaped) while
     its pane lives and no exit code is written yet: run.sh writes it in a moment, so
-    the end is judged at the next poll, with it (for at most ``SETTLE_S``: a wrapper
-    that never writes one does not hold the run)."""
+    the end is judged at the next poll, with it (for at most ``SETTLE_S`` from the
+    first sight of the end, noted in ``crash_seen``: a wrapper that never writes one
+    does not hold the run)."""
     s.crash_seen = s.crash_seen or local
     proc = pr.process
     return pr.exit_code is None and bool(pr.session_alive) and proc is not None and not proc.alive \
