@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 from dflashctl.store.connection import StoreConnection
 from dflashctl.store.rows import _decode, _json, _number
-from dflashctl.store.schema import ROLLUP_WIDTHS, SAMPLE_METRICS
+from dflashctl.store.schema import CHART_METRICS, ROLLUP_WIDTHS, SAMPLE_METRICS
 
 HOST_OWNER = "host:"  # a host's rollups are owned by "host:NAME"
 GPU_FIELDS = {"util": "utilization_pct", "mem": "memory_used_mib", "temp": "temperature_c", "power": "power_draw_w"}
@@ -152,10 +152,16 @@ class HistoryMixin(StoreConnection):
         return [out[b] for b in sorted(out)]
 
     def rollup_span(self, owner: str) -> tuple[float, float] | None:
-        """(start of the first, end of the last) coarse bucket of ``owner``; None without rollups."""
+        """(start of the first, end of the last) coarse bucket of run ``owner``'s charted
+        figures; None without rollups."""
         width = ROLLUP_WIDTHS[-1]
-        row = self._query("SELECT min(bucket) AS a, max(bucket) AS b FROM rollups WHERE owner = ? AND width = ?",
-                          [owner, width])[0]
+        # A min() or max() over one (owner, metric, width) is one look into the primary
+        # key; over every metric of an owner at once it would read all its rollups.
+        ends = " UNION ALL ".join(["SELECT (SELECT min(bucket) FROM rollups WHERE owner = ? AND metric = ? AND width = ?) "
+                                   "AS a, (SELECT max(bucket) FROM rollups WHERE owner = ? AND metric = ? AND width = ?) "
+                                   "AS b"] * len(CHART_METRICS))
+        row = self._query(f"SELECT min(a) AS a, max(b) AS b FROM ({ends})",
+                          [v for m in CHART_METRICS for v in (owner, m, width) * 2])[0]
         return None if row["a"] is None else (float(row["a"]), float(row["b"]) + width)
 
     # ----------------------------------------------------------------- retention

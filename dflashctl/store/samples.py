@@ -23,7 +23,7 @@ from dflashctl.store.rows import (
     _number,
     _row_to,
 )
-from dflashctl.store.schema import ROLLUP_WIDTHS, SAMPLE_METRICS
+from dflashctl.store.schema import CHART_METRICS, ROLLUP_WIDTHS
 
 
 def _series_widths() -> tuple[int, ...]:
@@ -224,7 +224,7 @@ class SamplesMixin(HistoryMixin):
         ``sample_series`` gives them."""
         if grid.raw:
             return self._raw_series(run_id, grid, first)
-        series = self.rollup_buckets(run_id, (*SAMPLE_METRICS, "train_tok_s"), grid.origin, grid.width, grid.count,
+        series = self.rollup_buckets(run_id, CHART_METRICS, grid.origin, grid.width, grid.count,
                                      grid.t0, grid.t1, first)
         for p in series:
             p["step"] = p.get("step_max")

@@ -15,6 +15,7 @@ from dflashctl.store.rows import _SAMPLE_NUMBERS
 
 ROLLUP_WIDTHS = (60, 900)  # seconds: the fine rollups, then the coarse ones kept for good
 SAMPLE_METRICS = ("step", "tok_s", "loss", "acc", "accept_len", "mfu")  # a sample's figures rolled up
+CHART_METRICS = (*SAMPLE_METRICS, "train_tok_s")  # a run's rollups its history chart reads
 
 
 class _Schema:

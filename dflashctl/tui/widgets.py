@@ -11,10 +11,11 @@ from rich.text import Text
 from textual import work
 from textual.binding import Binding
 from textual.containers import Vertical
-from textual.geometry import Size
+from textual.geometry import Region, Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.widget import Widget
 from textual.widgets import DataTable, Input, Static
 from textual.worker import get_current_worker
 
@@ -189,16 +190,24 @@ class EventsTable(DataTable):
             self.move_cursor(row=len(events) - 1, animate=False)
 
 
-class Pane(Static):
+class Pane(Widget):
     """A block of text drawn from a view; ``draw`` gets the width and the height of
-    the box it is drawn in. Text equal to what is shown is not drawn again (most
-    refreshes change nothing: a supervisor polls every 15 s, the screen reads
-    every 2 s)."""
+    the box it is drawn in. Only what changed is drawn again: text equal to what is
+    shown is a comparison (most refreshes change nothing: a supervisor polls every
+    15 s, the screen reads every 2 s), and of a text that changed only its changed
+    lines are laid out and painted (an age ticking in a header repaints that line, not
+    the charts under it). The screen is laid out again only when the number of rows
+    changes. Lines wrap at the pane's width unless its ``text-wrap`` is ``nowrap``."""
+
+    DEFAULT_CSS = "Pane { height: auto; }"
 
     def __init__(self, draw=None, **kw) -> None:
         super().__init__(**kw)
         self.draw = draw
         self.shown: Text | None = None
+        self._lines: list[Text] = []  # the shown text's lines
+        self._rows: list[list[Strip]] = []  # each line's rows at ``_width``
+        self._width = 0
 
     def redraw(self, draw=None) -> None:
         if draw is not None:
@@ -208,14 +217,74 @@ class Pane(Static):
             self.show(self.draw(max(20, self.size.width or self.app.size.width), box.size.height))
 
     def show(self, text: Text) -> None:
-        """``text`` in the pane, unless it is what the pane shows (an update lays the
-        screen out again)."""
-        if text != self.shown:
-            self.shown = text
-            self.update(text)
+        """``text`` in the pane, unless it is what the pane shows."""
+        if text == self.shown:
+            return
+        self.shown = text
+        lines = text.split("\n", allow_blank=True) if text.plain else []
+        old, width = self._lines, self._row_width()
+        if width != self._width or len(lines) != len(old):
+            self._lines, self._width = list(lines), width
+            self._rows = [self._layout(line) for line in lines]
+            self.refresh(layout=True)
+            return
+        self._lines, y, grown = list(lines), 0, False
+        for i, (was, line) in enumerate(zip(old, lines)):
+            if was != line or was.style != line.style:
+                rows = self._layout(line)
+                grown |= len(rows) != len(self._rows[i])
+                if not grown:
+                    self.refresh(Region(0, y, width, len(rows)))
+                self._rows[i] = rows
+            y += len(self._rows[i])
+        if grown:
+            self.refresh(layout=True)
+
+    def _row_width(self) -> int:
+        return max(1, self.content_size.width or (self.app.size.width if self.is_attached else 80))
+
+    def _layout(self, line: Text) -> list[Strip]:
+        """One line's rows: wrapped at the pane's width, or cut there (``nowrap``)."""
+        console, width = self.app.console, self._width
+        base = console.get_style(line.style) if line.style else None
+
+        def strip(part: Text) -> Strip:
+            row = Strip(part.render(console), part.cell_len)  # the spans' styles: the line's own is ours to apply
+            return row.apply_style(base) if base else row
+
+        if self.styles.text_wrap == "nowrap" or line.cell_len <= width:
+            return [strip(line).crop(0, width)]
+        parts = list(line.wrap(console, width))
+        for part in parts[:-1]:
+            part.rstrip()  # the space a line breaks at is not drawn (nor its reverse video)
+        return [strip(part) for part in parts]
+
+    def render(self) -> Text:
+        """The text shown, whole (what is painted comes line by line from ``render_line``)."""
+        return self.shown if self.shown is not None else Text()
 
     def on_resize(self) -> None:
+        if self._row_width() != self._width and self.shown is not None:
+            text, self.shown = self.shown, None
+            self.show(text)
         self.redraw()
+
+    def get_content_width(self, container: Size, viewport: Size) -> int:
+        return max((line.cell_len for line in self._lines), default=0)
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        if width != self._width and self._lines:
+            self._width = max(1, width)
+            self._rows = [self._layout(line) for line in self._lines]
+        return sum(map(len, self._rows))
+
+    def render_line(self, y: int) -> Strip:
+        style, width = self.rich_style, self.content_size.width
+        for rows in self._rows:
+            if y < len(rows):
+                return rows[y].apply_style(style).extend_cell_length(width, style)
+            y -= len(rows)
+        return Strip.blank(width, style)
 
 
 class LogLines(ScrollView, can_focus=True):
