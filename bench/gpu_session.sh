@@ -19,7 +19,8 @@ help() {
 usage: bash bench/gpu_session.sh RECIPE [ARGS]   (logs in $OUT/RECIPE/, default OUT=gpu-out)
   reference [WARM]                1 GPU: reference size, a cold start then WARM warm ones (default 1), 30 steps: tok/s, MFU, first step; nvidia-smi under load
   coldstart-drill [SAFE] [UNSAFE] 1 GPU: threaded cold start (1 target + 3 drafter threads), SAFE fresh caches with the discipline (default 5), UNSAFE without (default 3)
-  coldstart-share [SHARED] [PER]  1 GPU: the drill at the qwen3-0.6b shapes (3 drafter threads, 2 buckets, block 8), SHARED fresh-cache starts with compile.share shared (default 3), PER with per_thread (default 2); the start-up probe of torch's private uses first
+  coldstart-share [SHARED] [PER] [UNSAFE] [PROBE] [WARM]
+                                  1 GPU: the drill at the qwen3-0.6b shapes (3 drafter threads, 2 buckets, block 8), SHARED fresh-cache starts with compile.share shared (default 3), PER with per_thread (default 2), UNSAFE with the discipline off (default 0), then WARM starts of each mode on its last cold start's cache (default 0); the start-up probe of torch's private uses first unless PROBE is 0
   soak [MIN] [OLD]                1 GPU: the small and qwen3-0.6b soaks at once for MIN minutes (default 8.5); with OLD (a checkout), the small one on OLD's trainer too
   ab OLD                          1 GPU: this tree against OLD (another checkout) on one compile cache: a cold start, then 40 warm steps each, alternated, twice
   artifacts                       1 GPU: a cold start, then warm and artifact starts alternated (three each, 30 steps, one cache); the bytecode unpack alone
@@ -121,17 +122,21 @@ case "$recipe" in
     tail -n 1 "$w"/coldstart*.log
     ;;
   coldstart-share)
-    shared=${1:-3} per=${2:-2}
-    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/trainer/test_torch_api.py > "$w/torch-api.log" 2>&1
-    tail -n 1 "$w/torch-api.log"
-    drill() {  # drill MODE STARTS
-      [ "$2" -gt 0 ] || return 0
-      timeout $((150 * $2)) python3 -m bench.trainer.coldstart --preset qwen3-0.6b --layer-types sliding,full,sliding \
-        --block 8 --buckets 512,1024 --cold "$2" --warm 0 --steps 6 --timeout 140 --share "$1" \
-        --work-dir "$tmp/$1" > "$w/coldstart-$1.log" 2>&1
+    shared=${1:-3} per=${2:-2} unsafe=${3:-0} warm=${5:-0}
+    if [ "${4:-1}" != 0 ]; then
+      python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/trainer/test_torch_api.py > "$w/torch-api.log" 2>&1
+      tail -n 1 "$w/torch-api.log"
+    fi
+    drill() {  # drill NAME STARTS WARM [FLAGS...]
+      local name=$1 starts=$2 warm=$3; shift 3
+      [ "$starts" -gt 0 ] || return 0
+      timeout $((150 * starts + 60 * warm)) python3 -m bench.trainer.coldstart --preset qwen3-0.6b \
+        --layer-types sliding,full,sliding --block 8 --buckets 512,1024 --cold "$starts" --warm "$warm" --steps 6 \
+        --timeout 140 "$@" --work-dir "$tmp/$name" > "$w/coldstart-$name.log" 2>&1
     }
-    drill shared "$shared"
-    drill per_thread "$per"
+    drill shared "$shared" "$warm" --share shared
+    drill per_thread "$per" "$warm" --share per_thread
+    drill unsafe "$unsafe" 0 --share per_thread --unsafe
     grep -h "compile:" "$tmp"/*/cold*.log | sort | uniq -c | head -n 20 > "$w/compile-lines.txt"
     pack
     tail -n 1 "$w"/coldstart-*.log

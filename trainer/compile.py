@@ -27,8 +27,9 @@ forward and backward in several threads deadlock with no error. So:
    compiled copy of its own (``PerLane``: one code object per lane; the default), or
    every graph is compiled once, ahead of its call, and called without Dynamo by every
    thread (``Shared``, ``compile.share: shared``: a cold start compiles each graph once
-   instead of once per thread, but torch's on-disk AOTAutograd cache is bypassed for
-   it, so a warm start compiles again).
+   instead of once per thread; torch's on-disk AOTAutograd cache is bypassed for it, so
+   each compiled variant is saved whole in the compile cache, ``SavedVariants``, and a
+   warm start loads it instead of tracing and compiling again).
 
 ``compile.unsafe_parallel_warmup`` replaces 2 with every thread's first forward +
 backward at the same moment, skips 4, and exists to reproduce the deadlock on a
@@ -38,8 +39,12 @@ GPU. Never use it in production.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
 import os
 import re
+import sys
 import threading
 import time
 import types
@@ -168,9 +173,10 @@ class RecompileAfterWarmup(RuntimeError):
 def signature(value: Any, depth: int = 0) -> Hashable:
     """What tells two calls' variants apart before their guards are checked: each
     tensor's shape, dtype, device and grad flag, scalars by value, a function by its
-    code object (an identity guard, which ``aot_compile`` drops), a module by its type
-    and its plain attributes (``layer_type``), and the fields of other objects (a
-    BlockMask: its tensors, its mask function), a few levels deep."""
+    code (``code_identity``: an identity guard, which ``aot_compile`` drops), a module
+    by its type and its plain attributes (``layer_type``), and the fields of other
+    objects (a BlockMask: its tensors, its mask function), a few levels deep. Its
+    ``repr`` is the same in every process (``SavedVariants`` keys files by it)."""
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), value.dtype, value.device, value.requires_grad)
     if isinstance(value, _SCALARS):
@@ -186,12 +192,47 @@ def signature(value: Any, depth: int = 0) -> Hashable:
         return (dict, *((k, signature(v, depth + 1)) for k, v in value.items()))
     code = getattr(value, "__code__", None)
     if code is not None:
-        return ("fn", id(code))
+        return ("fn", code_identity(code))
     if callable(value) and not hasattr(value, "__dict__"):  # a builtin (torch.sin)
-        return ("fn", id(value))
+        return ("fn", getattr(value, "__module__", None), getattr(value, "__qualname__", None) or id(value))
     if hasattr(value, "__dict__"):
         return (type(value), *((k, signature(v, depth + 1)) for k, v in vars(value).items()))
     return type(value)
+
+
+_code_identities: dict[int, tuple[types.CodeType, str]] = {}  # id -> (code kept alive, identity)
+
+
+def code_identity(code: types.CodeType) -> str:
+    """``<module file>:<qualname>:<digest>``, the same for the same code in every process:
+    the digest is over the bytecode, names, constants (nested code by its identity)
+    and argument counts, not over line numbers. Computed once per code object."""
+    known = _code_identities.get(id(code))
+    if known is None:
+        parts = (code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
+                 code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount, code.co_flags,
+                 tuple(_const_form(c) for c in code.co_consts))
+        digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+        qualname = getattr(code, "co_qualname", code.co_name)
+        known = _code_identities[id(code)] = (code, f"{os.path.basename(code.co_filename)}:{qualname}:{digest}")
+    return known[1]
+
+
+def _const_form(value: Any) -> str:
+    """A code constant as the same text in every process (a frozenset's order is not)."""
+    if isinstance(value, types.CodeType):
+        return code_identity(value)
+    if isinstance(value, frozenset):
+        return "frozenset(" + ",".join(sorted(map(_const_form, value))) + ")"
+    if isinstance(value, tuple):
+        return "(" + ",".join(map(_const_form, value)) + ",)"
+    return repr(value)
+
+
+def options_form(options: dict) -> str:
+    """Compile options as the same text in every process (an option's value may be a
+    dict: inductor's options)."""
+    return json.dumps(options, sort_keys=True, default=repr)
 
 
 class Shared:
@@ -201,9 +242,11 @@ class Shared:
     cold start compiles each graph once instead of once per thread.
 
     A call takes the first variant of its ``signature`` whose guards pass; a call that
-    none serves compiles one (under a lock) or, once ``freeze_shared`` ran after the
+    none serves loads the variants saved for its signature (its first miss only), else
+    compiles one and saves it (under a lock), or, once ``freeze_shared`` ran after the
     warm-up, raises ``RecompileAfterWarmup``. The variants of a signature are a tuple
-    replaced whole, never reordered: threads read them without a lock."""
+    replaced whole, never reordered: threads read them without a lock. ``compiles``
+    counts the variants compiled, ``loaded`` those loaded."""
 
     def __init__(self, fn: Callable, **options):
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
@@ -212,7 +255,8 @@ class Shared:
         self._variants: dict[Hashable, tuple[Callable, ...]] = {}
         self._lock = threading.Lock()
         self.frozen = False
-        self.compiles = 0
+        self.compiles = self.loaded = 0
+        self.saved = SavedVariants(fn, options)
         _shared.add(self)
 
     def __call__(self, *args, **kwargs):
@@ -232,9 +276,17 @@ class Shared:
                 why = torch_api.aot_guard_failure(known[0], args, kwargs) if known else "no variant of these shapes"
                 raise RecompileAfterWarmup(f"{self.name}: a call after the warm-up that no compiled variant "
                                            f"serves: {why}")
+            if not self.saved.looked_up(key):
+                loaded = self.saved.load(key)
+                self._variants[key] = known = (*known, *loaded)
+                self.loaded += len(loaded)
+                for variant in loaded:
+                    if torch_api.aot_guards_pass(variant, args, kwargs):
+                        return variant
             variant = torch_api.aot_compile(self._fn, self._options, args, kwargs)
             self._variants[key] = (*known, variant)
             self.compiles += 1
+            self.saved.save(key, variant)
             return variant
 
     def __reduce__(self):
@@ -267,7 +319,7 @@ def thread_safe_compile(fn: Callable, **options) -> Callable:
     replicas of every drafter thread call the same one, so each graph compiles once."""
     if _sharing != "shared":
         return PerLane(fn, **options)
-    key = (fn, repr(sorted(options.items())))  # an option's value may be a dict (inductor's options)
+    key = (fn, options_form(options))
     with _shared_lock:
         compiled = _shared_by_fn.get(key)
         if compiled is None:
@@ -283,8 +335,135 @@ def freeze_shared(frozen: bool = True) -> None:
 
 
 def shared_compiles() -> int:
-    """Variants the ``Shared`` functions alive hold: one per graph, not per thread."""
+    """Variants the ``Shared`` functions alive compiled: one per graph, not per thread."""
     return sum(c.compiles for c in list(_shared))
+
+
+def shared_loaded() -> int:
+    """Variants the ``Shared`` functions alive loaded from the compile cache (``SavedVariants``)."""
+    return sum(c.loaded for c in list(_shared))
+
+
+def saved_variant_files() -> list[str]:
+    """The files of every variant the ``Shared`` functions alive loaded or saved."""
+    return sorted({path for c in list(_shared) for paths in c.saved.files.values() for path in paths})
+
+
+# ---------------------------------------------------------------------------- saved variants
+
+SAVED_DIR = "dflash-aot"  # in the inductor cache in use
+SAVED_NAME = re.compile(r"[A-Za-z0-9_]{1,60}-[0-9a-f]{32}\.[0-9]{1,4}\.bin")
+
+
+def warn(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def saved_dir() -> Optional[str]:
+    """Where this process saves and loads compiled variants: ``dflash-aot`` in its
+    inductor cache, a directory only this user can write (None, with a warning, when
+    there is none or it is not that)."""
+    base = torch_api.inductor_cache_dir()
+    if not base:
+        return None
+    try:
+        return contract.private_dir(os.path.join(base, SAVED_DIR), "saved compiled variants")
+    except (OSError, contract.UnsafeDirectory) as e:
+        warn(f"compile: compiled variants are neither saved nor loaded: {e}")
+        return None
+
+
+@functools.cache
+def _host_kind() -> str:
+    return cache_key(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+
+
+class SavedVariants:
+    """The variants of one ``Shared`` function, each saved as a file in ``saved_dir()``:
+    ``<name>-<digest>.<n>.bin``, where ``digest`` is over everything a variant's
+    validity depends on (``describe``) and ``n`` tells apart the variants of one call
+    key whose guards differ (a closure's constant). A file holds one JSON line (that
+    description, the sha256 and size of the rest) and ``torch_api.aot_serialize``'s
+    bytes. A file that does not load, or was compiled from source that changed since,
+    is said in one line and its slot written again."""
+
+    def __init__(self, fn: Callable, options: dict):
+        self.fn, self.options = fn, options
+        self.files: dict[Hashable, list[str]] = {}  # call key -> files loaded or written for it
+
+    def describe(self, key: Hashable) -> str:
+        """Everything a variant of call key ``key`` is valid for: the function, the
+        options, the call's signature, torch, triton and the accelerator."""
+        return repr((signature(self.fn), options_form(self.options), key, _host_kind()))
+
+    def _stem(self, description: str) -> str:
+        name = re.sub(r"[^A-Za-z0-9_]+", "_", getattr(self.fn, "__qualname__", "fn"))[:60]
+        return f"{name}-{hashlib.sha256(description.encode()).hexdigest()[:32]}"
+
+    def looked_up(self, key: Hashable) -> bool:
+        return key in self.files
+
+    def load(self, key: Hashable) -> list[Callable]:
+        """Every variant saved for ``key`` that loads and whose source is unchanged."""
+        self.files[key] = []
+        directory = saved_dir()
+        if directory is None:
+            return []
+        description, out = self.describe(key), []
+        prefix = self._stem(description) + "."
+        for name in sorted(n for n in os.listdir(directory) if n.startswith(prefix) and SAVED_NAME.fullmatch(n)):
+            path = os.path.join(directory, name)
+            try:
+                variant = torch_api.aot_deserialize(read_saved(path, description), getattr(self.fn, "__globals__", {}))
+                stale = torch_api.aot_stale_source(variant)
+            except Exception as e:  # noqa: BLE001 - any unloadable file is compiled again
+                warn(f"compile: saved variant {name} is ignored: {_why(e)}")
+                continue
+            if stale:
+                warn(f"compile: saved variant {name} is ignored: compiled from other source ({stale})")
+                continue
+            self.files[key].append(path)
+            out.append(variant)
+        return out
+
+    def save(self, key: Hashable, variant: Callable) -> None:
+        """Write ``variant`` into the first slot of ``key`` that no variant of this process holds."""
+        directory = saved_dir()
+        if directory is None:
+            return
+        description = self.describe(key)
+        taken, n = set(self.files.setdefault(key, [])), 0
+        while (path := os.path.join(directory, f"{self._stem(description)}.{n}.bin")) in taken:
+            n += 1
+        try:
+            payload = torch_api.aot_serialize(variant)
+            header = json.dumps({"describe": description, "bytes": len(payload),
+                                 "sha256": hashlib.sha256(payload).hexdigest()})
+            contract.atomic_write_bytes(path, header.encode() + b"\n" + payload)
+        except Exception as e:  # noqa: BLE001 - a variant that cannot be saved is compiled again next start
+            warn(f"compile: a variant of {self._stem(description)} is not saved: {_why(e)}")
+            return
+        self.files[key].append(path)
+
+
+def _why(error: Exception) -> str:
+    """An exception in one line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
+
+
+def read_saved(path: str, description: str) -> bytes:
+    """A saved variant's serialised bytes; ValueError when the file is not one saved for
+    ``description``, or is truncated or corrupt."""
+    with open(path, "rb") as f:
+        data = f.read()
+    line, _, payload = data.partition(b"\n")
+    header = json.loads(line)
+    if not isinstance(header, dict) or header.get("describe") != description:
+        raise ValueError("saved for another function, call or torch")
+    if header.get("bytes") != len(payload) or header.get("sha256") != hashlib.sha256(payload).hexdigest():
+        raise ValueError(f"truncated or corrupt ({len(payload)} bytes, {header.get('bytes')} saved)")
+    return payload
 
 
 # ---------------------------------------------------------------------------- settings in every thread
@@ -455,9 +634,11 @@ class _StepGuard:
 
 
 def counters_report(discipline: Optional[Discipline]) -> dict:
-    """Counters plus ``recompiles``: frames compiled after the warm-up ended (should stay 0)."""
+    """Counters plus ``recompiles``: frames compiled after the warm-up ended (should stay
+    0), and the variants ``Shared`` compiled and loaded."""
     c = torch_api.dynamo_counters()
     base = discipline.frames_ok_after_warmup if discipline else None
     c["recompiles"] = None if base is None else c["frames_ok"] - base
     c["shared_compiles"] = shared_compiles()
+    c["shared_loaded"] = shared_loaded()
     return c

@@ -11,7 +11,8 @@ Layout, in the run directory::
 
     compile_cache/compile_cache.json   the manifest, written last (atomically)
     compile_cache/<key>.bin            the artifact bytes, then (version 2) the
-                                       bytecode archive (``trainer.bytecode``)
+                                       bytecode archive (``trainer.bytecode``) and
+                                       the saved compiled variants (a tar)
 
 Manifest (JSON object)::
 
@@ -35,6 +36,11 @@ Manifest (JSON object)::
                Python's magic number are this one's (each file is checked against
                this host's source hash as it is unpacked; what it runs is trusted
                because the controller moves artifacts only inside a trust domain).
+               The variants part ({offset, bytes, files}) is present when the start
+               that wrote it saved variants of ``compile.share: shared``
+               (``trainer.compile.SavedVariants``): they are written into this
+               host's compile cache when the artifacts are loaded, where each is
+               checked as it is loaded (its key, its bytes, its source).
 
 Whoever puts an artifact into a run directory (the controller, when it starts a run
 on a host whose cache lacks it) copies both files; the trainer decides. Outcomes
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import platform
@@ -316,7 +323,8 @@ def load(run_dir: str, fields: dict[str, str]) -> Outcome:
         return out
     out.status, out.bytes, out.sha256 = "hit", len(data), sha
     try:
-        data = part(manifest, data, "artifacts")
+        artifacts = part(manifest, data, "artifacts")
+        variants = part(manifest, data, "variants") if part_info(manifest, "variants") else None
     except ValueError as e:
         out.status, out.note = "mismatch:manifest", str(e)
         return out
@@ -326,13 +334,18 @@ def load(run_dir: str, fields: dict[str, str]) -> Outcome:
         out.load_s = time.monotonic() - t0
         return out
     try:
-        info = load_checked(data)
+        info = load_checked(artifacts)
     except ValueError as e:
         out.status, out.note = "mismatch:entry", str(e)[:300]
         return out
     out.loaded = True
-    out.load_s = time.monotonic() - t0
     out.details = _artifact_counts(info)
+    if variants is not None:
+        try:
+            out.details["variants"] = unpack_variants(variants)
+        except (OSError, tarfile.TarError) as e:  # the variants are compiled again
+            out.note = f"saved variants not unpacked: {e}"[:300]
+    out.load_s = time.monotonic() - t0
     _mark_local(sha)
     return out
 
@@ -457,6 +470,42 @@ def load_bytecode(run_dir: str, prefix: Optional[str], expected: dict) -> Option
     return {"status": "unpacked", "seconds": round(time.monotonic() - t0, 2), **counts}
 
 
+def pack_variants(paths: list[str]) -> Optional[tuple[bytes, int]]:
+    """A tar of the saved compiled variants ``paths`` (``compile.saved_variant_files``)
+    that can be read, and how many it holds; None when none can."""
+    buf, count = io.BytesIO(), 0
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for path in paths:
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            info = tarfile.TarInfo(os.path.basename(path))
+            info.size, info.mode = len(data), 0o600
+            tar.addfile(info, io.BytesIO(data))
+            count += 1
+    return (buf.getvalue(), count) if count else None
+
+
+def unpack_variants(data: bytes) -> int:
+    """Write each file of ``pack_variants``'s tar that is named as a saved variant into
+    this process's directory of them (``compile.saved_dir``), in place of one of that
+    name; other members are skipped. Returns how many were written."""
+    from trainer import compile as compile_mod
+
+    directory = compile_mod.saved_dir()
+    written = 0
+    if directory is None:
+        return written
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        for member in tar:
+            if member.isfile() and compile_mod.SAVED_NAME.fullmatch(member.name):
+                contract.atomic_write_bytes(os.path.join(directory, member.name), tar.extractfile(member).read())
+                written += 1
+    return written
+
+
 def _artifact_counts(info) -> dict:
     artifacts = getattr(info, "artifacts", None) or {}
     return {str(kind): len(keys) for kind, keys in artifacts.items()}
@@ -475,20 +524,28 @@ def serialize() -> Optional[tuple[bytes, dict]]:
 
 
 def write(run_dir: str, fields: dict[str, str], cfg, data: bytes, counts: dict,
-          bytecode_part: Optional[tuple[bytes, dict]] = None) -> dict:
-    """Write ``data`` (and the bytecode archive after it, when given) and the manifest
-    into ``run_dir/compile_cache`` (bytes first, the manifest last, each atomically);
-    older artifact files there are removed."""
+          bytecode_part: Optional[tuple[bytes, dict]] = None,
+          variants_part: Optional[tuple[bytes, int]] = None) -> dict:
+    """Write ``data`` (then the bytecode archive and the variants' tar, when given) and
+    the manifest into ``run_dir/compile_cache`` (bytes first, the manifest last, each
+    atomically); older artifact files there are removed."""
     directory = os.path.join(run_dir, CACHE_DIR)
     os.makedirs(directory, exist_ok=True)
     key = key_of(fields)
     name = f"{key}.bin"
     parts = {"artifacts": {"offset": 0, "bytes": len(data)}}
+
+    def append(part_name: str, blob: bytes, **about) -> None:
+        nonlocal data
+        parts[part_name] = {"offset": len(data), "bytes": len(blob), **about}
+        data = data + blob
+
     if bytecode_part is not None:
         archive, stats = bytecode_part
-        parts["bytecode"] = {"offset": len(data), "bytes": len(archive), "python": platform.python_version(),
-                             "magic": importlib.util.MAGIC_NUMBER.hex(), "files": stats["files"]}
-        data = data + archive
+        append("bytecode", archive, python=platform.python_version(), magic=importlib.util.MAGIC_NUMBER.hex(),
+               files=stats["files"])
+    if variants_part is not None:
+        append("variants", variants_part[0], files=variants_part[1])
     manifest = {
         "v": MANIFEST_VERSION, "key": key, "fields": dict(fields), "shape": shape_config(cfg), "file": name,
         "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "created": time.time(),
@@ -505,19 +562,23 @@ def write(run_dir: str, fields: dict[str, str], cfg, data: bytes, counts: dict,
     return manifest
 
 
-def should_save(outcome: Outcome, fxgraph_misses: int) -> bool:
-    """After the warm-up: save unless the artifact that was there covered everything."""
+def should_save(outcome: Outcome, compiled: int) -> bool:
+    """After the warm-up: save unless the artifact that was there covered everything
+    (``compiled``: inductor's graph cache misses plus the variants ``compile.Shared``
+    compiled)."""
     if outcome.status == "off":
         return False
-    return not (outcome.status == "hit" and fxgraph_misses == 0)
+    return not (outcome.status == "hit" and compiled == 0)
 
 
 def save_in_background(run_dir: str, fields: dict[str, str], cfg, outcome: Outcome,
                        log: Callable[[str], None], bytecode_prefix: Optional[str] = None) -> Optional[threading.Thread]:
     """Serialize now (nothing compiles any more), pack the bytecode (when this process
-    keeps its own, ``bytecode_prefix``), hash and write in a daemon thread, off the way
-    to the first step. Records the manifest in ``outcome.saved``."""
+    keeps its own, ``bytecode_prefix``) and the saved compiled variants, hash and write
+    in a daemon thread, off the way to the first step. Records the manifest in
+    ``outcome.saved``."""
     from trainer import bytecode
+    from trainer import compile as compile_mod
 
     t0 = time.monotonic()
     result = serialize()
@@ -527,11 +588,15 @@ def save_in_background(run_dir: str, fields: dict[str, str], cfg, outcome: Outco
     data, counts = result
     sources = bytecode.imported_sources() if bytecode_prefix else []
     generated = [inductor_cache_dir()]
+    variant_files = compile_mod.saved_variant_files()
 
     def work():
         try:
             packed = bytecode.pack(sources, exclude=generated) if sources else None
-            manifest = write(run_dir, fields, cfg, data, counts, packed)
+            variants = pack_variants(variant_files)
+            if variants is not None:
+                counts["variants"] = variants[1]
+            manifest = write(run_dir, fields, cfg, data, counts, packed, variants)
             _mark_local(manifest["sha256"])  # this host's cache holds every entry of it
             if packed is not None:  # and its bytecode
                 bytecode.mark_unpacked(bytecode_prefix, manifest["sha256"])

@@ -25,6 +25,13 @@ at start-up (trainer.log: ``torch api: ...``), naming any that moved.
 |                   | ``.aot_compile_fullgraph``), ``AOTCompiledFunction``|                                             |
 |                   | ``.guard_check``, ``.disable_guard_check``,        | without Dynamo (no frame cache), checks its |
 |                   | ``._artifacts.guard_manager.check_verbose``        | guards only when asked                      |
+| aot_save          | ``AOTCompiledFunction.serialize`` (an              | an ``aot_compile`` result as bytes that     |
+|                   | ``AOTCompileSaveResult``: ``.serialized_data``),   | another process of the same torch loads     |
+|                   | ``.deserialize(data, f_globals)`` (inside          | without tracing or compiling; the source of |
+|                   | ``torch._guards.tracing(TracingContext(None))``),  | every traced function is recorded as line   |
+|                   | ``.source_info().inlined_sources``                 | numbers and a sha256 of those lines         |
+|                   | (``torch._dynamo.package.InlinedSource``: module,  |                                             |
+|                   | firstlineno, lastlineno, checksum)                 |                                             |
 
 Not private but relied on the same way (and tested beside them): Dynamo keeps its
 cache entries per code object, unlocked (``trainer.compile``: one code object per
@@ -39,9 +46,10 @@ the controller imports for the key's digest) imports it.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from contextvars import ContextVar
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 # Releases the private uses were run on: (version, where).
 CHECKED = (
@@ -142,12 +150,13 @@ def aot_compile(fn: Callable, options: dict, args: tuple, kwargs: dict) -> Calla
 
     Through ``torch.compile(...).aot_compile`` where torch has it, else through the
     function that method calls (``torch._dynamo.aot_compile.aot_compile_fullgraph``,
-    the inductor backend only)."""
+    the inductor backend only). The inputs' gradients are set aside meanwhile
+    (``_grads_set_aside``)."""
     import warnings
 
     import torch
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _grads_set_aside(args, kwargs):
         # Dynamo reads every tensor's .grad while it saves the guards: a warning per
         # non-leaf input (an activation), about nothing the trainer does.
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
@@ -156,6 +165,40 @@ def aot_compile(fn: Callable, options: dict, args: tuple, kwargs: dict) -> Calla
             else _aot_compile_fullgraph(fn, options, args, kwargs)
     compiled.disable_guard_check()
     return compiled
+
+
+@contextlib.contextmanager
+def _grads_set_aside(args: tuple, kwargs: dict) -> Iterator[None]:
+    """The block runs with ``.grad`` None on every leaf tensor among the inputs (a
+    module's parameters and buffers too), put back after it. The guards' saved state
+    records each input's gradient, and one that is not itself an input is saved as a
+    placeholder that ``aot_deserialize`` cannot load (torch 2.13: "assigned grad
+    expected to be a Tensor or None but got grad of type _Missing")."""
+    import torch
+
+    tensors: list = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, torch.nn.Module):
+            tensors.extend((*value.parameters(), *value.buffers()))
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                collect(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                collect(v)
+
+    collect((args, kwargs))
+    kept = [(t, t.grad) for t in tensors if t.is_leaf and t.grad is not None]
+    for t, _ in kept:
+        t.grad = None
+    try:
+        yield
+    finally:
+        for t, grad in kept:
+            t.grad = grad
 
 
 def _aot_compile_fullgraph(fn: Callable, options: dict, args: tuple, kwargs: dict) -> Callable:
@@ -172,6 +215,53 @@ def _aot_compile_fullgraph(fn: Callable, options: dict, args: tuple, kwargs: dic
     extra = {"dynamic": options["dynamic"]} \
         if "dynamic" in options and "dynamic" in inspect.signature(aot_compile_fullgraph).parameters else {}
     return aot_compile_fullgraph(fn, (tuple(args), dict(kwargs)), hooks=Hooks(), backend=backend, **extra)
+
+
+def aot_serialize(fn: Callable) -> bytes:
+    """``aot_compile``'s ``fn`` as bytes: its guards, its Dynamo bytecode and its compiled
+    forward and backward (inductor's code, bundled), for ``aot_deserialize`` in another
+    process of the same torch, Python and GPU."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    return AOTCompiledFunction.serialize(fn).serialized_data
+
+
+def aot_deserialize(data: bytes, f_globals: dict) -> Callable:
+    """What ``aot_serialize`` saved, ready to call as ``aot_compile`` returns it, its
+    globals ``f_globals`` (those of the function compiled). torch refuses (RuntimeError)
+    bytes saved by another torch, Python or GPU; other bytes raise what unpickling them
+    raises.
+
+    It runs inside a tracing context of its own, dropped after: unpickling the guards
+    of a module imported by the traced code (flex_attention's mask functions) installs
+    a guard into the current context, and outside a compile there is none (torch:
+    "TracingContext.get() must be called within an ongoing trace")."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+    from torch._guards import TracingContext, tracing
+
+    with tracing(TracingContext(None)):
+        compiled = AOTCompiledFunction.deserialize(data, f_globals)
+    compiled.disable_guard_check()
+    return compiled
+
+
+def aot_stale_source(fn: Callable) -> Optional[str]:
+    """The first function traced into ``aot_compile``'s ``fn`` whose source lines differ
+    now from those it was compiled from (``module:first-last``), None when none does."""
+    import hashlib
+    import importlib
+    import inspect
+
+    for source in sorted(fn.source_info().inlined_sources, key=lambda s: (s.module, s.firstlineno)):
+        where = f"{source.module}:{source.firstlineno}-{source.lastlineno}"
+        try:
+            lines = inspect.getsourcelines(importlib.import_module(source.module))[0]
+        except (ImportError, OSError, TypeError):
+            return f"{where} (its source cannot be read)"
+        text = "".join(lines[source.firstlineno - 1:source.lastlineno - 1])
+        if hashlib.sha256(text.encode()).hexdigest() != source.checksum:
+            return where
+    return None
 
 
 def aot_guards_pass(fn: Callable, args: tuple, kwargs: dict) -> bool:
@@ -238,6 +328,21 @@ def _probe_aot_compile() -> None:
             raise AttributeError(f"AOTCompiledFunction has no {name}")
 
 
+def _probe_aot_save() -> None:
+    import dataclasses
+
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+    from torch._dynamo.package import InlinedSource
+    from torch._guards import TracingContext, tracing  # noqa: F401 - aot_deserialize's context
+
+    for name in ("serialize", "deserialize", "source_info"):
+        if not callable(getattr(AOTCompiledFunction, name, None)):
+            raise AttributeError(f"AOTCompiledFunction has no {name}")
+    fields = {f.name for f in dataclasses.fields(InlinedSource)}
+    if not {"module", "firstlineno", "lastlineno", "checksum"} <= fields:
+        raise AttributeError(f"torch._dynamo.package.InlinedSource has fields {sorted(fields)}")
+
+
 PROBES: dict[str, Callable[[], None]] = {
     "config_everywhere": _probe_config,
     "counters": _probe_counters,
@@ -245,6 +350,7 @@ PROBES: dict[str, Callable[[], None]] = {
     "cache_artifacts": _probe_artifacts,
     "flex_warnings": _probe_flex_warnings,
     "aot_compile": _probe_aot_compile,
+    "aot_save": _probe_aot_save,
 }
 
 

@@ -427,7 +427,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     discipline.warmup(pl.warmup_jobs(pipe), lambda progress: status.set(
         detail={"mode": discipline.mode, "compile_cache": artifacts.status, **progress}), should_stop=stop.is_set)
     log(f"compile: {discipline.mode} warm-up {discipline.warmup_s:.1f}s, {torch_api.dynamo_counters()}, "
-        f"{compile_mod.shared_compiles()} graph(s) compiled once for every thread")
+        f"{compile_mod.shared_compiles()} graph(s) compiled once for every thread, "
+        f"{compile_mod.shared_loaded()} loaded from the compile cache")
     startup.mark("warmup")
     save_pending = artifacts.status != "off" and rank == 0
 
@@ -438,7 +439,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         if not save_pending or discipline.frames_ok_after_warmup is None:
             return
         save_pending = False
-        if compile_cache.should_save(artifacts, torch_api.dynamo_counters()["fxgraph_cache_miss"]):
+        if compile_cache.should_save(artifacts, torch_api.dynamo_counters()["fxgraph_cache_miss"]
+                                     + compile_mod.shared_compiles()):
             compile_cache.save_in_background(run_dir, cache_fields, cfg, artifacts, log, bytecode_prefix=bytecode)
 
     save_artifacts_once_locked()

@@ -13,7 +13,8 @@ free: any recompile raises. ``--mode``:
   eagerly on the same weights and input, and any difference counts as a failure.
 
 Prints one JSON line: iterations run, failures, the first error line of each, the
-warm-up's seconds and (``aot``) the variants compiled.
+warm-up's seconds and (``aot``) the variants compiled and those loaded (saved in the
+compile cache by an earlier run on the same ``TORCHINDUCTOR_CACHE_DIR``).
 Run as ``python -m tests.harness.compile_race --mode lane --iters 2000``.
 """
 
@@ -128,7 +129,8 @@ def main(argv=None) -> int:
     print(json.dumps({"mode": args.mode, "iterations": sum(done), "failures": len(errors),
                       "errors": sorted(set(errors)), "seconds": round(time.monotonic() - t0, 1),
                       "warmup_s": round(warmup_s, 1),
-                      "compiles": forward.compiles if args.mode == "aot" else None}))
+                      "compiles": forward.compiles if args.mode == "aot" else None,
+                      "loaded": forward.loaded if args.mode == "aot" else None}))
     return 0
 
 

@@ -167,10 +167,10 @@ _PROCESS = textwrap.dedent("""
 """)
 
 
-def _process(mode: str, run_dir, cache, *others) -> dict:
+def _process(mode: str, run_dir, cache, *others, script: str = _PROCESS) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"),
                PYTHONPATH=REPO)
-    out = subprocess.run([sys.executable, "-c", _PROCESS, mode, str(run_dir), *map(str, others)], cwd=REPO, env=env,
+    out = subprocess.run([sys.executable, "-c", script, mode, str(run_dir), *map(str, others)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -240,3 +240,55 @@ def test_bytecode_goes_to_the_cache_when_it_cannot_go_beside_the_sources(tmp_pat
     else:
         assert path is None and len(beside) == 1 and not kept
         assert json.loads(run().stdout.strip().splitlines()[-1]) is None
+
+
+def test_saved_variants_travel_in_the_artifact_and_only_variant_files_are_unpacked(tmp_path, monkeypatch):
+    from trainer import compile as compile_mod
+
+    good = ["Layer_forward-" + "a" * 32 + ".0.bin", "f-" + "b" * 32 + ".1.bin"]
+    made = tmp_path / "made"
+    made.mkdir()
+    for name in (*good, "not-a-variant.py"):
+        (made / name).write_bytes(name.encode())
+    packed = cc.pack_variants([str(made / n) for n in sorted(os.listdir(made))] + [str(made / "gone.0.bin")])
+    assert packed is not None and packed[1] == 3  # the unreadable one is left out
+    assert cc.pack_variants([]) is None
+    manifest = cc.write(str(tmp_path / "run"), FIELDS, TrainerConfig(), b"artifact bytes", {}, None, packed)
+    data = (tmp_path / "run" / cc.CACHE_DIR / manifest["file"]).read_bytes()
+    assert cc.part(manifest, data, "artifacts") == b"artifact bytes"
+    assert cc.part(manifest, data, "variants") == packed[0] and manifest["parts"]["variants"]["files"] == 3
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert cc.unpack_variants(packed[0]) == 2
+    saved = tmp_path / "inductor" / compile_mod.SAVED_DIR
+    assert sorted(os.listdir(saved)) == sorted(good) and (saved / good[0]).read_bytes() == good[0].encode()
+
+
+_SHARED_PROCESS = textwrap.dedent("""
+    import json, sys
+    import torch
+    from tests.harness.compile_race import Layer
+    from trainer import compile as c, compile_cache as cc
+    from trainer.config import TrainerConfig
+
+    mode, run_dir = sys.argv[1], sys.argv[2]
+    fields = cc.key_fields(TrainerConfig(), [torch.device("cpu")])
+    report = {"load": cc.load(run_dir, fields).summary()} if mode == "load" else {}
+    forward = c.Shared(Layer.forward, dynamic=False)
+    forward(Layer(), torch.randn(2, 16)).sum().backward()
+    if mode == "save":
+        data, counts = cc.serialize()
+        cc.write(run_dir, fields, TrainerConfig(), data, counts, None, cc.pack_variants(c.saved_variant_files()))
+    print(json.dumps({**report, "compiles": forward.compiles, "loaded": forward.loaded}))
+""")
+
+
+@pytest.mark.slow
+def test_an_artifact_start_on_a_wiped_cache_loads_the_saved_variants(tmp_path):
+    """compile.share: shared saves each compiled variant whole; the artifact carries
+    them, so a start on another, empty cache loads them instead of compiling."""
+    run_dir = tmp_path / "run"
+    assert _process("save", run_dir, tmp_path / "cache1", script=_SHARED_PROCESS) == {"compiles": 1, "loaded": 0}
+    loaded = _process("load", run_dir, tmp_path / "cache2", script=_SHARED_PROCESS)
+    assert loaded["load"]["status"] == "hit" and loaded["load"]["loaded"], loaded
+    assert (loaded["compiles"], loaded["loaded"]) == (0, 1), loaded

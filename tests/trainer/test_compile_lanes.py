@@ -21,12 +21,22 @@ from trainer import compile as compile_mod  # noqa: E402
 ROOT = REPO
 
 
-def race(mode: str, tmp_path, iters: int = 1500) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "tests.harness.compile_race", "--mode", mode, "--iters", str(iters)],
-                          capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
+def run_python(args: list[str], tmp_path, pythonpath: tuple = ()) -> tuple[dict, str]:
+    """``python ARGS`` with ``tmp_path/inductor`` as its inductor cache: its last line of
+    stdout as JSON, and its stderr."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *map(str, pythonpath)])}
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def race(mode: str, tmp_path, iters: int = 1500) -> dict:
+    return race_with_stderr(mode, tmp_path, iters)[0]
+
+
+def race_with_stderr(mode: str, tmp_path, iters: int = 1500) -> tuple[dict, str]:
+    return run_python(["-m", "tests.harness.compile_race", "--mode", mode, "--iters", str(iters)], tmp_path)
 
 
 @pytest.mark.slow
@@ -55,7 +65,81 @@ def test_a_shared_compile_serves_every_thread_from_one_compile_per_variant(tmp_p
     # (shape, grad flag) whatever the number of threads, and every 50th step of each
     # thread equal to the eager step on the same weights and input.
     shared = race("aot", tmp_path, iters=2000)
-    assert shared == {**shared, "failures": 0, "iterations": 4000, "compiles": 4}, shared
+    assert shared == {**shared, "failures": 0, "iterations": 4000, "compiles": 4, "loaded": 0}, shared
+    # A second process on the same compile cache loads every variant the first saved and
+    # compiles none; its steps still equal the eager ones (outputs and gradients).
+    again = race("aot", tmp_path, iters=2000)
+    assert again == {**again, "failures": 0, "iterations": 4000, "compiles": 0, "loaded": 4}, again
+
+
+def _saved_variants(tmp_path) -> list:
+    return sorted((tmp_path / "inductor" / compile_mod.SAVED_DIR).iterdir())
+
+
+@pytest.mark.slow
+def test_a_corrupt_or_truncated_saved_variant_is_compiled_again_and_replaced(tmp_path):
+    assert race("aot", tmp_path, iters=100)["compiles"] == 4
+    files = _saved_variants(tmp_path)
+    assert len(files) == 4 and all(compile_mod.SAVED_NAME.fullmatch(f.name) for f in files)
+    files[0].write_bytes(files[0].read_bytes()[:-100])  # truncated
+    files[1].write_bytes(b"\x80\x04 not a saved variant at all")
+    after, stderr = race_with_stderr("aot", tmp_path, iters=100)
+    assert after == {**after, "failures": 0, "compiles": 2, "loaded": 2}, after
+    ignored = [line for line in stderr.splitlines() if "is ignored" in line]
+    assert len(ignored) == 2 and all(line.startswith("warning: compile: saved variant ") for line in ignored)
+    assert any(files[0].name in line and "truncated or corrupt" in line for line in ignored), ignored
+    # The two compiled again took the broken files' places.
+    assert _saved_variants(tmp_path) == files
+    final = race("aot", tmp_path, iters=100)
+    assert final == {**final, "failures": 0, "compiles": 0, "loaded": 4}, final
+
+
+SHARED_IN_A_PROCESS = r"""
+import json, torch
+import aotmod
+from trainer import compile as c
+f = c.Shared(aotmod.f, dynamic=False)
+x = torch.randn(4, 8, requires_grad=True)
+y = f(x)
+y.sum().backward()
+grad, x.grad = x.grad.clone(), None
+eager = aotmod.f(x)
+eager.sum().backward()
+print(json.dumps({"compiles": f.compiles, "loaded": f.loaded,
+                  "same": torch.allclose(y, eager, atol=1e-6) and torch.allclose(grad, x.grad, atol=1e-6)}))
+"""
+
+AOTMOD = """
+import torch
+
+
+def helper(x):
+    return torch.sin(x) * {scale}
+
+
+def f(x):
+    return helper(x) {tail}
+"""
+
+
+@pytest.mark.slow
+def test_a_changed_function_does_not_load_the_variant_compiled_from_the_old_one(tmp_path):
+    def run(scale: str, tail: str) -> tuple[dict, str]:
+        (tmp_path / "mod").mkdir(exist_ok=True)
+        (tmp_path / "mod" / "aotmod.py").write_text(AOTMOD.format(scale=scale, tail=tail))
+        return run_python(["-c", SHARED_IN_A_PROCESS], tmp_path, pythonpath=(tmp_path / "mod",))
+
+    assert run("2.0", "+ 1")[0] == {"compiles": 1, "loaded": 0, "same": True}
+    assert run("2.0", "+ 1")[0] == {"compiles": 0, "loaded": 1, "same": True}
+    # A function it calls changed (the one called is the same code): the saved variant
+    # is found but refused, the new code compiled, and its variant takes the place.
+    out, stderr = run("3.0", "+ 1")
+    assert out == {"compiles": 1, "loaded": 0, "same": True}, out
+    assert "compiled from other source (aotmod:" in stderr, stderr
+    # The function called changed: no saved variant is even looked at.
+    out, stderr = run("3.0", "- 1")
+    assert out == {"compiles": 1, "loaded": 0, "same": True} and "is ignored" not in stderr, (out, stderr)
+    assert run("3.0", "+ 1")[0] == {"compiles": 0, "loaded": 1, "same": True}
 
 
 def _make_scale(k):
@@ -110,6 +194,10 @@ def test_the_signature_names_what_a_variant_depends_on():
     layer, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     other.layer_type = "sliding"
     assert sig((layer,)) == sig((torch.nn.Linear(2, 2),)) and sig((layer,)) != sig((other,))
+    # Its printed form names no address: saved variants are found by it in the next process.
+    printed = repr(sig((_make_scale(2.0), torch.sin, layer, a)))
+    assert "0x" not in printed and "test_compile_lanes.py:_make_scale.<locals>.scale:" in printed
+    assert printed == repr(sig((_make_scale(3.0), torch.sin, torch.nn.Linear(2, 2), torch.ones(2, 3))))
 
 
 def test_the_sharing_mode_picks_the_compiled_kind():

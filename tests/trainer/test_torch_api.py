@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from trainer import torch_api
 
@@ -84,8 +85,6 @@ def test_the_artifact_reader_parses_without_writing_and_returns_none_for_garbage
 
 
 def test_the_eager_fallback_warning_is_shown_once_until_forgotten():
-    from torch.nn.attention.flex_attention import flex_attention
-
     q = torch.randn(1, 1, 16, 8)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -121,3 +120,57 @@ def test_an_ahead_of_time_compile_runs_forward_and_backward_and_names_a_failed_g
         assert not torch_api.aot_guards_pass(compiled, (torch.randn(5, 8), w), {})
         assert "size mismatch at index 0. expected 4, actual 5" in torch_api.aot_guard_failure(
             compiled, (torch.randn(5, 8), w), {})
+
+
+def _scaled_linear(layer, x):  # at module level: a saved compile finds its source by module and lines
+    return torch.relu(layer(x)) * 2
+
+
+def test_an_ahead_of_time_compile_saved_and_loaded_keeps_its_guards_results_and_source(tmp_path, monkeypatch):
+    # Gradients left by an earlier step are on the inputs while it compiles (they are
+    # set aside, or the saved guards could not be loaded), and are there again after.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    layer, x = torch.nn.Linear(8, 8), torch.randn(4, 8, requires_grad=True)
+    _scaled_linear(layer, x).sum().backward()
+    before = [t.grad.clone() for t in (*layer.parameters(), x)]
+    compiled = torch_api.aot_compile(_scaled_linear, {"dynamic": False}, (layer, x), {})
+    assert all(torch.equal(t.grad, g) for t, g in zip((*layer.parameters(), x), before))
+    loaded = torch_api.aot_deserialize(torch_api.aot_serialize(compiled), _scaled_linear.__globals__)
+    assert torch_api.aot_stale_source(loaded) is None
+    assert torch_api.aot_guards_pass(loaded, (layer, x), {})
+    assert not torch_api.aot_guards_pass(loaded, (layer, torch.randn(5, 8, requires_grad=True)), {})
+    for t in (*layer.parameters(), x):
+        t.grad = None
+    y = loaded(layer, x)
+    y.sum().backward()
+    got = [t.grad.clone() for t in (*layer.parameters(), x)]
+    for t in (*layer.parameters(), x):
+        t.grad = None
+    eager = _scaled_linear(layer, x)
+    eager.sum().backward()
+    assert torch.allclose(y, eager, atol=1e-6)
+    assert all(torch.allclose(g, t.grad, atol=1e-6) for g, t in zip(got, (*layer.parameters(), x)))
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _attend(q, k, v, mask):
+    return flex_attention(q * 2, k, v, block_mask=mask)
+
+
+@pytest.mark.slow
+def test_a_saved_compile_of_flex_attention_loads_outside_a_compile(tmp_path, monkeypatch):
+    # Its saved guards name a module the traced code imports (flex_attention's mask
+    # functions); loading them installs a guard, which needs a tracing context.
+    # (Forward only: flex_attention has no backward on the CPU.)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))  # three buffers: torch 2.11's CPU lowering takes no fewer
+    mask = create_block_mask(_causal, 1, 1, 128, 128, device="cpu")
+    compiled = torch_api.aot_compile(_attend, {"dynamic": False}, (q, k, v, mask), {})
+    loaded = torch_api.aot_deserialize(torch_api.aot_serialize(compiled), _attend.__globals__)
+    assert torch_api.aot_guards_pass(loaded, (q, k, v, mask), {})
+    assert torch.allclose(loaded(q, k, v, mask), compiled(q, k, v, mask))
