@@ -381,22 +381,26 @@ def run_pane_layout(height: int, compact: bool) -> tuple[int, int, int]:
 
 
 HISTORY_KEPT = 8  # drawn charts kept (the main screen's and the detail view's, a few widths)
-_history_drawn: dict[tuple, tuple[list, Text]] = {}
+_history_drawn: dict[tuple, tuple[list, float, Text]] = {}  # key -> (series, t1 drawn at, text)
 
 
 def history_text(chart: ChartView, width: int, rows: int, count: int = len(CHARTS)) -> Text:
     """``_history_text``, drawn again only when what it draws changed: the series (the
-    reader keeps its list until newer data comes), the window, the marks or the size.
-    A refresh that brings nothing new (most of them: a supervisor polls every 4-15 s,
-    the screen reads every 2 s) costs a lookup."""
-    key = (chart.zoom, chart.t0, chart.t1, chart.first, id(chart.series), len(chart.series),
-           tuple(chart.marks), width, rows, count)
+    reader keeps its list until newer data comes), the marks, the size, or the window's
+    end by a column's time or more (a live window ends at the clock: drawn again on
+    every refresh it would move a column only every so many; the axis says the end
+    drawn). A refresh that brings nothing new (most of them: a supervisor polls every
+    4-15 s, the screen reads every 2 s) costs a lookup."""
+    key = (chart.zoom, chart.t0, chart.first, id(chart.series), len(chart.series), tuple(chart.marks),
+           width, rows, count)
     drawn = _history_drawn.get(key)
-    if drawn is None or drawn[0] is not chart.series:  # an id is only unique while its list lives
-        drawn = _history_drawn[key] = (chart.series, _history_text(chart, width, rows, count))
+    if drawn is None or drawn[0] is not chart.series or \
+            not 0 <= chart.t1 - drawn[1] < (drawn[1] - chart.t0) / max(1, width):  # a column of the drawn window
+        # (an id is only unique while its list lives)
+        drawn = _history_drawn[key] = (chart.series, chart.t1, _history_text(chart, width, rows, count))
         while len(_history_drawn) > HISTORY_KEPT:
             _history_drawn.pop(next(iter(_history_drawn)))
-    return drawn[1].copy()
+    return drawn[2].copy()
 
 
 def _history_text(chart: ChartView, width: int, rows: int, count: int = len(CHARTS)) -> Text:

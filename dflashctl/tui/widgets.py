@@ -71,6 +71,10 @@ def _current_key(table: DataTable) -> str | None:
     return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
 
 
+def _differs(shown: Text, new: Text) -> bool:
+    return (shown.plain, str(shown.style)) != (new.plain, str(new.style))
+
+
 class RunsTable(DataTable):
     """One row per run, the run column frozen; Enter opens the run's detail view,
     Home / End go to the first / last run. Refreshing keeps the cursor on its run
@@ -82,6 +86,8 @@ class RunsTable(DataTable):
         Binding("end,G", "last", "Last run", show=False),
         *VI_KEYS,
     ]
+
+    _row_only = False  # within _update_row
 
     class Open(Message):
         def __init__(self, run_id: str) -> None:
@@ -109,11 +115,11 @@ class RunsTable(DataTable):
         ids = [r.id for r in runs]
         cells = {r.id: [self._cell(r, c) for c in columns] for r in runs}
         if ids == self.ids:
-            for run_id in ids:
-                for c, value in zip(columns, cells[run_id]):
-                    old = self.get_cell(run_id, c.key)
-                    if (old.plain, str(old.style)) != (value.plain, str(value.style)):
-                        self.update_cell(run_id, c.key, value)
+            for row, run_id in enumerate(ids):
+                changed = [(c.key, value) for c, value in zip(columns, cells[run_id])
+                           if _differs(self.get_cell(run_id, c.key), value)]
+                if changed:
+                    self._update_row(row, run_id, changed)
             return
         self.clear()
         for run_id in ids:
@@ -123,6 +129,23 @@ class RunsTable(DataTable):
             self.move_cursor(row=ids.index(keep_key), animate=False, scroll=True)
         if keep_x:
             self.call_after_refresh(self.scroll_to, x=keep_x, animate=False)
+
+    def _update_row(self, row: int, run_id: str, changed: list[tuple[str, Text]]) -> None:
+        """The changed cells of one row, and that row alone painted again: an age ticking
+        in one run's row repaints neither the header nor the other runs (``update_cell``
+        alone repaints the whole table, every cell rendered again)."""
+        self._row_only = True
+        try:
+            for key, value in changed:
+                self.update_cell(run_id, key, value)
+        finally:
+            self._row_only = False
+        self.refresh_row(row)
+
+    def refresh(self, *regions, **kw):
+        if self._row_only and not regions and not kw:
+            return self  # update_cell's whole repaint; _update_row repaints its row
+        return super().refresh(*regions, **kw)
 
     @staticmethod
     def _cell(run: RunView, c: Col) -> Text:

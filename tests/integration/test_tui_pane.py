@@ -104,3 +104,37 @@ def test_a_console_refresh_two_seconds_later_repaints_only_the_rows_that_moved(t
             assert len(kept) >= 2 and not repainted & set(kept), f"rows {sorted(repainted)} of {rows} repainted"
 
     run(scenario())
+
+
+def test_a_console_refresh_repaints_the_rows_of_runs_whose_cells_changed_only(tmp_path, monkeypatch):
+    from dflashctl.tui.widgets import RunsTable
+
+    utc()
+    store = build("healthy", tmp_path)
+    painted: list[int] = []
+    real = RunsTable.render_line
+
+    def render_line(self, y):  # a spy on the real method, as _painted's
+        painted.append(y)
+        return real(self, y)
+
+    monkeypatch.setattr(RunsTable, "render_line", render_line)
+    clock = {"now": NOW}
+
+    async def scenario():
+        app = app_for(store, tmp_path, clock=lambda: clock["now"])
+        async with app.run_test(size=(200, 60)) as pilot:
+            await loaded(pilot, app)
+            table = app.query_one(RunsTable)
+            finished = [i for i, key in enumerate(table.ids) if table.get_cell(key, "state").plain == "done"]
+            assert finished and len(table.ids) >= 3
+            painted.clear()
+            clock["now"] += 2  # the active runs' ages move
+            loads = app.loads
+            app.action_reload()
+            await loaded(pilot, app, loads)
+            assert painted, "no run's row changed"
+            assert 0 not in painted, "the header was painted again"
+            assert not {1 + i for i in finished} & set(painted), f"a finished run's row was painted: {painted}"
+
+    run(scenario())

@@ -99,3 +99,34 @@ def test_a_start_up_spike_is_left_off_the_y_range_and_a_trend_keeps_its_range():
     body = [row.split("┤" if "┤" in row else "│", 1)[1] for row in text[:4]]
     heights = [sum(BLOCKS.index(row[c]) for row in body) for c in range(5, 55)]
     assert len(set(heights)) >= 3 and max(heights) >= 6  # its ups and downs, not all one eighth (as at 0..1800)
+
+
+def test_a_live_window_is_drawn_again_when_its_end_moved_a_column_or_new_data_came(monkeypatch):
+    """The run pane's charts end at the clock: a refresh 2 s later with the same series
+    reuses the drawing (its axis says the end drawn), one a column's time later, or with
+    a newer series, draws again."""
+    from dflashctl.status.charts import ChartView
+    from dflashctl.tui import text
+
+    drawn: list[float] = []
+    real = text._history_text
+
+    def spy(chart, *args):  # the real drawing, counted
+        drawn.append(chart.t1)
+        return real(chart, *args)
+
+    monkeypatch.setattr(text, "_history_text", spy)
+    series = [{"time": START + 60.0 * i, "start": START + 60.0 * i, "tok_s": 100.0 + i, "loss": 3.0 - i / 100,
+               "accept_len": 2.0} for i in range(120)]
+    column = 7200.0 / 80  # 80 cells over the two hours
+
+    def chart(t1: float, points: list) -> str:
+        return text.history_text(ChartView("all", START, t1, points, [], START), 80, 4).plain
+
+    first = chart(START + 7200, series)
+    assert chart(START + 7202, series) == first and len(drawn) == 1
+    chart(START + 7200 + column, series)
+    assert len(drawn) == 2
+    newer = [*series, {**series[-1], "time": START + 7260, "start": START + 7260, "tok_s": 500.0}]
+    chart(START + 7200 + column + 2, newer)
+    assert len(drawn) == 3
