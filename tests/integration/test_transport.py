@@ -293,6 +293,22 @@ def test_cut_connections_are_reopened_through_the_whole_chain(ssh_env):
     assert t.run(["echo", "again"]).stdout == "again\n"
 
 
+def test_a_tunnel_refused_by_a_jump_connection_that_closed_under_us_drops_it_for_one_more_try(ssh_env):
+    # The moment the test above can hit at random: the jump's sshd session is gone, and
+    # the tunnel request meets EOF before paramiko's reader marked the connection dead.
+    # The failure is handed to the decision as Connection.open raises it then.
+    t = connect("target2", ssh_env.inventory)
+    t.run(["true"])
+    jump2 = connect("jump2", ssh_env.inventory)
+    old = jump2.connection()
+    assert old.transport.is_active()
+    error = t._connect_failure(EOFError(), (jump2, old), 5.0, 0.01)
+    assert error.gateway_dropped, str(error)
+    assert "the jump host's connection closed" in str(error) and "dropped it" in str(error)
+    assert not old.is_connected and jump2.connection() is not old
+    assert t.run(["echo", "again"]).stdout == "again\n"
+
+
 # --------------------------------------------------------------------------- reuse, concurrency, fan-out
 
 

@@ -282,18 +282,19 @@ class SSHTransport(Transport):
             gw, gw_connection = tunnel
             if isinstance(e, paramiko.ChannelException):
                 return self._unreachable(f"jump host '{gw.name}' could not connect to {target}: {e.text or e}")
-            silent = (gw_connection.transport is not None and gw_connection.transport.is_active()
-                      and elapsed >= gw.host.connect_timeout)
-            if silent:
-                # The jump's connection is up but did not answer the tunnel request:
-                # replace it (and everything riding on it).
+            up = gw_connection.transport is not None and gw_connection.transport.is_active()
+            # The jump's connection closed under us (its sshd session ended: EOF before
+            # paramiko's reader saw it), or is up but did not answer the tunnel request:
+            # either way replace it (and everything riding on it), and try once more.
+            closed = isinstance(e, EOFError) or not up
+            silent = not closed and elapsed >= gw.host.connect_timeout
+            if closed or silent:
                 gw.drop(gw_connection)
-            error = self._unreachable(
-                f"no tunnel through '{gw.name}' to {target}: "
-                + (f"no answer on the jump host's open connection for {gw.host.connect_timeout:g}s; dropped it, "
-                   "the next command reconnects" if silent else _cause(e))
-            )
-            error.gateway_dropped = silent
+            why = (f"no answer on the jump host's open connection for {gw.host.connect_timeout:g}s" if silent
+                   else f"the jump host's connection closed ({_cause(e)})" if closed else _cause(e))
+            error = self._unreachable(f"no tunnel through '{gw.name}' to {target}: {why}"
+                                      + ("; dropped it, the next command reconnects" if closed or silent else ""))
+            error.gateway_dropped = closed or silent
             return error
         return self._unreachable(
             f"SSH handshake with {target} failed"
