@@ -57,7 +57,6 @@ def test_threads_sharing_one_compiled_code_object_recompile_and_lanes_do_not(tmp
     assert lanes == {**lanes, "failures": 0, "iterations": 4000}, lanes
 
 
-
 @pytest.mark.slow
 def test_a_shared_compile_serves_every_thread_from_one_compile_per_variant(tmp_path):
     # The same layers, shapes and threads as above, each variant compiled once ahead of
