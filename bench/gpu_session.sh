@@ -21,7 +21,7 @@ usage: bash bench/gpu_session.sh RECIPE [ARGS]   (logs in $OUT/RECIPE/, default 
   coldstart-drill [SAFE] [UNSAFE] 1 GPU: threaded cold start (1 target + 3 drafter threads), SAFE fresh caches with the discipline (default 5), UNSAFE without (default 3)
   coldstart-share [SHARED] [PER] [UNSAFE] [PROBE] [WARM]
                                   1 GPU: the drill at the qwen3-0.6b shapes (3 drafter threads, 2 buckets, block 8), SHARED fresh-cache starts with compile.share shared (default 3), PER with per_thread (default 2), UNSAFE with the discipline off (default 0), then WARM starts of each mode on its last cold start's cache (default 0); the start-up probe of torch's private uses first unless PROBE is 0
-  soak [MIN] [OLD]                1 GPU: the small and qwen3-0.6b soaks at once for MIN minutes (default 8.5); with OLD (a checkout), the small one on OLD's trainer too
+  soak [MIN] [OLD] [SHARE]        1 GPU: the small and qwen3-0.6b soaks at once for MIN minutes (default 8.5), compile.share SHARE (default: the config's); with OLD (a checkout, or - for none), the small one on OLD's trainer too
   ab OLD                          1 GPU: this tree against OLD (another checkout) on one compile cache: a cold start, then 40 warm steps each, alternated, twice
   artifacts                       1 GPU: a cold start, then warm and artifact starts alternated (three each, 30 steps, one cache); the bytecode unpack alone
   variants [SETTING ...]          1 GPU: a cold start, then 40 warm steps per SETTING (flags of bench.trainer.reference, e.g. "--loss-chunk 2048"; default: the past ones)
@@ -142,15 +142,16 @@ case "$recipe" in
     tail -n 1 "$w"/coldstart-*.log
     ;;
   soak)
-    min=${1:-8.5} old=
-    [ -n "${2:-}" ] && { old=$(checkout "$2") || exit 2; }
+    min=${1:-8.5} old= share=()
+    [ -n "${2:-}" ] && [ "$2" != - ] && { old=$(checkout "$2") || exit 2; }
+    [ -n "${3:-}" ] && share=(--share "$3")
     if [ -n "$old" ]; then
       python3 -m bench.trainer.soak --preset small --drafters 2 --buckets 1024 --minutes "$min" --repo "$old" \
         --work-dir "$tmp/old" > "$w/soak-small-old.log" 2>&1 &
     fi
-    python3 -m bench.trainer.soak --preset small --drafters 2 --buckets 1024 --minutes "$min" \
+    python3 -m bench.trainer.soak --preset small --drafters 2 --buckets 1024 --minutes "$min" "${share[@]}" \
       --work-dir "$tmp/small" > "$w/soak-small.log" 2>&1 &
-    python3 -m bench.trainer.soak --preset qwen3-0.6b --drafters 3 --buckets 512,1024 --minutes "$min" \
+    python3 -m bench.trainer.soak --preset qwen3-0.6b --drafters 3 --buckets 512,1024 --minutes "$min" "${share[@]}" \
       --work-dir "$tmp/qwen" > "$w/soak-qwen.log" 2>&1 &
     capture 120 soak
     wait
