@@ -48,25 +48,35 @@ def columns(points: Iterable[Point], t0: float, t1: float, width: int) -> list[f
     """``points`` (time, value) in ``width`` columns of equal time from ``t0`` to ``t1``:
     each the mean of its points, None where the series is silent for longer than
     ``GAP_FACTOR`` of its usual spacing (a column between two closer points, or
-    after the last one up to ``t1``, holds the earlier value)."""
+    after the last one up to ``t1``, holds the earlier value). (``column_of`` inlined:
+    a live chart is drawn again with each new sample.)"""
     if width <= 0:
         return []
     pts = sorted((t, v) for t, v in points if t0 <= t <= t1 and v is not None and math.isfinite(v))
+    last = width - 1
+    if width <= 1 or t1 <= t0:
+        cols = [last] * len(pts)
+    else:
+        span = t1 - t0  # column_of's own arithmetic: the same column to the last bit
+        cols = [min(last, int((t - t0) / span * width)) for t, _ in pts]
     sums, counts = [0.0] * width, [0] * width
-    for t, v in pts:
-        c = column_of(t, t0, t1, width)
+    for c, (_, v) in zip(cols, pts):
         sums[c] += v
         counts[c] += 1
     out: list[float | None] = [s / n if n else None for s, n in zip(sums, counts)]
     if len(pts) < 2:
         return out
-    limit = GAP_FACTOR * statistics.median(b[0] - a[0] for a, b in zip(pts, pts[1:]))
-    spans = [(a[0], b[0], False) for a, b in zip(pts, pts[1:])] + [(pts[-1][0], t1, True)]
-    for ta, tb, to_end in spans:
-        if tb - ta > limit:
-            continue
-        ca, cb = column_of(ta, t0, t1, width), column_of(tb, t0, t1, width)
-        for c in range(ca + 1, cb + 1 if to_end else cb):
+    times = [t for t, _ in pts]
+    limit = GAP_FACTOR * statistics.median([b - a for a, b in zip(times, times[1:])])
+    for i in range(len(pts) - 1):  # a short silence between two points holds the earlier value
+        ca, cb = cols[i], cols[i + 1]
+        if cb - ca > 1 and times[i + 1] - times[i] <= limit:
+            for c in range(ca + 1, cb):
+                if out[c] is None:
+                    out[c] = out[ca]
+    if t1 - times[-1] <= limit:  # and so does a short one after the last, up to the window's end
+        ca, cb = cols[-1], column_of(t1, t0, t1, width)
+        for c in range(ca + 1, cb + 1):
             if out[c] is None:
                 out[c] = out[ca]
     return out
@@ -91,14 +101,19 @@ def robust_range(values: Iterable[float | None], k: float = ROBUST_K) -> tuple[f
     deviation) from the median are left off it, so a start-up spike (1.8K tok/s
     before a steady 137) does not flatten the rest of the run to one row; a trend
     (a loss from 10 down to 2) keeps its whole range. None without values."""
-    known = sorted(v for v in values if v is not None and math.isfinite(v))
+    known = sorted([v for v in values if v is not None and math.isfinite(v)])
     if not known:
         return None
-    median = statistics.median(known)
-    spread = 1.4826 * statistics.median(abs(v - median) for v in known)
+    median = _median_of_sorted(known)
+    spread = 1.4826 * _median_of_sorted(sorted([abs(v - median) for v in known]))
     if spread <= 0:
         return known[0], known[-1]
     return max(known[0], median - k * spread), min(known[-1], median + k * spread)
+
+
+def _median_of_sorted(known: list[float]) -> float:
+    n = len(known)
+    return known[n // 2] if n % 2 else (known[n // 2 - 1] + known[n // 2]) / 2
 
 
 def _scale(values: Sequence[float | None], low: float | None) -> tuple[float, float] | None:
@@ -133,10 +148,10 @@ def chart(points: Iterable[Point], t0: float, t1: float, width: int, height: int
         mark_cols = _mark_columns(marks, t0, t1, len(values))
         return _runs([(MARK_GLYPH[k], MARK_STYLE[k]) if (k := mark_cols.get(c)) else (cell, style)
                       for c, cell in enumerate(cells)])
-    lw = label_width(pts, fmt, low) if labels is None else labels
+    scale = _scale([v for _, v in pts], low)  # the labels say the series' own lowest and highest values
+    lw = (0 if scale is None else max(len(fmt(scale[0])), len(fmt(scale[1])))) if labels is None else labels
     plot = max(1, width - lw - 1)
     values = columns(pts, t0, t1, plot)
-    scale = _scale([v for _, v in pts], low)  # the labels say the series' own lowest and highest values
     rows = _cells(values, height, scale)
     mark_cols = _mark_columns(marks, t0, t1, plot)
     out = Text()

@@ -44,19 +44,23 @@ def notice_text(notices: list[Notice], width: int, lines: int = 2) -> Text:
     return out
 
 
-def _age(g, now: float) -> tuple[str, str]:
-    """A reading's age and its style: red past three polls (``GpuView.stale``)."""
+def _age(g, now: float, said_by=None) -> tuple[str, str]:
+    """A reading's age and its style: red past three polls (``GpuView.stale``); blank
+    where ``said_by`` (the host line above, from the same poll) already says it and
+    it is not stale, so a tick of the clock repaints that one line, not every GPU's."""
     age = g.age_s(now)
     if age is None:
         return NA, "dim"
+    if said_by is not None and said_by.time == g.time and not g.stale(now):
+        return "", "dim"
     return short_duration(age), "bold red" if g.stale(now) else "dim"
 
 
-def _gpu_row(g, width: int, compact: bool, now: float) -> Text:
+def _gpu_row(g, width: int, compact: bool, now: float, said_by=None) -> Text:
     role = {"target": "target", "drafter": "drafter", "target+drafter": "tgt+drf"}.get(g.role or "", "-")
     util = NA if g.utilization_pct is None else f"{g.utilization_pct:3.0f}%"
     temp = NA if g.temperature_c is None else f"{g.temperature_c:.0f}°C"
-    age, age_style = _age(g, now)
+    age, age_style = _age(g, now, said_by)
     foreign = sum(a.foreign for a in g.apps)
     row = Text()
     if compact:
@@ -166,7 +170,8 @@ def _app_rows(g, width: int) -> Text:
 def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = False) -> Text:
     """Per host a header line (its GPUs and how fresh their readings are), then one
     row per GPU: index, role, the run holding it, utilisation and memory bars,
-    temperature, power and the utilisation history."""
+    temperature, power, the reading's age (where the host line above, from the same
+    poll, does not already say it) and the utilisation history."""
     out = Text()
     if not hosts:
         return Text("no host with an active run", style="dim")
@@ -186,7 +191,7 @@ def gpu_text(hosts: list[HostView], width: int, now: float, compact: bool = Fals
             out.append("\n  no GPU readings (CPU run, or nvidia-smi not read yet)", style="dim")
         for g in h.gpus:
             out.append("\n")
-            out.append_text(_gpu_row(g, width, compact, now))
+            out.append_text(_gpu_row(g, width, compact, now, said_by=h.load))
             if not compact:
                 out.append_text(_app_rows(g, width))
     return out

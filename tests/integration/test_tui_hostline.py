@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -300,6 +301,38 @@ def test_a_host_reading_older_than_three_polls_is_red(tmp_path):
         at = text.plain.index(line) + line.rindex(age)
         styles = [str(s.style) for s in text.spans if s.start <= at < s.end]
         assert any("red" in s for s in styles) == red, (age, styles)
+
+
+def _gpu_ages(text) -> list[tuple[str | None, bool]]:
+    """Each GPU row's age cell (None: blank) and whether it is drawn red."""
+    out = []
+    for line in text.plain.splitlines():
+        if " util " not in line:
+            continue
+        m = re.search(r"W +(\d+[smhd]) ", line)
+        at = text.plain.index(line) + (m.start(1) if m else 0)
+        out.append((m.group(1) if m else None, any("red" in str(s.style) for s in text.spans if s.start <= at < s.end)))
+    return out
+
+
+def test_gpu_rows_leave_their_age_to_the_host_line_of_the_same_poll_and_say_it_where_it_differs_or_is_stale(
+        tmp_path):
+    # One poll read both: the host line's age says it once (a clock tick repaints one row, not eight).
+    store = host_store(tmp_path / "same", observed_ago=5.0)
+    add_host_readings(store, PROD)
+    line, text = _host_line(store)
+    assert line.rstrip().endswith(" 5s") and _gpu_ages(text) == [(None, False)] * 8
+    # nvidia-smi did not answer the newest poll: the GPUs' own, older age on every row.
+    store = host_store(tmp_path / "older", observed_ago=9.0)
+    reading, _ = read_host_stats(*host_text(192, 44.31, 9_000_000, 7_000_000, 2_113_929_216, 1_390_411_776))
+    store.add_readings("gpu1", NOW - 2.0, None, asdict(reading))
+    line, text = _host_line(store)
+    assert line.rstrip().endswith(" 2s") and _gpu_ages(text) == [("9s", False)] * 8
+    # Past three polls: every row says its age, red, whatever the host line says.
+    store = host_store(tmp_path / "stale", observed_ago=3 * INTERVAL + 5)
+    add_host_readings(store, PROD)
+    _, text = _host_line(store)
+    assert _gpu_ages(text) == [("50s", True)] * 8
 
 
 def test_readings_far_apart_give_no_busy_share_and_the_load_stays(tmp_path):
