@@ -50,7 +50,7 @@ import time
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Hashable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional
 
 import torch
 
@@ -353,6 +353,12 @@ def saved_variant_files() -> list[str]:
 
 SAVED_DIR = "dflash-aot"  # in the inductor cache in use
 SAVED_NAME = re.compile(r"[A-Za-z0-9_]{1,60}-[0-9a-f]{32}\.[0-9]{1,4}\.bin")
+# Variants of code, shapes or a torch no start has loaded for this long go, and the least
+# recently used past this size (each code change leaves the old variants behind; a
+# variant of the drill's shapes is tens of MB).
+SAVED_KEEP_S = 14 * 86400
+SAVED_KEEP_BYTES = 8 << 30
+_pruned: set[str] = set()  # directories pruned by this process
 
 
 def warn(line: str) -> None:
@@ -423,6 +429,7 @@ class SavedVariants:
                 warn(f"compile: saved variant {name} is ignored: compiled from other source ({stale})")
                 continue
             self.files[key].append(path)
+            _touch(path)  # used: kept by prune_saved
             out.append(variant)
         return out
 
@@ -444,6 +451,56 @@ class SavedVariants:
             warn(f"compile: a variant of {self._stem(description)} is not saved: {_why(e)}")
             return
         self.files[key].append(path)
+        if directory not in _pruned:  # once a process, when the directory grew
+            _pruned.add(directory)
+            prune_saved(directory, time.time(), in_use=[p for paths in self.files.values() for p in paths])
+
+
+def _touch(path: str) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def prune_saved(directory: str, now: float, keep_s: float = SAVED_KEEP_S, keep_bytes: int = SAVED_KEEP_BYTES,
+                in_use: Iterable[str] = ()) -> list[str]:
+    """Remove from ``directory`` the saved variants no start loaded or wrote for
+    ``keep_s`` (their mtime), then the least recently used while the rest exceed
+    ``keep_bytes``; never one in ``in_use`` nor a file not named as a variant. Returns
+    the names removed (each said in one line)."""
+    files, in_use = [], set(in_use)
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if not SAVED_NAME.fullmatch(name) or path in in_use:
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        files.append((st.st_mtime, st.st_size, name, path))
+    kept = sum(size for _, size, _, _ in files) + sum(_size(p) for p in in_use)
+    removed = []
+    for mtime, size, name, path in sorted(files):  # the least recently used first
+        if now - mtime <= keep_s and kept <= keep_bytes:
+            break
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        kept -= size
+        removed.append(name)
+    if removed:
+        print(f"compile: removed {len(removed)} saved variant(s) unused for {keep_s / 86400:g} days or past "
+              f"{keep_bytes >> 30} GiB from {directory}", flush=True)
+    return removed
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _why(error: Exception) -> str:

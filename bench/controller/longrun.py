@@ -18,9 +18,10 @@ is drawn), a refresh (the worker's read and the draw) on the main screen and in 
 detail view, the console's idle CPU over ``--idle-seconds`` of refreshes every 2 s
 (the default), twice: nothing new in the store (the clock fixed at the run's end),
 then a live run (another process writes a poll every 4 s, as a supervisor, and the
-console's clock runs), its peak RSS. htop's CPU in a pseudo-terminal over the same time
-when htop is installed. Goals: detail view <= 1 s, refresh <= 50 ms, idle CPU no
-more than htop's; the store's size for the run is printed with the retention's.
+console's clock runs), its peak RSS. htop's CPU in a pseudo-terminal of the
+console's size over the same time when htop is installed. Goals: detail view
+<= 1 s, refresh <= 50 ms, idle CPU no more than htop's; the store's size for the
+run is printed with the retention's.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from tests.harness.scenes import gpus, playbook, run_config
 
 HOST = "gpu1"
 STEPS_PER_S = 1.0
+CONSOLE_SIZE = (200, 60)  # the headless console's terminal, and htop's beside it
 
 
 def _gpu_reading(i: int) -> list[dict]:
@@ -163,7 +165,7 @@ def bench_console(store: Store, run_id: str, now: float, playbooks: str, idle_s:
         app = StatusApp(store.path, interval=2.0, clock=lambda: time.time() if clock["live"] else now,
                         playbooks_dir=playbooks,
                         probe_unsupervised=False)
-        async with app.run_test(size=(200, 60)) as pilot:
+        async with app.run_test(size=CONSOLE_SIZE) as pilot:
             await until(pilot, lambda: app.loads)
             await pilot.pause()
             figures["first_paint_s"] = time.perf_counter() - t0
@@ -193,16 +195,20 @@ def bench_console(store: Store, run_id: str, now: float, playbooks: str, idle_s:
     return figures
 
 
-def htop_cpu(seconds: float) -> float | None:
-    """htop's CPU in a pseudo-terminal (120x40, its default delay) over ``seconds``, as
-    a share of one core (None: htop is not installed)."""
+def htop_cpu(seconds: float, size: tuple[int, int] = CONSOLE_SIZE) -> float | None:
+    """htop's CPU in a pseudo-terminal of the console's ``size`` (its default delay)
+    over ``seconds``, as a share of one core (None: htop is not installed)."""
+    import fcntl
     import pty
     import select
+    import struct
+    import termios
 
     if seconds <= 0 or shutil.which("htop") is None:
         return None
     leader, follower = pty.openpty()
-    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"}
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": str(size[0]), "LINES": str(size[1])}
     proc = subprocess.Popen(["htop"], stdin=follower, stdout=follower, stderr=follower, env=env, close_fds=True)
     os.close(follower)
     try:
@@ -251,7 +257,7 @@ def main() -> None:
         store.close()
         figures = bench_console(Store(str(root / "runs.db")), run_id, now, str(root / "playbooks"), args.idle_seconds)
         refresh, detail_refresh = figures["refresh_s"], figures["detail_refresh_s"]
-        print(f"console (headless, 200x60, load average {os.getloadavg()[0]:.1f}):")
+        print(f"console (headless, {CONSOLE_SIZE[0]}x{CONSOLE_SIZE[1]}, load average {os.getloadavg()[0]:.1f}):")
         print(f"  first paint:            {_ms(figures['first_paint_s'])}")
         print(f"  detail view opened:     {_ms(figures['detail_s'])}   goal <= 1000 ms")
         print(f"  refresh, main screen:   {_ms(statistics.median(refresh))} median, {_ms(max(refresh))} max   "
@@ -265,7 +271,7 @@ def main() -> None:
             print(f"  idle CPU, a live run (a poll every 4 s from another process, the clock running): "
                   f"{figures['live_cpu'] * 100:.2f} % of one core")
             htop = htop_cpu(args.idle_seconds)
-            print(f"  htop, same machine, next {args.idle_seconds:g} s: "
+            print(f"  htop ({CONSOLE_SIZE[0]}x{CONSOLE_SIZE[1]}), same machine, next {args.idle_seconds:g} s: "
                   + (f"{htop * 100:.2f} % of one core" if htop is not None else "not installed: not measured"))
 
 

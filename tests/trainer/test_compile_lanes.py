@@ -299,3 +299,25 @@ def test_the_discipline_s_settings_reach_a_thread_that_set_nothing(tmp_path):
     if Version(torch.__version__.split("+")[0]) >= Version("2.12"):
         # why set_everywhere exists: from torch 2.12 a plain assignment is this thread's only
         assert out["plain"] == 8, out
+
+
+def test_saved_variants_unused_for_weeks_or_past_the_size_cap_are_removed_least_recently_used_first(tmp_path):
+    now = 1_800_000_000.0
+    day = 86400.0
+
+    def saved(name: str, days_ago: float, size: int) -> str:
+        path = tmp_path / name
+        path.write_bytes(b"x" * size)
+        os.utime(path, (now - days_ago * day, now - days_ago * day))
+        return str(path)
+
+    old = saved(f"layer_fwd-{'a' * 32}.0.bin", 15, 10)     # unused past the 14 days
+    used_old = saved(f"layer_fwd-{'b' * 32}.0.bin", 30, 10)  # as old, but this process loaded it
+    lru = saved(f"loss_chunk-{'c' * 32}.0.bin", 3, 60)
+    recent = saved(f"loss_chunk-{'d' * 32}.1.bin", 1, 60)
+    other = saved("notes.txt", 100, 10)  # not a variant's name: never touched
+    removed = compile_mod.prune_saved(str(tmp_path), now, keep_s=14 * day, keep_bytes=100, in_use=[used_old])
+    # 15 days unused goes; then 10 + 60 + 60 = 130 bytes > 100: the least recently used goes too.
+    assert removed == [os.path.basename(old), os.path.basename(lru)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(os.path.basename(p) for p in (used_old, recent, other))
+    assert compile_mod.prune_saved(str(tmp_path), now, keep_s=14 * day, keep_bytes=100, in_use=[used_old]) == []
