@@ -37,7 +37,7 @@ def _env_values(value: Any) -> Any:
     out, bad = {}, []
     for k, v in value.items():
         if not _ENV_NAME.fullmatch(str(k)):
-            # Names go into `export NAME=...` lines and `env NAME=...` argv on the host.
+            # Names go into `export NAME=...` lines in run.sh and on each command's stdin to the host.
             bad.append((str(k), ENV_NAME_PROBLEM))
             continue
         if isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -117,6 +117,39 @@ def test_stdin_bytes_arrive_exactly_then_eof(ssh_env, name):
     assert t.run(["cat"], timeout=10).stdout_bytes == b""
 
 
+def _arguments_holding(needle: bytes, until: threading.Event) -> list[str]:
+    """Every process of this machine (the loopback hosts' too) whose arguments held
+    ``needle`` while ``until`` was not set: what a host's ``ps`` shows every user."""
+    seen = []
+    while not until.is_set():
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if needle in f.read():
+                        seen.append(pid)
+            except OSError:
+                continue
+        time.sleep(0.01)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["local", "target"])
+def test_env_values_travel_on_stdin_never_in_any_process_arguments(ssh_env, name):
+    secret = f"tok-{os.urandom(8).hex()}"
+    t = connect(name, ssh_env.inventory)
+    done = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        watcher = pool.submit(_arguments_holding, secret.encode(), done)
+        try:
+            r = t.run(["sh", "-c", 'printf "%s|" "$TOKEN"; sleep 1; cat'], env={"TOKEN": secret}, input=b"own\n\ninput\n")
+        finally:
+            done.set()
+        seen = watcher.result()
+    # The command had the value and all of its own stdin, blank line included; no process's arguments held it.
+    assert r.stdout == f"{secret}|own\n\ninput\n" and seen == []
+    assert secret not in r.command
+
+
 @pytest.mark.parametrize("name", ["local", "target"])
 def test_stdout_goes_to_a_sink_as_it_arrives_and_a_full_sink_ends_the_command(ssh_env, name):
     t = connect(name, ssh_env.inventory)

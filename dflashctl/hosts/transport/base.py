@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from dflashctl.core.errors import AnswerTooLarge, CommandTimeout, TransportError
-from dflashctl.hosts.transport.command import KILL_AFTER, command_line, describe_route, not_found_hint
+from dflashctl.hosts.transport.command import KILL_AFTER, command_line, describe_route, env_input, not_found_hint
 from dflashctl.hosts.transport.limits import COMMAND, Capture, Limit
 from dflashctl.hosts.transport.results import Result, _Outcome, shown_argv, stderr_tail
 
@@ -74,6 +74,8 @@ class Transport(ABC):
             command = command_line(argv, wrapper=self.host.wrapper, timeout=limit, env=merged_env, cwd=cwd)
         except ValueError as e:
             raise TransportError(self.name, shown, str(e)) from None
+        if merged_env:  # the values go on stdin, never on the command line (``command_line``)
+            input = env_input(merged_env) + (input or b"")
         started = time.monotonic()
         deadline = limit + KILL_AFTER + CLIENT_SLACK
         out, err = Capture(bound.stdout), Capture(bound.stderr)

@@ -2,18 +2,24 @@
 
 The command line is built in exactly one place, ``command_line``:
 
-    [wrapper...] timeout -k K T [env K=V...] [sh -c CD_PRELUDE sh DIR] argv...
+    [wrapper...] timeout -k K T [sh -c ENV_PRELUDE sh] [sh -c CD_PRELUDE sh DIR] argv...
 
 joined with ``shlex.join`` for the remote login shell (sshd runs the command
 string through the user's shell). The wrapper (``pct exec 200 --``) executes the
 rest as an argv, without a second shell, so one level of quoting is right. Every
-layer after the wrapper is an argv-executing program (``timeout``, ``env``, a ``sh
--c`` whose script is constant and whose data travels as positional parameters),
-so nothing in ``argv``, ``env`` or ``cwd`` is ever interpreted by a shell.
+layer after the wrapper is an argv-executing program (``timeout``, a ``sh -c``
+whose script is constant and whose data travels as positional parameters or on
+stdin), so nothing in ``argv``, ``env`` or ``cwd`` is ever interpreted by a shell.
+
+Environment values never travel on the command line: every user of a host sees
+every process's arguments in ``ps`` (the login shell's ``-c`` string too). They
+go first on stdin (``env_input``), one ``NAME=value`` line each and an empty line;
+the prelude exports them and execs the argv with the rest of stdin.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 from typing import TYPE_CHECKING, Iterable
 
@@ -32,6 +38,35 @@ _CD_PRELUDE = (
     'd=$1; shift; case $d in "~") d=$HOME ;; "~/"*) d=$HOME/${d#"~/"} ;; esac; '
     'cd -- "$d" || exit 125; exec "$@"'
 )
+
+
+# Read NAME=value lines up to an empty one from stdin and export them, then exec
+# the argv with the rest of stdin: `read` takes a pipe one byte at a time, so
+# nothing past the empty line is consumed. A line "b NAME=..." carries a value
+# with a newline or a backslash as printf %b octal escapes (the x keeps a
+# trailing newline from the command substitution).
+_ENV_PRELUDE = (
+    'while IFS= read -r l && [ -n "$l" ]; do case $l in "b "*) l=${l#b }; v=$(printf %bx "${l#*=}"); '
+    'l=${l%%=*}=${v%x} ;; esac; export "$l" || exit 125; done; exec "$@"'
+)
+_PLAIN = re.compile(r"[^\n\\]*")
+
+
+def env_input(env: dict[str, str] | None) -> bytes:
+    """What goes on stdin before the command's own input so that ``command_line``'s
+    prelude exports ``env`` (empty without env)."""
+    if not env:
+        return b""
+    lines = []
+    for key, value in env.items():
+        if "\0" in value:
+            raise ValueError(f"environment variable {key}'s value holds a NUL byte, which no environment can")
+        if _PLAIN.fullmatch(value):
+            lines.append(f"{key}={value}\n".encode())
+        else:
+            escaped = "".join(chr(b) if chr(b).isascii() and chr(b).isalnum() else f"\\0{b:03o}" for b in value.encode())
+            lines.append(f"b {key}={escaped}\n".encode())
+    return b"".join(lines) + b"\n"
 
 
 def command_line(
@@ -54,9 +89,8 @@ def command_line(
         for key in env:
             if not key.isidentifier() or not key.isascii():
                 raise ValueError(f"environment variable name {key!r} is not a valid name")
-        if "=" in inner[0]:  # env would take it for one more variable
-            raise ValueError(f"with env, the command name cannot contain '=': {inner[0]!r}")
-        inner = ["env", *(f"{k}={v}" for k, v in env.items()), *inner]
+        env_input(env)  # a value no environment can hold is refused here, before anything runs
+        inner = ["sh", "-c", _ENV_PRELUDE, "sh", *inner]  # the values come on stdin (env_input)
     inner = ["timeout", "-k", f"{KILL_AFTER:g}", f"{timeout:g}", *inner]
     line = shlex.join([*wrapper, *inner])
     if len(line.encode("utf-8")) > MAX_COMMAND_BYTES:
