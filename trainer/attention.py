@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflashctl.core import contract
 from trainer.config import ConfigError, compile_problems
 from trainer.torch_api import forget_flex_fallback_warning
 from trainer.masks import CAUSAL_IN_BLOCK, build_block_mask, dense_mask
@@ -73,6 +74,16 @@ class AttentionPath:
         return self.name != SDPA
 
 
+def installed_version(distribution: str) -> Optional[str]:
+    """The installed version of ``distribution`` (None: not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def select_attention_path(
     device: Union[str, torch.device],
     enabled: str = "auto",
@@ -107,6 +118,10 @@ def select_attention_path(
                 "compile.flex_kernel: 'flash' needs a CUDA GPU and the flash-attn-4 package "
                 "(pip install flash-attn-4); use 'auto' for flex_attention's own kernels"
             ])
+        unsafe = contract.flash_attn_problem(installed_version(contract.FLASH_ATTN_PACKAGE))
+        if unsafe:
+            raise ConfigError([f"compile.flex_kernel: 'flash' refused: {unsafe}; install "
+                               f"'{contract.FLASH_ATTN_PACKAGE}>={contract.FLASH_ATTN_FIXED}' or use 'auto'"])
         return AttentionPath(FLEX_COMPILED, device_type, mask_builder, flash=True)
     hopper = (flex_kernel == "auto" and device_type == "cuda" and torch.cuda.is_available()
               and torch.cuda.get_device_capability(device)[0] == 9)

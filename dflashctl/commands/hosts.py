@@ -96,7 +96,10 @@ def check_command(
     has torch, triton, transformers and safetensors at the versions the trainer needs; and it
     warns when the inventory's `gpus:` differs from what nvidia-smi shows. One line
     per host (the columns that fit), then the package versions it proved on each
-    run host (`proved: torch 2.6.0, ...`). Each problem is printed with its fix.
+    run host (`proved: torch 2.6.0, ...`) and which attention kernels a run gets
+    there (`attention: ...`: dense SDPA without a GPU, flex_attention's Triton
+    kernels, and whether flash-attention 4's may be chosen). Each problem is printed
+    with its fix.
     Exit code 1 when any host failed."""
     from dflashctl.hosts.facts import check_hosts
 
@@ -168,7 +171,8 @@ def _say_lines(lines) -> None:
 
 def _print_checks(checks) -> None:
     """One line per host (the columns that fit), then per run host the package
-    versions it proved, then each problem with its fix."""
+    versions it proved and which attention kernels a run gets there, then each
+    problem with its fix."""
     from dflashctl.status.tables import Col, lines
 
     columns = (Col("host", "host", 24, 0), Col("result", "result", 6, 0), Col("route", "route", 20, 3, grow=30),
@@ -189,7 +193,8 @@ def _print_checks(checks) -> None:
         styles.append({"host": "green" if c.ok else "red", "result": "green" if c.ok else "red",
                        "tmux": "yellow" if f is not None and not f.tmux else ""})
         proved = _proved(f)
-        details.append((None, printable(f"proved: {proved}")) if proved else None)
+        details.append([(None, printable(f"proved: {proved}"))] * bool(proved)
+                       + [(None, printable(f"attention: {c.attention}"))] * bool(c.attention))
     _say_lines(lines(columns, rows, out.width, styles=styles, details=details))
     for c in checks:
         if c.error:

@@ -75,6 +75,28 @@ def standby_hold(token: str) -> str:
     return f"standby.{token}.hold"
 
 
+# flash-attention 4 (the package `flash-attn-4`, behind `compile.flex_kernel: flash`): its
+# Hopper block-sparse backward gave silent wrong gradients in 0.1-1 % of launches before
+# this release; the trainer refuses an older one and `dflashctl check` says which a host has.
+FLASH_ATTN_PACKAGE = "flash-attn-4"
+FLASH_ATTN_FIXED = "4.0.0b26"
+
+
+def flash_attn_problem(version: str | None) -> str | None:
+    """Why the FLASH path cannot run with flash-attn-4 ``version`` (None: it can)."""
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        return f"{FLASH_ATTN_PACKAGE} is not installed"
+    try:
+        if Version(version) >= Version(FLASH_ATTN_FIXED):
+            return None
+    except InvalidVersion:
+        return f"{FLASH_ATTN_PACKAGE} {version!r} is not a version this can compare"
+    return (f"{FLASH_ATTN_PACKAGE} {version} is older than {FLASH_ATTN_FIXED}, whose Hopper block-sparse backward "
+            "gave silent wrong gradients in 0.1-1 % of launches")
+
+
 HOST_ENV = "DFLASHCTL_HOST"  # the inventory's name of the host a process runs on (set in run.sh)
 # A multi-host run's secret for one start (hex), written by the controller into each
 # host's run directory, mode 0600; every rank proves it before it accepts any data.

@@ -56,6 +56,8 @@ TRAINER_REQUIREMENTS = (
     "safetensors>=0.4",
 )
 LAUNCH_PACKAGES = tuple(Requirement(r).name for r in TRAINER_REQUIREMENTS)
+# Read too, never required: they change which attention kernels a run gets (``attention_text``).
+OPTIONAL_PACKAGES = (contract.FLASH_ATTN_PACKAGE,)
 CONTAINER_WRAPPERS = "`pct exec VMID --`, `lxc-attach -n NAME --` or `docker exec NAME`"
 
 # The host-side script (dflashctl/hosts/remote/facts.py), shipped as its text.
@@ -172,7 +174,7 @@ def _parse_launch(raw: Any) -> LaunchFacts:
                         pid1_start=_opt_int(raw, "pid1_start", "'launch' pid1_start", 0))
     pkgs = _object(raw.get("packages") or {}, "'launch' packages")
     versions = _object(pkgs.get("versions") or {}, "'launch' packages versions")
-    for name in LAUNCH_PACKAGES:
+    for name in (*LAUNCH_PACKAGES, *OPTIONAL_PACKAGES):  # only these names: nothing else the host says is kept
         found.versions[name] = _opt_text(versions, name, f"'launch' version of {name}", 200)
     requires = pkgs.get("torch_requires_triton") or []
     if not isinstance(requires, list):
@@ -250,7 +252,7 @@ def gather_facts(transport: Transport, timeout: float | None = None, launch_toke
     ``launch_token``, also the launch checks' first half (``look_again`` is the second)."""
     args: dict[str, Any] = {"workdir": transport.host.workdir, "gpu_fields": list(GPU_FIELDS)}
     if launch_token is not None:
-        args["launch"] = {"token": launch_token, "packages": list(LAUNCH_PACKAGES)}
+        args["launch"] = {"token": launch_token, "packages": [*LAUNCH_PACKAGES, *OPTIONAL_PACKAGES]}
     result = transport.run_script(FACTS_SCRIPT, [json.dumps(args)], timeout=timeout or DEFAULT_TIMEOUT, limit=FACTS)
     try:
         return parse_facts(result.stdout)
@@ -430,6 +432,30 @@ def gpu_count_problem(host: "Host", found: int | None, smi_present: bool = True)
                    "checked against it), or find out where the missing GPUs went (`nvidia-smi -L`)")
 
 
+# --------------------------------------------------------------------------- which attention a run gets
+
+
+def attention_text(facts: HostFacts) -> tuple[str | None, Problem | None]:
+    """Which attention kernels the trainer runs on this host, in words, from its
+    packages (the image's, not what the user has elsewhere) and its GPUs; and a
+    warning where ``compile.flex_kernel: flash`` would be refused. (None, None) for a
+    host without launch checks."""
+    if facts.launch is None or not facts.launch.versions:
+        return None, None
+    if facts.nvidia_smi is None or not facts.gpus:
+        return "dense SDPA over the DFlash mask (no GPU)", None
+    text = "flex_attention compiled, its own Triton kernels (compile.flex_kernel auto)"
+    version = facts.launch.versions.get(contract.FLASH_ATTN_PACKAGE)
+    why = contract.flash_attn_problem(version)
+    if why is None:
+        return f"{text}; flash-attention 4's with compile.flex_kernel: flash ({contract.FLASH_ATTN_PACKAGE} {version})", None
+    text += f"; compile.flex_kernel: flash would be refused: {why}"
+    if version is None:
+        return text, None
+    return text, Problem("flash-attn-version", "warning", f"{why}: compile.flex_kernel: flash is refused by the trainer",
+                         f"install the fixed release: {_pip(facts, f'{contract.FLASH_ATTN_PACKAGE}>={contract.FLASH_ATTN_FIXED}')}")
+
+
 # --------------------------------------------------------------------------- check
 
 
@@ -449,6 +475,7 @@ class HostCheck:
     problems: list[Problem] = field(default_factory=list)
     error: str | None = None
     hint: str | None = None
+    attention: str | None = None  # which attention kernels a run gets here (``attention_text``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -492,6 +519,8 @@ def check_hosts(inventory: "Inventory", names: list[str] | None = None, timeout:
                 found.facts = gather_facts(transport, timeout)
             else:
                 found.facts, found.problems = prove_launchable(transport, timeout)
+                found.attention, flash = attention_text(found.facts)
+                found.problems += [flash] if flash else []
             smi = found.facts.nvidia_smi is not None
             count = gpu_count_problem(host, None if found.facts.gpu_error else len(found.facts.gpus), smi)
             if count is not None:

@@ -24,14 +24,17 @@ def _cell(text: str, c: Col, last: bool) -> str:
     return cut if last else cut.ljust(c.width)
 
 
+Detail = tuple[str | None, str]  # (the column that shows it whole, or None; the text)
+
+
 def lines(columns: Sequence[Col], rows: Sequence[Mapping[str, str]], width: int, *, gap: int = 2,
           styles: Sequence[Mapping[str, str]] | None = None,
-          details: Sequence[tuple[str | None, str] | None] | None = None, header: bool = True) -> list[Text]:
+          details: Sequence[Detail | list[Detail] | None] | None = None, header: bool = True) -> list[Text]:
     """The table at ``width`` cells: a header line, then one line per row (its
-    cells cut to the chosen columns). A row's detail ``(key, text)`` is printed on
-    the line below it, indented and cut to the width, when the cell of column
-    ``key`` does not show that row's text whole (cut, or its column left out);
-    always when ``key`` is None."""
+    cells cut to the chosen columns). A row's detail ``(key, text)`` (or each of a
+    list of them) is printed on a line below it, indented and cut to the width,
+    when the cell of column ``key`` does not show that row's text whole (cut, or its
+    column left out); always when ``key`` is None."""
     width = max(20, width)
     chosen = choose(widths_for(columns, rows), width, gap)
     result: list[Text] = []
@@ -50,8 +53,9 @@ def lines(columns: Sequence[Col], rows: Sequence[Mapping[str, str]], width: int,
             line.truncate(width - 1)
             line.append("…")
         result.append(line)
-        key, text = (details[n] if details else None) or (None, "")
-        shown = next((c.width for c in chosen if c.key == key), 0)
-        if text and (key is None or len(str(row.get(key, ""))) > shown):
-            result.append(Text(fit("  " + " ".join(text.split()), width), style="dim"))
+        detail = details[n] if details else None
+        for key, text in detail if isinstance(detail, list) else [detail or (None, "")]:
+            shown = next((c.width for c in chosen if c.key == key), 0)
+            if text and (key is None or len(str(row.get(key, ""))) > shown):
+                result.append(Text(fit("  " + " ".join(text.split()), width), style="dim"))
     return result

@@ -275,6 +275,13 @@ def test_check_and_hosts_fit_80_columns_and_check_names_the_versions_it_proved(s
     assert proved.startswith(f"  proved: torch {versions['torch']}") and f"transformers {versions['transformers']}" \
         in proved
     assert not any(line.startswith("  proved") for line in lines[lines.index(rows[2]):])  # a jump host proves nothing
+    # Which attention kernels a run gets there, from the host's own packages and its GPU (the stand-in
+    # nvidia-smi's one); flash-attn-4 is read, never required. The line is cut to the terminal, --json is whole.
+    attention = lines[lines.index(rows[0]) + 2]
+    assert attention.startswith("  attention: flex_attention compiled, its own Triton kernels")
+    said = report["hosts"][0]["attention"]
+    assert said.startswith(attention.split(": ", 1)[1].rstrip("…")) and said.endswith("flash-attn-4 is not installed")
+    assert versions["flash-attn-4"] is None
 
     hosts = dflashctl(ssh_env, "hosts", columns=80).stdout.splitlines()
     assert max(len(line) for line in hosts) <= 80

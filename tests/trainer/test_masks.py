@@ -368,11 +368,17 @@ def test_flex_kernel_flash_needs_a_gpu_and_flash_attention_4(monkeypatch):
 
     with warnings.catch_warnings():
         assert select_attention_path("cpu", "auto", flex_kernel="flash").name == "sdpa"  # CPU: dense SDPA, as ever
-        # CI has no GPU and no flash-attn-4: the package lookup is replaced to stand for a host without, then with it.
+        # CI has no GPU and no flash-attn-4: the package lookup and its version are replaced to stand for a host
+        # without it, then with an old release, then with a fixed one.
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
         with pytest.raises(ConfigError, match="flash-attn-4"):
             select_attention_path("cuda", "auto", flex_kernel="flash")
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+        # A release before the one that fixed its Hopper block-sparse backward is refused, naming both.
+        monkeypatch.setattr(attention, "installed_version", lambda name: "4.0.0b25" if name == "flash-attn-4" else None)
+        with pytest.raises(ConfigError, match="flash-attn-4 4.0.0b25 is older than 4.0.0b26"):
+            select_attention_path("cuda", "auto", flex_kernel="flash")
+        monkeypatch.setattr(attention, "installed_version", lambda name: "4.0.0b36" if name == "flash-attn-4" else None)
         path = select_attention_path("cuda", "auto", flex_kernel="flash")
     assert path.flash and not path.hopper_tiles
     seen = []

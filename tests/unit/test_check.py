@@ -98,3 +98,40 @@ def test_launch_problems_without_tmux():
     facts.launch = LaunchFacts(versions=GOOD, pidns="pid:[1]", detached_pid=5, detached_start=9)
     (problem,) = launch_problems(Host(name="h", address="h"), facts, LookAgain(pidns="pid:[1]", detached_alive=True))
     assert problem.code == "tmux-missing" and "apt-get install -y tmux" in problem.fix
+
+
+@pytest.mark.parametrize(
+    "gpus, flash, says, problem",
+    [
+        (0, None, "dense SDPA over the DFlash mask (no GPU)", None),
+        (8, None, "flex_attention compiled, its own Triton kernels (compile.flex_kernel auto); "
+                  "compile.flex_kernel: flash would be refused: flash-attn-4 is not installed", None),
+        (8, "4.0.0b36", "flex_attention compiled, its own Triton kernels (compile.flex_kernel auto); "
+                        "flash-attention 4's with compile.flex_kernel: flash (flash-attn-4 4.0.0b36)", None),
+        (8, "4.0.0b25", "compile.flex_kernel: flash would be refused: flash-attn-4 4.0.0b25 is older than 4.0.0b26",
+         "flash-attn-version"),
+    ],
+)
+def test_check_says_which_attention_kernels_a_run_gets_from_the_hosts_own_packages(gpus, flash, says, problem):
+    from dflashctl.hosts.facts import Gpu, HostFacts, LaunchFacts, attention_text
+
+    facts = HostFacts("h", "Debian", "6", "3.11.7", "/opt/torch/.venv/bin/python3", "/w", tmux="tmux 3.3a",
+                      nvidia_smi="/usr/bin/nvidia-smi" if gpus else None,
+                      gpus=[Gpu(i, "NVIDIA H200", 143771, 0) for i in range(gpus)])
+    facts.launch = LaunchFacts(versions={**GOOD, "flash-attn-4": flash})
+    text, found = attention_text(facts)
+    assert says in text
+    assert (found and found.code) == problem
+    if found:  # the trainer refuses it: the fix installs the fixed release into the host's own python
+        assert found.severity == "warning" and "'flash-attn-4>=4.0.0b26'" in found.fix and "/opt/torch/.venv" in found.fix
+    facts.launch = None  # a jump host: nothing said
+    assert attention_text(facts) == (None, None)
+
+
+def test_the_flash_path_is_refused_before_the_release_that_fixed_its_backward():
+    from dflashctl.core.contract import flash_attn_problem
+
+    assert flash_attn_problem("4.0.0b26") is None and flash_attn_problem("4.0.1") is None
+    assert "older than 4.0.0b26" in flash_attn_problem("4.0.0b25")
+    assert "not installed" in flash_attn_problem(None)
+    assert "not a version" in flash_attn_problem("garbage!")
