@@ -1,7 +1,9 @@
 """The contract between the trainer and the controller.
 
 Stdlib only, never torch: the trainer imports it on the GPU host and the
-controller imports it on the operator's machine. Everything either side reads
+controller imports it on the operator's machine. (One exception, imported where it
+is used: ``flash_attn_problem`` compares versions with ``packaging``, a dependency
+of the controller that transformers brings to every trainer host.) Everything either side reads
 from the other's files is defined here, and what both sides need besides:
 directories only their user can write (``private_dir``), text made safe for a
 terminal (``printable``).
