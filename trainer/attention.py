@@ -20,7 +20,7 @@ import importlib.util
 import threading
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -49,9 +49,13 @@ _flex_compiled = torch.compile(flex_attention, dynamic=False)
 HOPPER_BWD_TILES = {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
                     "bwd_num_warps": 8, "bwd_num_stages": 2}
 # flash-attention 4's CuTe kernels behind flex_attention (torch's experimental FLASH backend;
-# the flash-attn-4 package): ``compile.flex_kernel: flash``.
+# the flash-attn-4 package): ``compile.flex_kernel: flash``, and ``auto`` where ``flash_usable``.
 FLASH_OPTIONS = {"BACKEND": "FLASH"}
-FLEX_KERNELS = ("auto", "default", "flash")
+# The compute capabilities flash-attention 4's kernels are built for: Hopper, Blackwell (datacenter).
+FLASH_CAPABILITIES = (9, 10)
+# torch's lowering of flex_attention to those kernels (``kernel_options={"BACKEND": "FLASH"}``).
+FLASH_LOWERING = "torch._inductor.kernel.flex.flex_flash_attention"
+FLEX_KERNELS = ("auto", "triton", "default", "flash")
 
 _ran: Counter = Counter()
 _ran_lock = threading.Lock()
@@ -67,11 +71,26 @@ class AttentionPath:
     hopper_tiles: bool = False
     """Compiled flex_attention with HOPPER_BWD_TILES (16-bit, head dim <= 128) instead of torch's defaults."""
     flash: bool = False
-    """Compiled flex_attention on flash-attention 4's CuTe kernels (FLASH_OPTIONS)."""
+    """Compiled flex_attention on flash-attention 4's CuTe kernels (FLASH_OPTIONS; 16-bit, head
+    dim <= 128: other calls take the tiles above, or torch's defaults)."""
+    why: str = field(default="", compare=False)
+    """The setting that chose the kernels and, for ``auto``, why (for ``describe``)."""
 
     @property
     def uses_block_mask(self) -> bool:
         return self.name != SDPA
+
+    def describe(self) -> str:
+        """The path and, compiled, which kernels it runs and why, in words (the trainer's
+        start-up line): 'flex_compiled: flex_attention on flash-attention 4's kernels
+        (flash-attn-4 4.0.0b36; compile.flex_kernel auto)'."""
+        if self.name != FLEX_COMPILED:
+            return self.name
+        if self.flash:
+            kernels = "flash-attention 4's kernels"
+        else:
+            kernels = f"its own Triton kernels, {'Hopper tiles' if self.hopper_tiles else 'default tiles'}"
+        return f"{self.name}: flex_attention on {kernels}" + (f" ({self.why})" if self.why else "")
 
 
 def installed_version(distribution: str) -> Optional[str]:
@@ -82,6 +101,30 @@ def installed_version(distribution: str) -> Optional[str]:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
+
+
+def flash_usable(device: Union[str, torch.device]) -> Optional[str]:
+    """Why flex_attention cannot run on flash-attention 4's kernels on ``device``; None: it can.
+
+    It can on a Hopper or Blackwell GPU (compute capability 9 or 10) with flash-attn-4 at
+    a release whose backward is sound (``contract.flash_attn_problem``) and a torch whose
+    inductor lowers flex_attention to it (``FLASH_LOWERING``).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FLASH_CAPABILITIES:
+        return f"the GPU is not Hopper or Blackwell (compute capability {major}.{minor})"
+    version = installed_version(contract.FLASH_ATTN_PACKAGE)
+    unsafe = contract.flash_attn_problem(version)
+    if unsafe:
+        return unsafe
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        return f"{contract.FLASH_ATTN_PACKAGE} {version} is installed, but flash_attn.cute is not importable"
+    if importlib.util.find_spec(FLASH_LOWERING) is None:
+        return f"torch {torch.__version__} has no FLASH backend for flex_attention"
+    return None
 
 
 def select_attention_path(
@@ -96,7 +139,10 @@ def select_attention_path(
     auto: cuda -> flex_compiled, cpu -> sdpa. on: flex_compiled (GPU only: no
     flex backward on CPU). off: sdpa on CPU; on a GPU the dense flex path, which
     is refused unless ``allow_eager`` (trainer/compile.py, rule 5). ``flex_kernel``
-    (``compile.flex_kernel``): auto uses HOPPER_BWD_TILES on a compute capability 9 GPU.
+    (``compile.flex_kernel``): triton uses flex_attention's own Triton kernels, with
+    HOPPER_BWD_TILES on a compute capability 9 GPU; default the same with torch's
+    default tiles; flash flash-attention 4's kernels (refused where ``flash_usable``
+    says why not); auto flash where it is usable, else triton.
     """
     device_type = torch.device(device).type
     if enabled not in ("auto", "on", "off"):
@@ -111,21 +157,22 @@ def select_attention_path(
     if enabled == "off":
         return AttentionPath(FLEX_EAGER, device_type, mask_builder)
     refuse_eager_fallback()
-    if flex_kernel == "flash":
-        if device_type != "cuda" or importlib.util.find_spec("flash_attn") is None \
-                or importlib.util.find_spec("flash_attn.cute") is None:
-            raise ConfigError([
-                "compile.flex_kernel: 'flash' needs a CUDA GPU and the flash-attn-4 package "
-                "(pip install flash-attn-4); use 'auto' for flex_attention's own kernels"
-            ])
-        unsafe = contract.flash_attn_problem(installed_version(contract.FLASH_ATTN_PACKAGE))
-        if unsafe:
-            raise ConfigError([f"compile.flex_kernel: 'flash' refused: {unsafe}; install "
-                               f"'{contract.FLASH_ATTN_PACKAGE}>={contract.FLASH_ATTN_FIXED}' or use 'auto'"])
-        return AttentionPath(FLEX_COMPILED, device_type, mask_builder, flash=True)
-    hopper = (flex_kernel == "auto" and device_type == "cuda" and torch.cuda.is_available()
+    hopper = (flex_kernel != "default" and device_type == "cuda" and torch.cuda.is_available()
               and torch.cuda.get_device_capability(device)[0] == 9)
-    return AttentionPath(FLEX_COMPILED, device_type, mask_builder, hopper_tiles=hopper)
+    if flex_kernel not in ("auto", "flash"):
+        return AttentionPath(FLEX_COMPILED, device_type, mask_builder, hopper_tiles=hopper,
+                             why=f"compile.flex_kernel {flex_kernel}")
+    why_not = flash_usable(device)
+    if why_not is None:
+        version = installed_version(contract.FLASH_ATTN_PACKAGE)
+        return AttentionPath(FLEX_COMPILED, device_type, mask_builder, hopper_tiles=hopper, flash=True,
+                             why=f"{contract.FLASH_ATTN_PACKAGE} {version}; compile.flex_kernel {flex_kernel}")
+    if flex_kernel == "flash":
+        raise ConfigError([f"compile.flex_kernel: 'flash' refused: {why_not}; it needs a Hopper or Blackwell GPU "
+                           f"and '{contract.FLASH_ATTN_PACKAGE}>={contract.FLASH_ATTN_FIXED}' "
+                           "(pip install flash-attn-4); use 'auto' or 'triton' for flex_attention's own kernels"])
+    return AttentionPath(FLEX_COMPILED, device_type, mask_builder, hopper_tiles=hopper,
+                         why=f"compile.flex_kernel auto: {why_not}")
 
 
 def refuse_eager_fallback() -> None:
@@ -192,9 +239,12 @@ def attend(
         # The math kernel's safe softmax gives zeros for fully masked rows, like flex.
         out_BHQD = F.scaled_dot_product_attention(q_BHQD, k_BHKD, v_BHKD, attn_mask=mask, enable_gqa=True)
     elif path.name == FLEX_COMPILED:
-        # Measured for 16-bit inputs up to head dim 128: fp32 or wider heads need more shared memory.
-        tiles = path.hopper_tiles and q_BHQD.shape[-1] <= 128 and q_BHQD.dtype in (torch.bfloat16, torch.float16)
-        options = FLASH_OPTIONS if path.flash else HOPPER_BWD_TILES if tiles else None
+        # Both measured for 16-bit inputs up to head dim 128 only: the tiles need more shared
+        # memory for fp32 or wider heads, flash-attention 4 was checked here in that range only.
+        measured = q_BHQD.shape[-1] <= 128 and q_BHQD.dtype in (torch.bfloat16, torch.float16)
+        options = None
+        if measured:
+            options = FLASH_OPTIONS if path.flash else HOPPER_BWD_TILES if path.hopper_tiles else None
         out_BHQD = _flex_compiled(q_BHQD, k_BHKD, v_BHKD, block_mask=mask, enable_gqa=True, kernel_options=options)
     elif path.name == FLEX_EAGER:
         # Chosen deliberately (allow_eager, CPU checks), so not an error here; torch

@@ -18,9 +18,11 @@ Manifest (JSON object)::
 
     v          MANIFEST_VERSION
     key        16 hex digits: sha256 over ``fields``
-    fields     {torch, triton, cuda, gpu, python, bundle, config}: what the
-               artifacts are valid for (``key_fields``); ``config`` is the digest of
-               the shape-relevant configuration (``shape_config``)
+    fields     {torch, triton, cuda, attention, gpu, python, bundle, config}: what
+               the artifacts are valid for (``key_fields``); ``attention`` is the
+               installed flash-attn-4 ('flash-attn-4 4.0.0b36', or 'none': it decides
+               which kernels ``compile.flex_kernel: auto`` compiles); ``config`` is
+               the digest of the shape-relevant configuration (``shape_config``)
     shape      the shape-relevant configuration itself (for people; not compared)
     file       the artifact's file name, ``<key>.bin``
     bytes      its size
@@ -80,7 +82,7 @@ CACHE_DIR = "compile_cache"
 MANIFEST_FILE = "compile_cache.json"
 MANIFEST_VERSION = 2
 # In the order they are compared: the first that differs names the mismatch.
-FIELDS = ("torch", "triton", "cuda", "gpu", "python", "bundle", "config")
+FIELDS = ("torch", "triton", "cuda", "attention", "gpu", "python", "bundle", "config")
 BUNDLE_ENV = "DFLASH_BUNDLE_HASH"
 MAX_MANIFEST_BYTES = 1 << 16
 # In this host's inductor cache: one empty file per artifact already loaded or
@@ -159,7 +161,9 @@ def bundle_hash(environ: Optional[dict] = None, package_dir: Optional[str] = Non
 
 
 def key_of(fields: dict[str, str]) -> str:
-    return digest({k: fields.get(k) for k in FIELDS})
+    # Over the fields present only: a manifest written before a field was added keeps its
+    # key (it is then refused as ``mismatch:<that field>``, not as a damaged manifest).
+    return digest({k: fields[k] for k in FIELDS if k in fields})
 
 
 def first_mismatch(theirs: dict, mine: dict) -> Optional[str]:
@@ -183,11 +187,15 @@ def key_fields(cfg, devices: list) -> dict[str, str]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
+    from trainer.attention import installed_version
+
     gpus = sorted({torch.cuda.get_device_name(d) for d in devices if d.type == "cuda"}) or ["cpu"]
+    flash = installed_version(contract.FLASH_ATTN_PACKAGE)
     return {
         "torch": torch.__version__,
         "triton": triton_version,
         "cuda": str(torch.version.cuda),
+        "attention": f"{contract.FLASH_ATTN_PACKAGE} {flash}" if flash else "none",
         "gpu": ",".join(gpus),
         "python": platform.python_version(),
         "bundle": bundle_hash(),

@@ -310,7 +310,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     except ValueError as e:
         raise ConfigError([str(e)]) from None
     log(f"devices: target {[str(d) for d in target_devs]}, drafter {[str(d) for d in drafter_devs]}; "
-        f"compute {compute_dtype}, residual {cfg.model.residual}; attention {path.name}{' (Hopper backward tiles)' if path.hopper_tiles else ' (flash-attention 4)' if path.flash else ''}; "
+        f"compute {compute_dtype}, residual {cfg.model.residual}; attention {path.describe()}; "
         f"loss {loss_kernel}; compile cache {cache}"
         + (f"; bytecode cache {bytecode}" if bytecode else ""))
     startup.mark("devices")

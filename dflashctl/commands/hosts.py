@@ -97,8 +97,9 @@ def check_command(
     warns when the inventory's `gpus:` differs from what nvidia-smi shows. One line
     per host (the columns that fit), then the package versions it proved on each
     run host (`proved: torch 2.6.0, ...`) and which attention kernels a run gets
-    there (`attention: ...`: dense SDPA without a GPU, flex_attention's Triton
-    kernels, and whether flash-attention 4's may be chosen). Each problem is printed
+    there (`attention: ...`: dense SDPA without a GPU, else flash-attention 4's
+    kernels where `compile.flex_kernel: auto` takes them, else flex_attention's
+    Triton kernels and why not flash-attention 4's). Each problem is printed
     with its fix.
     Exit code 1 when any host failed."""
     from dflashctl.hosts.facts import check_hosts

@@ -77,11 +77,16 @@ def standby_hold(token: str) -> str:
     return f"standby.{token}.hold"
 
 
-# flash-attention 4 (the package `flash-attn-4`, behind `compile.flex_kernel: flash`): its
-# Hopper block-sparse backward gave silent wrong gradients in 0.1-1 % of launches before
-# this release; the trainer refuses an older one and `dflashctl check` says which a host has.
+# flash-attention 4 (the package `flash-attn-4`, behind `compile.flex_kernel: flash`, and
+# `auto` where it can run): its Hopper block-sparse backward gave silent wrong gradients in
+# 0.1-1 % of launches before this release; the trainer refuses an older one and `dflashctl
+# check` says which a host has.
 FLASH_ATTN_PACKAGE = "flash-attn-4"
 FLASH_ATTN_FIXED = "4.0.0b26"
+# nvidia-smi's names of the GPUs its kernels are built for (compute capability 9 or 10):
+# Hopper (H100, H200, H800, H20, GH200), datacenter Blackwell (B100, B200, B300, GB200,
+# GB300). Not the other Blackwells (RTX, GB10: compute capability 12).
+_FLASH_GPU = re.compile(r"(NVIDIA )?(G?H\d{2,3}|G?B\d{3})\b")
 
 
 def flash_attn_problem(version: str | None) -> str | None:
@@ -97,6 +102,12 @@ def flash_attn_problem(version: str | None) -> str | None:
         return f"{FLASH_ATTN_PACKAGE} {version!r} is not a version this can compare"
     return (f"{FLASH_ATTN_PACKAGE} {version} is older than {FLASH_ATTN_FIXED}, whose Hopper block-sparse backward "
             "gave silent wrong gradients in 0.1-1 % of launches")
+
+
+def flash_capable_gpu(name: str) -> bool:
+    """Whether nvidia-smi's GPU ``name`` ('NVIDIA H100 80GB HBM3') is a Hopper or a
+    datacenter Blackwell GPU, where flash-attention 4's kernels run."""
+    return _FLASH_GPU.match(name.strip()) is not None
 
 
 HOST_ENV = "DFLASHCTL_HOST"  # the inventory's name of the host a process runs on (set in run.sh)

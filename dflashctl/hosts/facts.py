@@ -436,23 +436,25 @@ def gpu_count_problem(host: "Host", found: int | None, smi_present: bool = True)
 
 
 def attention_text(facts: HostFacts) -> tuple[str | None, Problem | None]:
-    """Which attention kernels the trainer runs on this host, in words, from its
-    packages (the image's, not what the user has elsewhere) and its GPUs; and a
-    warning where ``compile.flex_kernel: flash`` would be refused. (None, None) for a
-    host without launch checks."""
+    """Which attention kernels the trainer runs on this host with ``compile.flex_kernel:
+    auto``, in words, from its packages (the image's, not what the user has elsewhere) and
+    its GPUs' names; and a warning where an installed flash-attn-4 is refused. (None, None)
+    for a host without launch checks."""
     if facts.launch is None or not facts.launch.versions:
         return None, None
     if facts.nvidia_smi is None or not facts.gpus:
         return "dense SDPA over the DFlash mask (no GPU)", None
-    text = "flex_attention compiled, its own Triton kernels (compile.flex_kernel auto)"
     version = facts.launch.versions.get(contract.FLASH_ATTN_PACKAGE)
-    why = contract.flash_attn_problem(version)
+    other = sorted({g.name or "unnamed" for g in facts.gpus if not contract.flash_capable_gpu(g.name or "")})
+    why = f"{', '.join(other)}: not a Hopper or Blackwell GPU" if other else contract.flash_attn_problem(version)
     if why is None:
-        return f"{text}; flash-attention 4's with compile.flex_kernel: flash ({contract.FLASH_ATTN_PACKAGE} {version})", None
-    text += f"; compile.flex_kernel: flash would be refused: {why}"
-    if version is None:
+        return (f"flex_attention compiled on flash-attention 4's kernels "
+                f"(compile.flex_kernel auto; {contract.FLASH_ATTN_PACKAGE} {version})"), None
+    text = f"flex_attention compiled, its own Triton kernels (compile.flex_kernel auto); not flash-attention 4's: {why}"
+    if other or version is None:
         return text, None
-    return text, Problem("flash-attn-version", "warning", f"{why}: compile.flex_kernel: flash is refused by the trainer",
+    return text, Problem("flash-attn-version", "warning",
+                         f"{why}: the trainer does not use it (compile.flex_kernel: flash is refused)",
                          f"install the fixed release: {_pip(facts, f'{contract.FLASH_ATTN_PACKAGE}>={contract.FLASH_ATTN_FIXED}')}")
 
 

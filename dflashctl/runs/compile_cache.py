@@ -37,7 +37,7 @@ Which held artifact fits a run (``choose``, pure): its ``fields.config`` equals 
 digest of the run's trainer configuration as the trainer will read it
 (``trainer.compile_cache.config_digest``), its ``fields.bundle`` the bundle being
 deployed, and its ``fields.gpu`` the host's GPU name when nvidia-smi told it. The
-torch, triton, CUDA and Python fields are not known before the trainer starts: the
+torch, triton, CUDA, attention (flash-attn-4) and Python fields are not known before the trainer starts: the
 trainer refuses an artifact whose key differs (it reports ``mismatch:<field>``).
 
 Trust: an artifact holds pickles and bytecode, so it is put only into runs on hosts

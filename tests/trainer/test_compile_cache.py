@@ -20,8 +20,8 @@ from trainer.config import TrainerConfig
 
 REPO = str(harness.REPO)
 
-FIELDS = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "gpu": "NVIDIA H200", "python": "3.12.3",
-          "bundle": "b" * 64, "config": "0123456789abcdef"}
+FIELDS = {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "attention": "flash-attn-4 4.0.0b36",
+          "gpu": "NVIDIA H200", "python": "3.12.3", "bundle": "b" * 64, "config": "0123456789abcdef"}
 
 
 def test_importing_the_module_loads_no_torch():
@@ -68,6 +68,27 @@ def test_the_key_changes_with_every_field_and_the_first_difference_is_named():
     assert cc.first_mismatch(dict(FIELDS), FIELDS) is None
 
 
+def test_an_artifact_from_before_the_attention_field_keeps_its_key_and_is_a_mismatch(tmp_path):
+    """Its manifest still checks out (the key is over the fields it has); it is refused for the
+    flash-attn-4 it cannot vouch for, which decides the kernels compile.flex_kernel: auto compiles."""
+    older = {k: v for k, v in FIELDS.items() if k != "attention"}
+    assert cc.key_of(older) != cc.key_of({**older, "attention": None})
+    cc.write(str(tmp_path), older, TrainerConfig(), b"compiled before", {})
+    assert cc.load(str(tmp_path), FIELDS).status == "mismatch:attention"
+    assert cc.load(str(tmp_path), {**FIELDS, "attention": "none"}).status == "mismatch:attention"
+
+
+def test_the_key_names_the_installed_flash_attention_4(monkeypatch):
+    import torch
+
+    import trainer.attention as attention
+
+    monkeypatch.setattr(attention, "installed_version", lambda name: None)
+    assert cc.key_fields(TrainerConfig(), [torch.device("cpu")])["attention"] == "none"
+    monkeypatch.setattr(attention, "installed_version", lambda name: "4.0.0b36" if name == "flash-attn-4" else None)
+    assert cc.key_fields(TrainerConfig(), [torch.device("cpu")])["attention"] == "flash-attn-4 4.0.0b36"
+
+
 def test_bundle_hash_from_the_environment_the_bundle_directory_or_the_sources(tmp_path):
     assert cc.bundle_hash({cc.BUNDLE_ENV: "abc"}) == "abc"
     deployed = tmp_path / "bundles" / ("d" * 64) / "trainer"
@@ -104,7 +125,7 @@ def test_no_artifact_is_a_miss(tmp_path):
     assert out.status == "miss" and not out.loaded and out.key == cc.key_of(FIELDS)
 
 
-@pytest.mark.parametrize("field", ["torch", "gpu", "bundle", "config"])
+@pytest.mark.parametrize("field", ["torch", "attention", "gpu", "bundle", "config"])
 def test_a_mismatched_key_is_never_loaded(tmp_path, field):
     cc.write(str(tmp_path), {**FIELDS, field: "something else"}, TrainerConfig(), b"not even a pickle", {})
     out = cc.load(str(tmp_path), FIELDS)

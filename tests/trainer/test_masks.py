@@ -361,31 +361,94 @@ def test_build_block_mask_refuses_an_unknown_builder():
 # ----------------------------------------------------------------------------- attention paths
 
 
-def test_flex_kernel_flash_needs_a_gpu_and_flash_attention_4(monkeypatch):
+def _a_gpu(monkeypatch, capability=(9, 0), flash=None, found=True):
+    """CI has no GPU and no flash-attn-4: the device query, the package's version and the
+    module lookups are replaced to stand for a GPU of ``capability`` with flash-attn-4
+    ``flash`` installed (None: not installed) and ``found`` deciding whether flash_attn.cute
+    and torch's FLASH lowering are found."""
     import importlib.util
 
     import trainer.attention as attention
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(attention, "installed_version", lambda name: flash if name == "flash-attn-4" else None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if found else None)
+
+
+def test_flex_kernel_flash_needs_a_hopper_or_blackwell_gpu_and_flash_attention_4(monkeypatch):
+    import trainer.attention as attention
+
     with warnings.catch_warnings():
         assert select_attention_path("cpu", "auto", flex_kernel="flash").name == "sdpa"  # CPU: dense SDPA, as ever
-        # CI has no GPU and no flash-attn-4: the package lookup and its version are replaced to stand for a host
-        # without it, then with an old release, then with a fixed one.
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-        with pytest.raises(ConfigError, match="flash-attn-4"):
+        if not torch.cuda.is_available():
+            with pytest.raises(ConfigError, match="'flash' refused: no CUDA GPU"):
+                select_attention_path("cuda", "auto", flex_kernel="flash")
+        _a_gpu(monkeypatch, flash=None, found=False)
+        with pytest.raises(ConfigError, match="flash-attn-4 is not installed"):
             select_attention_path("cuda", "auto", flex_kernel="flash")
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
         # A release before the one that fixed its Hopper block-sparse backward is refused, naming both.
-        monkeypatch.setattr(attention, "installed_version", lambda name: "4.0.0b25" if name == "flash-attn-4" else None)
+        _a_gpu(monkeypatch, flash="4.0.0b25")
         with pytest.raises(ConfigError, match="flash-attn-4 4.0.0b25 is older than 4.0.0b26"):
             select_attention_path("cuda", "auto", flex_kernel="flash")
-        monkeypatch.setattr(attention, "installed_version", lambda name: "4.0.0b36" if name == "flash-attn-4" else None)
+        _a_gpu(monkeypatch, capability=(8, 0), flash="4.0.0b36")
+        with pytest.raises(ConfigError, match="not Hopper or Blackwell"):
+            select_attention_path("cuda", "auto", flex_kernel="flash")
+        _a_gpu(monkeypatch, flash="4.0.0b36", found=False)  # installed, yet flash_attn.cute is not found
+        with pytest.raises(ConfigError, match="flash_attn.cute"):
+            select_attention_path("cuda", "auto", flex_kernel="flash")
+        _a_gpu(monkeypatch, flash="4.0.0b36")
         path = select_attention_path("cuda", "auto", flex_kernel="flash")
-    assert path.flash and not path.hopper_tiles
+    assert path.flash and path.hopper_tiles  # the tiles for calls outside flash-attention 4's range
+    assert path.describe() == ("flex_compiled: flex_attention on flash-attention 4's kernels "
+                               "(flash-attn-4 4.0.0b36; compile.flex_kernel flash)")
+    # The FLASH options reach flex_attention for 16-bit inputs of head dim up to 128 only; other
+    # calls take the Hopper tiles where they fit, else torch's defaults.
     seen = []
     monkeypatch.setattr(attention, "_flex_compiled", lambda *a, kernel_options=None, **k: seen.append(kernel_options))
-    q = torch.zeros(1, 2, 16, 8)
-    attention.attend(q, q, q, None, path)
-    assert seen == [attention.FLASH_OPTIONS]
+    for head_dim, dtype in ((128, torch.bfloat16), (64, torch.float16), (256, torch.bfloat16), (128, torch.float32)):
+        q = torch.zeros(1, 2, 16, head_dim, dtype=dtype)
+        attention.attend(q, q, q, None, path)
+    assert seen == [attention.FLASH_OPTIONS, attention.FLASH_OPTIONS, None, None]
+
+
+@pytest.mark.parametrize(
+    "capability, flash, found, chosen, why",
+    [
+        ((9, 0), "4.0.0b36", True, "flash", "flash-attn-4 4.0.0b36; compile.flex_kernel auto"),
+        ((10, 0), "4.0.0b36", True, "flash", "flash-attn-4 4.0.0b36; compile.flex_kernel auto"),
+        ((9, 0), None, False, "tiles", "compile.flex_kernel auto: flash-attn-4 is not installed"),
+        ((9, 0), "4.0.0b25", True, "tiles", "compile.flex_kernel auto: flash-attn-4 4.0.0b25 is older than 4.0.0b26"),
+        ((8, 0), "4.0.0b36", True, "defaults", "compile.flex_kernel auto: the GPU is not Hopper or Blackwell "
+                                               "(compute capability 8.0)"),
+        ((12, 0), "4.0.0b36", True, "defaults", "compile.flex_kernel auto: the GPU is not Hopper or Blackwell"),
+    ],
+)
+def test_flex_kernel_auto_is_flash_where_it_can_run_else_triton(monkeypatch, capability, flash, found, chosen, why):
+    _a_gpu(monkeypatch, capability, flash, found)
+    with warnings.catch_warnings():
+        path = select_attention_path("cuda", "auto")
+        triton = select_attention_path("cuda", "auto", flex_kernel="triton")
+    assert path.flash is (chosen == "flash") and path.hopper_tiles is (capability[0] == 9)
+    assert why in path.describe()
+    kernels = "flash-attention 4's kernels" if chosen == "flash" else "its own Triton kernels"
+    assert path.describe().startswith(f"flex_compiled: flex_attention on {kernels}")
+    # triton: what auto gives where flash cannot run, whatever is installed
+    assert not triton.flash and triton.hopper_tiles is (capability[0] == 9)
+    assert triton.describe().endswith("(compile.flex_kernel triton)")
+
+
+def test_flex_kernel_auto_without_torchs_flash_lowering_is_triton(monkeypatch):
+    import importlib.util
+
+    import trainer.attention as attention
+
+    _a_gpu(monkeypatch, flash="4.0.0b36")
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == attention.FLASH_LOWERING else object())
+    with warnings.catch_warnings():
+        path = select_attention_path("cuda", "auto")
+    assert not path.flash and "has no FLASH backend for flex_attention" in path.describe()
 
 
 def test_flex_kernel_tiles_are_for_hopper_and_head_dims_up_to_128(monkeypatch):
@@ -398,9 +461,11 @@ def test_flex_kernel_tiles_are_for_hopper_and_head_dims_up_to_128(monkeypatch):
             assert not select_attention_path("cuda", "auto").hopper_tiles  # no GPU to ask: torch's defaults
         # CI has no GPU: the device query is replaced to stand for each kind of GPU.
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(attention, "installed_version", lambda name: None)  # no flash-attn-4: auto is triton
         for capability, tiles in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
             assert select_attention_path("cuda", "auto").hopper_tiles is tiles
+            assert select_attention_path("cuda", "auto", flex_kernel="triton").hopper_tiles is tiles
             assert not select_attention_path("cuda", "auto", flex_kernel="default").hopper_tiles
         assert not select_attention_path("cpu", "auto").hopper_tiles
 

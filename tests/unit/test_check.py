@@ -100,32 +100,50 @@ def test_launch_problems_without_tmux():
     assert problem.code == "tmux-missing" and "apt-get install -y tmux" in problem.fix
 
 
+TRITON = "flex_attention compiled, its own Triton kernels (compile.flex_kernel auto); not flash-attention 4's: "
+
+
 @pytest.mark.parametrize(
-    "gpus, flash, says, problem",
+    "gpus, gpu, flash, says, problem",
     [
-        (0, None, "dense SDPA over the DFlash mask (no GPU)", None),
-        (8, None, "flex_attention compiled, its own Triton kernels (compile.flex_kernel auto); "
-                  "compile.flex_kernel: flash would be refused: flash-attn-4 is not installed", None),
-        (8, "4.0.0b36", "flex_attention compiled, its own Triton kernels (compile.flex_kernel auto); "
-                        "flash-attention 4's with compile.flex_kernel: flash (flash-attn-4 4.0.0b36)", None),
-        (8, "4.0.0b25", "compile.flex_kernel: flash would be refused: flash-attn-4 4.0.0b25 is older than 4.0.0b26",
-         "flash-attn-version"),
+        (0, "NVIDIA H200", None, "dense SDPA over the DFlash mask (no GPU)", None),
+        (8, "NVIDIA H200", None, TRITON + "flash-attn-4 is not installed", None),
+        (8, "NVIDIA H200", "4.0.0b36", "flex_attention compiled on flash-attention 4's kernels "
+                                       "(compile.flex_kernel auto; flash-attn-4 4.0.0b36)", None),
+        (2, "NVIDIA B200", "4.0.0b36", "flex_attention compiled on flash-attention 4's kernels", None),
+        (8, "NVIDIA H200", "4.0.0b25", TRITON + "flash-attn-4 4.0.0b25 is older than 4.0.0b26", "flash-attn-version"),
+        (8, "NVIDIA A100-SXM4-80GB", "4.0.0b36", TRITON + "NVIDIA A100-SXM4-80GB: not a Hopper or Blackwell GPU",
+         None),
+        (1, "NVIDIA L40S", "4.0.0b25", TRITON + "NVIDIA L40S: not a Hopper or Blackwell GPU", None),  # unused there
     ],
 )
-def test_check_says_which_attention_kernels_a_run_gets_from_the_hosts_own_packages(gpus, flash, says, problem):
+def test_check_says_which_attention_kernels_a_run_gets_from_the_hosts_own_packages(gpus, gpu, flash, says, problem):
     from dflashctl.hosts.facts import Gpu, HostFacts, LaunchFacts, attention_text
 
     facts = HostFacts("h", "Debian", "6", "3.11.7", "/opt/torch/.venv/bin/python3", "/w", tmux="tmux 3.3a",
                       nvidia_smi="/usr/bin/nvidia-smi" if gpus else None,
-                      gpus=[Gpu(i, "NVIDIA H200", 143771, 0) for i in range(gpus)])
+                      gpus=[Gpu(i, gpu, 143771, 0) for i in range(gpus)])
     facts.launch = LaunchFacts(versions={**GOOD, "flash-attn-4": flash})
     text, found = attention_text(facts)
-    assert says in text
+    assert says in text and "\n" not in text  # one line under the host's row
     assert (found and found.code) == problem
     if found:  # the trainer refuses it: the fix installs the fixed release into the host's own python
         assert found.severity == "warning" and "'flash-attn-4>=4.0.0b26'" in found.fix and "/opt/torch/.venv" in found.fix
     facts.launch = None  # a jump host: nothing said
     assert attention_text(facts) == (None, None)
+
+
+@pytest.mark.parametrize("name, capable", [
+    ("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", True), ("NVIDIA H100 PCIe", True), ("NVIDIA H20", True),
+    ("NVIDIA GH200 480GB", True), ("NVIDIA B200", True), ("NVIDIA GB200", True), ("NVIDIA B300 SXM6 AC", True),
+    ("NVIDIA A100-SXM4-80GB", False), ("NVIDIA L40S", False), ("NVIDIA GeForce RTX 4090", False),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", False), ("NVIDIA GB10", False),
+    ("Tesla V100-SXM2-32GB", False), ("", False),
+])
+def test_flash_attention_4_runs_on_hopper_and_datacenter_blackwell_gpus(name, capable):
+    from dflashctl.core.contract import flash_capable_gpu
+
+    assert flash_capable_gpu(name) is capable
 
 
 def test_the_flash_path_is_refused_before_the_release_that_fixed_its_backward():
