@@ -303,7 +303,7 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
                         "bookkeeping runs in the coordinator while the drafters launch their next step")
     p.add_argument("--residual", choices=["float32", "compute"],
                    help="the drafter's residual stream dtype (model.residual; default: the trainer's)")
-    p.add_argument("--flex-kernel", choices=["auto", "default", "flash"],
+    p.add_argument("--flex-kernel", choices=["auto", "triton", "default", "flash"],
                    help="flex_attention's kernel configuration (compile.flex_kernel; default: the trainer's, auto)")
     add_share_argument(p)
     p.add_argument("--steps", type=int, help="steps per run (default 20; 6 with --cpu-smoke)")

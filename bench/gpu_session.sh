@@ -29,7 +29,8 @@ usage: bash bench/gpu_session.sh RECIPE [ARGS]   (logs in $OUT/RECIPE/, default 
   imports                         1 GPU: where a start's import time goes: torch's bytecode, -X importtime, the CUDA context beside the imports, a warm start's imports
   restart                         1 GPU: restart downtime, small preset: a cold start, then two resumes from its checkpoint
   quality                         1 GPU: the small preset on the synthetic task, 300 steps, the drafter's residual in fp32 and in the compute dtype
-  loss                            1 GPU: the loss chunk's compiled kernels alone, the triton kernel's launch configurations, the chunk's two compiled forms
+  loss                            1 GPU: the loss chunk's compiled kernels alone, the triton kernel's launch configurations, the chunk's two compiled forms; the loss region per chunk and per reference step against its floor
+  flash [LAUNCHES] [PAIRS]        1 GPU, flash-attn-4 importable: its tests, parity and a canary of LAUNCHES (default 10000) against the Triton kernels, then the trainer at the reference size: a cold start (compile.flex_kernel auto), then PAIRS (default 1) of 40 warm steps auto / triton
   masks                           1 GPU: BlockMask builders; sliding masks of both semantics against the dense mask; flex_attention on a sliding layer of each
   regenerate                      1 GPU: regeneration tokens/s per batch size (qwen3-0.6b); regenerate -> train -> eval on held-out prompts (tiny-cycle)
   multigpu [T+D] [FLAGS ...]      T+D GPUs (default 1+1; 2+2 on 4, 5+3 on 8): 3 cold starts and a warm one, 200 steps; FLAGS go to bench.trainer.multigpu
@@ -45,7 +46,7 @@ case "$recipe" in
   help|-h|--help) help; exit 0 ;;
   ab) [ $# -ge 1 ] || { echo "usage: bash bench/gpu_session.sh ab OLD (another checkout of this repository)" >&2; exit 2; } ;;
   reference|coldstart-drill|coldstart-share|soak|artifacts|variants|timeline|imports|restart|quality|loss|masks|regenerate|\
-  multigpu|placement|e2e) ;;
+  multigpu|placement|e2e|flash) ;;
   *) help >&2; exit 2 ;;
 esac
 out=${OUT:-gpu-out}
@@ -158,6 +159,27 @@ case "$recipe" in
     pack
     tail -n 2 "$w"/soak-*.log
     ;;
+  flash)
+    launches=${1:-10000} pairs=${2:-1}
+    python3 -c 'import flash_attn.cute, importlib.metadata as m; print("flash-attn-4", m.version("flash-attn-4"))' \
+      | tee -a "$w/versions.txt" || { echo "flash-attn-4 is not importable here" >&2; exit 2; }
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/trainer/test_flash_attention.py > "$w/test.log" 2>&1
+    tail -n 1 "$w/test.log"
+    timeout 300 python3 -m bench.trainer.flash_check --device cuda --launches "$launches" > "$w/check.log" 2>&1
+    grep -v '"progress"' "$w/check.log" | grep '^{' | cut -c1-900
+    cold_start 170 30
+    for i in $(seq "$pairs"); do
+      for setting in "" "--flex-kernel triton"; do
+        echo "== ${setting:-(the defaults)}" >> "$w/flash.log"
+        # shellcheck disable=SC2086  # a setting is flags and their values: split on spaces
+        timeout 90 python3 -m bench.trainer.reference --runs warm --steps 40 --timeout 80 $setting \
+          --work-dir "$tmp/f$i${setting:+-t}" --cache-dir "$tmp/cache" >> "$w/flash.log" 2>&1
+      done
+    done
+    grep -h "attention" "$tmp"/ref/*/*.log "$tmp"/ref/*.log 2>/dev/null | sort | uniq -c | head -n 5
+    pack
+    summaries "$w/flash.log"
+    ;;
   ab)
     old=$(checkout "$1") || exit 2
     cold_start 110 30
@@ -259,7 +281,7 @@ PY
     ;;
   loss)
     timeout 120 python3 -m bench.trainer.loss --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 \
-      --vocab 151936 --chunk 4096 --compiled --chunk-only --kernel-configs 4096x8,8192x8,8192x16,2048x4,4096x4,16384x16 \
+      --vocab 151936 --chunk 4096 --compiled --chunk-only --region --kernel-configs 4096x8,8192x8,8192x16,2048x4,4096x4,16384x16 \
       > "$w/loss.log" 2>&1
     timeout 120 python3 - <<'PY' > "$w/loss-ab.log" 2>&1  # the chunk's two compiled forms, in place and fusable
 import json, torch, triton

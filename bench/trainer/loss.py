@@ -7,10 +7,16 @@ backward, backward: three projections).
     python -m bench.trainer.loss                                  # CPU, small vocabulary
     python -m bench.trainer.loss --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 --vocab 151936 --compiled
 
+    python -m bench.trainer.loss --device cuda --dtype bfloat16 --positions 8192 --hidden 1024 --vocab 151936 \
+        --chunk 4096 --compiled --region
+
 Prints one JSON line: seconds per forward+backward of each (best of --repeat; the
 compiled form's first call, its compile, is not timed), the projections' TFLOP/s
 (4 x positions x hidden x vocab per forward+backward) and the largest difference
-between the gradients and the checkpointed form's.
+between the gradients and the checkpointed form's. ``--region``: one chunk's whole loss
+region as the trainer runs it (the logits' matmul, the compiled row kernel, the input
+gradient's matmul): its milliseconds, its effective TFLOP/s, the floor of its two
+matmuls at the measured 790 TFLOP/s, and the same per step at the reference size.
 """
 
 from __future__ import annotations
@@ -71,6 +77,12 @@ def main(argv=None) -> int:
                    help="with --chunk-only: also time the triton kernel launched alone with each column block "
                         "and warp count, e.g. 4096x8,8192x8,2048x4 (the trainer's is "
                         "trainer.loss_kernel.BLOCK_V x NUM_WARPS)")
+    p.add_argument("--region", action="store_true",
+                   help="with --compiled on a GPU: one chunk's whole loss region (two matmuls and the row kernel), "
+                        "its effective TFLOP/s against the floor, and per reference step")
+    p.add_argument("--reference-positions", type=int, default=16 * 512 * 15,
+                   help="with --region: query positions projected per step at the reference size "
+                        "(16 sequences x 512 anchors x 15 predicted slots)")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -102,6 +114,8 @@ def main(argv=None) -> int:
                     f"{name}_max_grad_diff": float((grad.float() - ckpt_grad.float()).abs().max())})
     if args.chunk_only and len(kernels) > 1:
         row["chunk"] = chunk_alone(args, head, dtype, [k for _, _, k in kernels[1:]])
+    if args.region and len(kernels) > 2:
+        row["region"] = region_alone(args, head, dtype)
     print(json.dumps(row))
     return 0
 
@@ -135,6 +149,35 @@ def chunk_alone(args, head, dtype, kernels: list[str]) -> dict:
                      "top1_right": int(top1.sum()),
                      "grad_max_diff": float((grad.float() - ref_grad.float()).abs().max())}
     return out
+
+
+def region_alone(args, head, dtype) -> dict:
+    """One chunk from hidden states to loss and input gradient as the trainer runs it: the
+    logits' matmul, the compiled row kernel, the input gradient's matmul. Median
+    milliseconds and effective TFLOP/s (the two matmuls' 4 x chunk x hidden x vocab),
+    against the floor of those matmuls at 790 TFLOP/s; then the same for a step at the
+    reference size (``--reference-positions`` in chunks of ``--chunk``)."""
+    from triton.testing import do_bench
+
+    from trainer.loss import compiled_chunk_cross_entropy
+
+    hidden = torch.randn(args.chunk, args.hidden, device=args.device, dtype=dtype)
+    labels = torch.randint(0, args.vocab, (args.chunk,), device=args.device)
+    weight = torch.rand(args.chunk, device=args.device)
+    row_kernel = compiled_chunk_cross_entropy("triton")
+
+    def region():
+        loss, top1, grad = row_kernel(hidden @ head.T, labels, weight, True)
+        return loss, top1, grad @ head
+
+    region()
+    ms = do_bench(region)
+    flops = 4 * args.chunk * args.hidden * args.vocab
+    floor_ms = flops / 790e12 * 1e3
+    chunks = -(-args.reference_positions // args.chunk)
+    return {"chunk_ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1), "floor_ms": round(floor_ms, 3),
+            "of_floor": round(ms / floor_ms, 2), "chunks_per_step": chunks, "step_ms": round(ms * chunks, 1),
+            "step_floor_ms": round(floor_ms * chunks, 1)}
 
 
 if __name__ == "__main__":
