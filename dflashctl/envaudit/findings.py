@@ -23,7 +23,7 @@ CODES = (
     "missing-requirement", "requirement-version", "triton-version", "unmet-requirement", "missing-files",
     "shared-files", "cuda-major", "duplicate-library", "ld-preload", "user-site", "pythonpath", "stray-stack",
     "other-framework", "no-venv", "audit-incomplete", "audit-failed", "drift", "stale-dist-info",
-    "trainer-requirement", "import-error", "pip-unusable", "relocated-scripts", "pip-stash",
+    "trainer-requirement", "import-error", "pip-unusable", "relocated-scripts", "pip-stash", "flash-attn",
 )
 # What an ignore rule may match besides the code: a glob over the finding's packages,
 # libraries (sonames) or paths; every one of the finding's values must match.

@@ -62,7 +62,13 @@ from dflashctl.envaudit.rules_requirements import (
     unrunnable,
 )
 from dflashctl.envaudit.rules_shadowing import _rule_duplicate_packages, _rule_shadowed
-from dflashctl.envaudit.rules_torch import _rule_broken_metadata, _rule_imports, _rule_torch, _rule_torch_libraries
+from dflashctl.envaudit.rules_torch import (
+    _rule_broken_metadata,
+    _rule_flash_attn,
+    _rule_imports,
+    _rule_torch,
+    _rule_torch_libraries,
+)
 from dflashctl.envaudit.snapshot import Snapshot
 
 __all__ = [
@@ -79,6 +85,7 @@ RULES = (
     _rule_duplicate_packages,
     _rule_requirements,
     _rule_triton,
+    _rule_flash_attn,
     _rule_trainer,
     _rule_unmet,
     _rule_integrity,

@@ -3,7 +3,8 @@
 ``torch-missing`` and ``torch-cpu-build``: torch importable, a CUDA build when the
 playbook wants GPUs. ``torch-import``: its CUDA libraries found by the loader (or
 `import torch` itself, --deep). ``broken-metadata``: a distribution whose METADATA
-is empty or cannot be read.
+is empty or cannot be read. ``flash-attn``: which attention kernels flash-attn-4 gives
+the drafter (``compile.flex_kernel: auto``), and a release the trainer refuses.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 
 from packaging.utils import canonicalize_name
 
+from dflashctl.core import contract
 from dflashctl.envaudit.context import _Context, crash_signature
 from dflashctl.envaudit.findings import Finding
 from dflashctl.envaudit.fixes import listing
@@ -65,6 +67,30 @@ def _rule_torch(c: _Context) -> list[Finding]:
     elif c.torch.cuda is None:
         findings.append(c.finding("info", "torch-cpu-build",
                                   f"{c.torch.label}: a CPU build (read from {c.torch.source})", packages=["torch"]))
+    return findings
+
+
+def _rule_flash_attn(c: _Context) -> list[Finding]:
+    """flash-attn-4 where it is installed: ``compile.flex_kernel: auto`` runs the drafter's
+    attention on its kernels on Hopper and Blackwell GPUs (information: each start compiles
+    them); a release before the one that fixed its backward is not used (a warning)."""
+    findings = []
+    for d in c.s.copies(contract.FLASH_ATTN_PACKAGE):
+        why = contract.flash_attn_problem(d.version)
+        if why is None:
+            findings.append(c.finding(
+                "info", "flash-attn",
+                f"{d.label()} at {d.location}: with compile.flex_kernel: auto the drafter's attention runs on "
+                "flash-attention 4's kernels on Hopper and Blackwell GPUs (each start compiles them; "
+                "compile.flex_kernel: triton keeps flex_attention's own)", packages=[d.name]))
+            continue
+        spec = f"{contract.FLASH_ATTN_PACKAGE}>={contract.FLASH_ATTN_FIXED}"
+        findings.append(c.finding(
+            "warning", "flash-attn",
+            f"{d.label()} at {d.location}: {why}: the trainer does not use it (compile.flex_kernel: auto takes "
+            "flex_attention's own kernels, flash is refused)",
+            fix=f"install the fixed release ({spec}), or uninstall it", argv=[c.fixer.install([spec])],
+            packages=[d.name]))
     return findings
 
 

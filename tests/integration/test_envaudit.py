@@ -592,6 +592,17 @@ def test_cpu_torch_against_the_playbooks_device():
     assert (missing.severity, missing.code) == ("error", "torch-missing")
 
 
+def test_flash_attn_says_which_kernels_the_drafter_gets_and_warns_of_a_refused_release():
+    host = gpu_host()
+    assert not [f for f in ea.audit(host) if f.code == "flash-attn"]  # the captured host has none
+    site = host.copies("torch")[0].location  # beside torch, in the trainer's environment
+    fixed = _one(ea.audit(_with(host, ea.Dist("flash-attn-4", "4.0.0b36", site, []))), "flash-attn")
+    assert fixed.severity == "info" and "flash-attention 4's kernels" in fixed.message and not fixed.commands
+    old = _one(ea.audit(_with(host, ea.Dist("flash-attn-4", "4.0.0b20", site, []))), "flash-attn")
+    assert old.severity == "warning" and "older than 4.0.0b26" in old.message and "does not use it" in old.message
+    assert old.packages == ["flash-attn-4"] and any("flash-attn-4>=4.0.0b26" in c for c in old.commands)
+
+
 # --------------------------------------------------------------------------- the collector, run by a real python
 
 
