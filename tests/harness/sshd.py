@@ -46,6 +46,7 @@ from __future__ import annotations
 import atexit
 import getpass
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -98,8 +99,35 @@ BASE_HOSTS = (
 EXTRA_HOST_BASE = 20  # extra hosts live at 127.0.0.20, .21, ...
 
 
+# Where free_port looks: below the kernel's ephemeral range (what bind(0) and every
+# outgoing connection are given), so that no connection of another test takes the port
+# between this check and the bind of the process it is meant for.
+PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(address: str) -> int:
-    with socket.socket() as s:
+    """A port on ``address`` that nothing holds now, for a process started next to bind.
+    Chosen at random below the ephemeral range: a port that bind(0) gives comes from that
+    range, where any outgoing connection (another test's ssh, a rendezvous client) may be
+    given it before the process binds it (seen as EADDRINUSE on a loaded machine)."""
+    low = _ephemeral_low()
+    for _ in range(100 if low - PORTS_FROM > 1000 else 0):
+        port = random.randrange(PORTS_FROM, low)
+        with socket.socket() as s:
+            try:
+                s.bind((address, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no room below the range: the kernel's choice
         s.bind((address, 0))
         return s.getsockname()[1]
 
