@@ -103,6 +103,7 @@ EXTRA_HOST_BASE = 20  # extra hosts live at 127.0.0.20, .21, ...
 # outgoing connection are given), so that no connection of another test takes the port
 # between this check and the bind of the process it is meant for.
 PORTS_FROM = 20000
+_RANDOM = random.SystemRandom()
 
 
 def _ephemeral_low() -> int:
@@ -120,13 +121,17 @@ def free_port(address: str) -> int:
     given it before the process binds it (seen as EADDRINUSE on a loaded machine)."""
     low = _ephemeral_low()
     for _ in range(100 if low - PORTS_FROM > 1000 else 0):
-        port = random.randrange(PORTS_FROM, low)
-        with socket.socket() as s:
-            try:
-                s.bind((address, port))
-            except OSError:
-                continue
-            return port
+        # Not the module's generator: a test that seeds it would hand two callers one port.
+        port = _RANDOM.randrange(PORTS_FROM, low)
+        try:
+            # Free on every address (what a rendezvous binds), not only on ``address``: no
+            # listen, so nothing is reachable through it.
+            for where in (address, ""):
+                with socket.socket() as s:
+                    s.bind((where, port))
+        except OSError:
+            continue
+        return port
     with socket.socket() as s:  # no room below the range: the kernel's choice
         s.bind((address, 0))
         return s.getsockname()[1]
