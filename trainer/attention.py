@@ -72,7 +72,7 @@ class AttentionPath:
     """Compiled flex_attention with HOPPER_BWD_TILES (16-bit, head dim <= 128) instead of torch's defaults."""
     flash: bool = False
     """Compiled flex_attention on flash-attention 4's CuTe kernels (FLASH_OPTIONS; 16-bit, head
-    dim <= 128: other calls take the tiles above, or torch's defaults)."""
+    dim <= 128: other calls take torch's defaults, since the tiles above fit only that range too)."""
     why: str = field(default="", compare=False)
     """The setting that chose the kernels and, for ``auto``, why (for ``describe``)."""
 

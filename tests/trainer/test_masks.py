@@ -399,11 +399,11 @@ def test_flex_kernel_flash_needs_a_hopper_or_blackwell_gpu_and_flash_attention_4
             select_attention_path("cuda", "auto", flex_kernel="flash")
         _a_gpu(monkeypatch, flash="4.0.0b36")
         path = select_attention_path("cuda", "auto", flex_kernel="flash")
-    assert path.flash and path.hopper_tiles  # the tiles for calls outside flash-attention 4's range
+    assert path.flash and path.hopper_tiles  # set as on every Hopper path; the FLASH options come first
     assert path.describe() == ("flex_compiled: flex_attention on flash-attention 4's kernels "
                                "(flash-attn-4 4.0.0b36; compile.flex_kernel flash)")
     # The FLASH options reach flex_attention for 16-bit inputs of head dim up to 128 only; other
-    # calls take the Hopper tiles where they fit, else torch's defaults.
+    # calls take torch's defaults (the Hopper tiles fit only that range too).
     seen = []
     monkeypatch.setattr(attention, "_flex_compiled", lambda *a, kernel_options=None, **k: seen.append(kernel_options))
     for head_dim, dtype in ((128, torch.bfloat16), (64, torch.float16), (256, torch.bfloat16), (128, torch.float32)):
