@@ -169,7 +169,7 @@ def select_attention_path(
                              why=f"{contract.FLASH_ATTN_PACKAGE} {version}; compile.flex_kernel {flex_kernel}")
     if flex_kernel == "flash":
         raise ConfigError([f"compile.flex_kernel: 'flash' refused: {why_not}; it needs a Hopper or Blackwell GPU "
-                           f"and '{contract.FLASH_ATTN_PACKAGE}>={contract.FLASH_ATTN_FIXED}' "
+                           f"and '{contract.FLASH_ATTN_SPEC}' "
                            "(pip install flash-attn-4); use 'auto' or 'triton' for flex_attention's own kernels"])
     return AttentionPath(FLEX_COMPILED, device_type, mask_builder, hopper_tiles=hopper,
                          why=f"compile.flex_kernel auto: {why_not}")

@@ -83,6 +83,7 @@ def standby_hold(token: str) -> str:
 # check` says which a host has.
 FLASH_ATTN_PACKAGE = "flash-attn-4"
 FLASH_ATTN_FIXED = "4.0.0b26"
+FLASH_ATTN_SPEC = f"{FLASH_ATTN_PACKAGE}>={FLASH_ATTN_FIXED}"  # what to install
 # nvidia-smi's names of the GPUs its kernels are built for (compute capability 9 or 10):
 # Hopper (H100, H200, H800, H20, GH200), datacenter Blackwell (B100, B200, B300, GB200,
 # GB300). Not the other Blackwells (RTX, GB10: compute capability 12).

@@ -84,7 +84,7 @@ def _rule_flash_attn(c: _Context) -> list[Finding]:
                 "flash-attention 4's kernels on Hopper and Blackwell GPUs (each start compiles them; "
                 "compile.flex_kernel: triton keeps flex_attention's own)", packages=[d.name]))
             continue
-        spec = f"{contract.FLASH_ATTN_PACKAGE}>={contract.FLASH_ATTN_FIXED}"
+        spec = contract.FLASH_ATTN_SPEC
         findings.append(c.finding(
             "warning", "flash-attn",
             f"{d.label()} at {d.location}: {why}: the trainer does not use it (compile.flex_kernel: auto takes "

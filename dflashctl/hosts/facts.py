@@ -455,7 +455,7 @@ def attention_text(facts: HostFacts) -> tuple[str | None, Problem | None]:
         return text, None
     return text, Problem("flash-attn-version", "warning",
                          f"{why}: the trainer does not use it (compile.flex_kernel: flash is refused)",
-                         f"install the fixed release: {_pip(facts, f'{contract.FLASH_ATTN_PACKAGE}>={contract.FLASH_ATTN_FIXED}')}")
+                         f"install the fixed release: {_pip(facts, contract.FLASH_ATTN_SPEC)}")
 
 
 # --------------------------------------------------------------------------- check
