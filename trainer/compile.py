@@ -84,12 +84,32 @@ def cache_key(device: torch.device) -> str:
 def setup_cache(cache_dir: Optional[str], device: torch.device) -> Optional[str]:
     """Point inductor and triton at the persistent cache; returns the keyed directory."""
     if not cache_dir:
+        inductor = torch_api.inductor_cache_dir()
+        if inductor:
+            keep_flash_kernels(inductor)
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     path = contract.private_dir(os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), cache_key(device)),
                                 "compile cache")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     os.environ["TRITON_CACHE_DIR"] = os.path.join(path, "triton")
+    keep_flash_kernels(path)
     return path
+
+
+FLASH_CACHE_ENV = ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
+
+
+def keep_flash_kernels(path: str) -> None:
+    """flash-attention 4 compiles its CuTe kernels again at every start unless its own
+    file cache is on (off by default). Turn it on, in ``<path>/flash-attn-cute``: the
+    compile cache, keyed by torch, triton and GPU like inductor's, and within it
+    flash-attn-4 keys its entries by its own sources and CUTLASS's version. It reads
+    these at import, so this runs before anything imports ``flash_attn.cute``; a
+    value the user set wins. Its entries are compiled code, as inductor's are, and
+    stay on this host (the compile artifacts do not carry them)."""
+    enabled, where = FLASH_CACHE_ENV
+    os.environ.setdefault(enabled, "1")
+    os.environ.setdefault(where, os.path.join(path, "flash-attn-cute"))
 
 
 # ---------------------------------------------------------------------------- one code object per lane

@@ -366,6 +366,29 @@ def test_compile_cache_is_keyed_by_versions_and_device(tmp_path, monkeypatch):
     assert os.environ["TRITON_CACHE_DIR"] == os.path.join(path, "triton")
 
 
+def test_flash_attention_4_keeps_its_kernels_in_the_compile_cache_unless_the_user_said_otherwise(tmp_path, monkeypatch):
+    import torch
+
+    from trainer import compile as compile_mod
+
+    enabled, where = compile_mod.FLASH_CACHE_ENV
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", enabled, where):
+        monkeypatch.delenv(name, raising=False)
+    path = compile_mod.setup_cache(str(tmp_path / "cache"), torch.device("cpu"))
+    assert os.environ[enabled] == "1"
+    assert os.environ[where] == os.path.join(path, "flash-attn-cute")
+    # no compile.cache_dir: inside the inductor cache this process uses
+    monkeypatch.delenv(where)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    compile_mod.setup_cache(None, torch.device("cpu"))
+    assert os.environ[where] == os.path.join(str(tmp_path / "inductor"), "flash-attn-cute")
+    # what the user set wins
+    monkeypatch.setenv(enabled, "0")
+    monkeypatch.setenv(where, str(tmp_path / "mine"))
+    compile_mod.setup_cache(str(tmp_path / "cache"), torch.device("cpu"))
+    assert (os.environ[enabled], os.environ[where]) == ("0", str(tmp_path / "mine"))
+
+
 def test_compile_discipline_settings_and_locked_first_steps():
     import threading
 
