@@ -12,8 +12,9 @@ at start-up (trainer.log: ``torch api: ...``), naming any that moved.
 | config_everywhere | ``torch._dynamo.config._config[name]``             | from 2.12 an assignment is a per-thread     |
 |                   | ``.user_override`` (a ContextVar), ``.default``,   | override; the default is what a thread that |
 |                   | ``.env_value_default``                             | set nothing (autograd's) reads              |
-| counters          | ``torch._dynamo.utils.counters``                   | frames ok/total, unique_graphs, inductor    |
-|                   |                                                    | fxgraph cache hit/miss counted per process  |
+| counters          | ``torch._dynamo.utils.counters``,                  | frames ok/total, unique_graphs, inductor    |
+|                   | ``.compilation_time_metrics``                      | fxgraph cache hit/miss counted per process; |
+|                   |                                                    | seconds per compile phase, lists by name    |
 | inductor_cache    | ``torch._inductor.runtime.cache_dir_utils``        | ``cache_dir()`` is where this process's     |
 |                   | ``.cache_dir``                                     | inductor cache lies                         |
 | cache_artifacts   | ``torch.compiler._cache.CacheArtifactManager``     | ``deserialize`` parses a Mega-Cache without |
@@ -103,6 +104,31 @@ def dynamo_counters() -> dict:
         "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
         "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
     }
+
+
+# Phases of a compile as torch times them (``compilation_time_metrics``): Dynamo's frame,
+# its bytecode trace and its backend call; inductor's graph compile, which holds its code
+# generation and the load of the generated module, which holds the wait for the kernels
+# compiled in worker processes. (An ahead-of-time compile runs inductor outside Dynamo's
+# frame.)
+COMPILE_PHASES = (
+    ("dynamo", "_compile.compile_inner"), ("trace", "bytecode_tracing"),
+    ("backend", "OutputGraph.call_user_compiler"), ("inductor", "compile_fx_inner"),
+    ("codegen", "GraphLowering.codegen"), ("kernels_wait", "async_compile.wait"),
+    ("module_load", "PyCodeCache.load_by_key_path"),
+)
+
+
+def compile_seconds() -> dict:
+    """Seconds this process spent in each of ``COMPILE_PHASES`` so far (phases nest, so
+    they do not add up); a phase that never ran is left out, {} where torch keeps no
+    such record."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    return {name: round(sum(compilation_time_metrics.get(key, ())), 3) for name, key in COMPILE_PHASES
+            if key in compilation_time_metrics}
 
 
 def inductor_cache_dir(environ: Optional[dict] = None) -> Optional[str]:
@@ -291,6 +317,10 @@ def _probe_config() -> None:
 
 def _probe_counters() -> None:
     dynamo_counters()
+    from torch._dynamo.utils import compilation_time_metrics
+
+    if not isinstance(compilation_time_metrics, dict):
+        raise TypeError(f"compilation_time_metrics is a {type(compilation_time_metrics).__name__}, not a dict")
 
 
 def _probe_cache_dir() -> None:

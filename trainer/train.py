@@ -428,7 +428,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         detail={"mode": discipline.mode, "compile_cache": artifacts.status, **progress}), should_stop=stop.is_set)
     log(f"compile: {discipline.mode} warm-up {discipline.warmup_s:.1f}s, {torch_api.dynamo_counters()}, "
         f"{compile_mod.shared_compiles()} graph(s) compiled once for every thread, "
-        f"{compile_mod.shared_loaded()} loaded from the compile cache")
+        f"{compile_mod.shared_loaded()} loaded from the compile cache; compile seconds by phase "
+        f"{torch_api.compile_seconds()}")
     startup.mark("warmup")
     save_pending = artifacts.status != "off" and rank == 0
 

@@ -72,6 +72,21 @@ def test_dynamo_counters_count_a_compiled_frame():
     assert after["unique_graphs"] > before["unique_graphs"]
 
 
+def test_compile_seconds_grow_by_phase_with_an_inductor_compile(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cache hit would skip inductor's compile
+    before = torch_api.compile_seconds()
+
+    def shifted(x):
+        return (x.sin() + 2).cos()
+
+    out = torch.compile(shifted)(torch.ones(5))  # inductor: every phase runs
+    assert torch.allclose(out, torch.ones(5).sin().add(2).cos())
+    after = torch_api.compile_seconds()
+    assert {"dynamo", "trace", "backend", "inductor"} <= set(after)
+    assert after["dynamo"] >= after["backend"] >= after["inductor"] > 0  # phases nest
+    assert after["dynamo"] > before.get("dynamo", 0.0)
+
+
 def test_the_inductor_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
     assert torch_api.inductor_cache_dir() == str(tmp_path / "ind")
