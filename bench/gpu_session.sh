@@ -26,7 +26,7 @@ usage: bash bench/gpu_session.sh RECIPE [ARGS]   (logs in $OUT/RECIPE/, default 
   artifacts                       1 GPU: a cold start, then warm and artifact starts alternated (three each, 30 steps, one cache); the bytecode unpack alone
   variants [SETTING ...]          1 GPU: a cold start, then 40 warm steps per SETTING (flags of bench.trainer.reference, e.g. "--loss-chunk 2048"; default: the past ones)
   timeline                        1 GPU: a cold 30-step run with 3 steps profiled, where their GPU time and idle gaps go; two warm starts
-  imports                         1 GPU: where a start's import time goes: torch's bytecode, -X importtime, the CUDA context beside the imports, a warm start's imports
+  imports                         1 GPU: where a start's import time goes: torch's bytecode, -X importtime, the CUDA context beside the imports, cold imports with and without bytecode compiled ahead, a warm start's imports
   restart                         1 GPU: restart downtime, small preset: a cold start, then two resumes from its checkpoint
   quality                         1 GPU: the small preset on the synthetic task, 300 steps, the drafter's residual in fp32 and in the compute dtype
   loss                            1 GPU: the loss chunk's compiled kernels alone, the triton kernel's launch configurations, the chunk's two compiled forms; the loss region per chunk and per reference step against its floor
@@ -254,6 +254,7 @@ PY
     python3 -X importtime -c "import torch, torch._dynamo, torch._inductor.compile_fx, \
       torch.nn.attention.flex_attention, transformers.models.qwen3.modeling_qwen3" 2> "$w/importtime.txt"
     timeout 100 python3 -m bench.trainer.cuda_init --repeat 4 > "$w/cuda-init.log" 2>&1
+    timeout 200 python3 -m bench.trainer.imports_ahead --repeat 2 > "$w/imports-ahead.log" 2>&1
     cold_start 150 6
     PYTHONPROFILEIMPORTTIME=1 timeout 60 python3 -m bench.trainer.reference --runs warm --steps 6 --timeout 50 \
       --work-dir "$tmp/imp" --cache-dir "$tmp/cache" > "$w/imp-bench.log" 2>&1
@@ -262,6 +263,7 @@ PY
     cat "$w/bytecode.txt"
     sort -t'|' -k2 -n -r "$w/importtime.txt" | head -n 8
     tail -n 1 "$w/cuda-init.log"
+    tail -n 1 "$w/imports-ahead.log"
     grep -h '"summary"' "$w/imp-bench.log" | cut -c1-600
     ;;
   restart)

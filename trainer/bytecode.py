@@ -86,7 +86,78 @@ def keep(cache_dir: Optional[str], package: str = "torch") -> Optional[str]:
         return None
     sys.pycache_prefix = path
     sys.dont_write_bytecode = False
+    # The same for the Python processes this one starts: inductor's compile workers
+    # import torch too, and would compile it from source at every start.
+    os.environ["PYTHONPYCACHEPREFIX"] = path
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     return path
+
+
+# What a start imports most of, compiled ahead (``compile_ahead``); transformers only in
+# its shared modules and the model families the trainer builds (the rest of models/ is
+# hundreds of architectures it never imports).
+AHEAD_PACKAGES = ("torch", "transformers", "triton", "sympy", "jinja2", "networkx")
+AHEAD_SKIP = r"[/\\](tests?|benchmarks)[/\\]|[/\\]testing[/\\]_internal[/\\]|[/\\]transformers[/\\]models[/\\](?!(auto|qwen\w*|llama)[/\\]|__init__)"
+AHEAD_MIN_CPUS = 4
+
+
+def compile_ahead(prefix: Optional[str], cpus: Optional[int] = None,
+                  packages: Iterable[str] = AHEAD_PACKAGES) -> Optional["subprocess.Popen"]:
+    """Start compiling the bytecode of the ``packages`` a start imports
+    into the cache ``prefix``, in worker processes, while this process imports them
+    one module at a time: a module they reached first is read, not compiled. For a
+    cold cache only (torch's ``__init__`` without bytecode there), on a host with at
+    least ``AHEAD_MIN_CPUS`` CPUs (half of them work); None where nothing was started.
+    Python writes each file under a temporary name and renames it, so the two never
+    meet in a half-written file. The caller ends it with ``stop_ahead`` once its own
+    imports are done (inductor's compile workers need the CPUs next)."""
+    import subprocess
+
+    cpus = cpus or os.cpu_count() or 1
+    if not prefix or cpus < AHEAD_MIN_CPUS:
+        return None
+    roots = []
+    for package in packages:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin and spec.origin.endswith("__init__.py"):
+            roots.append(os.path.dirname(spec.origin))
+    if not roots or os.path.exists(os.path.join(prefix, member_name(os.path.join(roots[0], "__init__.py")))):
+        return None
+    cmd = [sys.executable, "-m", "compileall", "-q", "-j", str(cpus // 2), "-x", AHEAD_SKIP, *roots]
+    # The prefix in the environment, not only as -X: compileall's workers are started by a
+    # forkserver, which passes on the environment but not that option.
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "PYTHONPYCACHEPREFIX": prefix}
+    try:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=env, start_new_session=True)  # its own group: stop_ahead ends its workers with it
+    except OSError:
+        return None
+
+
+def stop_ahead(proc: Optional["subprocess.Popen"]) -> Optional[str]:
+    """End ``compile_ahead``'s process (and its workers, which exit with it) and say
+    how far it got: ``finished`` or ``stopped``; None where none was started."""
+    if proc is None:
+        return None
+    import signal
+    import subprocess
+
+    if proc.poll() is not None:
+        return "finished"
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)  # the group compile_ahead started: its workers too
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=5)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    return "stopped"
 
 
 GENERATION_FILE = ".dflash-generation"  # in the prefix: the controller generation it was kept under

@@ -267,6 +267,7 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                  if cfg.compile.artifacts else None)
     if travelled:
         log(f"compile_cache: bytecode {travelled}")
+    ahead = None if travelled else bytecode_mod.compile_ahead(bytecode)
     package_map = imports.remember_package_map(cfg.compile.cache_dir)
     imports.prehash_triton()
     import torch
@@ -285,8 +286,10 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     from trainer.target import default_dtype
 
     imports.show_again(hidden)
+    ahead_state = bytecode_mod.stop_ahead(ahead)
     startup.mark("import")
-    log(f"imports: installed-package map {package_map}; kept from importing: {', '.join(hidden) or 'nothing'}")
+    log(f"imports: installed-package map {package_map}; kept from importing: {', '.join(hidden) or 'nothing'}"
+        + (f"; bytecode compiled ahead by worker processes ({ahead_state})" if ahead_state else ""))
     multi = distributed.requested()
     kind, target_devs, drafter_devs = resolve_devices(cfg, distributed.device_offset(cfg.placement) if multi else 0)
     main_dev = drafter_devs[0]

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import time
 
 import pytest
 
@@ -44,6 +45,13 @@ _CHILD = textwrap.dedent("""
     import fakepkg, fakepkg.b, fakepkg.sub.c
     report["compiled"] = sorted(compiled)
     report["values"] = [fakepkg.VALUE, fakepkg.b.VALUE, fakepkg.sub.c.VALUE]
+    if mode == "plain":  # a Python this start runs (as inductor runs its compile workers) finds that bytecode
+        import subprocess
+        code = ("import importlib._bootstrap_external as be, json, sys; seen = []; o = be.SourceLoader.source_to_code; "
+                "be.SourceLoader.source_to_code = lambda self, d, p, *a, **k: (seen.append(p), o(self, d, p, *a, **k))[1]; "
+                "sys.path.insert(0, sys.argv[1]); import fakepkg, fakepkg.b, fakepkg.sub.c; print(json.dumps(seen))")
+        out = subprocess.run([sys.executable, "-c", code, site], capture_output=True, text=True, check=True)
+        report["child_compiled"] = json.loads(out.stdout)
     if mode == "save":
         packed = bytecode.pack(bytecode.imported_sources())
         report["counts"] = packed[1]
@@ -100,6 +108,7 @@ def test_a_fresh_cache_compiles_nothing_the_artifact_brought(tmp_path):
 
     without = _child("plain", tmp_path / "cache3", site, run_dir)  # the proof: no artifact, all compiled
     assert without["compiled"] == MODULES
+    assert without["child_compiled"] == []  # its own child processes read what it wrote
 
 
 def test_a_module_whose_source_differs_is_compiled_from_its_source(tmp_path):
@@ -219,3 +228,51 @@ def test_the_controller_reads_the_bytecode_size_of_a_manifest_it_was_sent(tmp_pa
     assert Entry("k", good, str(tmp_path)).bytecode_bytes == 7
     for parts in ({"bytecode": "7"}, {"bytecode": {"bytes": True}}, ["bytecode"], None):
         assert Entry("k", {"parts": parts}, str(tmp_path)).bytecode_bytes is None
+
+
+def test_bytecode_compiled_ahead_leaves_a_cold_start_nothing_to_compile_and_skips_tests(tmp_path, monkeypatch):
+    site = _site(tmp_path)
+    (site / "fakepkg" / "tests").mkdir()
+    (site / "fakepkg" / "tests" / "test_x.py").write_text("VALUE = 'never imported'\n")
+    monkeypatch.syspath_prepend(str(site))
+    prefix = tmp_path / "cache" / bytecode.PREFIX_DIR
+    prefix.mkdir(parents=True)
+    assert bytecode.compile_ahead(str(prefix), cpus=2, packages=("fakepkg",)) is None  # too few CPUs to share
+    proc = bytecode.compile_ahead(str(prefix), cpus=4, packages=("fakepkg",))
+    assert proc is not None
+    proc.wait(timeout=60)
+    assert bytecode.stop_ahead(proc) == "finished"
+    made = {os.path.relpath(os.path.join(d, f), prefix) for d, _, files in os.walk(prefix) for f in files}
+    ours = {name for name in made if name.startswith(str(site).lstrip(os.sep))}  # (compileall's own imports beside)
+    assert ours == {bytecode.member_name(str(site / m)) for m in MODULES}  # tests/ skipped
+    report = _child("plain", tmp_path / "cache", site, tmp_path / "run")
+    assert report["compiled"] == [] and report["values"] == ["init", "b1", "c"]
+    assert bytecode.compile_ahead(str(prefix), cpus=4, packages=("fakepkg",)) is None  # warm: nothing to do
+
+
+def _alive_in_group(pgid: int) -> int:
+    """Processes of group ``pgid`` that are not zombies, from /proc."""
+    alive = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        alive += fields[0] != "Z" and int(fields[2]) == pgid
+    return alive
+
+
+def test_stopping_the_compile_ahead_ends_its_whole_process_group():
+    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
+                            start_new_session=True)  # what compile_ahead starts: a parent and its workers
+    time.sleep(0.5)  # the worker started
+    assert _alive_in_group(proc.pid) == 2
+    assert bytecode.stop_ahead(proc) == "stopped"
+    assert proc.returncode is not None
+    deadline = time.monotonic() + 5
+    while _alive_in_group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _alive_in_group(proc.pid) == 0  # the worker ended with it (a zombie left to init is not alive)
+    assert bytecode.stop_ahead(None) is None
