@@ -99,6 +99,7 @@ def keep(cache_dir: Optional[str], package: str = "torch") -> Optional[str]:
 AHEAD_PACKAGES = ("torch", "transformers", "triton", "sympy", "jinja2", "networkx")
 AHEAD_SKIP = r"[/\\](tests?|benchmarks)[/\\]|[/\\]testing[/\\]_internal[/\\]|[/\\]transformers[/\\]models[/\\](?!(auto|qwen\w*|llama)[/\\]|__init__)"
 AHEAD_MIN_CPUS = 4
+AHEAD_MAX_WORKERS = 8  # half the CPUs, up to this: a large host's imports need no more
 
 
 def compile_ahead(prefix: Optional[str], cpus: Optional[int] = None,
@@ -107,7 +108,8 @@ def compile_ahead(prefix: Optional[str], cpus: Optional[int] = None,
     into the cache ``prefix``, in worker processes, while this process imports them
     one module at a time: a module they reached first is read, not compiled. For a
     cold cache only (torch's ``__init__`` without bytecode there), on a host with at
-    least ``AHEAD_MIN_CPUS`` CPUs (half of them work); None where nothing was started.
+    least ``AHEAD_MIN_CPUS`` CPUs (half of them work, ``AHEAD_MAX_WORKERS`` at most);
+    None where nothing was started.
     Python writes each file under a temporary name and renames it, so the two never
     meet in a half-written file. The caller ends it with ``stop_ahead`` once its own
     imports are done (inductor's compile workers need the CPUs next)."""
@@ -126,7 +128,7 @@ def compile_ahead(prefix: Optional[str], cpus: Optional[int] = None,
             roots.append(os.path.dirname(spec.origin))
     if not roots or os.path.exists(os.path.join(prefix, member_name(os.path.join(roots[0], "__init__.py")))):
         return None
-    cmd = [sys.executable, "-m", "compileall", "-q", "-j", str(cpus // 2), "-x", AHEAD_SKIP, *roots]
+    cmd = [sys.executable, "-m", "compileall", "-q", "-j", str(min(cpus // 2, AHEAD_MAX_WORKERS)), "-x", AHEAD_SKIP, *roots]
     # The prefix in the environment, not only as -X: compileall's workers are started by a
     # forkserver, which passes on the environment but not that option.
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "PYTHONPYCACHEPREFIX": prefix}

@@ -267,7 +267,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
                  if cfg.compile.artifacts else None)
     if travelled:
         log(f"compile_cache: bytecode {travelled}")
-    ahead = None if travelled else bytecode_mod.compile_ahead(bytecode)
+    # One process a host compiles ahead: under torch.distributed the host's other ranks share its cache.
+    ahead = None if travelled or os.environ.get("LOCAL_RANK", "0") != "0" else bytecode_mod.compile_ahead(bytecode)
     package_map = imports.remember_package_map(cfg.compile.cache_dir)
     imports.prehash_triton()
     import torch
