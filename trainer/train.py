@@ -269,22 +269,26 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         log(f"compile_cache: bytecode {travelled}")
     # One process a host compiles ahead: under torch.distributed the host's other ranks share its cache.
     ahead = None if travelled or os.environ.get("LOCAL_RANK", "0") != "0" else bytecode_mod.compile_ahead(bytecode)
-    package_map = imports.remember_package_map(cfg.compile.cache_dir)
-    imports.prehash_triton()
-    import torch
+    try:  # an import that fails ends the bytecode compile it started, too
+        package_map = imports.remember_package_map(cfg.compile.cache_dir)
+        imports.prehash_triton()
+        import torch
 
-    from trainer import checkpoint, distributed
-    from trainer import compile as compile_mod
-    from trainer import torch_api
-    from trainer import pipeline as pl
-    from trainer.anchors import sample_anchors
-    from trainer.attention import FLEX_COMPILED, paths_ran, select_attention_path
-    from trainer.data import build_source
-    from trainer.loss import resolve_kernel
-    from trainer.optim import build_optimizer, build_scheduler
-    from trainer.profiling import StepProfiler
-    from trainer.step import compute_loss
-    from trainer.target import default_dtype
+        from trainer import checkpoint, distributed
+        from trainer import compile as compile_mod
+        from trainer import torch_api
+        from trainer import pipeline as pl
+        from trainer.anchors import sample_anchors
+        from trainer.attention import FLEX_COMPILED, paths_ran, select_attention_path
+        from trainer.data import build_source
+        from trainer.loss import resolve_kernel
+        from trainer.optim import build_optimizer, build_scheduler
+        from trainer.profiling import StepProfiler
+        from trainer.step import compute_loss
+        from trainer.target import default_dtype
+    except BaseException:
+        bytecode_mod.stop_ahead(ahead)
+        raise
 
     imports.show_again(hidden)
     ahead_state = bytecode_mod.stop_ahead(ahead)
