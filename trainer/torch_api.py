@@ -127,7 +127,7 @@ def compile_seconds() -> dict:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:
         return {}
-    return {name: round(sum(compilation_time_metrics.get(key, ())), 3) for name, key in COMPILE_PHASES
+    return {name: round(sum(compilation_time_metrics[key]), 3) for name, key in COMPILE_PHASES
             if key in compilation_time_metrics}
 
 
