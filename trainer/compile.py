@@ -106,10 +106,18 @@ def keep_flash_kernels(path: str) -> None:
     flash-attn-4 keys its entries by its own sources and CUTLASS's version. It reads
     these at import, so this runs before anything imports ``flash_attn.cute``; a
     value the user set wins. Its entries are compiled code, as inductor's are, and
-    stay on this host (the compile artifacts do not carry them)."""
+    stay on this host (the compile artifacts do not carry them): a directory another
+    user could write into (``contract.private_dir``) leaves the cache off, said in
+    trainer.log."""
     enabled, where = FLASH_CACHE_ENV
+    if where not in os.environ:
+        try:
+            os.environ[where] = contract.private_dir(os.path.join(path, "flash-attn-cute"),
+                                                     "flash-attention 4's kernel cache")
+        except (OSError, ValueError) as e:  # UnsafeDirectory: code planted there would run here
+            print(f"compile: flash-attention 4's kernel cache stays off: {e}", flush=True)
+            return
     os.environ.setdefault(enabled, "1")
-    os.environ.setdefault(where, os.path.join(path, "flash-attn-cute"))
 
 
 # ---------------------------------------------------------------------------- one code object per lane

@@ -382,6 +382,15 @@ def test_flash_attention_4_keeps_its_kernels_in_the_compile_cache_unless_the_use
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     compile_mod.setup_cache(None, torch.device("cpu"))
     assert os.environ[where] == os.path.join(str(tmp_path / "inductor"), "flash-attn-cute")
+    # a directory others can write into is refused: the cache stays off
+    for name in (enabled, where):
+        monkeypatch.delenv(name)
+    shared = tmp_path / "shared-inductor"
+    (shared / "flash-attn-cute").mkdir(parents=True)
+    os.chmod(shared / "flash-attn-cute", 0o777)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared))
+    compile_mod.setup_cache(None, torch.device("cpu"))
+    assert enabled not in os.environ and where not in os.environ
     # what the user set wins
     monkeypatch.setenv(enabled, "0")
     monkeypatch.setenv(where, str(tmp_path / "mine"))
