@@ -21,6 +21,7 @@ usage: bash bench/gpu_session.sh RECIPE [ARGS]   (logs in $OUT/RECIPE/, default 
   coldstart-drill [SAFE] [UNSAFE] 1 GPU: threaded cold start (1 target + 3 drafter threads), SAFE fresh caches with the discipline (default 5), UNSAFE without (default 3)
   coldstart-share [SHARED] [PER] [UNSAFE] [PROBE] [WARM]
                                   1 GPU: the drill at the qwen3-0.6b shapes (3 drafter threads, 2 buckets, block 8), SHARED fresh-cache starts with compile.share shared (default 3), PER with per_thread (default 2), UNSAFE with the discipline off (default 0), then WARM starts of each mode on its last cold start's cache (default 0); the start-up probe of torch's private uses first unless PROBE is 0
+  coldstart-helpers [PAIRS]       1 GPU: the drill at the qwen3-0.6b shapes (3 drafter threads, 2 buckets, block 8), fresh caches, warm-up helpers on (compile.warmup_processes unset) and off (0) alternated PAIRS times (default 2), then a warm start with helpers on
   soak [MIN] [OLD] [SHARE]        1 GPU: the small and qwen3-0.6b soaks at once for MIN minutes (default 8.5), compile.share SHARE (default: the config's); with OLD (a checkout, or - for none), the small one on OLD's trainer too
   ab OLD                          1 GPU: this tree against OLD (another checkout) on one compile cache: a cold start, then 40 warm steps each, alternated, twice
   artifacts                       1 GPU: a cold start, then warm and artifact starts alternated (three each, 30 steps, one cache); the bytecode unpack alone
@@ -45,7 +46,7 @@ recipe=${1:-}
 case "$recipe" in
   help|-h|--help) help; exit 0 ;;
   ab) [ $# -ge 1 ] || { echo "usage: bash bench/gpu_session.sh ab OLD (another checkout of this repository)" >&2; exit 2; } ;;
-  reference|coldstart-drill|coldstart-share|soak|artifacts|variants|timeline|imports|restart|quality|loss|masks|regenerate|\
+  reference|coldstart-drill|coldstart-share|coldstart-helpers|soak|artifacts|variants|timeline|imports|restart|quality|loss|masks|regenerate|\
   multigpu|placement|e2e|flash) ;;
   *) help >&2; exit 2 ;;
 esac
@@ -141,6 +142,21 @@ case "$recipe" in
     grep -h "compile:" "$tmp"/*/cold*.log | sort | uniq -c | head -n 20 > "$w/compile-lines.txt"
     pack
     tail -n 1 "$w"/coldstart-*.log
+    ;;
+  coldstart-helpers)
+    pairs=${1:-2}
+    for i in $(seq "$pairs"); do
+      for mode in on off; do
+        flags=(); [ "$mode" = off ] && flags=(--warmup-processes 0)
+        warm=0; [ "$mode" = on ] && [ "$i" = "$pairs" ] && warm=1
+        timeout $((150 + 60 * warm)) python3 -m bench.trainer.coldstart --preset qwen3-0.6b \
+          --layer-types sliding,full,sliding --block 8 --buckets 512,1024 --cold 1 --warm "$warm" --steps 6 \
+          --timeout 140 "${flags[@]}" --work-dir "$tmp/$mode$i" > "$w/coldstart-$mode$i.log" 2>&1
+        echo "$mode$i: $(grep -h '"kind"' "$w/coldstart-$mode$i.log" | python3 -c 'import json,sys; print([(r["kind"], r.get("start_to_first_step_s"), r.get("warmup_s"), r.get("recompiles"), r.get("exit_code")) for r in map(json.loads, sys.stdin)])')"
+      done
+    done
+    grep -h "warm-up helper\|compile: serialized\|imports:" "$tmp"/*/*.log > "$w/helper-lines.txt" 2>/dev/null
+    pack
     ;;
   soak)
     min=${1:-8.5} old= share=()

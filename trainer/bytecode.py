@@ -37,12 +37,14 @@ import importlib.util
 import io
 import os
 import shutil
+import subprocess
 import sys
 import tarfile
 import zlib
 from typing import Iterable, Optional
 
 from dflashctl.core import contract
+from trainer import procgroup
 
 PREFIX_DIR = "pycache"
 FLAGS_CHECKED_HASH = 0b11  # hash-based, check the source (PEP 552)
@@ -103,7 +105,7 @@ AHEAD_MAX_WORKERS = 8  # half the CPUs, up to this: a large host's imports need 
 
 
 def compile_ahead(prefix: Optional[str], cpus: Optional[int] = None,
-                  packages: Iterable[str] = AHEAD_PACKAGES) -> Optional["subprocess.Popen"]:
+                  packages: Iterable[str] = AHEAD_PACKAGES) -> Optional[subprocess.Popen]:
     """Start compiling the bytecode of the ``packages`` a start imports
     into the cache ``prefix``, in worker processes, while this process imports them
     one module at a time: a module they reached first is read, not compiled. For a
@@ -113,8 +115,6 @@ def compile_ahead(prefix: Optional[str], cpus: Optional[int] = None,
     Python writes each file under a temporary name and renames it, so the two never
     meet in a half-written file. The caller ends it with ``stop_ahead`` once its own
     imports are done (inductor's compile workers need the CPUs next)."""
-    import subprocess
-
     cpus = cpus or os.cpu_count() or 1
     if not prefix or cpus < AHEAD_MIN_CPUS:
         return None
@@ -133,33 +133,15 @@ def compile_ahead(prefix: Optional[str], cpus: Optional[int] = None,
     # forkserver, which passes on the environment but not that option.
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "PYTHONPYCACHEPREFIX": prefix}
     try:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=env, start_new_session=True)  # its own group: stop_ahead ends its workers with it
+        return procgroup.start(cmd, env)  # its own group: stop_ahead ends its workers with it
     except OSError:
         return None
 
 
-def stop_ahead(proc: Optional["subprocess.Popen"]) -> Optional[str]:
+def stop_ahead(proc: Optional[subprocess.Popen]) -> Optional[str]:
     """End ``compile_ahead``'s process (and its workers, which exit with it) and say
     how far it got: ``finished`` or ``stopped``; None where none was started."""
-    if proc is None:
-        return None
-    import signal
-    import subprocess
-
-    if proc.poll() is not None:
-        return "finished"
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)  # the group compile_ahead started: its workers too
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=5)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    return "stopped"
+    return procgroup.end(proc)
 
 
 GENERATION_FILE = ".dflash-generation"  # in the prefix: the controller generation it was kept under

@@ -197,6 +197,8 @@ class CompileConfig:
     """flex_attention's kernels on the compiled GPU path: 'triton' runs its own Triton kernels with the backward tiles measured fastest on the DFlash mask on Hopper GPUs (compute capability 9, 16-bit inputs, head dim <= 128; about -10 % backward on an H200, bench/RESULTS.md) and torch's defaults elsewhere; 'default' the Triton kernels with torch's defaults everywhere; 'flash' flash-attention 4's CuTe kernels through torch's experimental FLASH backend (16-bit inputs, head dim <= 128; refused, saying why, without a Hopper or Blackwell GPU, the flash-attn-4 package at 4.0.0b26 or later and a torch that has the backend); 'auto' (the default) 'flash' where it can run, else 'triton' (the start-up line says which, and why). On one H200 'flash' took 1.6 % off a reference step and passed a 10,000-launch canary against 'triton', but its kernels compile at every start: about 12 s more per warm start and 35-40 s or more per cold start of the threaded drill, over 140 s in all on a slow machine (bench/RESULTS.md); 'triton' is the choice for runs that start often."""
     share: Literal["per_thread", "shared", "auto"] = "auto"
     """How threads call compiled code. 'shared': each graph (a drafter layer's forward and backward, the loss chunk) compiled once, ahead of its first call, and called by every thread without Dynamo: a cold start compiles it once, not once per drafter thread; torch's on-disk AOTAutograd cache is bypassed for it, so each compiled graph is saved whole in the compile cache (``dflash-aot`` in the inductor cache directory) and in the run directory's compile artifacts, and a warm start loads it instead of compiling again (the 3-thread drill on one H200, two machines: cold 67.6 / 100.0 s against 82.7 / 107.8 s, warm 7.9-11.6 s against 15.5-24.9 s). 'per_thread': each thread compiles a copy of its own. 'auto' (the default): 'shared' where this torch has ``aot_compile`` (said at start-up), else 'per_thread'."""
+    warmup_processes: Optional[int] = None
+    """On a cold compile cache, length buckets compiled in helper processes beside the trainer's own warm-up, each helper the trainer started again on this config for some buckets (trainer/warmup_helpers.py): this process keeps the largest bucket and loads the others' compiled graphs from the cache once the helpers are done. Unset (the default): one helper per 8 CPUs, at most one per bucket but one, on the compiled GPU path of a single-process run without regeneration; 0: none. A helper's GPU memory is capped at its share of half the memory free; a helper that fails costs only time (its buckets compile here, its last log lines in trainer.log); a warm cache stops them."""
     recompile_margin: int = 4
     """Dynamo recompile limit = devices x buckets x 2 + this; hitting it raises (never a silent eager fallback)."""
 
@@ -259,6 +261,9 @@ class TrainerConfig:
         problems += target_problems(m)
         if self.placement.device != "auto":
             problems += compile_problems(self.compile.enabled, self.placement.device, self.compile.allow_eager)
+        if self.compile.warmup_processes is not None and self.compile.warmup_processes < 0:
+            problems.append(f"compile.warmup_processes: {self.compile.warmup_processes} is negative; "
+                            "leave it unset (one helper per 8 CPUs) or set 0 for none")
         if not d.buckets:
             problems.append("data.buckets: at least one length bucket is needed")
         for i, b in enumerate(d.buckets):

@@ -106,6 +106,17 @@ def dynamo_counters() -> dict:
     }
 
 
+def cache_outcomes() -> tuple[int, int]:
+    """(compiled, loaded) in this process so far: graphs inductor compiled (FX graph
+    cache misses), and graphs loaded from torch's caches instead (FX graph and
+    AOTAutograd cache hits; an AOTAutograd hit loads its graphs without the FX graph
+    cache counting them)."""
+    from torch._dynamo.utils import counters
+
+    return (int(counters["inductor"]["fxgraph_cache_miss"]),
+            int(counters["inductor"]["fxgraph_cache_hit"]) + int(counters["aot_autograd"]["autograd_cache_hit"]))
+
+
 # Phases of a compile as torch times them (``compilation_time_metrics``): Dynamo's frame,
 # its bytecode trace and its backend call; inductor's graph compile, which holds its code
 # generation and the load of the generated module, which holds the wait for the kernels

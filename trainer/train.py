@@ -42,6 +42,7 @@ from typing import Optional
 
 from dflashctl.core import contract
 from dflashctl.core.contract import Metrics, Status, error_signature
+from trainer import warmup_helpers
 from trainer.config import ConfigError, TrainerConfig
 
 FAULT_MARKER = "fault_fired.json"
@@ -215,6 +216,8 @@ def run(cfg: TrainerConfig, run_dir: str, resume: str = "auto", install_signals:
         if stop.pipeline is not None:
             stop.pipeline.stop(timeout=5.0)
         return code
+    finally:
+        warmup_helpers.close_all("this start ended before its warm-up did")
 
 
 def report_failure(e: BaseException, status: StatusFile, stop: StopRequest, trace: Optional[str]) -> int:
@@ -253,11 +256,39 @@ def checkpoint_limit(model) -> int:
     return 8 * 4 * sum(p.numel() for p in model.trainable_parameters()) + (64 << 20)
 
 
+def will_compile(cfg: TrainerConfig) -> bool:
+    """Whether this start's warm-up compiles, told before torch is imported: the
+    compiled attention path (``compile.enabled`` on, or auto with a GPU in sight)."""
+    c = cfg.compile
+    return (c.enabled == "on" or (c.enabled == "auto" and cfg.placement.device != "cpu"
+                                  and warmup_helpers.gpu_visible()))
+
+
+def helper_plan(cfg: TrainerConfig, compiles: bool, multi: bool) -> list[list[int]]:
+    """The buckets each warm-up helper compiles (trainer/warmup_helpers.py); none where
+    helpers do not fit: a warm-up that is not serialized, under torch.distributed, with
+    regeneration (the shards are written by this start), or where the warm-up compiles
+    nothing and the config did not ask for helpers by number."""
+    c, wanted = cfg.compile, cfg.compile.warmup_processes
+    if (multi or cfg.data.regenerate is not None or wanted == 0 or (wanted is None and not compiles)
+            or not c.serialized_warmup or c.unsafe_parallel_warmup):
+        return []
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return warmup_helpers.plan(cfg.data.buckets, wanted, cpus)
+
+
 def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, stop: StopRequest) -> int:
     # ---------------------------------------------------------------- torch, devices, seeds
     startup = Startup()
     from trainer import bytecode as bytecode_mod
-    from trainer import compile_cache, imports
+    from trainer import compile_cache, distributed, imports
+
+    try:
+        helper = warmup_helpers.role()  # started by another trainer to warm up some buckets only
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
+    if helper:
+        warmup_helpers.end_with_parent()
 
     hidden = imports.hide_unused()
     bytecode = bytecode_mod.keep(cfg.compile.cache_dir)  # before the imports it speeds up
@@ -268,13 +299,18 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     if travelled:
         log(f"compile_cache: bytecode {travelled}")
     # One process a host compiles ahead: under torch.distributed the host's other ranks share its cache.
-    ahead = None if travelled or os.environ.get("LOCAL_RANK", "0") != "0" else bytecode_mod.compile_ahead(bytecode)
+    # A warm-up helper's trainer compiled ahead already.
+    ahead = (None if travelled or helper or os.environ.get("LOCAL_RANK", "0") != "0"
+             else bytecode_mod.compile_ahead(bytecode))
+    # Warm-up helpers start now: their imports overlap this process's.
+    groups = [] if helper else helper_plan(cfg, will_compile(cfg), distributed.requested())
+    helpers = warmup_helpers.Helpers.start(warmup_helpers.helper_commands(cfg.to_dict(), groups), log) if groups else None
     try:  # an import that fails ends the bytecode compile it started, too
         package_map = imports.remember_package_map(cfg.compile.cache_dir)
         imports.prehash_triton()
         import torch
 
-        from trainer import checkpoint, distributed
+        from trainer import checkpoint
         from trainer import compile as compile_mod
         from trainer import torch_api
         from trainer import pipeline as pl
@@ -308,11 +344,20 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         log(f"distributed: rank {rank} of {world} ({group.backend}, local rank {group.local_rank}, host {group.host}), "
             f"collective timeout {cfg.distributed.timeout:g}s")
     cache = compile_mod.setup_cache(cfg.compile.cache_dir, main_dev)
+    gpus = sorted({d for d in target_devs + drafter_devs if d.type == "cuda"}, key=str)
+    if helper and gpus:  # short of memory, the helper fails, not its trainer
+        fraction = warmup_helpers.memory_fraction([torch.cuda.mem_get_info(d) for d in gpus], helper.share)
+        for dev in gpus:
+            torch.cuda.set_per_process_memory_fraction(fraction, dev)
+        log(f"warm-up helper: at most {fraction:.3f} of the memory of {[str(d) for d in gpus]}")
     compute_dtype = default_dtype(cfg.model, main_dev)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     path = select_attention_path(main_dev, cfg.compile.enabled, cfg.compile.allow_eager,
                                  cfg.compile.mask_builder, cfg.compile.flex_kernel)
+    if helpers and path.name != FLEX_COMPILED and cfg.compile.warmup_processes is None:
+        helpers.close(f"this start compiles nothing (attention {path.name})")
+        helpers = None
     try:
         loss_kernel = resolve_kernel(cfg.train.loss_kernel, main_dev) if path.name == FLEX_COMPILED else "eager"
     except ValueError as e:
@@ -432,13 +477,38 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     artifacts.bytecode = travelled
     startup.mark("compile_cache")
     status.set(contract.PHASE_COMPILING, detail={"mode": discipline.mode, "compile_cache": artifacts.status})
-    discipline.warmup(pl.warmup_jobs(pipe), lambda progress: status.set(
-        detail={"mode": discipline.mode, "compile_cache": artifacts.status, **progress}), should_stop=stop.is_set)
+    jobs = pl.warmup_jobs(pipe)
+    if helper:
+        jobs = [job for job in jobs if job[1] in helper.buckets]
+        log(f"warm-up helper: bucket(s) {list(helper.buckets)} only, for the trainer that started it")
+    elif helpers:
+        base = torch_api.cache_outcomes(), compile_mod.shared_compiles(), compile_mod.shared_loaded()
+
+        def counts() -> tuple[int, int]:  # compiled, loaded since the warm-up began
+            (compiled, loaded), shared, shared_loaded = torch_api.cache_outcomes(), compile_mod.shared_compiles(), \
+                compile_mod.shared_loaded()
+            return compiled - base[0][0] + shared - base[1], loaded - base[0][1] + shared_loaded - base[2]
+
+        def reset() -> None:  # what a warm-up job that ran out of memory may have left
+            for replica in replicas:
+                replica.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+
+        jobs = helpers.arrange(jobs, counts, stop.is_set, out_of_memory=torch.OutOfMemoryError, reset=reset)
+    try:
+        discipline.warmup(jobs, lambda progress: status.set(
+            detail={"mode": discipline.mode, "compile_cache": artifacts.status, **progress}), should_stop=stop.is_set)
+    finally:
+        if helpers:
+            helpers.close()
     log(f"compile: {discipline.mode} warm-up {discipline.warmup_s:.1f}s, {torch_api.dynamo_counters()}, "
         f"{compile_mod.shared_compiles()} graph(s) compiled once for every thread, "
         f"{compile_mod.shared_loaded()} loaded from the compile cache; compile seconds by phase "
         f"{torch_api.compile_seconds()}")
     startup.mark("warmup")
+    if helper:  # its compiled graphs are in the cache: the trainer that started it trains
+        status.set(contract.PHASE_DONE)
+        return contract.EXIT_DONE
     save_pending = artifacts.status != "off" and rank == 0
 
     def save_artifacts_once_locked() -> None:

@@ -39,7 +39,8 @@ def config(args) -> dict:
         "train": {"steps": args.steps, "log_every": 1, "checkpoint_every": 0},
         "placement": {"device": "cuda", "target": [0], "drafter": [0, 0, 0], "queue_depth": 4},
         "compile": {"enabled": "on", "unsafe_parallel_warmup": bool(args.unsafe),
-                    **({"mask_builder": args.mask_builder} if args.mask_builder else {})},
+                    **({"mask_builder": args.mask_builder} if args.mask_builder else {}),
+                    **({"warmup_processes": args.warmup_processes} if args.warmup_processes is not None else {})},
     }, args)
 
 
@@ -59,6 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--cold", type=int, default=3, help="starts with a fresh compile cache (default 3)")
     p.add_argument("--warm", type=int, default=1, help="starts on the last cold start's cache (default 1)")
     add_share_argument(p)
+    p.add_argument("--warmup-processes", type=int,
+                   help="compile.warmup_processes: warm-up helpers on a cold cache (default: the trainer's, one per 8 CPUs)")
     p.add_argument("--unsafe", action="store_true", help="switch the compile discipline off (debug flag)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per start before it counts as a hang")
     p.add_argument("--work-dir", help="keep run directories and logs here")
