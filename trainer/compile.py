@@ -82,10 +82,17 @@ def cache_key(device: torch.device) -> str:
 
 
 def setup_cache(cache_dir: Optional[str], device: torch.device) -> Optional[str]:
-    """Point inductor and triton at the persistent cache; returns the keyed directory."""
+    """Point inductor and triton at the persistent cache; returns the keyed directory.
+    Without ``cache_dir`` inductor keeps its own: where the environment says, else
+    torch's default, a predictable name in the shared temporary directory
+    (``/tmp/torchinductor_<user>``). That one is checked like every other directory the
+    trainer uses (``contract.private_dir``: UnsafeDirectory when another user made it
+    first; what they put there would be loaded as compiled code)."""
     if not cache_dir:
         inductor = torch_api.inductor_cache_dir()
         if inductor:
+            contract.private_dir(inductor, "compile cache (inductor's: TORCHINDUCTOR_CACHE_DIR, else torch's "
+                                 "default; compile.cache_dir sets one of your own)")
             keep_flash_kernels(inductor)
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     path = contract.private_dir(os.path.join(os.path.abspath(os.path.expanduser(cache_dir)), cache_key(device)),

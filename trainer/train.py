@@ -343,7 +343,10 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
             log("distributed: no rendezvous key: the rendezvous is not authenticated (a run started by hand)")
         log(f"distributed: rank {rank} of {world} ({group.backend}, local rank {group.local_rank}, host {group.host}), "
             f"collective timeout {cfg.distributed.timeout:g}s")
-    cache = compile_mod.setup_cache(cfg.compile.cache_dir, main_dev)
+    try:
+        cache = compile_mod.setup_cache(cfg.compile.cache_dir, main_dev)
+    except contract.UnsafeDirectory as e:  # refused before anything is compiled into it or loaded from it
+        raise ConfigError([f"UnsafeDirectory: {e}"]) from None
     gpus = sorted({d for d in target_devs + drafter_devs if d.type == "cuda"}, key=str)
     if helper and gpus:  # short of memory, the helper fails, not its trainer
         fraction = warmup_helpers.memory_fraction([torch.cuda.mem_get_info(d) for d in gpus], helper.share)

@@ -68,3 +68,36 @@ def test_the_trainer_refuses_a_directory_another_user_made_first(tmp_path, share
     assert f"{shared} is owned by uid {uid}" in done.stderr and "use a directory of your own" in done.stderr
     assert whose in done.stderr
     assert os.listdir(shared) == []  # nothing written into it: no lock, no config, no status
+
+
+def test_torchs_default_inductor_cache_another_user_made_first_is_refused(tmp_path, monkeypatch):
+    """No compile.cache_dir and no TORCHINDUCTOR_CACHE_DIR: inductor's cache is torch's
+    default, ``<tmp>/torchinductor_<user>``, a name anyone can guess in a directory anyone
+    may write. The stranger made it first (what they put there would be loaded as
+    compiled code): the trainer refuses it before compiling into it or loading from it.
+    A sticky temporary directory of the test's own stands for /tmp."""
+    import getpass
+
+    from dflashctl.core import contract
+
+    uid, _ = stranger()
+    shared_tmp = f"/tmp/dflashctl-tmp-{secrets.token_hex(6)}"
+    os.mkdir(shared_tmp)
+    os.chmod(shared_tmp, 0o1777)
+    try:
+        default = os.path.join(shared_tmp, f"torchinductor_{getpass.getuser()}")
+        plant(default, {"fxgraph/planted": b"code"}, mode=0o777)
+        monkeypatch.setenv("TMPDIR", shared_tmp)
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        cfg = tiny.tiny_config(train={"steps": 2, "log_every": 1, "checkpoint_every": 0})
+        t = tiny.run_trainer(cfg, tmp_path / "run")
+        assert t.proc.returncode == contract.EXIT_CONFIG_ERROR, t.output[-2000:]
+        assert f"{default} is owned by uid {uid}" in t.output and "compile.cache_dir sets one" in t.output, t.output[-2000:]
+        assert sorted(os.listdir(default)) == ["fxgraph"]  # nothing of the trainer's written into it
+        # the same name, made by the trainer's own user: used
+        shutil.rmtree(default)
+        t = tiny.run_trainer(cfg, tmp_path / "run2")
+        assert t.proc.returncode == contract.EXIT_DONE, t.output[-2000:]
+        assert os.stat(default).st_uid == os.geteuid() and not os.stat(default).st_mode & 0o022
+    finally:
+        shutil.rmtree(shared_tmp, ignore_errors=True)
