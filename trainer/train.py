@@ -500,7 +500,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         jobs = helpers.arrange(jobs, counts, stop.is_set, out_of_memory=torch.OutOfMemoryError, reset=reset)
     try:
         discipline.warmup(jobs, lambda progress: status.set(
-            detail={"mode": discipline.mode, "compile_cache": artifacts.status, **progress}), should_stop=stop.is_set)
+            detail={"mode": discipline.mode, "compile_cache": artifacts.status, **progress,
+                    **(helpers.detail() if helpers else {})}), should_stop=stop.is_set)
     finally:
         if helpers:
             helpers.close()

@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from dflashctl.core import contract
 from trainer import procgroup
 
 BUCKETS_ENV = "DFLASH_WARMUP_HELPER_BUCKETS"  # the buckets a helper warms up, comma-separated
@@ -173,6 +174,10 @@ class Helpers:
     @property
     def buckets(self) -> set[int]:
         return {b for h in self.helpers for b in h.buckets}
+
+    def detail(self) -> dict:
+        """For status.json's ``detail`` during the warm-up: the helpers still running."""
+        return {contract.STATUS_WARMUP_HELPERS: [h.proc.pid for h in self.running()]}
 
     def running(self) -> list[Helper]:
         return [h for h in self.helpers if h.ended is None and h.proc.poll() is None]

@@ -471,6 +471,21 @@ _STATUS_CHECKS = {
 }
 
 
+# status.json's ``detail`` while a warm-up's helper processes run (trainer/warmup_helpers.py):
+# their pids, so that the GPU pane names them as the run's own, not as foreign processes.
+STATUS_WARMUP_HELPERS = "warmup_helpers"
+MAX_WARMUP_HELPERS = 64
+
+
+def warmup_helper_pids(status: Status | None) -> list[int]:
+    """The pids a status names as its warm-up helpers: positive integers only, at most
+    ``MAX_WARMUP_HELPERS``; anything else in their place is ignored (never raises)."""
+    pids = (status.detail if status is not None else {}).get(STATUS_WARMUP_HELPERS)
+    if not isinstance(pids, list):
+        return []
+    return [p for p in pids[:MAX_WARMUP_HELPERS] if isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= INT64_MAX]
+
+
 def read_status(text: str) -> Status:
     """status.json text -> ``Status``, every field checked.
 

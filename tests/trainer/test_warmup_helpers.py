@@ -100,8 +100,9 @@ def test_a_warm_cache_stops_the_helpers_after_the_first_compiled_call():
         jobs = helpers.arrange(_jobs(ran, (2048, 1024, 512)), counts=lambda: next(outcomes), should_stop=lambda: False)
         jobs[0][2]()
         assert proc.poll() is None and helpers.decided is None  # undecided: the helper runs on
+        assert helpers.detail() == {contract.STATUS_WARMUP_HELPERS: [proc.pid]}  # status.json names it
         jobs[1][2]()
-        assert helpers.decided == "warm" and proc.poll() is not None
+        assert helpers.decided == "warm" and proc.poll() is not None and helpers.detail()[contract.STATUS_WARMUP_HELPERS] == []
         t0 = time.monotonic()
         jobs[2][2]()  # the helper's bucket, here, without waiting
         assert time.monotonic() - t0 < 5 and ran == [2048, 1024, 512]

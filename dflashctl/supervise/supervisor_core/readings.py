@@ -9,14 +9,18 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Iterable
 
+from dflashctl.core import contract
 from dflashctl.hosts.probe import HostProbe, ProbeResult
 from dflashctl.supervise.supervisor_core.writes import Readings
 
 
 def owners(results: Iterable[tuple[str, ProbeResult]]) -> dict[int, tuple[str, str]]:
-    """pid -> (run id, ``trainer`` or ``standby``) of every run process a host's answer names."""
+    """pid -> (run id, ``trainer``, ``standby`` or ``warm-up helper``) of every run
+    process a host's answer names."""
     out: dict[int, tuple[str, str]] = {}
     for run_id, pr in results:
+        for pid in contract.warmup_helper_pids(pr.status):
+            out[pid] = (run_id, "warm-up helper")
         if pr.standby_pid:
             out[pr.standby_pid] = (run_id, "standby")
         for pid in ((pr.status.pid if pr.status else None), (pr.process.pid if pr.process else None)):
