@@ -172,7 +172,10 @@ def test_a_filter_over_20000_lines_returns_the_screen_within_100_ms_of_each_key(
             # The screen thread's own CPU between two turns of its loop: what a key costs
             # the screen. Its wall gap is printed, not held to a bound: on a loaded
             # machine it counts the time other processes had (988 ms seen at load
-            # scale 3.4 with the thread busy 77 ms at most).
-            assert worst_cpu < KEY_BUDGET_S, sorted(watch.cpu)[-5:]
+            # scale 3.4 with the thread busy 77 ms at most). Its CPU time grows with the load
+            # too (shared caches and cores: 173 ms seen with four test workers, two package
+            # installs and a compile drill on 2 CPUs), so the budget stretches with the load
+            # like every deadline here (at most 8x: 0.8 s); the defect took 12-25 s a key.
+            assert worst_cpu < KEY_BUDGET_S * time_scale(), sorted(watch.cpu)[-5:]
 
     run(scenario())
