@@ -56,6 +56,8 @@ from typing import Any, Callable, Iterator, Optional
 CHECKED = (
     ("2.11", "GPU: H200, torch 2.11.0+cu130 (bench/gpu_session.sh, tests/trainer)"),
     ("2.13", "CPU: CI, torch 2.13.0+cpu (tests/trainer)"),
+    ("2.14", "CPU only: a dev machine, torch 2.14.1+cu130 (tests/trainer/test_torch_api.py, tests.harness.compile_race)"),
+    ("2.15", "CPU only: a dev machine, torch 2.15.0+cu132 (tests/trainer/test_torch_api.py, tests.harness.compile_race)"),
 )
 
 
