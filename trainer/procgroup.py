@@ -10,7 +10,7 @@ import subprocess
 from typing import Optional
 
 
-def start(argv: list[str], env: dict[str, str], log: Optional[str] = None, cwd: Optional[str] = None) -> subprocess.Popen:
+def start(argv: list[str], env: dict[str, str], log: Optional[str] = None) -> subprocess.Popen:
     """``argv`` in a new session (its own process group), stdin closed, stdout and
     stderr to the file ``log`` (created 0600) or nowhere."""
     out = subprocess.DEVNULL
@@ -18,7 +18,7 @@ def start(argv: list[str], env: dict[str, str], log: Optional[str] = None, cwd: 
         out = os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "wb")
     try:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                cwd=cwd, start_new_session=True)
+                                start_new_session=True)
     finally:
         if log is not None:
             out.close()  # the child holds its own copy

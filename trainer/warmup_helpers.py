@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from dflashctl.core import contract
@@ -141,11 +141,10 @@ class Helpers:
     helpers: list[Helper]
     log: Callable[[str], None]
     decided: Optional[str] = None  # 'cold' or 'warm', once a compiled call said which
-    events: list[str] = field(default_factory=list)
 
     @classmethod
     def start(cls, commands: list[tuple[list[int], list[str], dict[str, str], dict[str, str]]],
-              log: Callable[[str], None], cwd: Optional[str] = None) -> "Helpers":
+              log: Callable[[str], None]) -> "Helpers":
         """Start each ``(buckets, argv, env, files)`` in a private temporary directory of
         its own, holding ``files`` (name -> text, 0600) and its output, ``helper.log``;
         ``argv`` names that directory as ``{dir}``."""
@@ -158,7 +157,7 @@ class Helpers:
                                    "w") as f:
                         f.write(text)
                 proc = procgroup.start([a.replace("{dir}", directory) for a in argv], env,
-                                       log=os.path.join(directory, HELPER_LOG), cwd=cwd)
+                                       log=os.path.join(directory, HELPER_LOG))
             except OSError as e:
                 log(f"warm-up helpers: the one for bucket(s) {buckets} did not start ({e}); this process compiles them")
                 shutil.rmtree(directory, ignore_errors=True)
