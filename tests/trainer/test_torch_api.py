@@ -35,7 +35,7 @@ def test_version_tuple(version, expected):
 
 def test_checked_on_compares_the_minor_release():
     assert torch_api.checked_on("2.11.0+cu130") and torch_api.checked_on("2.13.0+cpu")
-    assert not torch_api.checked_on("2.14.1") and not torch_api.checked_on("garbage")
+    assert torch_api.checked_on("2.14.1") and not torch_api.checked_on("2.16.0") and not torch_api.checked_on("garbage")
 
 
 def test_set_everywhere_reaches_a_thread_that_set_nothing():
