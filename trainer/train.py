@@ -485,12 +485,15 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
         jobs = [job for job in jobs if job[1] in helper.buckets]
         log(f"warm-up helper: bucket(s) {list(helper.buckets)} only, for the trainer that started it")
     elif helpers:
-        base = torch_api.cache_outcomes(), compile_mod.shared_compiles(), compile_mod.shared_loaded()
+        def totals() -> tuple[int, int]:  # graphs compiled, graphs loaded: torch's caches and the shared variants
+            compiled, loaded = torch_api.cache_outcomes()
+            return compiled + compile_mod.shared_compiles(), loaded + compile_mod.shared_loaded()
 
-        def counts() -> tuple[int, int]:  # compiled, loaded since the warm-up began
-            (compiled, loaded), shared, shared_loaded = torch_api.cache_outcomes(), compile_mod.shared_compiles(), \
-                compile_mod.shared_loaded()
-            return compiled - base[0][0] + shared - base[1], loaded - base[0][1] + shared_loaded - base[2]
+        base = totals()
+
+        def counts() -> tuple[int, int]:  # since the warm-up began
+            compiled, loaded = totals()
+            return compiled - base[0], loaded - base[1]
 
         def reset() -> None:  # what a warm-up job that ran out of memory may have left
             for replica in replicas:
