@@ -45,7 +45,7 @@ from dflashctl.store import Store
 from dflashctl.tui.actions import attach_refusal, plan, readonly_default
 from dflashctl.tui.screens import ConfirmScreen, DetailScreen, HelpScreen, RankScreen
 from dflashctl.tui.text import banner_text, gpu_text, notice_text, run_pane_layout, run_text
-from dflashctl.tui.widgets import FilterBox, Pane, RunsTable
+from dflashctl.tui.widgets import FilterBox, Pane, RunsTable, deliver
 
 COMPACT_WIDTH, COMPACT_HEIGHT = 100, 30
 PROBE_EVERY_S = 10.0  # a run nobody supervises is probed by the screen this often
@@ -224,10 +224,10 @@ class StatusApp(App):
         try:
             view = self.reader.load(now, self.run_ref, selected, zoom=self.zoom)
         except DflashError as e:
-            self.call_from_thread(self.notify, first_line(e), severity="error", timeout=10)
+            deliver(self, self.notify, first_line(e), severity="error", timeout=10)
             return
         if not get_current_worker().is_cancelled:
-            self.call_from_thread(self.show, view)
+            deliver(self, self.show, view)
 
     def show(self, view: StatusView) -> None:
         self.view = view
@@ -278,7 +278,7 @@ class StatusApp(App):
     @work(thread=True, group="probe")
     def probe(self, run_id: str) -> None:
         result = DirectProbe.of(run_id, self.reader.store, self.inventory, self.clock, PROBE_TIMEOUT_S)
-        self.call_from_thread(self._probed, run_id, result)
+        deliver(self, self._probed, run_id, result)
 
     def _probed(self, run_id: str, result: DirectProbe) -> None:
         self.probes[run_id] = result
@@ -507,14 +507,14 @@ class StatusApp(App):
                 raise DflashError(f"run {run_id} has no tmux session recorded" + (f" for rank {rank}" if rank else ""))
             argv = attach_argv(self.inventory().route(run.host), run.tmux_session, run.tmux_socket or socket_name())
         except DflashError as e:
-            self.call_from_thread(self.notify, f"attach {run_id}: {first_line(e)}", severity="error", timeout=8)
+            deliver(self, self.notify, f"attach {run_id}: {first_line(e)}", severity="error", timeout=8)
             return
         self.attached.append(argv)
         what = f"{run_id}{f' rank {rank}' if len(parts) > 1 else ''} on {run.host}"
         if os.environ.get("TMUX"):
             self._attach_in_tmux(argv, what)
         else:
-            self.call_from_thread(self._attach_here, argv)
+            deliver(self, self._attach_here, argv)
 
     def _attach_in_tmux(self, argv: list[str], what: str) -> None:
         """In a popup over this pane (its keys all go to the session: C-b d detaches);
@@ -534,10 +534,10 @@ class StatusApp(App):
         split = subprocess.run(in_tmux_argv(argv, what, popup=False), capture_output=True, text=True,
                                stdin=subprocess.DEVNULL)
         if split.returncode:
-            self.call_from_thread(self.notify, f"tmux could not open a popup or a split: "
+            deliver(self, self.notify, f"tmux could not open a popup or a split: "
                                   f"{(split.stderr or popup.stderr).strip()}", severity="error", timeout=8)
         else:
-            self.call_from_thread(self.notify, self.attach_note, timeout=30)
+            deliver(self, self.notify, self.attach_note, timeout=30)
 
     def _attach_here(self, argv: list[str]) -> None:
         if self.attacher is not None:
@@ -621,20 +621,20 @@ class StatusApp(App):
         finally:
             store.close()
         self.actions_done.append((args, code, output))
-        self.call_from_thread(self.notify, f"dflashctl watch {run_id}: {output}",
+        deliver(self, self.notify, f"dflashctl watch {run_id}: {output}",
                               severity="information" if code == 0 else "error", timeout=8)
-        self.call_from_thread(self.action_reload)
+        deliver(self, self.action_reload)
 
     @work(thread=True, group="control")
     def control_run(self, args: list[str]) -> None:
         """``dflashctl stop|restart RUN`` in a subprocess; its answer as a notification."""
-        self.call_from_thread(self.notify, f"{' '.join(args)}: running…", timeout=3)
+        deliver(self, self.notify, f"{' '.join(args)}: running…", timeout=3)
         code, output = self.control(args)
         self.actions_done.append((args, code, output))
         lines = output.splitlines()
         # A failure says why (its error line) and what to do (its hint); a success its last word.
         last = " ".join(lines[-2:] if code and len(lines) > 1 and lines[-1].startswith("hint:") else lines[-1:])
-        self.call_from_thread(self.notify, f"{' '.join(args)}: {'done' if code == 0 else f'exit {code}'}"
+        deliver(self, self.notify, f"{' '.join(args)}: {'done' if code == 0 else f'exit {code}'}"
                               + (f": {last}" if last else ""), severity="information" if code == 0 else "error",
                               timeout=8)
-        self.call_from_thread(self.action_reload)
+        deliver(self, self.action_reload)

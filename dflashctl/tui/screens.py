@@ -27,7 +27,7 @@ from dflashctl.status.events import EventView, filter_events
 from dflashctl.status.styles import STATE_STYLE
 from dflashctl.status.views import DetailView
 from dflashctl.tui.text import detail_text, event_text
-from dflashctl.tui.widgets import EventsTable, FilterBox, LogLines, LogView, Pane
+from dflashctl.tui.widgets import EventsTable, FilterBox, LogLines, LogView, Pane, deliver
 
 KEYS = [
     ("↑ ↓  PgUp PgDn", "move between runs (j k too); the panels below follow the cursor"),
@@ -225,10 +225,10 @@ class FeedScreen(Screen):
         try:
             events = feed(app.reader.store)
         except DflashError as e:
-            app.call_from_thread(app.notify, first_line(e), severity="error", timeout=10)
+            deliver(app, app.notify, first_line(e), severity="error", timeout=10)
             return
         if not get_current_worker().is_cancelled:
-            app.call_from_thread(self.show, events)
+            deliver(self, self.show, events)
 
     def show(self, events: list[EventView]) -> None:
         self.events = events
@@ -441,10 +441,10 @@ class DetailScreen(Screen):
         try:
             more = more_curves(app.reader.store, app.reader.store.get_run(self.run_id), chart.t0, chart.t1)
         except DflashError as e:
-            app.call_from_thread(app.notify, f"charts: {first_line(e)}", severity="warning", timeout=8)
+            deliver(app, app.notify, f"charts: {first_line(e)}", severity="warning", timeout=8)
             more = {}
         if not get_current_worker().is_cancelled:
-            app.call_from_thread(self._draw_plots, chart, more)
+            deliver(self, self._draw_plots, chart, more)
 
     def _draw_plots(self, chart, more) -> None:
         from dflashctl.tui.plots import RunPlots
@@ -461,10 +461,10 @@ class DetailScreen(Screen):
         try:
             view = app.reader.detail(self.run_id, now, zoom=app.zoom)
         except DflashError as e:
-            app.call_from_thread(app.notify, first_line(e), severity="error", timeout=10)
+            deliver(app, app.notify, first_line(e), severity="error", timeout=10)
             return
         if not get_current_worker().is_cancelled:
-            app.call_from_thread(self.show, view, now)
+            deliver(self, self.show, view, now)
 
     def show(self, view: DetailView, now: float) -> None:
         self.view = view
@@ -500,18 +500,18 @@ class DetailScreen(Screen):
                                    max_bytes=self.HISTORY_BYTES)
                 self.log_start, since = first.start, first.end
                 if first.text:
-                    app.call_from_thread(self._append, printable(first.text))
+                    deliver(self, self._append, printable(first.text))
             for chunk in logs(self.run_id, app.reader.store, app.inventory(), follow=True, n=tail,
                               stop=lambda: worker.is_cancelled, since=since):
                 if worker.is_cancelled:
                     return
-                app.call_from_thread(self._append, printable(chunk))
+                deliver(self, self._append, printable(chunk))
         except DflashError as e:
-            app.call_from_thread(log.add, [f"cannot read the log: {first_line(e)}"])
+            deliver(log, log.add, [f"cannot read the log: {first_line(e)}"])
         except Exception as e:  # noqa: BLE001  (a host answer we cannot read: shown, never a crash of the screen)
-            app.call_from_thread(log.add, [f"cannot read the log: {type(e).__name__}: {e}"])
+            deliver(log, log.add, [f"cannot read the log: {type(e).__name__}: {e}"])
         if not worker.is_cancelled:
-            app.call_from_thread(log.add, ["(the trainer has ended: end of log)"])
+            deliver(log, log.add, ["(the trainer has ended: end of log)"])
 
     def _append(self, text: str) -> None:
         self.log_lines += self.query_one(LogLines).add(text.rstrip("\n").split("\n"))  # lines read
@@ -549,9 +549,9 @@ class DetailScreen(Screen):
             got = log_before(self.run_id, app.reader.store, app.inventory(), end, max_lines=self.HISTORY_LINES,
                              max_bytes=self.HISTORY_BYTES)
         except Exception as e:  # noqa: BLE001  (shown, never a crash of the screen)
-            app.call_from_thread(self._history_note, f"earlier lines: {first_line(e)}")
+            deliver(self, self._history_note, f"earlier lines: {first_line(e)}")
             return
-        app.call_from_thread(self._prepend, got, printable(got.text).rstrip("\n").split("\n") if got.text else [])
+        deliver(self, self._prepend, got, printable(got.text).rstrip("\n").split("\n") if got.text else [])
 
     def _prepend(self, got, lines: list[str]) -> None:
         log = self.query_one(LogLines)

@@ -5,6 +5,7 @@ store or a host (the app hands them snapshots)."""
 from __future__ import annotations
 
 import re
+from typing import Callable
 from bisect import bisect_left, bisect_right
 
 from rich.text import Text
@@ -13,8 +14,10 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.geometry import Region, Size
 from textual.message import Message
+from textual.message_pump import MessagePump
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.types import NoActiveAppError
 from textual.widget import Widget
 from textual.widgets import DataTable, Input, Static
 from textual.worker import get_current_worker
@@ -26,6 +29,28 @@ from dflashctl.status.styles import SEVERITY_STYLE
 from dflashctl.tui.logrows import Rows, matches, words_of
 
 # --------------------------------------------------------------------------- widgets
+
+
+def deliver(node: MessagePump, callback: Callable[..., object], *args, **kwargs) -> None:
+    """From a worker's thread, call ``callback`` on the console's thread, unless by then
+    ``node`` (the app, or the screen or widget the callback draws on) is gone: a worker
+    that finishes as its screen is popped or the console quits has nothing left to draw
+    on, and its query would fail and take the console down with it."""
+    try:
+        app = node.app
+    except NoActiveAppError:  # a node taken off its screen, seen from a thread that knows no app
+        return
+
+    def live() -> None:
+        if app.is_running and (node is app or node.is_attached):
+            callback(*args, **kwargs)
+
+    if app.is_running:
+        try:
+            app.call_from_thread(live)
+        except RuntimeError:  # the loop closed between the look and the call: nothing to draw on
+            if app.is_running:
+                raise
 
 
 class FilterBox(Input):
@@ -405,10 +430,7 @@ class LogLines(ScrollView, can_focus=True):
         if rows.upto is None:
             rows.upto = first
         if not worker.is_cancelled:
-            try:
-                self.app.call_from_thread(self._install, generation, rows)
-            except RuntimeError:  # the app ended meanwhile (a quit racing this worker): nothing to show
-                pass
+            deliver(self, self._install, generation, rows)
 
     def _install(self, generation: int, rows: Rows) -> None:
         if generation != self._generation:
