@@ -264,6 +264,29 @@ def will_compile(cfg: TrainerConfig) -> bool:
                                   and warmup_helpers.gpu_visible()))
 
 
+def data_index_dir(run_dir: str) -> str | None:
+    """Where the shards' scans are kept (trainer/data/index.py); None, said in
+    trainer.log, where that directory cannot be made this user's alone."""
+    from trainer.data import index
+
+    try:
+        return index.directory(run_dir)
+    except (OSError, ValueError) as e:  # UnsafeDirectory: what another user put there is not read
+        log(f"data: the shards' scans are not kept: {e}")
+        return None
+
+
+def log_index_use(dataset) -> None:
+    """Which shards' scans were read back, and why the others were scanned."""
+    dataset = getattr(dataset, "base", dataset)  # the training part of a data set with samples held out
+    rescanned, kept = getattr(dataset, "rescanned", None), getattr(dataset, "kept", 0)
+    if rescanned is None or not (kept or rescanned):
+        return
+    why = "; ".join(rescanned[:3]) + (f"; {len(rescanned) - 3} more" if len(rescanned) > 3 else "")
+    log(f"data: {kept} of {kept + len(rescanned)} shard scan(s) read from <run>/data-index"
+        + (f"; {len(rescanned)} scanned ({why})" if rescanned else ""))
+
+
 def helper_plan(cfg: TrainerConfig, compiles: bool, multi: bool) -> list[list[int]]:
     """The buckets each warm-up helper compiles (trainer/warmup_helpers.py); none where
     helpers do not fit: a warm-up that is not serialized, under torch.distributed, with
@@ -409,9 +432,10 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     if path.name == FLEX_COMPILED and cfg.compile.target:
         for target in {id(t): t for t in targets}.values():  # threads on one device share a target
             target.compile_layers()
-    source = build_source(cfg, first.vocab_size, master.mask_token_id)
+    source = build_source(cfg, first.vocab_size, master.mask_token_id, index_dir=data_index_dir(run_dir))
     log(f"data: {len(source.dataset)} samples, {source.order.per_epoch} batches per epoch, buckets "
         f"{source.buckets_used()}, {source.dataset.errors.count} bad records skipped, {source.dataset.short} too short")
+    log_index_use(source.dataset)
     startup.mark("data")
 
     # ---------------------------------------------------------------- resume

@@ -146,6 +146,13 @@ def test_corrupt_shard_lines_are_skipped_within_budget(tmp_path):
     assert f"data error: {shards}/a.jsonl:5: 'input_ids' has 3 tokens but 'loss_mask' has 2 -- skipped" in t.output
     assert f"data error: {shards}/b.jsonl:9: not valid JSON (truncated line?)" in t.output
     assert t.metrics()[-1]["data_errors"] == 2
+    assert "data: 0 of 2 shard scan(s) read from <run>/data-index; 2 scanned (a.jsonl: none kept" in t.output
+    # Started again on the same run directory: the shards' scans are read back, the bad lines counted again.
+    again = run_trainer(cfg, tmp_path / "run")
+    assert again.proc.returncode == contract.EXIT_DONE, again.output[-3000:]
+    assert "data: 2 of 2 shard scan(s) read from <run>/data-index" in again.output, again.output[-3000:]
+    assert f"data error: {shards}/b.jsonl:9: not valid JSON (truncated line?)" in again.output
+    assert "2 bad records skipped" in again.output
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ line::
 
 At start every line is parsed once and checked (kept: file, byte offset, length);
 the tokens are read again from that offset when a batch needs them, so memory holds
-an index, not the data. A bad or truncated line is reported as ``FILE:LINE: reason``,
+an index, not the data. Each shard's scan is kept in the run directory (``index``) and
+read back at the next start while the shard is unchanged. A bad or truncated line is reported as ``FILE:LINE: reason``,
 skipped and counted; past ``data.error_budget`` bad lines the run stops with
 ``DataError`` (exit ``EXIT_DATA_ERROR``). Samples with fewer than ``2 * block_size``
 loss tokens cannot give a useful block and are skipped silently (counted as
@@ -35,9 +36,10 @@ seed, and resuming needs no iterator state.
 Modules
 -------
 ``records`` (a record's checks, the error budget), ``shards`` (the index over
-shards), ``synthetic`` (the synthetic task), ``order`` (buckets and the batch
-order), ``sources`` (what the pipeline reads), ``manifest`` (where the shards are,
-what wrote them), ``converter`` (chat JSONL to shards). This package is their public
+shards), ``index`` (a shard's scan, kept), ``synthetic`` (the synthetic task),
+``order`` (buckets and the batch order), ``sources`` (what the pipeline reads),
+``manifest`` (where the shards are, what wrote them), ``converter`` (chat JSONL to
+shards). This package is their public
 API; ``trainer.data.regenerate`` (the target writes the responses) builds on them.
 """
 

@@ -13,6 +13,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Optional
 
+from trainer.data import index
 from trainer.data.records import DataError, ErrorBudget, parse_line
 
 
@@ -26,7 +27,9 @@ def shard_paths(spec: str) -> list[str]:
 
 @dataclass
 class ShardDataset:
-    """Index over JSONL shards; tokens are re-read from disk per sample."""
+    """Index over JSONL shards; tokens are re-read from disk per sample. With
+    ``index_dir`` (``trainer.data.index``), each shard's scan is kept there and read
+    back at the next start while the shard is unchanged."""
 
     paths: list[str]
     max_len: int
@@ -34,18 +37,46 @@ class ShardDataset:
     vocab_size: Optional[int] = None
     errors: ErrorBudget = field(default_factory=lambda: ErrorBudget(10))
     short: int = 0
+    index_dir: Optional[str] = None
+    rescanned: list[str] = field(default_factory=list)  # "<shard>: why its kept scan was not used"
+    kept: int = 0  # shards whose kept scan was read
 
     def __post_init__(self):
         self.file_idx, self.offsets, self.line_no, self.lengths = array("i"), array("q"), array("q"), array("i")
         for fi, path in enumerate(self.paths):
-            self._scan(fi, path)
+            ident = index.identity(path, self.max_len, self.min_loss_tokens, self.vocab_size) if self.index_dir else None
+            scan = self._kept(path, ident) if ident else None
+            if scan is None:
+                scan = self._scan(path)
+                # kept only where the shard did not change while it was read
+                if ident and index.identity(path, self.max_len, self.min_loss_tokens, self.vocab_size) == ident:
+                    index.save(self.index_dir, ident, scan)
+            else:  # its bad lines count against the budget at every start, as a scan's do
+                for line_no, why in scan.bad:
+                    self.errors.bad(f"{path}:{line_no}", why)
+            self.short += scan.short
+            self.file_idx.extend(array("i", [fi]) * len(scan.lengths))
+            self.offsets.extend(scan.offsets)
+            self.line_no.extend(scan.line_no)
+            self.lengths.extend(scan.lengths)
         if not len(self.lengths):
             raise DataError(
                 f"data.shards: no usable sample in {len(self.paths)} shard(s) "
                 f"({self.errors.count} bad, {self.short} with fewer than {self.min_loss_tokens} loss tokens)"
             )
 
-    def _scan(self, fi: int, path: str) -> None:
+    def _kept(self, path: str, ident: dict) -> Optional[index.ShardScan]:
+        scan, why = index.load(self.index_dir, ident)
+        if scan is None:
+            self.rescanned.append(f"{os.path.basename(path)}: {why}")
+        else:
+            self.kept += 1
+        return scan
+
+    def _scan(self, path: str) -> index.ShardScan:
+        """Parse and check every line of ``path``. A bad line is reported to the error
+        budget at once (past it the scan stops, and nothing is kept) and recorded."""
+        scan = index.ShardScan()
         with open(path, "rb") as f:
             offset, line_no = 0, 0
             for raw in f:
@@ -57,14 +88,15 @@ class ShardDataset:
                     ids, mask = parse_line(raw, self.vocab_size)
                 except ValueError as e:
                     self.errors.bad(f"{path}:{line_no}", str(e))
+                    scan.bad.append([line_no, str(e)])
                     continue
                 if sum(mask[: self.max_len]) < self.min_loss_tokens:
-                    self.short += 1
+                    scan.short += 1
                     continue
-                self.file_idx.append(fi)
-                self.offsets.append(start)
-                self.line_no.append(line_no)
-                self.lengths.append(min(len(ids), self.max_len))
+                scan.offsets.append(start)
+                scan.line_no.append(line_no)
+                scan.lengths.append(min(len(ids), self.max_len))
+        return scan
 
     def __len__(self) -> int:
         return len(self.lengths)
