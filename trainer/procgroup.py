@@ -7,7 +7,21 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
+import time
 from typing import Optional
+
+
+def cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def pythonpath(environ=os.environ) -> str:
+    """PYTHONPATH for a ``python -m trainer...`` child: the directory holding this
+    package first, then the caller's."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(p for p in (root, environ.get("PYTHONPATH")) if p)
 
 
 def start(argv: list[str], env: dict[str, str], log: Optional[str] = None) -> subprocess.Popen:
@@ -22,6 +36,18 @@ def start(argv: list[str], env: dict[str, str], log: Optional[str] = None) -> su
     finally:
         if log is not None:
             out.close()  # the child holds its own copy
+
+
+def end_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """In a child: end this process (exit 1) once its parent ``parent`` is gone (a
+    trainer killed, or exiting at once, before it could end its children)."""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
 
 
 def end(proc: Optional[subprocess.Popen], grace_s: float = 5.0) -> Optional[str]:

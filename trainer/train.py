@@ -38,11 +38,11 @@ import sys
 import threading
 import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 from dflashctl.core import contract
 from dflashctl.core.contract import Metrics, Status, error_signature
-from trainer import warmup_helpers
+from trainer import procgroup, warmup_helpers
 from trainer.config import ConfigError, TrainerConfig
 
 FAULT_MARKER = "fault_fired.json"
@@ -276,6 +276,27 @@ def data_index_dir(run_dir: str) -> str | None:
         return None
 
 
+SCAN_WORKERS_MAX = 32
+
+
+def scan_progress(status: StatusFile, log_every_s: float = 30.0) -> Callable[[dict], None]:
+    """A first scan of the data spread over processes, as it goes: status.json's
+    ``detail.data`` every few seconds, a line in trainer.log every ``log_every_s``."""
+    last = {"status": 0.0, "log": time.monotonic()}
+
+    def show(p: dict) -> None:
+        now = time.monotonic()
+        if now - last["status"] >= contract.REGENERATE_BEAT_S / 2:
+            status.set(detail={**(status.status.detail or {}), "data": p}, blocking=False)
+            last["status"] = now
+        if now - last["log"] >= log_every_s:
+            log(f"data: {p['shards_done']}/{p['shards']} shard(s) scanned, {p['bytes_done'] / 1e6:,.0f} of "
+                f"{p['bytes'] / 1e6:,.0f} MB, {p['elapsed_s']:.0f}s")
+            last["log"] = now
+
+    return show
+
+
 def log_index_use(dataset) -> None:
     """Which shards' scans were read back, and why the others were scanned."""
     dataset = getattr(dataset, "base", dataset)  # the training part of a data set with samples held out
@@ -296,8 +317,7 @@ def helper_plan(cfg: TrainerConfig, compiles: bool, multi: bool) -> list[list[in
     if (multi or cfg.data.regenerate is not None or wanted == 0 or (wanted is None and not compiles)
             or not c.serialized_warmup or c.unsafe_parallel_warmup):
         return []
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return warmup_helpers.plan(cfg.data.buckets, wanted, cpus)
+    return warmup_helpers.plan(cfg.data.buckets, wanted, procgroup.cpus())
 
 
 def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, stop: StopRequest) -> int:
@@ -432,7 +452,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     if path.name == FLEX_COMPILED and cfg.compile.target:
         for target in {id(t): t for t in targets}.values():  # threads on one device share a target
             target.compile_layers()
-    source = build_source(cfg, first.vocab_size, master.mask_token_id, index_dir=data_index_dir(run_dir))
+    source = build_source(cfg, first.vocab_size, master.mask_token_id, index_dir=data_index_dir(run_dir),
+                          workers=min(procgroup.cpus(), SCAN_WORKERS_MAX), progress=scan_progress(status), log=log)
     log(f"data: {len(source.dataset)} samples, {source.order.per_epoch} batches per epoch, buckets "
         f"{source.buckets_used()}, {source.dataset.errors.count} bad records skipped, {source.dataset.short} too short")
     log_index_use(source.dataset)

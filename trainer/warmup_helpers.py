@@ -38,7 +38,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -84,15 +83,8 @@ def role(environ=os.environ) -> Optional[Role]:
 def end_with_parent(environ=os.environ, every_s: float = 1.0) -> None:
     """A helper whose trainer is gone (killed before it could stop it) ends itself."""
     parent = environ.get(PARENT_ENV)
-    if not parent:
-        return
-
-    def watch():
-        while os.getppid() == int(parent):
-            time.sleep(every_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="warmup-helper-parent", daemon=True).start()
+    if parent:
+        procgroup.end_with_parent(int(parent), every_s)
 
 
 # ---------------------------------------------------------------------------- the trainer's side
@@ -301,11 +293,6 @@ def helper_commands(config: dict, groups: list[list[int]], environ=os.environ) -
         env = {**environ, BUCKETS_ENV: ",".join(map(str, buckets)), SHARE_ENV: str(len(groups)),
                PARENT_ENV: str(os.getpid()),
                # this trainer's package first; the working directory (relative paths in the config) is this process's
-               "PYTHONPATH": os.pathsep.join(p for p in (trainer_root(), environ.get("PYTHONPATH")) if p)}
+               "PYTHONPATH": procgroup.pythonpath(environ)}
         commands.append((buckets, argv, env, files))
     return commands
-
-
-def trainer_root() -> str:
-    """The directory ``python -m trainer`` runs from: the one holding this package."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

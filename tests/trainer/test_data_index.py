@@ -116,3 +116,57 @@ def test_no_index_dir_keeps_nothing_and_says_nothing(tmp_path):
     plain = ShardDataset(shard_paths(shards), 256, 16, 512, ErrorBudget(5, lambda line: None))
     assert (plain.kept, plain.rescanned, len(plain)) == (0, [], 8)
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------- a first scan spread over processes
+
+
+def _many(tmp_path, bad_in_c: int = 1) -> str:
+    ds = synthetic(12)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    good = [ds.get(i) for i in range(12)]
+    write_shard(shards / "a.jsonl", good[:5])
+    write_shard(shards / "b.jsonl", good[5:8])
+    write_shard(shards / "c.jsonl", good[8:], tail='{"input_ids": [1, 2, 3], "loss_mask": [0, 1]}\n' * bad_in_c)
+    return str(shards)
+
+
+def test_the_groups_of_shards_balance_their_bytes():
+    from trainer.data.scan_workers import plan
+
+    groups = plan({"a": 100, "b": 60, "c": 50, "d": 10}, 2)
+    assert groups == [["a", "d"], ["b", "c"]]  # 110 bytes each
+    assert plan({"a": 1}, 8) == [["a"]] and sorted(sum(plan({"a": 5, "b": 5, "c": 5}, 3), [])) == ["a", "b", "c"]
+
+
+def test_a_first_scan_in_worker_processes_finds_what_one_process_finds(tmp_path, monkeypatch):
+    from trainer.data import scan_workers
+
+    monkeypatch.setattr(scan_workers, "MIN_BYTES", 0)  # a few kilobytes stand for a corpus worth the processes
+    shards, idx = _many(tmp_path), index.directory(str(tmp_path / "run"))
+    serial = ShardDataset(shard_paths(shards), 256, 16, 512, ErrorBudget(5, lambda line: None))
+    said, seen, bad = [], [], []
+    apart = ShardDataset(shard_paths(shards), 256, 16, 512, ErrorBudget(5, bad.append), index_dir=str(idx),
+                         workers=2, progress=seen.append, log=said.append)
+    assert _same(serial, apart) and len(apart) == 12 and apart.errors.count == 1
+    assert "c.jsonl:5: 'input_ids' has 3 tokens" in bad[0]  # named in the trainer, as a scan names it
+    assert (apart.kept, apart.rescanned) == (0, ["a.jsonl: none kept", "b.jsonl: none kept", "c.jsonl: none kept"])
+    assert said[0].startswith("data: scanning 3 shard(s)") and said[0].endswith("in 2 processes")
+    assert said[-1].startswith("data: 3 of 3 shard(s) scanned apart")
+    assert seen[-1]["shards_done"] == seen[-1]["shards"] == 3 and seen[-1]["bytes_done"] == seen[-1]["bytes"]
+    assert not [f for f in os.listdir(idx) if f.startswith(scan_workers.LOG_PREFIX)]  # the workers' logs removed
+    again = _open(shards, idx)
+    assert again.kept == 3 and _same(serial, again)
+
+
+def test_a_shard_past_the_budget_in_a_worker_is_named_by_the_trainer(tmp_path, monkeypatch):
+    from trainer.data import scan_workers
+
+    monkeypatch.setattr(scan_workers, "MIN_BYTES", 0)  # as above
+    shards, idx = _many(tmp_path, bad_in_c=3), index.directory(str(tmp_path / "run"))
+    with pytest.raises(DataError, match=r"over data.error_budget=1; first: .*c.jsonl:5: 'input_ids' has 3 tokens"):
+        ShardDataset(shard_paths(shards), 256, 16, 512, ErrorBudget(1, lambda line: None), index_dir=str(idx),
+                     workers=3)
+    kept = sorted(os.listdir(idx))
+    assert index.index_file(str(idx), os.path.join(shards, "c.jsonl")).split("/")[-1] not in kept and len(kept) == 2

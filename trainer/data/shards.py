@@ -11,7 +11,7 @@ import glob
 import os
 from array import array
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from trainer.data import index
 from trainer.data.records import DataError, ErrorBudget, parse_line
@@ -23,6 +23,33 @@ def shard_paths(spec: str) -> list[str]:
     if not paths:
         raise DataError(f"data.shards: no *.jsonl shard found at '{spec}'")
     return paths
+
+
+def scan_shard(path: str, max_len: int, min_loss_tokens: int, vocab_size: Optional[int],
+               errors: ErrorBudget) -> index.ShardScan:
+    """Parse and check every line of ``path``. A bad line is reported to ``errors`` at
+    once (past its budget the scan stops, and nothing is kept) and recorded."""
+    scan = index.ShardScan()
+    with open(path, "rb") as f:
+        offset, line_no = 0, 0
+        for raw in f:
+            line_no += 1
+            start, offset = offset, offset + len(raw)
+            if not raw.strip():
+                continue
+            try:
+                ids, mask = parse_line(raw, vocab_size)
+            except ValueError as e:
+                errors.bad(f"{path}:{line_no}", str(e))
+                scan.bad.append([line_no, str(e)])
+                continue
+            if sum(mask[:max_len]) < min_loss_tokens:
+                scan.short += 1
+                continue
+            scan.offsets.append(start)
+            scan.line_no.append(line_no)
+            scan.lengths.append(min(len(ids), max_len))
+    return scan
 
 
 @dataclass
@@ -38,16 +65,22 @@ class ShardDataset:
     errors: ErrorBudget = field(default_factory=lambda: ErrorBudget(10))
     short: int = 0
     index_dir: Optional[str] = None
+    workers: int = 1  # processes for a first scan of many large shards (trainer/data/scan_workers.py)
+    progress: Optional[Callable[[dict], None]] = None  # that scan's shards and bytes done, as it goes
+    log: Callable[[str], None] = lambda line: None
     rescanned: list[str] = field(default_factory=list)  # "<shard>: why its kept scan was not used"
     kept: int = 0  # shards whose kept scan was read
 
     def __post_init__(self):
         self.file_idx, self.offsets, self.line_no, self.lengths = array("i"), array("q"), array("q"), array("i")
+        idents = {p: index.identity(p, self.max_len, self.min_loss_tokens, self.vocab_size) for p in self.paths} \
+            if self.index_dir else {}
+        apart = self._scan_apart(idents) if self.workers > 1 and idents else {}
         for fi, path in enumerate(self.paths):
-            ident = index.identity(path, self.max_len, self.min_loss_tokens, self.vocab_size) if self.index_dir else None
-            scan = self._kept(path, ident) if ident else None
+            ident = idents.get(path)
+            scan = self._kept(path, ident, apart.get(path)) if ident else None
             if scan is None:
-                scan = self._scan(path)
+                scan = scan_shard(path, self.max_len, self.min_loss_tokens, self.vocab_size, self.errors)
                 # kept only where the shard did not change while it was read
                 if ident and index.identity(path, self.max_len, self.min_loss_tokens, self.vocab_size) == ident:
                     index.save(self.index_dir, ident, scan)
@@ -65,38 +98,28 @@ class ShardDataset:
                 f"({self.errors.count} bad, {self.short} with fewer than {self.min_loss_tokens} loss tokens)"
             )
 
-    def _kept(self, path: str, ident: dict) -> Optional[index.ShardScan]:
+    def _kept(self, path: str, ident: dict, scanned_apart: Optional[str]) -> Optional[index.ShardScan]:
+        """The shard's kept scan, or None; ``scanned_apart``: why it had none before a
+        scan worker of this start kept one (a shard scanned, not one read back)."""
         scan, why = index.load(self.index_dir, ident)
-        if scan is None:
-            self.rescanned.append(f"{os.path.basename(path)}: {why}")
+        if scan is None or scanned_apart:
+            self.rescanned.append(f"{os.path.basename(path)}: {scanned_apart or why}")
         else:
             self.kept += 1
         return scan
 
-    def _scan(self, path: str) -> index.ShardScan:
-        """Parse and check every line of ``path``. A bad line is reported to the error
-        budget at once (past it the scan stops, and nothing is kept) and recorded."""
-        scan = index.ShardScan()
-        with open(path, "rb") as f:
-            offset, line_no = 0, 0
-            for raw in f:
-                line_no += 1
-                start, offset = offset, offset + len(raw)
-                if not raw.strip():
-                    continue
-                try:
-                    ids, mask = parse_line(raw, self.vocab_size)
-                except ValueError as e:
-                    self.errors.bad(f"{path}:{line_no}", str(e))
-                    scan.bad.append([line_no, str(e)])
-                    continue
-                if sum(mask[: self.max_len]) < self.min_loss_tokens:
-                    scan.short += 1
-                    continue
-                scan.offsets.append(start)
-                scan.line_no.append(line_no)
-                scan.lengths.append(min(len(ids), self.max_len))
-        return scan
+    def _scan_apart(self, idents: dict[str, dict]) -> dict[str, str]:
+        """The shards with no kept scan, scanned in worker processes where it pays
+        (trainer/data/scan_workers.py); path -> why each had none."""
+        from trainer.data import scan_workers
+
+        cold = {}
+        for path, ident in idents.items():
+            scan, why = index.load(self.index_dir, ident)
+            if scan is None:
+                cold[path] = why
+        return scan_workers.scan_apart(cold, self.index_dir, self.max_len, self.min_loss_tokens, self.vocab_size,
+                                       self.errors.budget, self.workers, self.progress or (lambda p: None), self.log)
 
     def __len__(self) -> int:
         return len(self.lengths)

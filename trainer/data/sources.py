@@ -75,10 +75,11 @@ class DataSource:
         return {"samples": len(self.dataset), "tokens": int(sum(self.dataset.lengths))}
 
 
-def build_source(cfg, vocab_size: int, mask_token_id: Optional[int], log=None,
-                 index_dir: Optional[str] = None) -> DataSource:
+def build_source(cfg, vocab_size: int, mask_token_id: Optional[int], log=None, index_dir: Optional[str] = None,
+                 workers: int = 1, progress=None) -> DataSource:
     """The data source the config asks for (shards, or the synthetic task when none);
-    the shards' scans kept in ``index_dir`` (trainer/data/index.py) where given."""
+    the shards' scans kept in ``index_dir`` (trainer/data/index.py) where given, a
+    first scan of many large shards spread over ``workers`` processes."""
     d, block = cfg.data, cfg.model.block_size
     max_len, min_loss = max(d.buckets), 2 * block
     shards = d.shards if d.regenerate is None else regenerated_dir(cfg)
@@ -86,5 +87,6 @@ def build_source(cfg, vocab_size: int, mask_token_id: Optional[int], log=None,
         dataset = synthetic_dataset(cfg, vocab_size, mask_token_id)
     else:
         budget = ErrorBudget(d.error_budget, log)
-        dataset = ShardDataset(shard_paths(shards), max_len, min_loss, vocab_size, budget, index_dir=index_dir)
+        dataset = ShardDataset(shard_paths(shards), max_len, min_loss, vocab_size, budget, index_dir=index_dir,
+                               workers=workers, progress=progress, log=log or (lambda line: None))
     return DataSource(dataset, d.buckets, d.batch_size, d.seed, d.holdout)
