@@ -73,8 +73,7 @@ class ShardDataset:
 
     def __post_init__(self):
         self.file_idx, self.offsets, self.line_no, self.lengths = array("i"), array("q"), array("q"), array("i")
-        idents = {p: index.identity(p, self.max_len, self.min_loss_tokens, self.vocab_size) for p in self.paths} \
-            if self.index_dir else {}
+        idents = {p: self._identity(p) for p in self.paths} if self.index_dir else {}
         apart = self._scan_apart(idents) if self.workers > 1 and idents else {}
         for fi, path in enumerate(self.paths):
             ident = idents.get(path)
@@ -82,7 +81,7 @@ class ShardDataset:
             if scan is None:
                 scan = scan_shard(path, self.max_len, self.min_loss_tokens, self.vocab_size, self.errors)
                 # kept only where the shard did not change while it was read
-                if ident and index.identity(path, self.max_len, self.min_loss_tokens, self.vocab_size) == ident:
+                if ident and self._identity(path) == ident:
                     index.save(self.index_dir, ident, scan)
             else:  # its bad lines count against the budget at every start, as a scan's do
                 for line_no, why in scan.bad:
@@ -97,6 +96,9 @@ class ShardDataset:
                 f"data.shards: no usable sample in {len(self.paths)} shard(s) "
                 f"({self.errors.count} bad, {self.short} with fewer than {self.min_loss_tokens} loss tokens)"
             )
+
+    def _identity(self, path: str) -> dict:
+        return index.identity(path, self.max_len, self.min_loss_tokens, self.vocab_size)
 
     def _kept(self, path: str, ident: dict, scanned_apart: Optional[str]) -> Optional[index.ShardScan]:
         """The shard's kept scan, or None; ``scanned_apart``: why it had none before a
