@@ -280,14 +280,15 @@ SCAN_WORKERS_MAX = 32
 
 
 def scan_progress(status: StatusFile, log_every_s: float = 30.0) -> Callable[[dict], None]:
-    """A first scan of the data spread over processes, as it goes: status.json's
-    ``detail.data`` every few seconds, a line in trainer.log every ``log_every_s``."""
+    """A first scan of the data spread over processes, as it goes: phase ``indexing``
+    with status.json's ``detail.data`` every few seconds (the supervisor judges it by
+    that beat, contract.PHASE_INDEXING), a line in trainer.log every ``log_every_s``."""
     last = {"status": 0.0, "log": time.monotonic()}
 
     def show(p: dict) -> None:
         now = time.monotonic()
         if now - last["status"] >= contract.REGENERATE_BEAT_S / 2:
-            status.set(detail={**(status.status.detail or {}), "data": p}, blocking=False)
+            status.set(contract.PHASE_INDEXING, detail={**(status.status.detail or {}), "data": p}, blocking=False)
             last["status"] = now
         if now - last["log"] >= log_every_s:
             log(f"data: {p['shards_done']}/{p['shards']} shard(s) scanned, {p['bytes_done'] / 1e6:,.0f} of "
@@ -457,6 +458,8 @@ def train(cfg: TrainerConfig, run_dir: str, resume: str, status: StatusFile, sto
     log(f"data: {len(source.dataset)} samples, {source.order.per_epoch} batches per epoch, buckets "
         f"{source.buckets_used()}, {source.dataset.errors.count} bad records skipped, {source.dataset.short} too short")
     log_index_use(source.dataset)
+    if status.status.phase == contract.PHASE_INDEXING:
+        status.set(contract.PHASE_STARTING)  # the startup budget counts again from here
     startup.mark("data")
 
     # ---------------------------------------------------------------- resume

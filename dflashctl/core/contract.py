@@ -136,6 +136,11 @@ PHASE_STARTING = "starting"
 # window is a hang.
 PHASE_REGENERATING = "regenerating"
 REGENERATE_BEAT_S = 10.0
+# A first scan of a large corpus in worker processes (trainer/data/scan_workers.py):
+# status.json's detail "data" (shards and bytes scanned) every REGENERATE_BEAT_S / 2,
+# judged like the regeneration by that sign of life, not by the start budget; the
+# phase is "starting" again after it, and the start budget counts from there.
+PHASE_INDEXING = "indexing"
 PHASE_COMPILING = "compiling"
 PHASE_TRAINING = "training"
 PHASE_CHECKPOINTING = "checkpointing"
@@ -145,6 +150,7 @@ PHASE_FAILED = "failed"
 PHASES = (
     PHASE_STARTING,
     PHASE_REGENERATING,
+    PHASE_INDEXING,
     PHASE_COMPILING,
     PHASE_TRAINING,
     PHASE_CHECKPOINTING,

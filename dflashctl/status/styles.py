@@ -17,8 +17,8 @@ STATE_STYLE = {
     "unreachable": "bold red", "stale": "yellow", "store busy": "bold yellow",
 }
 SEVERITY_STYLE = {"info": "", "warning": "yellow", "error": "red", "critical": "bold red"}
-PHASE_STYLE = {"compiling": "magenta", "starting": "cyan", "regenerating": "cyan", "checkpointing": "blue", "training": "green",
-               "restarting": "yellow"}
+PHASE_STYLE = {"compiling": "magenta", "starting": "cyan", "regenerating": "cyan", "indexing": "cyan",
+               "checkpointing": "blue", "training": "green", "restarting": "yellow"}
 
 _BARS = "▁▂▃▄▅▆▇█"
 

@@ -353,8 +353,8 @@ def detect_stall(
             + f" (budget {fmt_duration(budgets[phase])})",
             {"phase": phase, "elapsed_s": now - since, "budget_s": budgets[phase]},
         )
-    if phase == contract.PHASE_REGENERATING:
-        return _regeneration_stall(status, expect, now, since, held_until)
+    if phase in BEAT_PHASES:
+        return _beat_stall(phase, status, expect, now, since, held_until)
     if phase not in (contract.PHASE_TRAINING, contract.PHASE_CHECKPOINTING):
         return None
     progress = last_progress(samples, status)
@@ -380,29 +380,36 @@ def detect_stall(
     )
 
 
-def _regeneration_stall(status: contract.Status | None, expect: "Expect", now: float, since: float | None,
-                        held_until: float | None) -> Finding | None:
-    """The target writing the training data (hours, for a real corpus) is judged by
-    its sign of life, not by a start budget: it rewrites status.json every few
-    seconds while it decodes (contract.REGENERATE_BEAT_S); a stall is a silence
-    longer than the stall window."""
+# Phases judged by their sign of life, not by a start budget: (what is silent, the
+# progress in status.json's detail, its done and total counts, what they count).
+BEAT_PHASES = {
+    contract.PHASE_REGENERATING: ("regeneration", "regenerate", "prompts_done", "prompts", "prompts written"),
+    contract.PHASE_INDEXING: ("the data scan", "data", "shards_done", "shards", "shards scanned"),
+}
+
+
+def _beat_stall(phase: str, status: contract.Status | None, expect: "Expect", now: float, since: float | None,
+                held_until: float | None) -> Finding | None:
+    """Work of unknown length before training (the target writing the training data:
+    hours for a real corpus; the first scan of a large one) is judged by its sign of
+    life: status.json rewritten every few seconds while it goes
+    (contract.REGENERATE_BEAT_S); a stall is a silence longer than the stall window."""
     marks = [t for t in (status.updated if status else None, since, held_until) if t is not None]
     if not marks:
         return None
     quiet = now - max(marks)
     if quiet <= expect.stall_window:
         return None
-    progress = (status.detail or {}).get("regenerate") if status else None
-    done = progress.get("prompts_done") if isinstance(progress, dict) else None
-    total = progress.get("prompts") if isinstance(progress, dict) else None
-    where = f"; {done}/{total} prompts written" if isinstance(done, int) and isinstance(total, int) else ""
+    what, key, done_key, total_key, counted = BEAT_PHASES[phase]
+    progress = (status.detail or {}).get(key) if status else None
+    done = progress.get(done_key) if isinstance(progress, dict) else None
+    total = progress.get(total_key) if isinstance(progress, dict) else None
+    where = f"; {done}/{total} {counted}" if type(done) is int and type(total) is int else ""
     return Finding(
         STALL,
         "error",
-        f"regeneration wrote no progress for {fmt_duration(quiet)} (stall window "
-        f"{fmt_duration(expect.stall_window)}){where}",
-        {"phase": contract.PHASE_REGENERATING, "quiet_s": quiet, "stall_window_s": expect.stall_window,
-         "prompts_done": done},
+        f"{what} wrote no progress for {fmt_duration(quiet)} (stall window {fmt_duration(expect.stall_window)}){where}",
+        {"phase": phase, "quiet_s": quiet, "stall_window_s": expect.stall_window, done_key: done},
     )
 
 

@@ -82,8 +82,10 @@ def obs(
     updated: float | None = None,
     pane_dead: bool | None = False,
     no_status: bool = False,
+    detail: dict | None = None,
 ) -> ProbeResult:
-    status = contract.Status(phase=phase, pid=4242, started=started, step=step, error=error, updated=updated)
+    status = contract.Status(phase=phase, pid=4242, started=started, step=step, error=error, updated=updated,
+                             detail=detail or {})
     return ProbeResult(
         run_dir="/runs/r",
         session="r",

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.trainer.test_trainer_data import synthetic, write_shard
+from tests.harness.shards import synthetic, write_shard
 from trainer.data import DataError, ErrorBudget, ShardDataset, shard_paths
 from trainer.data import index
 
@@ -170,3 +170,18 @@ def test_a_shard_past_the_budget_in_a_worker_is_named_by_the_trainer(tmp_path, m
                      workers=3)
     kept = sorted(os.listdir(idx))
     assert index.index_file(str(idx), os.path.join(shards, "c.jsonl")).split("/")[-1] not in kept and len(kept) == 2
+
+
+def test_the_scan_beats_as_phase_indexing_in_status_json(tmp_path):
+    """What the supervisor reads while worker processes scan (contract.PHASE_INDEXING,
+    judged by its beat): the phase and the shards and bytes done, in status.json."""
+    from dflashctl.core import contract
+    from trainer.train import StatusFile, scan_progress
+
+    status = StatusFile(str(tmp_path))
+    show = scan_progress(status, log_every_s=3600)
+    show({"shards_done": 2, "shards": 5, "bytes_done": 10, "bytes": 50, "elapsed_s": 1.0})
+    written = json.loads((tmp_path / contract.STATUS_FILE).read_text())
+    assert written["phase"] == contract.PHASE_INDEXING and written["detail"]["data"]["shards_done"] == 2
+    parsed = contract.parse_status((tmp_path / contract.STATUS_FILE).read_text())
+    assert parsed.phase == contract.PHASE_INDEXING  # a phase the controller knows

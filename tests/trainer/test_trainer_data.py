@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests import harness
+from tests.harness.shards import synthetic, write_shard
 from tests.harness.tiny import make_tokenizer
 from trainer.data import (
     PAD_ID,
@@ -17,7 +18,6 @@ from trainer.data import (
     DataSource,
     ErrorBudget,
     ShardDataset,
-    SyntheticDataset,
     bucket_for,
     check_record,
     collate,
@@ -26,17 +26,6 @@ from trainer.data import (
 )
 
 REPO = str(harness.REPO)
-
-
-def write_shard(path, samples, tail: str = "") -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for ids, mask in samples:
-            f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
-        f.write(tail)
-
-
-def synthetic(n=24, max_len=256, seed=1):
-    return SyntheticDataset(n, vocab_size=512, max_len=max_len, min_loss_tokens=16, seed=seed, reserved=(511,))
 
 
 # ---------------------------------------------------------------------------- records

@@ -231,6 +231,18 @@ CASES = [
         {"phase_since": NOW - 3500},
         [("stall", "error", "regeneration wrote no progress for 6.7 m (stall window 5 m)")],
     ),
+    # The first scan of a large corpus in worker processes: judged the same way.
+    ("indexing-for-long", [], obs(contract.PHASE_INDEXING, started=NOW - 3600, updated=NOW - 20),
+     "launching", {"phase_since": NOW - 3500}, []),
+    (
+        "indexing-silent",
+        [],
+        obs(contract.PHASE_INDEXING, started=NOW - 3600, updated=NOW - 400,
+            detail={"data": {"shards_done": 3, "shards": 40, "bytes_done": 1, "bytes": 9}}),
+        "launching",
+        {"phase_since": NOW - 3500},
+        [("stall", "error", "the data scan wrote no progress for 6.7 m (stall window 5 m); 3/40 shards scanned")],
+    ),
     (
         "no-status-past-startup-budget",
         [],
