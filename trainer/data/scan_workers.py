@@ -102,7 +102,6 @@ def _tail(path: str, limit: int = 600) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from trainer.data.records import DataError, ErrorBudget
-    from trainer.data.shards import scan_shard
 
     p = argparse.ArgumentParser(prog="python -m trainer.data.scan_workers")
     p.add_argument("--index-dir", required=True)
@@ -116,7 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for path in args.shards:
         ident = index.identity(path, args.max_len, args.min_loss_tokens, args.vocab_size)
         try:
-            scan = scan_shard(path, args.max_len, args.min_loss_tokens, args.vocab_size,
+            scan = index.scan_shard(path, args.max_len, args.min_loss_tokens, args.vocab_size,
                               ErrorBudget(args.budget, lambda line: None))
         except DataError:  # past the budget: the trainer scans it itself and names the lines
             continue

@@ -25,33 +25,6 @@ def shard_paths(spec: str) -> list[str]:
     return paths
 
 
-def scan_shard(path: str, max_len: int, min_loss_tokens: int, vocab_size: Optional[int],
-               errors: ErrorBudget) -> index.ShardScan:
-    """Parse and check every line of ``path``. A bad line is reported to ``errors`` at
-    once (past its budget the scan stops, and nothing is kept) and recorded."""
-    scan = index.ShardScan()
-    with open(path, "rb") as f:
-        offset, line_no = 0, 0
-        for raw in f:
-            line_no += 1
-            start, offset = offset, offset + len(raw)
-            if not raw.strip():
-                continue
-            try:
-                ids, mask = parse_line(raw, vocab_size)
-            except ValueError as e:
-                errors.bad(f"{path}:{line_no}", str(e))
-                scan.bad.append([line_no, str(e)])
-                continue
-            if sum(mask[:max_len]) < min_loss_tokens:
-                scan.short += 1
-                continue
-            scan.offsets.append(start)
-            scan.line_no.append(line_no)
-            scan.lengths.append(min(len(ids), max_len))
-    return scan
-
-
 @dataclass
 class ShardDataset:
     """Index over JSONL shards; tokens are re-read from disk per sample. With
@@ -79,7 +52,7 @@ class ShardDataset:
             ident = idents.get(path)
             scan = self._kept(path, ident, apart.get(path)) if ident else None
             if scan is None:
-                scan = scan_shard(path, self.max_len, self.min_loss_tokens, self.vocab_size, self.errors)
+                scan = index.scan_shard(path, self.max_len, self.min_loss_tokens, self.vocab_size, self.errors)
                 # kept only where the shard did not change while it was read
                 if ident and self._identity(path) == ident:
                     index.save(self.index_dir, ident, scan)
