@@ -264,7 +264,8 @@ class _Launcher:
         for site in sites if wanted else sites[:1]:
             gpus = self._check_gpus(site, wanted)  # the same indices on every host
 
-        run_id = new_run_id(pb.name, self.clock())
+        run_id = (self.store.unused_run_id(pb.name, self.clock()) if self.store is not None  # a dry run has none
+                  else new_run_id(pb.name, self.clock()))
         for site in sites:
             self._deploy(site, bundle, several)
             site.run_dir, site.session = deploy.run_dir(site.workdir, run_id), run_session(run_id, site.rank)

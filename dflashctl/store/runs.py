@@ -83,9 +83,13 @@ class RunsMixin(StoreConnection):
         (``rank``, ``host``, ``run_dir``, ``tmux_session``; rank 0 on ``host``), each
         holding the same GPU indices on its own host.
         """
-        run_id = run_id or new_run_id(playbook, now)
         config = config or {}
         with self._write() as db:
+            if run_id is None:
+                run_id = self.unused_run_id(playbook, now)
+            elif self._query("SELECT 1 FROM runs WHERE id = ?", [run_id]):
+                raise DflashError(f"run id {run_id} is taken already in this store",
+                                  hint="launch again: a new id is made for each launch")
             if claim_gpus:
                 for name in [h["host"] for h in hosts or ()] or [host]:
                     held = self.gpus_held(name)
@@ -160,6 +164,15 @@ class RunsMixin(StoreConnection):
     def set_supervisor(self, run_id: str, info: dict[str, Any] | None) -> None:
         """Who supervises the run (pid, host, tmux session, started), or None."""
         self.update_run(run_id, supervisor=info)
+
+    def unused_run_id(self, playbook: str, now: float) -> str:
+        """A new run id (``ids.new_run_id``) no run in this store has: two launches of
+        one playbook in one second draw their 16-bit suffixes from the same 65,536."""
+        for _ in range(64):
+            run_id = new_run_id(playbook, now)
+            if not self._query("SELECT 1 FROM runs WHERE id = ?", [run_id]):
+                return run_id
+        raise DflashError(f"no unused run id for playbook {playbook} at this second after 64 draws")
 
     def get_run(self, ref: str) -> Run:
         """A run by id or by an unambiguous prefix of its id (never the empty one)."""

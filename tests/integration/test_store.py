@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from dflashctl.core.contract import Metrics
-from dflashctl.core.errors import ConfigError
+from dflashctl.core.errors import ConfigError, DflashError
 from dflashctl.core.states import ACTIVE_STATES, FINAL_STATES, STATES, TRANSITIONS
 from dflashctl.store import GpuConflict, InvalidTransition, Store, migrations
 
@@ -404,3 +404,19 @@ def test_a_shared_connection_serves_every_thread_until_unshared_and_refuses_writ
         shared.execute("SELECT 1")  # closed
     store.transition(run_id, "running", "started", 1001.0)  # its own connection again: writes
     assert store.get_run(run_id).state == "running" and store.conn is not shared
+
+
+def test_two_runs_of_one_playbook_in_one_second_never_share_an_id(store, monkeypatch):
+    """An id's suffix is 16 random bits: two launches of one playbook in one second
+    met once in a suite run. The draw is made to repeat here (the only way to make a
+    1-in-65,536 event certain); the second run gets the next, unused draw."""
+    import secrets
+
+    draws, real = ["abcd", "abcd", "abcd", "ef01"], secrets.token_hex
+    monkeypatch.setattr(secrets, "token_hex", lambda n: draws.pop(0) if n == 2 and draws else real(n))
+    first, second = _run(store), _run(store)
+    assert first.id.endswith("-abcd") and second.id.endswith("-ef01")
+    assert {r.id for r in store.list_runs()} == {first.id, second.id}
+    # An id given that the store has already is refused with the way out, not a database error.
+    with pytest.raises(DflashError, match=f"run id {first.id} is taken already"):
+        _run(store, run_id=first.id)
