@@ -38,6 +38,18 @@ def start(argv: list[str], env: dict[str, str], log: Optional[str] = None) -> su
             out.close()  # the child holds its own copy
 
 
+def log_tail(path: str, lines: int) -> str:
+    """The last ``lines`` non-blank lines of a child's log (``start``'s ``log``), on one
+    line, for trainer.log; read from its last 16 KiB."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
+            text = f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"(its log is unreadable: {e.strerror})"
+    return " | ".join(line.strip() for line in text.splitlines()[-lines:] if line.strip())
+
+
 def end_with_parent(parent: int, every_s: float = 1.0) -> None:
     """In a child: end this process (exit 1) once its parent ``parent`` is gone (a
     trainer killed, or exiting at once, before it could end its children)."""

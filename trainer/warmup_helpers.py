@@ -117,13 +117,7 @@ class Helper:
     seconds: Optional[float] = None
 
     def log_tail(self, lines: int = TAIL_LINES) -> str:
-        try:
-            with open(os.path.join(self.directory, HELPER_LOG), "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
-                text = f.read().decode("utf-8", "replace")
-        except OSError as e:
-            return f"(its log is unreadable: {e.strerror})"
-        return " | ".join(line.strip() for line in text.splitlines()[-lines:] if line.strip())
+        return procgroup.log_tail(os.path.join(self.directory, HELPER_LOG), lines)
 
 
 @dataclass

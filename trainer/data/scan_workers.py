@@ -26,6 +26,7 @@ from trainer.data import index
 MIN_BYTES = 64 << 20  # below this one process scans in seconds: starting others would not pay
 POLL_S = 0.5
 LOG_PREFIX = "scan-worker-"
+TAIL_LINES = 5  # of a failed worker's log, in trainer.log
 
 
 def plan(sizes: dict[str, int], workers: int) -> list[list[str]]:
@@ -63,24 +64,29 @@ def scan_apart(cold: dict[str, str], index_dir: str, max_len: int, min_loss_toke
         argv += ["--vocab-size", str(vocab_size)]
     env = {**os.environ, "PYTHONPATH": procgroup.pythonpath()}
     logs = [os.path.join(index_dir, f"{LOG_PREFIX}{i}.log") for i in range(len(groups))]
-    procs = []
+    procs = []  # (process, its log)
     started = time.monotonic()
     log(f"data: scanning {len(cold)} shard(s), {sum(sizes.values()) / 1e6:,.0f} MB, in {len(groups)} processes")
     try:
-        procs = [procgroup.start(argv + group, env, log=path) for group, path in zip(groups, logs)]
+        for group, path in zip(groups, logs):
+            try:
+                procs.append((procgroup.start(argv + group, env, log=path), path))
+            except OSError as e:  # the shards of a worker that never started are scanned here
+                log(f"data: a scan worker did not start ({e}); its shards are scanned here")
         while True:
-            running = [p for p in procs if p.poll() is None]
+            running = [proc for proc, _ in procs if proc.poll() is None]
             done = [p for p in cold if os.path.exists(index.index_file(index_dir, p))]
             progress({"shards_done": len(done), "shards": len(cold), "bytes_done": sum(sizes[p] for p in done),
                       "bytes": sum(sizes.values()), "elapsed_s": round(time.monotonic() - started, 1)})
             if not running:
                 break
             time.sleep(POLL_S)
-        for proc, path in zip(procs, logs):
+        for proc, path in procs:
             if proc.returncode:
-                log(f"data: a scan worker failed (exit {proc.returncode}): {_tail(path)}; its shards are scanned here")
+                log(f"data: a scan worker failed (exit {proc.returncode}): "
+                    f"{procgroup.log_tail(path, TAIL_LINES) or '(no output)'}; its shards are scanned here")
     finally:
-        for proc in procs:
+        for proc, _ in procs:
             procgroup.end(proc)
         for path in logs:
             try:
@@ -89,15 +95,6 @@ def scan_apart(cold: dict[str, str], index_dir: str, max_len: int, min_loss_toke
                 pass
     log(f"data: {len(done)} of {len(cold)} shard(s) scanned apart in {time.monotonic() - started:.1f}s")
     return cold
-
-
-def _tail(path: str, limit: int = 600) -> str:
-    try:
-        with open(path, "rb") as f:
-            text = f.read()[-limit:].decode("utf-8", "replace")
-    except OSError as e:
-        return f"(its log is unreadable: {e.strerror})"
-    return " | ".join(line.strip() for line in text.splitlines() if line.strip()) or "(no output)"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -39,7 +39,7 @@ class ShardDataset:
     short: int = 0
     index_dir: Optional[str] = None
     workers: int = 1  # processes for a first scan of many large shards (trainer/data/scan_workers.py)
-    progress: Optional[Callable[[dict], None]] = None  # that scan's shards and bytes done, as it goes
+    progress: Callable[[dict], None] = lambda p: None  # that scan's shards and bytes done, as it goes
     log: Callable[[str], None] = lambda line: None
     rescanned: list[str] = field(default_factory=list)  # "<shard>: why its kept scan was not used"
     kept: int = 0  # shards whose kept scan was read
@@ -47,15 +47,16 @@ class ShardDataset:
     def __post_init__(self):
         self.file_idx, self.offsets, self.line_no, self.lengths = array("i"), array("q"), array("q"), array("i")
         idents = {p: self._identity(p) for p in self.paths} if self.index_dir else {}
-        apart = self._scan_apart(idents) if self.workers > 1 and idents else {}
+        kept = {p: index.load(self.index_dir, ident) for p, ident in idents.items()}  # each read once
+        cold = {p: why for p, (scan, why) in kept.items() if scan is None}
+        apart = self._scan_apart(cold) if self.workers > 1 and cold else {}
         for fi, path in enumerate(self.paths):
-            ident = idents.get(path)
-            scan = self._kept(path, ident, apart.get(path)) if ident else None
+            scan = self._kept(path, idents[path], kept[path], apart.get(path)) if idents else None
             if scan is None:
                 scan = index.scan_shard(path, self.max_len, self.min_loss_tokens, self.vocab_size, self.errors)
                 # kept only where the shard did not change while it was read
-                if ident and self._identity(path) == ident:
-                    index.save(self.index_dir, ident, scan)
+                if idents and self._identity(path) == idents[path]:
+                    index.save(self.index_dir, idents[path], scan)
             else:  # its bad lines count against the budget at every start, as a scan's do
                 for line_no, why in scan.bad:
                     self.errors.bad(f"{path}:{line_no}", why)
@@ -73,28 +74,25 @@ class ShardDataset:
     def _identity(self, path: str) -> dict:
         return index.identity(path, self.max_len, self.min_loss_tokens, self.vocab_size)
 
-    def _kept(self, path: str, ident: dict, scanned_apart: Optional[str]) -> Optional[index.ShardScan]:
-        """The shard's kept scan, or None; ``scanned_apart``: why it had none before a
-        scan worker of this start kept one (a shard scanned, not one read back)."""
-        scan, why = index.load(self.index_dir, ident)
+    def _kept(self, path: str, ident: dict, loaded: tuple[Optional[index.ShardScan], str],
+              scanned_apart: Optional[str]) -> Optional[index.ShardScan]:
+        """The shard's kept scan as ``loaded`` at the start, or as a scan worker of this
+        start kept it (``scanned_apart``: why there was none before: a shard scanned, not
+        read back); None where there is none."""
+        scan, why = index.load(self.index_dir, ident) if scanned_apart else loaded
         if scan is None or scanned_apart:
             self.rescanned.append(f"{os.path.basename(path)}: {scanned_apart or why}")
         else:
             self.kept += 1
         return scan
 
-    def _scan_apart(self, idents: dict[str, dict]) -> dict[str, str]:
-        """The shards with no kept scan, scanned in worker processes where it pays
-        (trainer/data/scan_workers.py); path -> why each had none."""
+    def _scan_apart(self, cold: dict[str, str]) -> dict[str, str]:
+        """The shards with no kept scan (path -> why), scanned in worker processes where
+        it pays (trainer/data/scan_workers.py); returns those it scanned so."""
         from trainer.data import scan_workers
 
-        cold = {}
-        for path, ident in idents.items():
-            scan, why = index.load(self.index_dir, ident)
-            if scan is None:
-                cold[path] = why
         return scan_workers.scan_apart(cold, self.index_dir, self.max_len, self.min_loss_tokens, self.vocab_size,
-                                       self.errors.budget, self.workers, self.progress or (lambda p: None), self.log)
+                                       self.errors.budget, self.workers, self.progress, self.log)
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -88,5 +88,6 @@ def build_source(cfg, vocab_size: int, mask_token_id: Optional[int], log=None, i
     else:
         budget = ErrorBudget(d.error_budget, log)
         dataset = ShardDataset(shard_paths(shards), max_len, min_loss, vocab_size, budget, index_dir=index_dir,
-                               workers=workers, progress=progress, log=log or (lambda line: None))
+                               workers=workers, progress=progress or (lambda p: None),
+                               log=log or (lambda line: None))
     return DataSource(dataset, d.buckets, d.batch_size, d.seed, d.holdout)
